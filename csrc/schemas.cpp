@@ -1,0 +1,17 @@
+// attnx: the op surface. Every schema is defined here and nowhere else; backends only add
+// TORCH_LIBRARY_IMPL(attnx, <Key>) blocks at the bottom of their own files.
+#include <Python.h>
+#include <torch/library.h>
+
+// `import attnx._C` only has to load this library so that the static registrars below run; the module itself
+// is empty, which keeps it free of pybind11 and within Python's limited API.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(attnx, m) {
+  // F.linear for every input layout: leading dims that form one dense block (in any order) fold into a single
+  // GEMM without a copy; the output keeps the memory order of input's leading dims.
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+}

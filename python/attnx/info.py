@@ -1,0 +1,44 @@
+"""``python -m attnx.info``: what this build of attnx contains and which kernels each op has."""
+
+import platform
+
+import torch
+
+import attnx
+
+# Dispatch keys a kernel of an attnx op can be registered for, in the order they are reported.
+DISPATCH_KEYS = ("CPU", "CUDA", "MPS", "Meta", "Autograd")
+
+
+def ops() -> list[str]:
+    """Every op registered under the attnx namespace, e.g. ``attnx::linear``."""
+    return sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith("attnx::"))
+
+
+def kernels(op: str) -> list[str]:
+    """The dispatch keys that have a kernel for ``op``."""
+    return [key for key in DISPATCH_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
+
+
+def report() -> str:
+    try:
+        from attnx import _build_info
+
+        backends, built_against = ", ".join(_build_info.BACKENDS), _build_info.TORCH_VERSION
+        archs = _build_info.CUDA_ARCH_LIST
+    except ImportError:  # built by something other than setup.py
+        backends, built_against, archs = "unknown", "unknown", None
+    lines = [
+        f"attnx {attnx.__version__}",
+        f"python {platform.python_version()}, torch {torch.__version__} (attnx built against {built_against})",
+        f"backends compiled: {backends}" + (f" (CUDA archs {archs})" if archs else ""),
+        f"devices: cuda available={torch.cuda.is_available()}, mps available={torch.backends.mps.is_available()}",
+        "ops (dispatch keys with a kernel):",
+    ]
+    width = max((len(op) for op in ops()), default=0)
+    lines += [f"  {op:<{width}}  {' '.join(kernels(op))}" for op in ops()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())

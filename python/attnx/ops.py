@@ -1,0 +1,151 @@
+"""Typed wrappers, fake kernels and autograd for the ops under ``torch.ops.attnx``.
+
+This is the only module that touches ``torch.ops.attnx``. Fakes let torch.compile and export trace the ops
+without running them; autograd is registered on the C++ ops themselves, so compiled graphs see one op.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["linear"]
+
+
+def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear`` that takes every input layout without a detour.
+
+    input ``(*, K)``, weight ``(N, K)``, bias ``(N,)`` or None; returns ``(*, N)``, equal to
+    ``F.linear(input, weight, bias)``. Leading dims that form one dense block of rows, in any memory order
+    (a B=1 transpose, ``(L, B, E)`` views of batch-first data, slices with a storage offset, size-1 dims with any
+    stride), run as one GEMM without a copy, and the output keeps the memory order of input's leading dims
+    (contiguous whenever input's rows are in logical order). Rows repeated by stride-0 dims are computed once.
+    Any other layout is copied exactly once. Differentiable in input, weight and bias.
+    """
+    return torch.ops.attnx.linear.default(input, weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# linear: layout rule (mirrors csrc/common/linear.cpp), fake kernel, autograd
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
+    strides, extent = [0] * len(sizes), 1
+    for d in reversed(range(len(sizes))):
+        strides[d] = extent
+        extent *= max(sizes[d], 1)
+    return strides
+
+
+def _linear_out_strides(sizes: Sequence[int], strides: Sequence[int], out_sizes: Sequence[int]) -> list[int]:
+    """Strides of linear's output; the same rule as ``fold_rows``/``output_strides`` in csrc/common/linear.cpp."""
+    leading = len(sizes) - 1
+    if math.prod(sizes[:leading]) == 0 or out_sizes[-1] == 0:
+        return _contiguous_strides(out_sizes)
+    if any(sizes[d] > 1 and strides[d] == 0 for d in range(leading)):
+        return _contiguous_strides(out_sizes)  # repeated rows are broadcast into a fresh contiguous output
+    dims = sorted((d for d in range(leading) if sizes[d] != 1), key=lambda d: -strides[d])
+    if dims == sorted(dims):
+        return _contiguous_strides(out_sizes)
+    expected = strides[dims[-1]]
+    for d in reversed(dims):
+        if strides[d] != expected:
+            return _contiguous_strides(out_sizes)  # not one block of rows: copied to contiguous first
+        expected *= sizes[d]
+    out_strides, extent = [0] * len(out_sizes), out_sizes[-1]
+    out_strides[-1] = 1
+    for d in reversed(dims):
+        out_strides[d] = extent
+        extent *= out_sizes[d]
+    for d in range(leading):
+        if out_sizes[d] == 1:
+            out_strides[d] = extent
+    return out_strides
+
+
+def _check_linear_args(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    """The checks of ``check_linear_args`` in csrc/common/linear.cpp, for fake tensors."""
+    torch._check(
+        input.dim() >= 1 and weight.dim() >= 1,
+        lambda: "both arguments to linear need to be at least 1D, "
+        f"but they are {input.dim()}D and {weight.dim()}D",
+    )
+    torch._check(
+        weight.dim() == 2,
+        lambda: "attnx::linear: expected weight of shape (out_features, in_features), "
+        f"got a {weight.dim()}-D tensor of shape {list(weight.shape)}",
+    )
+    for t in (weight, bias):
+        if t is not None:
+            torch._check(
+                t.device == input.device,
+                lambda t=t: "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{input.device} and {t.device}!",
+            )
+    torch._check(
+        input.dtype == weight.dtype,
+        lambda: "expected m1 and m2 to have the same dtype, but got: "
+        f"{str(input.dtype).removeprefix('torch.')} != {str(weight.dtype).removeprefix('torch.')}",
+    )
+    m, k, n = math.prod(input.shape[:-1]), input.shape[-1], weight.shape[0]
+    torch._check(
+        weight.shape[1] == k,
+        lambda: f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {weight.shape[1]}x{n})",
+    )
+    if bias is not None:
+        torch._check(
+            bias.dtype == weight.dtype,
+            lambda: f"self and mat2 must have the same dtype, but got {_scalar_name(bias.dtype)} "
+            f"and {_scalar_name(weight.dtype)}",
+        )
+        torch._check(
+            bias.dim() == 1,
+            lambda: f"attnx::linear: expected bias of shape (out_features,) = ({n},), got {list(bias.shape)}",
+        )
+        torch._check(
+            bias.shape[0] == n or bias.shape[0] == 1,
+            lambda: f"The expanded size of the tensor ({n}) must match the existing size ({bias.shape[0]}) at "
+            f"non-singleton dimension 1.  Target sizes: [{m}, {n}].  Tensor sizes: [{bias.shape[0]}]",
+        )
+
+
+def _scalar_name(dtype: torch.dtype) -> str:
+    """c10's ScalarType name (``Float``, ``BFloat16``), as torch's C++ messages print it."""
+    return {
+        torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+        torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+        torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    }.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@torch.library.register_fake("attnx::linear")
+def _linear_fake(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    _check_linear_args(input, weight, bias)
+    out_sizes = [*input.shape[:-1], weight.shape[0]]
+    return input.new_empty_strided(out_sizes, _linear_out_strides(input.shape, input.stride(), out_sizes))
+
+
+def _linear_setup_context(ctx, inputs, output) -> None:
+    input, weight, bias = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.bias_shape = None if bias is None else bias.shape
+
+
+def _linear_backward(ctx, grad: Tensor):
+    input, weight = ctx.saved_tensors
+    n, k = weight.shape
+    grad_input = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_input = linear(grad, weight.t())  # (*, N) @ (N, K), as stride-robust as the forward
+    if ctx.needs_input_grad[1]:
+        grad_weight = grad.reshape(-1, n).t() @ input.reshape(-1, k)
+    if ctx.needs_input_grad[2]:
+        grad_bias = grad.reshape(-1, n).sum(0)
+        if ctx.bias_shape[0] != n:  # a size-1 bias broadcast over the features
+            grad_bias = grad_bias.sum().reshape(ctx.bias_shape)
+    return grad_input, grad_weight, grad_bias
+
+
+torch.library.register_autograd("attnx::linear", _linear_backward, setup_context=_linear_setup_context)
