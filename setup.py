@@ -105,7 +105,7 @@ def _extension(backends):
     def sources(*patterns):
         return sorted(p for pattern in patterns for p in glob.glob(os.path.join(CSRC, pattern)))
 
-    srcs = sources("*.cpp", "common/*.cpp", "cpu/*.cpp")
+    srcs = sources("*.cpp", "common/*.cpp", "autograd/*.cpp", "cpu/*.cpp")
     debug = os.environ.get("ATTNX_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     defines = ["-DPy_LIMITED_API=0x03090000"]

@@ -1,7 +1,9 @@
 """Typed wrappers, fake kernels and autograd for the ops under ``torch.ops.attnx``.
 
 This is the only module that touches ``torch.ops.attnx``. Fakes let torch.compile and export trace the ops
-without running them; autograd is registered on the C++ ops themselves, so compiled graphs see one op.
+without running them. Autograd is registered on the ops themselves, so compiled graphs see one op: here with
+``torch.library.register_autograd``, or in C++ (csrc/autograd/) for ops cheap enough that a Python autograd
+kernel would cost as much as the op (linear).
 """
 
 import math
@@ -28,7 +30,7 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# linear: layout rule (mirrors csrc/common/linear.cpp), fake kernel, autograd
+# linear: layout rule (mirrors csrc/common/linear.cpp) and fake kernel; autograd is csrc/autograd/linear_autograd.cpp
 
 
 def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
@@ -87,7 +89,7 @@ def _check_linear_args(input: Tensor, weight: Tensor, bias: Optional[Tensor]) ->
     torch._check(
         input.dtype == weight.dtype,
         lambda: "expected m1 and m2 to have the same dtype, but got: "
-        f"{str(input.dtype).removeprefix('torch.')} != {str(weight.dtype).removeprefix('torch.')}",
+        f"{_type_meta_name(input.dtype)} != {_type_meta_name(weight.dtype)}",
     )
     m, k, n = math.prod(input.shape[:-1]), input.shape[-1], weight.shape[0]
     torch._check(
@@ -111,6 +113,16 @@ def _check_linear_args(input: Tensor, weight: Tensor, bias: Optional[Tensor]) ->
         )
 
 
+def _type_meta_name(dtype: torch.dtype) -> str:
+    """c10's TypeMeta name (``float``, ``c10::Half``), as torch's C++ messages print a dtype."""
+    return {
+        torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
+        torch.int64: "long int", torch.int32: "int", torch.int16: "short int", torch.int8: "signed char",
+        torch.uint8: "unsigned char", torch.bool: "bool", torch.complex64: "c10::complex<float>",
+        torch.complex128: "c10::complex<double>",
+    }.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def _scalar_name(dtype: torch.dtype) -> str:
     """c10's ScalarType name (``Float``, ``BFloat16``), as torch's C++ messages print it."""
     return {
@@ -125,27 +137,3 @@ def _linear_fake(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -
     _check_linear_args(input, weight, bias)
     out_sizes = [*input.shape[:-1], weight.shape[0]]
     return input.new_empty_strided(out_sizes, _linear_out_strides(input.shape, input.stride(), out_sizes))
-
-
-def _linear_setup_context(ctx, inputs, output) -> None:
-    input, weight, bias = inputs
-    ctx.save_for_backward(input, weight)
-    ctx.bias_shape = None if bias is None else bias.shape
-
-
-def _linear_backward(ctx, grad: Tensor):
-    input, weight = ctx.saved_tensors
-    n, k = weight.shape
-    grad_input = grad_weight = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_input = linear(grad, weight.t())  # (*, N) @ (N, K), as stride-robust as the forward
-    if ctx.needs_input_grad[1]:
-        grad_weight = grad.reshape(-1, n).t() @ input.reshape(-1, k)
-    if ctx.needs_input_grad[2]:
-        grad_bias = grad.reshape(-1, n).sum(0)
-        if ctx.bias_shape[0] != n:  # a size-1 bias broadcast over the features
-            grad_bias = grad_bias.sum().reshape(ctx.bias_shape)
-    return grad_input, grad_weight, grad_bias
-
-
-torch.library.register_autograd("attnx::linear", _linear_backward, setup_context=_linear_setup_context)

@@ -1,0 +1,34 @@
+"""Shared test set-up: devices as parameters (absent backends show as skipped, with the reason), dtypes, seeding."""
+
+import pytest
+import torch
+
+import attnx  # noqa: F401  (registers torch.ops.attnx)
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")],
+    ),
+    pytest.param(
+        "mps",
+        id="mps",
+        marks=[pytest.mark.mps, pytest.mark.skipif(not torch.backends.mps.is_available(), reason="no MPS device")],
+    ),
+]
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def require_kernel(op: str, device: str) -> None:
+    """Skip (visibly) when ``op`` has no kernel for ``device``'s dispatch key in this build."""
+    key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}[device]
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op, key):
+        pytest.skip(f"{op} has no {key} kernel in this build")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
