@@ -34,7 +34,7 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	@echo "building attnx (log: $(VENV)/build.log)"
 	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . > $(VENV)/build.log 2>&1 \
 		|| (tail -n 60 $(VENV)/build.log; exit 1)
-	@grep -E "^ *attnx: building" $(VENV)/build.log | sed 's/^ *//'
+	@grep -m1 -E "^ *attnx: building" $(VENV)/build.log | sed "s/^ *//"
 	touch $@
 
 clean:
