@@ -3,7 +3,7 @@
 #
 #   make test                       build, then run the test suite
 #   make bench                      build, then run every benchmark (BENCH_ARGS=--quick for a short run)
-#   make test TORCH=torch==2.13.0   the same against a CPU-only torch (in a fresh VENV, or after make clean)
+#   make test-cpu-torch             the test suite against the CPU-only torch 2.13.0 (in build/cpu-torch)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,10 +14,17 @@ BENCH_ARGS ?=
 
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: test bench build clean
+.PHONY: test test-cpu-torch bench build clean
 
 test: build
 	$(PY) -m pytest
+
+# The same suite against the CPU-only torch 2.13.0, built in a copy of the tree so the two builds share no file.
+test-cpu-torch:
+	rm -rf build/cpu-torch && mkdir -p build/cpu-torch
+	cp -r csrc python tests benchmarks setup.py pyproject.toml README.md Makefile build/cpu-torch/
+	rm -f build/cpu-torch/python/attnx/_C*.so build/cpu-torch/python/attnx/_build_info.py
+	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0
 
 bench: build
 	$(PY) -m benchmarks $(BENCH_ARGS)
