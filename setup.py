@@ -108,8 +108,8 @@ def _extension(backends):
     srcs = sources("*.cpp", "common/*.cpp", "autograd/*.cpp", "cpu/*.cpp")
     debug = os.environ.get("ATTNX_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    defines = ["-DPy_LIMITED_API=0x03090000"]
-    cxx = opt + defines + ["-fvisibility=hidden"]
+    # py_limited_api=True makes torch define Py_LIMITED_API (3.10): _C is an empty module, see csrc/schemas.cpp.
+    cxx = opt + ["-fvisibility=hidden"]
     kwargs = dict(
         include_dirs=[os.path.join(ROOT, CSRC), os.path.join(ROOT, CSRC, "include")],
         py_limited_api=True,
@@ -136,5 +136,5 @@ from torch.utils.cpp_extension import BuildExtension  # noqa: E402  (after CUDA_
 setup(
     ext_modules=[_extension(backends)],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )
