@@ -1,14 +1,18 @@
 """attnx: fast, memory-lean multi-head attention for PyTorch.
 
 Ops live under ``torch.ops.attnx``; ``attnx.ops`` has their typed Python wrappers. Importing attnx loads the
-compiled library, which registers every op and its kernels.
+compiled library, which registers every op and its kernels. ``attnx.functional.multi_head_attention_forward``
+and ``attnx.nn.MultiheadAttention`` are drop-ins for torch's; ``attnx.convert(model)`` and
+``attnx.revert(model)`` swap them into / out of an existing model in place. (``attnx.convert`` is the
+function; its module is ``sys.modules["attnx.convert"]``.)
 """
 
 import torch  # noqa: F401  (loads libtorch, which attnx._C links against)
 
 from attnx import _C  # noqa: F401  (loads the library: registers torch.ops.attnx.*)
-from attnx import reference
+from attnx import functional, nn, reference  # after _C: importing them registers fakes for its ops
+from attnx.convert import convert, revert
 from attnx.ops import linear
 
 __version__ = "0.1.0"
-__all__ = ["linear", "reference"]
+__all__ = ["convert", "functional", "linear", "nn", "reference", "revert"]

@@ -13,7 +13,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["linear"]
+from attnx import reference
+
+__all__ = ["linear", "mha"]
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -27,6 +29,52 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     Any other layout is copied exactly once. Differentiable in input, weight and bias.
     """
     return torch.ops.attnx.linear.default(input, weight, bias)
+
+
+def mha(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    num_heads: int,
+    in_proj_weight: Optional[Tensor],
+    in_proj_bias: Optional[Tensor],
+    q_proj_weight: Optional[Tensor],
+    k_proj_weight: Optional[Tensor],
+    v_proj_weight: Optional[Tensor],
+    bias_k: Optional[Tensor],
+    bias_v: Optional[Tensor],
+    add_zero_attn: bool,
+    out_proj_weight: Tensor,
+    out_proj_bias: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    static_k: Optional[Tensor],
+    static_v: Optional[Tensor],
+    need_weights: bool,
+    average_attn_weights: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole ``nn.MultiheadAttention`` forward in one dispatch; returns ``(out, lse, weights)``.
+
+    Batched and sequence-first, any strides (a batch-first caller passes ``x.transpose(0, 1)`` views): query
+    ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``. Exactly one of in_proj_weight ``(3E, E)`` or
+    q/k/v_proj_weight ``(E, E)``, ``(E, kdim)``, ``(E, vdim)``; in_proj_bias ``(3E,)`` applies in both cases.
+    bias_k, bias_v ``(1, 1, E)``; static_k, static_v ``(B*H, S, E/H)``; add_zero_attn appends a zero key.
+    key_padding_mask ``(B, S)`` and attn_mask ``(L, S)`` or ``(B*H, L, S)``, each bool (``True`` = masked out)
+    or float (added), read in place, never merged; appended keys extend them by one unmasked column.
+    ``is_causal`` applies a causal mask. No dropout.
+
+    Returns out ``(L, B, E)``; lse ``(B, H, L)`` in float32 (float64 for float64 inputs), ``+inf`` for a
+    fully masked row, whose out is 0; weights ``(B, L, S')`` if average_attn_weights else ``(B, H, L, S')``
+    when need_weights (NaN for a fully masked row), else an empty ``(0,)`` tensor. The semantics are
+    :func:`attnx.reference.mha`.
+    """
+    # Temporary: the fused C++ op torch.ops.attnx.mha replaces this body once it is registered.
+    return reference.mha(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
+        v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask,
+        attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -68,3 +68,151 @@ def _as_4d_attn_mask(mask: Optional[Tensor], B: int, H: int) -> Optional[Tensor]
 
 def _as_4d_padding_mask(mask: Optional[Tensor]) -> Optional[Tensor]:
     return None if mask is None else mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+
+
+def mha(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    num_heads: int,
+    in_proj_weight: Optional[Tensor],
+    in_proj_bias: Optional[Tensor],
+    q_proj_weight: Optional[Tensor],
+    k_proj_weight: Optional[Tensor],
+    v_proj_weight: Optional[Tensor],
+    bias_k: Optional[Tensor],
+    bias_v: Optional[Tensor],
+    add_zero_attn: bool,
+    out_proj_weight: Tensor,
+    out_proj_bias: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    static_k: Optional[Tensor],
+    static_v: Optional[Tensor],
+    need_weights: bool,
+    average_attn_weights: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole ``nn.MultiheadAttention`` forward (without dropout); returns ``(out, lse, weights)``.
+
+    Sequence-first and batched: query ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``, any
+    strides. Projections: either in_proj_weight ``(3E, E)`` (q, k, v rows in that order) or q_proj_weight
+    ``(E, E)``, k_proj_weight ``(E, kdim)``, v_proj_weight ``(E, vdim)``; in_proj_bias ``(3E,)`` applies in
+    both cases.
+    bias_k, bias_v ``(1, 1, E)`` append one projected key/value per batch; static_k, static_v
+    ``(B*H, S, E/H)`` replace the projected keys/values (and cannot be combined with bias_k/bias_v);
+    add_zero_attn appends one zero key/value per head after both. Each appended key extends the masks by one
+    column that masks nothing.
+
+    key_padding_mask ``(B, S)`` and attn_mask ``(L, S)`` or ``(B*H, L, S)``: bool ``True`` = masked out, float
+    = added to the scores; the two combine. ``is_causal`` applies a causal mask on top (key ``s > l`` masked,
+    top-left aligned over all ``S'`` keys, appended ones included, as SDPA). Scores are scaled by
+    ``1 / sqrt(E/H)``.
+
+    Returns out ``(L, B, E)`` in query's dtype; ``lse`` ``(B, H, L)`` as :func:`attention` gives it (a fully
+    masked row has ``lse = +inf`` and contributes 0 to out); and when ``need_weights`` the attention
+    probabilities ``exp(score - lse)`` in query's dtype, ``(B, L, S')`` averaged over heads if
+    ``average_attn_weights`` else ``(B, H, L, S')`` (``S'`` counts the appended keys; a fully masked row's
+    weights are NaN, as torch's softmax gives), else an empty ``(0,)`` tensor.
+    """
+    q, k, v, attn_mask, key_padding_mask = _mha_project(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
+        v_proj_weight, bias_k, bias_v, add_zero_attn, key_padding_mask, attn_mask, static_k, static_v,
+    )
+    out, lse = attention(q, k, v, attn_mask, key_padding_mask, is_causal)
+    if need_weights:
+        scores = _mha_scores(q, k, attn_mask, key_padding_mask, is_causal)
+        weights = torch.exp(scores - lse.unsqueeze(-1))
+        # lse = +inf marks a fully masked row; torch's softmax gives NaN there, and so do we.
+        weights = weights.masked_fill(torch.isposinf(lse).unsqueeze(-1), float("nan")).to(query.dtype)
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+    else:
+        weights = query.new_empty(0)
+    return _mha_out_projection(out, out_proj_weight, out_proj_bias), lse, weights
+
+
+def _mha_project(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    num_heads: int,
+    in_proj_weight: Optional[Tensor],
+    in_proj_bias: Optional[Tensor],
+    q_proj_weight: Optional[Tensor],
+    k_proj_weight: Optional[Tensor],
+    v_proj_weight: Optional[Tensor],
+    bias_k: Optional[Tensor],
+    bias_v: Optional[Tensor],
+    add_zero_attn: bool,
+    key_padding_mask: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    static_k: Optional[Tensor],
+    static_v: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """:func:`mha` up to the attention core: q ``(B, H, L, D)``, k ``(B, H, S', D)``, v ``(B, H, S', D)``
+    and the masks extended by one unmasked key column per appended key (attn_mask ``(L, S')`` or
+    ``(B*H, L, S')``, key_padding_mask ``(B, S')``)."""
+    L, B, E = query.shape
+    H = num_heads
+    D = E // H
+    if in_proj_weight is not None:
+        w_q, w_k, w_v = in_proj_weight.chunk(3)
+    else:
+        w_q, w_k, w_v = q_proj_weight, k_proj_weight, v_proj_weight
+    b_q, b_k, b_v = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
+    if (bias_k is not None or bias_v is not None) and (static_k is not None or static_v is not None):
+        raise ValueError("attnx: bias_k/bias_v cannot be combined with static_k/static_v")
+
+    def heads(x: Tensor) -> Tensor:  # (S, B, E) -> (B, H, S, D); head h of batch b is row b*H + h, as torch's
+        return x.reshape(x.shape[0], B, H, D).permute(1, 2, 0, 3)
+
+    q = heads(linear(query, w_q, b_q))
+    if static_k is None:
+        k = linear(key, w_k, b_k)
+        if bias_k is not None:
+            k = torch.cat([k, bias_k.expand(1, B, E)])
+        k = heads(k)
+    else:
+        k = static_k.reshape(B, H, *static_k.shape[1:])
+    if static_v is None:
+        v = linear(value, w_v, b_v)
+        if bias_v is not None:
+            v = torch.cat([v, bias_v.expand(1, B, E)])
+        v = heads(v)
+    else:
+        v = static_v.reshape(B, H, *static_v.shape[1:])
+    if add_zero_attn:
+        k = torch.cat([k, k.new_zeros(B, H, 1, k.shape[-1])], dim=2)
+        v = torch.cat([v, v.new_zeros(B, H, 1, v.shape[-1])], dim=2)
+    appended = int(bias_k is not None) + int(add_zero_attn)
+    if appended:
+        # False / 0.0: the appended keys are visible to every query that sees any key.
+        attn_mask = None if attn_mask is None else torch.nn.functional.pad(attn_mask, (0, appended))
+        if key_padding_mask is not None:
+            key_padding_mask = torch.nn.functional.pad(key_padding_mask, (0, appended))
+    return q, k, v, attn_mask, key_padding_mask
+
+
+def _mha_scores(
+    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], is_causal: bool
+) -> Tensor:
+    """The scaled, masked scores ``(B, H, L, S)`` that :func:`attention` takes the softmax of, in its
+    accumulation dtype (float64 for float64 inputs, else float32); masked entries are ``-inf``."""
+    B, H, L, D = q.shape
+    S = k.shape[-2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * D**-0.5
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+    for mask in (_as_4d_attn_mask(attn_mask, B, H), _as_4d_padding_mask(key_padding_mask)):
+        if mask is not None:
+            scores = scores + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
+    return scores
+
+
+def _mha_out_projection(out: Tensor, out_proj_weight: Tensor, out_proj_bias: Optional[Tensor]) -> Tensor:
+    """Heads ``(B, H, L, D)`` -> concatenated ``(L, B, H*D)`` -> out projection ``(L, B, E)``."""
+    B, H, L, D = out.shape
+    return linear(out.permute(2, 0, 1, 3).reshape(L, B, H * D), out_proj_weight, out_proj_bias)

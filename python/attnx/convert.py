@@ -1,0 +1,70 @@
+"""``convert(model)`` / ``revert(model)``: run a model's ``nn.MultiheadAttention`` on attnx, and back.
+
+Conversion retypes modules in place (``module.__class__ = ...``, as ``torch.nn.utils.parametrize`` does):
+attnx's classes subclass torch's and add no state, so a converted module is the same object with the same
+Parameters, buffers, hooks and ``state_dict``, and ``revert`` is the reverse retyping. Only modules whose type
+is exactly torch's class are converted: a subclass may override ``forward``, and retyping would drop it.
+
+Swapping ``self_attn`` alone is not enough, because torch has two eval fast paths that never call it:
+- ``nn.TransformerEncoderLayer.forward`` may call ``torch._transformer_encoder_layer_fwd`` with
+  ``self_attn``'s weights. Converted layers become :class:`attnx.nn.TransformerEncoderLayer`, whose
+  ``forward`` is torch's slow path, so ``self_attn`` always runs. (Flipping one of the attributes torch's
+  fast-path test reads, such as ``activation_relu_or_gelu``, would also work, but would lie about the layer
+  and silently stop working when torch changes the test.)
+- ``nn.TransformerEncoder.forward`` may turn padded input into a nested tensor that the layers then get,
+  and which attnx's attention does not take. ``use_nested_tensor`` is torch's switch for exactly this path;
+  ``convert`` sets it to False on encoders with converted layers and ``revert`` restores its value.
+"""
+
+import torch
+
+from attnx import nn as attnx_nn
+
+__all__ = ["convert", "revert"]
+
+# torch class -> attnx class, retyped in both directions.
+_CONVERSIONS = {
+    torch.nn.MultiheadAttention: attnx_nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer: attnx_nn.TransformerEncoderLayer,
+}
+_REVERSIONS = {attnx_cls: torch_cls for torch_cls, attnx_cls in _CONVERSIONS.items()}
+
+# Where convert() keeps an encoder's own use_nested_tensor, for revert().
+_SAVED_NESTED = "_attnx_saved_use_nested_tensor"
+
+
+def convert(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every ``nn.MultiheadAttention`` in ``model`` (``model`` itself included) run attnx's ops.
+
+    In place: each ``torch.nn.MultiheadAttention`` becomes :class:`attnx.nn.MultiheadAttention` and each
+    ``torch.nn.TransformerEncoderLayer`` :class:`attnx.nn.TransformerEncoderLayer` (same objects, same
+    Parameters), and ``nn.TransformerEncoder`` stops converting input to nested tensors. Outputs are those of
+    torch's slow path, in train and eval. Idempotent. Returns ``model``.
+    """
+    for module in model.modules():
+        target = _CONVERSIONS.get(type(module))
+        if target is not None:
+            module.__class__ = target
+    for module in model.modules():
+        if isinstance(module, torch.nn.TransformerEncoder) and not hasattr(module, _SAVED_NESTED):
+            if any(isinstance(layer, attnx_nn.TransformerEncoderLayer) for layer in module.layers):
+                setattr(module, _SAVED_NESTED, getattr(module, "use_nested_tensor", None))
+                module.use_nested_tensor = False
+    return model
+
+
+def revert(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`convert`: torch's classes again, same objects and Parameters, torch's behaviour (fast paths
+    and nested tensors included). In place; returns ``model``."""
+    for module in model.modules():
+        target = _REVERSIONS.get(type(module))
+        if target is not None:
+            module.__class__ = target
+        if isinstance(module, torch.nn.TransformerEncoder) and hasattr(module, _SAVED_NESTED):
+            saved = getattr(module, _SAVED_NESTED)
+            delattr(module, _SAVED_NESTED)
+            if saved is None:
+                del module.use_nested_tensor  # an old pickle without the attribute: leave it absent again
+            else:
+                module.use_nested_tensor = saved
+    return model

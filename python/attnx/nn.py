@@ -1,0 +1,167 @@
+"""Drop-in modules: ``MultiheadAttention``, and the encoder layer that :func:`attnx.convert` gives models.
+
+``attnx.nn.MultiheadAttention`` subclasses ``torch.nn.MultiheadAttention`` and overrides only ``forward``.
+Inheriting ``__init__`` gives, by construction, torch's constructor arguments, parameter names and
+registration order (in_proj_weight or q/k/v_proj_weight, in_proj_bias, out_proj as
+``NonDynamicallyQuantizableLinear``, bias_k, bias_v), initialisation and ``state_dict`` keys, for whichever
+torch is installed; ``isinstance(m, torch.nn.MultiheadAttention)`` stays true, so torch's Transformer
+layers, weight-init loops and wrapping policies that test for it keep working; and :func:`attnx.convert`
+can retype a torch module in place (same object, same Parameters) instead of rebuilding it.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnx import functional as attnx_functional
+
+__all__ = ["MultiheadAttention", "TransformerEncoderLayer"]
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` whose forward is one :func:`attnx.ops.mha` call.
+
+    Same constructor (``embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+    kdim=None, vdim=None, batch_first=False, device=None, dtype=None``), parameters and state_dict as torch's,
+    so state dicts load strictly both ways. ``forward`` gives what torch's slow path gives, in train and in
+    eval; there is no separate fast path (torch's eval fast path merges both masks into a ``(B, H, L, S)``
+    tensor, which is what attnx exists to avoid). Masks are validated as torch's module validates them but
+    never converted or merged: bool stays bool and each mask is read in place by the op.
+    """
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Attention of query over key/value; returns ``(attn_output, attn_output_weights)``.
+
+        query ``(L, E)``, ``(L, B, E)`` or with ``batch_first`` ``(B, L, E)``; key ``(S, kdim)``,
+        ``(S, B, kdim)`` or ``(B, S, kdim)``; value likewise with vdim. key_padding_mask ``(B, S)`` or
+        ``(S,)``; attn_mask ``(L, S)`` or ``(B*num_heads, L, S)``; bool ``True`` = masked out, float = added.
+        ``is_causal`` is torch's hint that attn_mask is causal (it requires attn_mask).
+
+        attn_output has query's layout (``(B, L, E)`` with ``batch_first``, as a view); attn_output_weights,
+        when ``need_weights``, is ``(B, L, S)`` averaged over heads or ``(B, num_heads, L, S)``
+        (``(L, S)`` / ``(num_heads, L, S)`` unbatched), else ``None``.
+        """
+        # Torch's module checks both masks (and warns on mismatched dtypes) before anything else.
+        attnx_functional._check_mask(
+            key_padding_mask,
+            "key_padding_mask",
+            attnx_functional._none_or_dtype(attn_mask),
+            "attn_mask",
+            stacklevel=2,
+        )
+        attnx_functional._check_mask(attn_mask, "attn_mask", None, "", check_other=False)
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise AssertionError(
+                "MultiheadAttention does not support NestedTensor outside of its fast path. "
+                "The fast path was not hit because attnx.nn.MultiheadAttention has no fast path"
+            )
+
+        is_batched = query.dim() == 3
+        if self.batch_first and is_batched:
+            # (B, L, E) -> (L, B, E) as views: the op reads them through their strides, no copy. Keeping
+            # `query is key is value` intact lets the op see self-attention (one packed projection), as
+            # torch's does.
+            if key is value:
+                if query is key:
+                    query = key = value = query.transpose(1, 0)
+                else:
+                    query, key = (x.transpose(1, 0) for x in (query, key))
+                    value = key
+            else:
+                query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+
+        attn_output, attn_output_weights = attnx_functional._forward(
+            query,
+            key,
+            value,
+            self.embed_dim,
+            self.num_heads,
+            self.in_proj_weight,
+            self.in_proj_bias,
+            self.bias_k,
+            self.bias_v,
+            self.add_zero_attn,
+            self.dropout,
+            self.out_proj.weight,
+            self.out_proj.bias,
+            training=self.training,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            use_separate_proj_weight=not self._qkv_same_embed_dim,
+            q_proj_weight=self.q_proj_weight,
+            k_proj_weight=self.k_proj_weight,
+            v_proj_weight=self.v_proj_weight,
+            static_k=None,
+            static_v=None,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+            check_mask_dtypes=False,
+        )
+        if self.batch_first and is_batched:
+            attn_output = attn_output.transpose(1, 0)
+        return attn_output, attn_output_weights
+
+
+class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
+    """``torch.nn.TransformerEncoderLayer`` with attnx self-attention and without torch's fused fast path.
+
+    In eval, torch's ``forward`` may skip ``self_attn`` altogether and call
+    ``torch._transformer_encoder_layer_fwd`` with its weights (merging the masks into a ``(B, H, L, S)``
+    tensor). This subclass's ``forward`` is torch's slow path: the same masks checks, the same blocks
+    (``_sa_block``, ``_ff_block``, norms, ``norm_first``), so ``self_attn`` always runs. Being a subclass
+    keeps ``isinstance`` checks (``nn.TransformerEncoder``'s) true. :func:`attnx.convert` retypes torch's
+    layers to this class in place; constructed directly, it builds torch's layer and retypes its
+    ``self_attn``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.self_attn.__class__ = MultiheadAttention
+
+    def forward(
+        self,
+        src: Tensor,
+        src_mask: Optional[Tensor] = None,
+        src_key_padding_mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """src ``(S, E)``, ``(S, B, E)`` or ``(B, S, E)`` with ``batch_first``; src_mask ``(S, S)`` or
+        ``(B*nhead, S, S)``; src_key_padding_mask ``(B, S)``. Returns src's shape."""
+        # torch's layer canonicalises the masks exactly so (same checks, warnings, bool -> float of src's
+        # dtype); they stay (S, S) / (B, S): small, and never merged.
+        src_key_padding_mask = F._canonical_mask(
+            mask=src_key_padding_mask,
+            mask_name="src_key_padding_mask",
+            other_type=F._none_or_dtype(src_mask),
+            other_name="src_mask",
+            target_type=src.dtype,
+        )
+        src_mask = F._canonical_mask(
+            mask=src_mask,
+            mask_name="src_mask",
+            other_type=None,
+            other_name="",
+            target_type=src.dtype,
+            check_other=False,
+        )
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+            x = self.norm2(x + self._ff_block(x))
+        return x
