@@ -8,7 +8,7 @@ import torch  # noqa: F401  (loads libtorch, which attnx._C links against)
 
 from attnx import _C  # noqa: F401  (loads the library: registers torch.ops.attnx.*)
 from attnx import reference
-from attnx.ops import linear
+from attnx.ops import attention, linear
 
 __version__ = "0.1.0"
-__all__ = ["linear", "reference"]
+__all__ = ["attention", "linear", "reference"]
