@@ -99,6 +99,13 @@ def _write_build_info(backends):
         f.write(f"CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST') if 'CUDA' in backends else None!r}\n")
 
 
+def _openmp():
+    """True when torch's intra-op parallelism is OpenMP and this compiler takes -fopenmp (GCC/Clang on Linux)."""
+    import torch
+
+    return torch.backends.openmp.is_available() and sys.platform.startswith("linux")
+
+
 def _extension(backends):
     from torch.utils import cpp_extension
 
@@ -114,6 +121,10 @@ def _extension(backends):
         include_dirs=[os.path.join(ROOT, CSRC), os.path.join(ROOT, CSRC, "include")],
         py_limited_api=True,
     )
+    if _openmp():
+        # at::parallel_for is inline: without -fopenmp it compiles to a serial loop in attnx's kernels.
+        cxx.append("-fopenmp")
+        kwargs["extra_link_args"] = ["-fopenmp"]
     if "CUDA" in backends:
         srcs += sources("cuda/*.cu", "cuda/*.cpp")
         cxx.append("-DATTNX_WITH_CUDA")

@@ -14,4 +14,12 @@ TORCH_LIBRARY(attnx, m) {
   // F.linear for every input layout: leading dims that form one dense block (in any order) fold into a single
   // GEMM without a copy; the output keeps the memory order of input's leading dims.
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  // Fused scaled dot-product attention on (B, H, L, D) / (B, H, S, D) / (B, H, S, Dv) views of any strides,
+  // with nn.MultiheadAttention's masks (bool True = masked out, float added; (L, S), (B*H, L, S) or 4-D
+  // broadcastable attn_mask, (B, S) key_padding_mask), read in place. Returns out (B, H, L, Dv) in memory
+  // order (B, L, H, Dv) and the logsumexp lse (B, H, L) (+inf on fully masked rows) that the backward
+  // recomputes from.
+  m.def(
+      "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+      "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> (Tensor out, Tensor lse)");
 }

@@ -13,9 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnx import reference
-
-__all__ = ["linear", "mha"]
+__all__ = ["attention", "linear", "mha"]
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -29,6 +27,37 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     Any other layout is copied exactly once. Differentiable in input, weight and bias.
     """
     return torch.ops.attnx.linear.default(input, weight, bias)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused scaled dot-product attention with ``nn.MultiheadAttention``'s masks; returns ``(out, lse)``.
+
+    query ``(B, H, L, D)``, key ``(B, H, S, D)`` and value ``(B, H, S, Dv)``, of one dtype (float32, float64,
+    bfloat16 or float16) and any strides: they are read in place, never copied.
+
+    attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
+    ``(B, H, L, S)``. key_padding_mask: ``(B, S)``. For both, bool ``True`` means *masked out* (the
+    opposite of SDPA's bool mask) and a floating mask (any float dtype) is added to the scores; the two
+    combine. Masks are read in place through their own strides (broadcast dims cost nothing), never merged
+    into a ``(B, H, L, S)`` tensor. ``is_causal`` masks key ``s > l`` (top-left aligned, as SDPA).
+    ``scale`` defaults to ``1/sqrt(D)``.
+
+    Returns out ``(B, H, L, Dv)`` in query's dtype, laid out in memory as ``(B, L, H, Dv)`` so that
+    ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is a view, and ``lse`` ``(B, H, L)``, the natural-log
+    logsumexp of the scaled, masked scores in float32 (float64 for float64 inputs). A row whose keys are all
+    masked (or S == 0) gives out 0 and ``lse = +inf``. The semantics are those of
+    :func:`attnx.reference.attention`. Not differentiable yet: a backward through it raises
+    NotImplementedError.
+    """
+    return torch.ops.attnx.attention.default(query, key, value, attn_mask, key_padding_mask, is_causal, scale)
 
 
 def mha(
@@ -69,8 +98,7 @@ def mha(
     when need_weights (NaN for a fully masked row), else an empty ``(0,)`` tensor. The semantics are
     :func:`attnx.reference.mha`.
     """
-    # Temporary: the fused C++ op torch.ops.attnx.mha replaces this body once it is registered.
-    return reference.mha(
+    return torch.ops.attnx.mha.default(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
         v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask,
         attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights,
@@ -185,3 +213,148 @@ def _linear_fake(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -
     _check_linear_args(input, weight, bias)
     out_sizes = [*input.shape[:-1], weight.shape[0]]
     return input.new_empty_strided(out_sizes, _linear_out_strides(input.shape, input.stride(), out_sizes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention: argument checks (mirror csrc/common/attention.cpp) and fake kernel
+
+_ATTENTION_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_attention_mask(mask: Tensor, name: str, query: Tensor) -> None:
+    torch._check(
+        mask.dtype == torch.bool or mask.dtype in _ATTENTION_DTYPES,
+        lambda: f"attnx::attention: expected {name} of dtype bool (True = masked out) or a floating dtype "
+        f"(added to the scores: float16, bfloat16, float32 or float64), got {_scalar_name(mask.dtype)}",
+    )
+    torch._check(
+        mask.device == query.device,
+        lambda: f"attnx::attention: expected {name} on query's device {query.device}, got {mask.device}",
+    )
+
+
+def _check_attention_args(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+) -> None:
+    """The checks of ``check_attention_args`` in csrc/common/attention.cpp, for fake tensors."""
+    for t, name, shape in ((query, "query", "(B, H, L, D)"), (key, "key", "(B, H, S, D)"),
+                           (value, "value", "(B, H, S, Dv)")):
+        torch._check(
+            t.dim() == 4,
+            lambda t=t, name=name, shape=shape: f"attnx::attention: expected {name} of shape {shape}, "
+            f"got a {t.dim()}-D tensor of shape {list(t.shape)}",
+        )
+    torch._check(
+        query.dtype in _ATTENTION_DTYPES,
+        lambda: "attnx::attention: expected query of dtype float32, float64, bfloat16 or float16, "
+        f"got {_scalar_name(query.dtype)}",
+    )
+    for t, name in ((key, "key"), (value, "value")):
+        torch._check(
+            t.dtype == query.dtype,
+            lambda t=t, name=name: f"attnx::attention: expected {name} of query's dtype "
+            f"{_scalar_name(query.dtype)}, got {_scalar_name(t.dtype)}",
+        )
+        torch._check(
+            t.device == query.device,
+            lambda t=t, name=name: f"attnx::attention: expected {name} on query's device {query.device}, "
+            f"got {t.device}",
+        )
+    B, H, L, D = query.shape
+    S = key.shape[2]
+    torch._check(
+        key.shape[0] == B and key.shape[1] == H and key.shape[3] == D,
+        lambda: f"attnx::attention: expected key of shape (B, H, S, D) = ({B}, {H}, S, {D}) to match query's "
+        f"B, H and D, got {list(key.shape)}",
+    )
+    torch._check(
+        value.shape[0] == B and value.shape[1] == H and value.shape[2] == S,
+        lambda: f"attnx::attention: expected value of shape (B, H, S, Dv) = ({B}, {H}, {S}, Dv) to match "
+        f"query's B, H and key's S, got {list(value.shape)}",
+    )
+    if attn_mask is not None:
+        _check_attention_mask(attn_mask, "attn_mask", query)
+        shape = list(attn_mask.shape)
+        if attn_mask.dim() == 2:
+            ok = shape == [L, S]
+        elif attn_mask.dim() == 3:
+            ok = shape == [B * H, L, S]
+        else:
+            ok = attn_mask.dim() == 4 and all(n in (t, 1) for n, t in zip(shape, (B, H, L, S)))
+        torch._check(
+            ok,
+            lambda: f"attnx::attention: expected attn_mask of shape (L, S) = ({L}, {S}), (B*H, L, S) = "
+            f"({B * H}, {L}, {S}) or 4-D broadcastable to (B, H, L, S) = ({B}, {H}, {L}, {S}), got {shape}",
+        )
+    if key_padding_mask is not None:
+        _check_attention_mask(key_padding_mask, "key_padding_mask", query)
+        torch._check(
+            list(key_padding_mask.shape) == [B, S],
+            lambda: f"attnx::attention: expected key_padding_mask of shape (B, S) = ({B}, {S}), "
+            f"got {list(key_padding_mask.shape)}",
+        )
+
+
+@torch.library.register_fake("attnx::attention")
+def _attention_fake(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    _check_attention_args(query, key, value, attn_mask, key_padding_mask)
+    B, H, L, _ = query.shape
+    Dv = value.shape[3]
+    # The kernel's layout: out in memory order (B, L, H, Dv), lse contiguous.
+    out = query.new_empty((B, L, H, Dv)).transpose(1, 2)
+    lse = query.new_empty((B, H, L), dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+    return out, lse
+
+
+def _no_backward(op: str):
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"{op} has no backward yet (the fused backward is not implemented)")
+
+    return backward
+
+
+# Registered so that a backward fails loudly: without any autograd kernel torch only warns and leaves the
+# inputs without gradients. attnx.functional and attnx.nn train through a differentiable composition instead.
+torch.library.register_autograd("attnx::attention", _no_backward("attnx.attention"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mha: fake kernel (the checks that shape the outputs; the kernel checks the rest) and the missing backward
+
+
+@torch.library.register_fake("attnx::mha")
+def _mha_fake(
+    query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
+    bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
+    static_k, static_v, need_weights, average_attn_weights,
+):
+    torch._check(query.dim() == 3, lambda: f"attnx::mha: expected query of shape (L, B, E), got {list(query.shape)}")
+    L, B, E = query.shape
+    H = num_heads
+    torch._check(H > 0 and E % H == 0, lambda: f"attnx::mha: expected embed_dim ({E}) divisible by num_heads ({H})")
+    S = (key.shape[0] if static_k is None else static_k.shape[1]) + (bias_k is not None) + bool(add_zero_attn)
+    # The out projection reads the attention output, laid out (B, L, H, D), through its (L, B, E) view: the
+    # output's strides follow linear's layout rule for that view.
+    out_sizes = (L, B, E)
+    out = query.new_empty_strided(out_sizes, _linear_out_strides(out_sizes, (E, L * E, 1), out_sizes))
+    lse = query.new_empty((B, H, L), dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+    if not need_weights:
+        weights = query.new_empty(0)
+    else:
+        weights = query.new_empty((B, L, S) if average_attn_weights else (B, H, L, S))
+    return out, lse, weights
+
+
+torch.library.register_autograd("attnx::mha", _no_backward("attnx.mha"))

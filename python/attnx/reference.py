@@ -34,13 +34,15 @@ def attention(
     ``s > l`` (top-left aligned, as SDPA). ``scale`` defaults to ``1 / sqrt(D)``.
 
     Returns out ``(B, H, L, Dv)`` in query's dtype and the logsumexp of the scaled, masked scores, ``lse``
-    ``(B, H, L)``, in float32 (float64 for float64 inputs). A row whose keys are all masked gives out 0 and
-    ``lse = +inf``, so that ``exp(score - lse)`` is 0 in a backward.
+    ``(B, H, L)``, in float32 (float64 for float64 inputs). A row whose keys are all masked (or S == 0) gives
+    out 0 and ``lse = +inf``, so that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row NaN
+    out and lse.
     """
     B, H, L, D = query.shape
     S = key.shape[-2]
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    scale = D**-0.5 if scale is None else scale
+    if scale is None:
+        scale = D**-0.5 if D > 0 else 1.0  # D == 0: every score is an empty sum, 0 whatever the scale
     scores = torch.matmul(query.to(acc), key.to(acc).transpose(-2, -1)) * scale  # (B, H, L, S)
     bias = torch.zeros(L, S, dtype=acc, device=query.device)
     if is_causal:
@@ -50,7 +52,9 @@ def attention(
             bias = bias + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
     scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a fully masked row
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(nan=0.0)  # fully masked rows: -inf - -inf = nan
+    # Fully masked rows would give -inf - -inf = nan: zero exactly those. A NaN anywhere else in a row (a NaN
+    # input or mask value) propagates to its output.
+    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)
     out = torch.matmul(probs, value.to(acc)).to(query.dtype)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     return out, lse.to(acc)

@@ -1,0 +1,188 @@
+// attnx: argument checks and ATen -> AttentionParams for attnx::attention (see attention.h).
+#include "common/attention.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+namespace attnx {
+
+namespace {
+
+bool is_attention_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+MaskKind mask_kind(const std::optional<at::Tensor>& mask) {
+  if (!mask) return kMaskNone;
+  switch (mask->scalar_type()) {
+    case at::kBool:
+      return kMaskBool;
+    case at::kHalf:
+      return kMaskFloat16;
+    case at::kBFloat16:
+      return kMaskBFloat16;
+    case at::kFloat:
+      return kMaskFloat32;
+    case at::kDouble:
+      return kMaskFloat64;
+    default:
+      TORCH_CHECK(
+          false,
+          "attnx::attention: expected a mask of dtype bool, float16, bfloat16, float32 or float64, got ",
+          mask->scalar_type());
+  }
+}
+
+void check_mask_dtype_and_device(const at::Tensor& mask, const char* name, const at::Tensor& query) {
+  const at::ScalarType t = mask.scalar_type();
+  TORCH_CHECK(
+      t == at::kBool || is_attention_dtype(t), "attnx::attention: expected ", name,
+      " of dtype bool (True = masked out) or a floating dtype (added to the scores: float16, bfloat16, "
+      "float32 or float64), got ",
+      t);
+  TORCH_CHECK(mask.device() == query.device(), "attnx::attention: expected ", name, " on query's device ",
+              query.device(), ", got ", mask.device());
+}
+
+// attn_mask's strides as a (B, H, L, S) tensor, 0 on broadcast dims. Checks its shape on the way.
+void attn_mask_strides(const at::Tensor& mask, int64_t B, int64_t H, int64_t L, int64_t S, int64_t* out) {
+  const auto shape_error = [&]() {
+    return c10::str("attnx::attention: expected attn_mask of shape (L, S) = (", L, ", ", S,
+                    "), (B*H, L, S) = (", B * H, ", ", L, ", ", S,
+                    ") or 4-D broadcastable to (B, H, L, S) = (", B, ", ", H, ", ", L, ", ", S, "), got ",
+                    mask.sizes());
+  };
+  const int64_t target[4] = {B, H, L, S};
+  if (mask.dim() == 2) {
+    TORCH_CHECK(mask.size(0) == L && mask.size(1) == S, shape_error());
+    out[0] = out[1] = 0;
+    out[2] = mask.stride(0);
+    out[3] = mask.stride(1);
+  } else if (mask.dim() == 3) {
+    // nn.MultiheadAttention's (B*H, L, S): row b*H + h is (b, h), so the first dim splits into (B, H) as a
+    // view.
+    TORCH_CHECK(mask.size(0) == B * H && mask.size(1) == L && mask.size(2) == S, shape_error());
+    out[0] = H * mask.stride(0);
+    out[1] = mask.stride(0);
+    out[2] = mask.stride(1);
+    out[3] = mask.stride(2);
+  } else {
+    TORCH_CHECK(mask.dim() == 4, shape_error());
+    for (int d = 0; d < 4; ++d) {
+      TORCH_CHECK(mask.size(d) == target[d] || mask.size(d) == 1, shape_error());
+      out[d] = mask.stride(d);
+    }
+  }
+  // A dim of size 1 is never stepped along: stride 0 says "broadcast" to the kernels, whatever stride it had.
+  for (int d = 0; d < 4; ++d) {
+    if (target[d] == 1 || (mask.dim() == 4 && mask.size(d) == 1)) out[d] = 0;
+  }
+}
+
+// The unevaluated float sum hi + lo closest to `scale` (see AttentionParams::scale).
+void split_scale(double scale, float* hi, float* lo) {
+  *hi = static_cast<float>(scale);
+  *lo = std::isfinite(*hi) ? static_cast<float>(scale - static_cast<double>(*hi)) : 0.0f;
+}
+
+}  // namespace
+
+at::ScalarType attention_acc_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const std::optional<at::Tensor>& attn_mask,
+                          const std::optional<at::Tensor>& key_padding_mask) {
+  TORCH_CHECK(query.dim() == 4, "attnx::attention: expected query of shape (B, H, L, D), got a ", query.dim(),
+              "-D tensor of shape ", query.sizes());
+  TORCH_CHECK(key.dim() == 4, "attnx::attention: expected key of shape (B, H, S, D), got a ", key.dim(),
+              "-D tensor of shape ", key.sizes());
+  TORCH_CHECK(value.dim() == 4, "attnx::attention: expected value of shape (B, H, S, Dv), got a ",
+              value.dim(), "-D tensor of shape ", value.sizes());
+  TORCH_CHECK(is_attention_dtype(query.scalar_type()),
+              "attnx::attention: expected query of dtype float32, float64, bfloat16 or float16, got ",
+              query.scalar_type());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{key, "key"}, {value, "value"}}) {
+    TORCH_CHECK(t.scalar_type() == query.scalar_type(), "attnx::attention: expected ", name,
+                " of query's dtype ", query.scalar_type(), ", got ", t.scalar_type());
+    TORCH_CHECK(t.device() == query.device(), "attnx::attention: expected ", name, " on query's device ",
+                query.device(), ", got ", t.device());
+  }
+
+  const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
+  const int64_t S = key.size(2);
+  TORCH_CHECK(key.size(0) == B && key.size(1) == H && key.size(3) == D,
+              "attnx::attention: expected key of shape (B, H, S, D) = (", B, ", ", H, ", S, ", D,
+              ") to match query's B, H and D, got ", key.sizes());
+  TORCH_CHECK(value.size(0) == B && value.size(1) == H && value.size(2) == S,
+              "attnx::attention: expected value of shape (B, H, S, Dv) = (", B, ", ", H, ", ", S,
+              ", Dv) to match query's B, H and key's S, got ", value.sizes());
+
+  if (attn_mask) {
+    check_mask_dtype_and_device(*attn_mask, "attn_mask", query);
+    int64_t unused[4];
+    attn_mask_strides(*attn_mask, B, H, L, S, unused);
+  }
+  if (key_padding_mask) {
+    check_mask_dtype_and_device(*key_padding_mask, "key_padding_mask", query);
+    TORCH_CHECK(
+        key_padding_mask->dim() == 2 && key_padding_mask->size(0) == B && key_padding_mask->size(1) == S,
+        "attnx::attention: expected key_padding_mask of shape (B, S) = (", B, ", ", S, "), got ",
+        key_padding_mask->sizes());
+  }
+}
+
+AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                                   std::optional<double> scale) {
+  check_attention_args(query, key, value, attn_mask, key_padding_mask);
+  AttentionProblem pb{};
+  AttentionParams& p = pb.params;
+  p.batch = query.size(0);
+  p.heads = query.size(1);
+  p.q_len = query.size(2);
+  p.kv_len = key.size(2);
+  p.head_dim = query.size(3);
+  p.v_head_dim = value.size(3);
+
+  // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
+  pb.out = at::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, query.options()).transpose(1, 2);
+  pb.lse =
+      at::empty({p.batch, p.heads, p.q_len}, query.options().dtype(attention_acc_dtype(query.scalar_type())));
+
+  for (int d = 0; d < 4; ++d) {
+    p.q_stride[d] = query.stride(d);
+    p.k_stride[d] = key.stride(d);
+    p.v_stride[d] = value.stride(d);
+    p.out_stride[d] = pb.out.stride(d);
+  }
+  for (int d = 0; d < 3; ++d) p.lse_stride[d] = pb.lse.stride(d);
+
+  p.attn_mask_kind = mask_kind(attn_mask);
+  p.key_padding_mask_kind = mask_kind(key_padding_mask);
+  if (attn_mask) {
+    attn_mask_strides(*attn_mask, p.batch, p.heads, p.q_len, p.kv_len, p.attn_mask_stride);
+    pb.attn_mask = attn_mask->const_data_ptr();
+  }
+  if (key_padding_mask) {
+    for (int d = 0; d < 2; ++d) {
+      p.key_padding_mask_stride[d] = key_padding_mask->size(d) == 1 ? 0 : key_padding_mask->stride(d);
+    }
+    pb.key_padding_mask = key_padding_mask->const_data_ptr();
+  }
+  p.is_causal = is_causal ? 1 : 0;
+  // D == 0: every score is an empty sum, 0 whatever the scale; 1 keeps 0 * scale finite.
+  const double s = scale ? *scale : (p.head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(p.head_dim)) : 1.0);
+  split_scale(s, &p.scale, &p.scale_lo);
+
+  pb.dtype = query.scalar_type();
+  pb.query = query.const_data_ptr();
+  pb.key = key.const_data_ptr();
+  pb.value = value.const_data_ptr();
+  return pb;
+}
+
+}  // namespace attnx

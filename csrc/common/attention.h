@@ -1,0 +1,43 @@
+// attnx: ATen -> AttentionParams for attnx::attention, shared by every backend: argument checks, mask
+// canonicalisation and output allocation. Kernels see only params.h and raw pointers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "attnx/params.h"
+
+namespace attnx {
+
+// One call of attnx::attention, ready for a kernel: sizes and strides in `params`, data pointers (storage
+// offsets applied) beside them, and the allocated outputs.
+struct AttentionProblem {
+  AttentionParams params;
+  at::ScalarType dtype;  // of query, key, value and out
+  const void* query;
+  const void* key;
+  const void* value;
+  const void* attn_mask;         // nullptr when absent; indexed through params.attn_mask_stride
+  const void* key_padding_mask;  // nullptr when absent; indexed through params.key_padding_mask_stride
+  at::Tensor out;                // (B, H, L, Dv) in query's dtype, memory order (B, L, H, Dv)
+  at::Tensor lse;                // (B, H, L), float32 (float64 for float64 inputs), contiguous
+};
+
+// The argument checks of attnx::attention. Errors read "attnx::attention: expected ..., got ...".
+void check_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const std::optional<at::Tensor>& attn_mask,
+                          const std::optional<at::Tensor>& key_padding_mask);
+
+// Checks the arguments, reads every tensor's layout into AttentionParams without copying any of them, and
+// allocates out and lse. Masks are canonicalised as views: (L, S) and 4-D masks broadcast to (B, H, L, S)
+// with stride 0 on broadcast dims, and a (B*H, L, S) mask is split into (B, H).
+AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                                   std::optional<double> scale);
+
+// The accumulator dtype of an input dtype, which is also lse's dtype: float64 for float64, float32 otherwise.
+at::ScalarType attention_acc_dtype(at::ScalarType dtype);
+
+}  // namespace attnx

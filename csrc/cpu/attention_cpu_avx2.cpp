@@ -1,0 +1,17 @@
+// attnx: attnx::attention's CPU kernel compiled for AVX2 + FMA (torch's AVX2 capability level). See
+// attention_cpu_kernel.h for why the target is raised here, after every non-vector header.
+#include "cpu/attention_cpu_kernel.h"
+
+#if ATTNX_CPU_X86_VARIANTS
+#pragma GCC push_options
+#pragma GCC target("avx2,avx,fma,f16c,bmi,bmi2,lzcnt,popcnt")
+// The pragma does not define the ISA macros that sleef.h and ATen's vector headers test.
+#define __AVX__ 1
+#define __AVX2__ 1
+#define __FMA__ 1
+#define __F16C__ 1
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#include "cpu/attention_cpu_kernel_impl.h"
+#pragma GCC pop_options
+#endif

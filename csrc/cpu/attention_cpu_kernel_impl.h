@@ -1,0 +1,646 @@
+// attnx: attnx::attention's CPU kernel: flash-attention tiling with an online softmax, GEMMs on BLAS.
+//
+// Included once per ISA level by a TU that has defined CPU_CAPABILITY (see attention_cpu_kernel.h); defines
+// attnx::cpu::CPU_CAPABILITY::attention_kernel.
+//
+// Work item = (b, h, a tile of up to BQ query rows). For each tile of up to BK keys that the masks leave
+// anything of, one GEMM computes the (BQ, BK) scores, the softmax passes run vectorised over each row (masks
+// added in place, row max, exp and row sum), and a second GEMM adds P @ V into an fp32 (fp64) accumulator.
+// Scores never exist beyond one (BQ, BK) tile per thread, so extra memory is per-thread tiles plus O(B*S/BK)
+// and O(mask tiles) skip flags; out and lse are written once per row at the end.
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+namespace attnx::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using at::native::TransposeType;
+using at::vec::Vectorized;
+
+template <typename acc_t>
+constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+
+// Elements per 64-byte line; scratch regions start on a line and score rows are padded to whole lines.
+template <typename acc_t>
+constexpr int64_t kLine = 64 / sizeof(acc_t);
+
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Masks: read in place through their own strides, in their own dtype.
+
+// The additive value of one mask element: bool true = masked out (-inf), a float is added as it is.
+template <typename acc_t, typename mask_t>
+inline acc_t mask_value(mask_t x) {
+  if constexpr (std::is_same_v<mask_t, bool>) {
+    return x ? kNegInf<acc_t> : acc_t(0);
+  } else {
+    return static_cast<acc_t>(x);
+  }
+}
+
+// Calls f(ptr) with the mask pointer cast to its element type.
+template <typename F>
+inline void visit_mask(int32_t kind, const void* ptr, F&& f) {
+  switch (kind) {
+    case kMaskBool:
+      f(static_cast<const bool*>(ptr));
+      break;
+    case kMaskFloat16:
+      f(static_cast<const at::Half*>(ptr));
+      break;
+    case kMaskBFloat16:
+      f(static_cast<const at::BFloat16*>(ptr));
+      break;
+    case kMaskFloat32:
+      f(static_cast<const float*>(ptr));
+      break;
+    case kMaskFloat64:
+      f(static_cast<const double*>(ptr));
+      break;
+    default:
+      break;
+  }
+}
+
+// out[j] = mask_value(m[j * stride]) (+ add[j] when add is not null), for j < n. The unit-stride loop is kept
+// apart so that the compiler vectorises it.
+template <typename acc_t, typename mask_t>
+void mask_to_bias(const mask_t* m, int64_t stride, int64_t n, const acc_t* add, acc_t* out) {
+  if (stride == 1) {
+    if (add) {
+      for (int64_t j = 0; j < n; ++j) out[j] = mask_value<acc_t>(m[j]) + add[j];
+    } else {
+      for (int64_t j = 0; j < n; ++j) out[j] = mask_value<acc_t>(m[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) out[j] = mask_value<acc_t>(m[j * stride]) + (add ? add[j] : acc_t(0));
+  }
+}
+
+// True when every element of the (rows, cols) block is masked out (bool true or a float -inf). Stops at the
+// first element that is not, so a mask with finite values costs one read per tile.
+template <typename acc_t, typename mask_t>
+bool block_masked(const mask_t* m, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
+  // A broadcast dim repeats the same elements: one row (column) of it decides.
+  if (row_stride == 0) rows = std::min<int64_t>(rows, 1);
+  if (col_stride == 0) cols = std::min<int64_t>(cols, 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      if (mask_value<acc_t>(m[r * row_stride + c * col_stride]) != kNegInf<acc_t>) return false;
+    }
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tile GEMMs and their operands.
+//
+// fp32 tiles run on at::native::cpublas::brgemm, the exported batch-reduce GEMM of torch's CPU BLAS layer:
+// oneDNN's JIT microkernel where available (AVX2 and up), else torch's BLAS. It computes the row-major
+// C (+)= A B, with neither transposes nor alpha, so queries are packed pre-scaled and each key tile is
+// transposed into (D, BK). (The transposing cpublas::gemm overloads are not exported to extensions.) fp64 has
+// no brgemm; its tiles, used for reference-grade results rather than speed, run on a vectorised loop.
+
+// C (M, N) = A (M, K) @ B (K, N) (+ C when add_c), row-major with leading dimensions.
+inline void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                      int64_t ldb, float* C, int64_t ldc, bool add_c) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, A, B, C, /*is_vnni=*/false);
+}
+
+inline void tile_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
+                      int64_t ldb, double* C, int64_t ldc, bool add_c) {
+  using Vec = Vectorized<double>;
+  constexpr int64_t W = Vec::size();
+  for (int64_t i = 0; i < M; ++i) {
+    double* c = C + i * ldc;
+    if (!add_c) std::fill_n(c, N, 0.0);
+    for (int64_t k = 0; k < K; ++k) {
+      const double a = A[i * lda + k];
+      const double* b = B + k * ldb;
+      const Vec va(a);
+      int64_t j = 0;
+      for (; j + W <= N; j += W) at::vec::fmadd(va, Vec::loadu(b + j), Vec::loadu(c + j)).store(c + j);
+      for (; j < N; ++j) c[j] += a * b[j];
+    }
+  }
+}
+
+// dst (cols, rows) = src (rows, cols)^T, both row-major with leading dimensions.
+template <typename acc_t>
+void transpose(const acc_t* src, int64_t ld_src, acc_t* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
+    return;
+  }
+#endif
+  int64_t r0 = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    for (; r0 + 8 <= rows; r0 += 8) {
+      int64_t c0 = 0;
+      for (; c0 + 8 <= cols; c0 += 8) {
+        at::vec::transpose_mxn<float, 8, 8>(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst);
+      }
+      for (int64_t c = c0; c < cols; ++c) {
+        for (int64_t r = r0; r < r0 + 8; ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
+      }
+    }
+  }
+#endif
+  for (int64_t r = r0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+}
+
+// dst (rows, cols), leading dimension ld, = factor * src (rows, cols) read through its strides, converted.
+template <typename scalar_t, typename acc_t>
+void pack_block(const scalar_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                acc_t factor, acc_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* s = src + r * row_stride;
+    acc_t* d = dst + r * ld;
+    if (col_stride == 1) {
+      for (int64_t c = 0; c < cols; ++c) d[c] = static_cast<acc_t>(s[c]) * factor;
+    } else {
+      for (int64_t c = 0; c < cols; ++c) d[c] = static_cast<acc_t>(s[c * col_stride]) * factor;
+    }
+  }
+}
+
+// A GEMM operand: a pointer and a leading dimension.
+template <typename acc_t>
+struct Operand {
+  const acc_t* ptr;
+  int64_t ld;
+};
+
+// The (rows, cols) block at src as a B operand. Read in place when it is already in the accumulator type with
+// contiguous rows that do not overlap (leading dimension >= cols); otherwise converted into `pack`.
+template <typename scalar_t, typename acc_t>
+Operand<acc_t> b_operand(const scalar_t* src, int64_t row_stride, int64_t col_stride, int64_t rows,
+                         int64_t cols, acc_t* pack) {
+  const int64_t dense_ld = std::max<int64_t>(cols, 1);
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    const bool rows_ok =
+        rows == 1 || (row_stride >= dense_ld && row_stride <= std::numeric_limits<int>::max());
+    if ((cols == 1 || col_stride == 1) && rows_ok) return {src, rows == 1 ? dense_ld : row_stride};
+  }
+  pack_block(src, row_stride, col_stride, rows, cols, acc_t(1), pack, dense_ld);
+  return {pack, dense_ld};
+}
+
+// K^T for a (rows, cols) key block: kt (cols, rows) with leading dimension ld_kt. Transposed straight from
+// the input when its rows are contiguous in the accumulator type, else packed into `pack` first.
+template <typename scalar_t, typename acc_t>
+void transpose_keys(const scalar_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                    acc_t* pack, acc_t* kt, int64_t ld_kt) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    if (cols == 1 || col_stride == 1) {
+      transpose(src, row_stride, kt, ld_kt, rows, cols);
+      return;
+    }
+  }
+  pack_block(src, row_stride, col_stride, rows, cols, acc_t(1), pack, cols);
+  transpose(pack, cols, kt, ld_kt, rows, cols);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row passes over one (BQ, BK) score tile, vectorised with at::vec.
+
+inline Vectorized<float> vexp(const Vectorized<float>& x) {
+  // Within 20 ulp over the softmax's range (x <= 0), which the float tolerances absorb; the same exp as
+  // torch's CPU flash attention. Its NaN handling does not matter: a NaN score makes the row max NaN, and
+  // softmax_out_scale/softmax_lse then write NaN for the whole row.
+  return x.exp_u20();
+}
+
+inline Vectorized<double> vexp(const Vectorized<double>& x) {
+  return x.exp();
+}
+
+template <typename acc_t>
+acc_t reduce_max(const Vectorized<acc_t>& v) {
+  return at::vec::vec_reduce_all<acc_t>(
+      [](const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) { return at::vec::maximum(a, b); }, v);
+}
+
+template <typename acc_t>
+acc_t reduce_sum(const Vectorized<acc_t>& v) {
+  return at::vec::vec_reduce_all<acc_t>(
+      [](const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) { return a + b; }, v);
+}
+
+// s[j] += bias[j] for j < lim (bias may be null: scores unchanged), s[j] += -inf for lim <= j < n (causally
+// masked: adding keeps a NaN score NaN, as in the reference); returns max_j s[j], NaN if any is NaN.
+template <typename acc_t>
+acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lim, int64_t n) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  Vec vmax(kNegInf<acc_t>);
+  int64_t j = 0;
+  if (bias) {
+    for (; j + W <= lim; j += W) {
+      const Vec x = Vec::loadu(s + j) + Vec::loadu(bias + j);
+      x.store(s + j);
+      vmax = at::vec::maximum(vmax, x);
+    }
+  } else {
+    for (; j + W <= lim; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
+  }
+  acc_t m = reduce_max(vmax);
+  for (; j < lim; ++j) {
+    if (bias) s[j] += bias[j];
+    m = nan_max(m, s[j]);
+  }
+  for (; j < n; ++j) {
+    s[j] += kNegInf<acc_t>;
+    m = nan_max(m, s[j]);
+  }
+  return m;
+}
+
+// s[j] = exp(s[j] - base) for j < n; returns the sum of the results.
+template <typename acc_t>
+acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const Vec vbase(base);
+  Vec vsum(acc_t(0));
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec e = vexp(Vec::loadu(s + j) - vbase);
+    e.store(s + j);
+    vsum = vsum + e;
+  }
+  acc_t sum = reduce_sum(vsum);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - base);
+    sum += s[j];
+  }
+  return sum;
+}
+
+template <typename acc_t>
+void scale_row(acc_t* x, int64_t n, acc_t factor) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const Vec vf(factor);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) (Vec::loadu(x + j) * vf).store(x + j);
+  for (; j < n; ++j) x[j] *= factor;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The tiling plan and the per-thread scratch.
+
+struct Plan {
+  int64_t bq;       // query rows per tile
+  int64_t bk;       // keys per tile
+  int64_t q_tiles;  // ceil(L / bq)
+  int64_t k_tiles;  // ceil(S / bk)
+  int64_t block;    // query tiles per work item (see run_item)
+  int64_t blocks;   // ceil(q_tiles / block): work items per (b, h)
+  int64_t ld_s;     // row stride of the score tile and of the transposed key tile
+  int64_t bh_m;     // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
+  int64_t heads_m;  // attn_mask's distinct heads: H, or 1 when broadcast over heads
+};
+
+Plan make_plan(const AttentionParams& p, size_t acc_size) {
+  Plan plan{};
+  const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
+  const int64_t threads = at::get_num_threads();
+  // A (bq, bk) tile: 512 keys keep the P V GEMM deep; 256 query rows amortise each transposed key tile and
+  // keep the (bq, bk) scores (512 KiB in fp32) in L2. Short sequences take one tile.
+  plan.bk = std::clamp<int64_t>(S, 1, 512);
+  plan.bq = std::clamp<int64_t>(L, 1, 256);
+  plan.q_tiles = (L + plan.bq - 1) / plan.bq;
+  plan.k_tiles = (S + plan.bk - 1) / plan.bk;
+  // A work item is `block` consecutive query tiles of one (b, h): up to 8 (2048 rows, whose packed queries
+  // and accumulators take 2048 * (D + Dv) * 4 bytes, 1 MiB at D = 64), fewer when there would not be 4 items
+  // per thread to balance the load (rows under is_causal see different numbers of keys).
+  plan.block = 8;
+  while (plan.block > 1 && B * H * ((plan.q_tiles + plan.block - 1) / plan.block) < 4 * threads)
+    plan.block /= 2;
+  plan.block = std::clamp<int64_t>(plan.block, 1, std::max<int64_t>(plan.q_tiles, 1));
+  plan.blocks = (plan.q_tiles + plan.block - 1) / plan.block;
+  // Whole 64-byte lines per row, and an odd number of them: a power-of-two row stride would map every row of
+  // the tile onto the same cache sets.
+  const int64_t line = 64 / static_cast<int64_t>(acc_size);
+  int64_t lines = round_up(plan.bk, line) / line;
+  if (lines % 2 == 0) ++lines;
+  plan.ld_s = lines * line;
+  plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
+  plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
+  return plan;
+}
+
+template <typename acc_t>
+struct Scratch {
+  at::Tensor storage;
+  acc_t* q;          // (rows, D) the item's queries, pre-scaled
+  acc_t* o;          // (rows, Dv) the item's output accumulators
+  acc_t* k;          // (bk, D) key tile converted, when it cannot be transposed in place
+  acc_t* kt;         // (D, ld_s) transposed key tile
+  acc_t* v;          // (bk, Dv) value tile converted, when the GEMM cannot read it in place
+  acc_t* s;          // (bq, ld_s) scores, then probabilities
+  acc_t* row_bias;   // (bk,) one row's mask bias
+  acc_t* tile_bias;  // (bk,) key padding bias, plus attn_mask's row when that is broadcast over queries
+  SoftmaxRow<acc_t>* rows;  // (rows,) online-softmax state
+
+  Scratch(const AttentionParams& p, const Plan& plan) {
+    const int64_t D = p.head_dim, Dv = p.v_head_dim, bq = plan.bq, bk = plan.bk;
+    const int64_t rows_n = bq * plan.block;
+    const int64_t line = kLine<acc_t>;
+    constexpr int kRegions = 9;
+    const int64_t sizes[kRegions] = {rows_n * D,     rows_n * Dv, bk * D, D * plan.ld_s, bk * Dv,
+                                     bq * plan.ld_s, bk,          bk,     2 * rows_n};
+    int64_t total = line;  // slack to align the first region
+    for (int64_t n : sizes) total += round_up(n, line);
+    storage = at::empty({total}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    acc_t* base = storage.mutable_data_ptr<acc_t>();
+    acc_t* next = reinterpret_cast<acc_t*>(round_up(reinterpret_cast<intptr_t>(base), 64));
+    acc_t* regions[kRegions];
+    for (int i = 0; i < kRegions; ++i) {
+      regions[i] = next;
+      next += round_up(sizes[i], line);
+    }
+    q = regions[0], o = regions[1], k = regions[2], kt = regions[3], v = regions[4], s = regions[5];
+    row_bias = regions[6], tile_bias = regions[7];
+    static_assert(sizeof(SoftmaxRow<acc_t>) == 2 * sizeof(acc_t), "SoftmaxRow must be two accumulators");
+    rows = reinterpret_cast<SoftmaxRow<acc_t>*>(regions[8]);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernel.
+
+template <typename scalar_t>
+class AttentionCpu {
+ public:
+  using acc_t = typename AccType<scalar_t>::type;
+
+  AttentionCpu(const AttentionParams& p, const AttentionData& d)
+      : p_(p),
+        d_(d),
+        plan_(make_plan(p, sizeof(acc_t))),
+        scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p.scale) + p.scale_lo)
+                                             : static_cast<acc_t>(p.scale)) {}
+
+  void run() {
+    const int64_t B = p_.batch, H = p_.heads;
+    const int64_t items = B * H * plan_.blocks;
+    if (items == 0) return;
+    compute_padding_flags();
+    compute_mask_flags();
+
+    // Items are handed out one at a time from a shared counter, heaviest first: under is_causal the last
+    // query blocks see the most keys, so they start first and the short ones fill in at the end.
+    std::atomic<int64_t> next{0};
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      Scratch<acc_t> ws(p_, plan_);
+      for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+        int64_t bh, blk;
+        if (p_.is_causal) {
+          blk = plan_.blocks - 1 - i / (B * H);
+          bh = i % (B * H);
+        } else {
+          bh = i / plan_.blocks;
+          blk = i % plan_.blocks;
+        }
+        run_item(bh / H, bh % H, blk, ws);
+      }
+    });
+  }
+
+ private:
+  // padding_masked_[b * k_tiles + kt]: key_padding_mask removes every key of tile kt in batch b.
+  void compute_padding_flags() {
+    if (p_.key_padding_mask_kind == kMaskNone) return;
+    const int64_t S = p_.kv_len, bk = plan_.bk, kt_n = plan_.k_tiles;
+    padding_flags_storage_ = at::empty({p_.batch * kt_n}, at::kBool);
+    bool* flags = padding_flags_storage_.mutable_data_ptr<bool>();
+    const int64_t* st = p_.key_padding_mask_stride;
+    visit_mask(p_.key_padding_mask_kind, d_.key_padding_mask, [&](auto m) {
+      for (int64_t b = 0; b < p_.batch; ++b) {
+        for (int64_t kt = 0; kt < kt_n; ++kt) {
+          const int64_t k0 = kt * bk;
+          flags[b * kt_n + kt] =
+              block_masked<acc_t>(m + b * st[0] + k0 * st[1], 0, st[1], 1, std::min(bk, S - k0));
+        }
+      }
+    });
+    padding_masked_ = flags;
+  }
+
+  // mask_masked_[((bh_m * q_tiles) + qt) * k_tiles + kt]: attn_mask removes every (query, key) pair of the
+  // tile for the mask's (b, h) slice bh_m. Computed once per distinct slice: an (L, S) mask is scanned once
+  // for all (b, h), and the scan stops at the first unmasked element of each tile.
+  void compute_mask_flags() {
+    if (p_.attn_mask_kind == kMaskNone) return;
+    const int64_t L = p_.q_len, S = p_.kv_len, bq = plan_.bq, bk = plan_.bk;
+    const int64_t qt_n = plan_.q_tiles, kt_n = plan_.k_tiles;
+    mask_flags_storage_ = at::empty({plan_.bh_m * qt_n * kt_n}, at::kBool);
+    bool* flags = mask_flags_storage_.mutable_data_ptr<bool>();
+    const int64_t* st = p_.attn_mask_stride;
+    visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+      at::parallel_for(0, plan_.bh_m * qt_n, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t bh = i / qt_n, qt = i % qt_n;
+          const int64_t b = bh / plan_.heads_m, h = bh % plan_.heads_m;
+          const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
+          for (int64_t kt = 0; kt < kt_n; ++kt) {
+            const int64_t k0 = kt * bk;
+            // Tiles above the causal diagonal are skipped anyway.
+            bool masked = p_.is_causal && k0 > q0 + nq - 1;
+            if (!masked) {
+              masked = block_masked<acc_t>(m + b * st[0] + h * st[1] + q0 * st[2] + k0 * st[3], st[2], st[3],
+                                           nq, std::min(bk, S - k0));
+            }
+            flags[i * kt_n + kt] = masked;
+          }
+        }
+      });
+    });
+    mask_masked_ = flags;
+  }
+
+  bool tile_skipped(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
+    if (padding_masked_ && padding_masked_[b * plan_.k_tiles + kt]) return true;
+    if (mask_masked_) {
+      const int64_t bh_m =
+          (p_.attn_mask_stride[0] == 0 ? 0 : b) * plan_.heads_m + (plan_.heads_m == 1 ? 0 : h);
+      if (mask_masked_[(bh_m * plan_.q_tiles + qt) * plan_.k_tiles + kt]) return true;
+    }
+    return false;
+  }
+
+  // The key padding bias of keys [k0, k0 + nk) of batch b into ws.tile_bias, plus attn_mask's row when that
+  // is the same for every query. Returns the bias that every row of the tile shares, or null.
+  const acc_t* shared_bias(int64_t b, int64_t h, int64_t k0, int64_t nk, Scratch<acc_t>& ws) const {
+    const bool padding = p_.key_padding_mask_kind != kMaskNone;
+    const bool mask_row_shared = p_.attn_mask_kind != kMaskNone && p_.attn_mask_stride[2] == 0;
+    if (!padding && !mask_row_shared) return nullptr;
+    if (padding) {
+      const int64_t* st = p_.key_padding_mask_stride;
+      visit_mask(p_.key_padding_mask_kind, d_.key_padding_mask, [&](auto m) {
+        mask_to_bias<acc_t>(m + b * st[0] + k0 * st[1], st[1], nk, nullptr, ws.tile_bias);
+      });
+    }
+    if (mask_row_shared) {
+      // The reference adds attn_mask before key_padding_mask; so does this, to round alike.
+      const int64_t* st = p_.attn_mask_stride;
+      visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+        mask_to_bias<acc_t>(m + b * st[0] + h * st[1] + k0 * st[3], st[3], nk,
+                            padding ? ws.tile_bias : nullptr, ws.tile_bias);
+      });
+    }
+    return ws.tile_bias;
+  }
+
+  // Query tiles [blk * block, ...) of (b, h). The loop over key tiles is outside the loop over query tiles:
+  // each key tile is transposed (and value tile converted) once for up to `block` query tiles, and stays in
+  // cache while they use it; the queries and accumulators of the block stay in L2.
+  void run_item(int64_t b, int64_t h, int64_t blk, Scratch<acc_t>& ws) {
+    const int64_t L = p_.q_len, S = p_.kv_len, D = p_.head_dim, Dv = p_.v_head_dim;
+    const int64_t bq = plan_.bq, lds = plan_.ld_s;
+    const int64_t qt_begin = blk * plan_.block, qt_end = std::min(plan_.q_tiles, qt_begin + plan_.block);
+    const int64_t r0 = qt_begin * bq, rows_n = std::min(L, qt_end * bq) - r0;  // the item's query rows
+    const int64_t *qs = p_.q_stride, *ks = p_.k_stride, *vs = p_.v_stride;
+    const bool causal = p_.is_causal != 0;
+    const bool mask_rows = p_.attn_mask_kind != kMaskNone && p_.attn_mask_stride[2] != 0;
+
+    const auto* q = static_cast<const scalar_t*>(d_.query) + b * qs[0] + h * qs[1] + r0 * qs[2];
+    const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + h * ks[1];
+    const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + h * vs[1];
+    // The scale goes into the queries once, instead of into every score.
+    pack_block(q, qs[2], qs[3], rows_n, D, scale_, ws.q, D);
+    for (int64_t i = 0; i < rows_n; ++i) ws.rows[i] = softmax_row_init<acc_t>();
+    // Zeroed accumulators let every P V GEMM accumulate, whichever tiles a row skips.
+    std::fill_n(ws.o, rows_n * Dv, acc_t(0));
+
+    // Causal: keys past the block's last query are masked for all of it.
+    const int64_t kv_end = causal ? std::min(S, r0 + rows_n) : S;
+    for (int64_t kt = 0, k0 = 0; k0 < kv_end; ++kt, k0 += plan_.bk) {
+      const int64_t nk = std::min(plan_.bk, kv_end - k0);
+      bool loaded = false;  // ws.kt (and ws.v) hold this key tile
+      Operand<acc_t> va{};
+      for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
+        const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
+        if ((causal && k0 > q0 + nq - 1) || tile_skipped(b, h, qt, kt)) continue;
+        // Causal: keys past this tile's last query are masked for all of it.
+        const int64_t nk_q = causal ? std::min(nk, q0 + nq - k0) : nk;
+        if (!loaded) {
+          if (D > 0) transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
+          if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
+          loaded = true;
+        }
+        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, va, ws, mask_rows);
+      }
+    }
+    for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
+      const int64_t q0 = qt * bq;
+      write_rows(b, h, q0 - r0, q0, std::min(bq, L - q0), ws);
+    }
+  }
+
+  // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk), whose transposed keys
+  // are in ws.kt and values in va.
+  void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
+                    const Operand<acc_t>& va, Scratch<acc_t>& ws, bool mask_rows) {
+    const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
+    const bool causal = p_.is_causal != 0;
+    acc_t* s = ws.s;
+    // S (nq, nk) = (scale Q) K^T.
+    if (D > 0) {
+      tile_gemm(nq, nk, D, ws.q + i0 * D, D, ws.kt, lds, s, lds, /*add_c=*/false);
+    } else {
+      for (int64_t i = 0; i < nq; ++i) std::fill_n(s + i * lds, nk, acc_t(0) * scale_);
+    }
+
+    const acc_t* shared = shared_bias(b, h, k0, nk, ws);
+    for (int64_t i = 0; i < nq; ++i) {
+      acc_t* row = s + i * lds;
+      const acc_t* bias = shared;
+      if (mask_rows) {
+        const int64_t* st = p_.attn_mask_stride;
+        visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+          mask_to_bias<acc_t>(m + b * st[0] + h * st[1] + (q0 + i) * st[2] + k0 * st[3], st[3], nk, shared,
+                              ws.row_bias);
+        });
+        bias = ws.row_bias;
+      }
+      const int64_t lim = causal ? std::clamp<int64_t>(q0 + i - k0 + 1, 0, nk) : nk;
+      const acc_t tile_max = add_bias_and_max(row, bias, lim, nk);
+      SoftmaxRow<acc_t>& state = ws.rows[i0 + i];
+      const SoftmaxStep<acc_t> step = softmax_step(state, tile_max);
+      const acc_t tile_sum = exp_and_sum(row, nk, step.base);
+      state = softmax_advance(state, step, tile_sum);
+      if (step.alpha != acc_t(1)) scale_row(ws.o + (i0 + i) * Dv, Dv, step.alpha);
+    }
+
+    // O (nq, Dv) += P V.
+    if (Dv > 0) tile_gemm(nq, Dv, nk, s, lds, va.ptr, va.ld, ws.o + i0 * Dv, Dv, /*add_c=*/true);
+  }
+
+  // Rows [q0, q0 + nq) of out and lse, from the item's scratch at offset i0.
+  void write_rows(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, Scratch<acc_t>& ws) const {
+    const int64_t Dv = p_.v_head_dim;
+    const int64_t *os = p_.out_stride, *ls = p_.lse_stride;
+    auto* out = static_cast<scalar_t*>(d_.out) + b * os[0] + h * os[1];
+    auto* lse = static_cast<acc_t*>(d_.lse) + b * ls[0] + h * ls[1];
+    for (int64_t i = 0; i < nq; ++i) {
+      const SoftmaxRow<acc_t> row = ws.rows[i0 + i];
+      const int64_t l = q0 + i;
+      lse[l * ls[2]] = softmax_lse(row);
+      scalar_t* dst = out + l * os[2];
+      if (softmax_row_empty(row)) {
+        // Every key masked: out is 0 (written as such: a NaN or inf value times p = 0 may sit in ws.o).
+        for (int64_t j = 0; j < Dv; ++j) dst[j * os[3]] = scalar_t(0);
+        continue;
+      }
+      acc_t* o = ws.o + (i0 + i) * Dv;
+      scale_row(o, Dv, softmax_out_scale(row));
+      for (int64_t j = 0; j < Dv; ++j) dst[j * os[3]] = static_cast<scalar_t>(o[j]);
+    }
+  }
+
+  const AttentionParams& p_;
+  const AttentionData& d_;
+  Plan plan_;
+  const acc_t scale_;
+  at::Tensor padding_flags_storage_;
+  at::Tensor mask_flags_storage_;
+  const bool* padding_masked_ = nullptr;  // see compute_padding_flags; null without key_padding_mask
+  const bool* mask_masked_ = nullptr;     // see compute_mask_flags; null without attn_mask
+};
+
+}  // namespace
+
+void attention_kernel(const AttentionParams& p, const AttentionData& d) {
+  switch (d.dtype) {
+    case at::kFloat:
+      AttentionCpu<float>(p, d).run();
+      break;
+    case at::kDouble:
+      AttentionCpu<double>(p, d).run();
+      break;
+    case at::kBFloat16:
+      AttentionCpu<at::BFloat16>(p, d).run();
+      break;
+    case at::kHalf:
+      AttentionCpu<at::Half>(p, d).run();
+      break;
+    default:
+      TORCH_CHECK(false, "attnx::attention: no CPU kernel for dtype ", d.dtype);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace attnx::cpu

@@ -1,0 +1,66 @@
+// attnx: torch-free parameter blocks shared by every backend (C++, CUDA and Metal include this file).
+//
+// Written in the common subset of C++ and the Metal Shading Language: fixed-width integers and float only, no
+// std::, no pointers (data pointers and buffer offsets travel beside the struct), no double (Metal has none).
+#pragma once
+
+#if defined(__METAL_VERSION__)
+#include <metal_stdlib>
+#else
+#include <stdint.h>
+#endif
+
+namespace attnx {
+
+// What an optional mask is: absent, boolean (true = masked out), or additive in the given floating type.
+// Additive masks are read in their own type and converted to the accumulator type element by element.
+enum MaskKind : int32_t {
+  kMaskNone = 0,
+  kMaskBool = 1,
+  kMaskFloat16 = 2,
+  kMaskBFloat16 = 3,
+  kMaskFloat32 = 4,
+  kMaskFloat64 = 5,
+};
+
+// attnx::attention on (B, H, L, D) queries, (B, H, S, D) keys and (B, H, S, Dv) values.
+//
+// Every stride is in elements, may be 0 (broadcast, e.g. a key expanded over heads) and is indexed in the
+// logical order of the shape it belongs to. Masks are canonical: attn_mask is seen as (B, H, L, S) with
+// stride 0 on every broadcast dim (an (L, S) mask has strides (0, 0, sL, sS); nn.MultiheadAttention's (B*H,
+// L, S) mask is split into (B, H) as a view), and key_padding_mask as (B, S).
+struct AttentionParams {
+  int64_t batch;       // B
+  int64_t heads;       // H
+  int64_t q_len;       // L
+  int64_t kv_len;      // S
+  int64_t head_dim;    // D (query and key)
+  int64_t v_head_dim;  // Dv (value and output)
+
+  int64_t q_stride[4];    // (B, H, L, D)
+  int64_t k_stride[4];    // (B, H, S, D)
+  int64_t v_stride[4];    // (B, H, S, Dv)
+  int64_t out_stride[4];  // (B, H, L, Dv)
+  int64_t lse_stride[3];  // (B, H, L)
+
+  int64_t attn_mask_stride[4];         // (B, H, L, S), 0 on broadcast dims
+  int64_t key_padding_mask_stride[2];  // (B, S)
+  int32_t attn_mask_kind;              // MaskKind
+  int32_t key_padding_mask_kind;       // MaskKind
+
+  // Key s is masked for query l when s > l (top-left aligned, as SDPA's is_causal).
+  int32_t is_causal;
+
+  // The softmax scale as an unevaluated sum scale + scale_lo of two floats: float kernels use `scale`;
+  // float64 kernels use (double)scale + (double)scale_lo, which carries ~48 bits of the double the caller
+  // passed without a double field, which Metal lacks.
+  float scale;
+  float scale_lo;
+};
+
+#if !defined(__METAL_VERSION__)
+// The layout Metal sees: 31 int64 fields, then 5 four-byte fields, padded to the 8-byte alignment.
+static_assert(sizeof(AttentionParams) == 272, "AttentionParams layout changed: update the Metal side too");
+#endif
+
+}  // namespace attnx

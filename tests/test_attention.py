@@ -1,0 +1,490 @@
+"""attnx.attention against reference.attention: dtypes, shapes, strided layouts, masks, edge cases, errors.
+
+Accuracy bound (flash-attention style): with ref64 the reference on float64 copies of the same inputs and
+ref_same the reference in the inputs' own dtype,
+
+    max |kernel - ref64| <= K * max |ref_same - ref64| + atol[dtype]
+
+so the kernel may be at most K times as far from the exact result as the reference's own rounding is. atol
+covers what that relative bound cannot: fp32 kernels use an exp accurate to ~20 ulp where the reference's is
+~1 ulp (1e-5 on outputs and lse of magnitude <= ~10), fp64 sums in a different order (1e-12), and bf16/fp16
+outputs can round to the neighbouring representable value of the reference's (2e-3, one bf16 ulp at 0.25).
+Infinite and NaN entries must match exactly, position by position.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import attnx
+from attnx import reference
+
+K_BOUND = 4
+ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-3, torch.float16: 2e-3}
+LSE_ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs in every layout the op must take without copying.
+
+LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
+
+
+def _layout(shape, layout, dtype, gen, *, which):
+    """A (B, H, N, E) tensor of N(0, 1) values in `layout`; values are drawn in float32, then cast."""
+    B, H, N, E = shape
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(dtype)
+
+    if layout == "contiguous":
+        return randn(B, H, N, E)
+    if layout == "blhd":  # nn.MultiheadAttention(batch_first=True) after its in-projection
+        return randn(B, N, H, E).transpose(1, 2)
+    if layout == "lbhd":  # sequence-first; at B == 1 the batch stride is left arbitrary
+        return randn(N, B, H, E).permute(1, 2, 0, 3)
+    if layout == "packed":  # one slice of a packed (B, N, 3, H, E) in-projection output: storage offset
+        slot = {"q": 0, "k": 1, "v": 2}[which]
+        return randn(B, N, 3, H, E)[:, :, slot].transpose(1, 2)
+    if layout == "expanded_kv":  # keys and values shared by all heads through stride 0 (GQA-like)
+        return randn(B, H, N, E) if which == "q" else randn(B, 1, N, E).expand(B, H, N, E)
+    if layout == "strided_last":  # last-dim stride 2
+        return randn(B, H, N, 2 * E)[..., ::2]
+    raise ValueError(layout)
+
+
+def make_qkv(B, H, L, S, D, Dv, dtype=torch.float32, layout="contiguous", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = _layout((B, H, L, D), layout, dtype, gen, which="q")
+    k = _layout((B, H, S, D), layout, dtype, gen, which="k")
+    v = _layout((B, H, S, Dv), layout, dtype, gen, which="v")
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The comparison.
+
+
+def _upcast(x):
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _assert_bounded(actual, ref64, ref_same, atol, what):
+    actual, ref64, ref_same = actual.double(), ref64.double(), ref_same.double()
+    assert actual.shape == ref64.shape
+    for pred, name in ((torch.isnan, "NaN"), (torch.isposinf, "+inf"), (torch.isneginf, "-inf")):
+        mismatch = pred(actual) != pred(ref64)
+        assert not mismatch.any(), f"{what}: {name} at different positions ({int(mismatch.sum())} entries)"
+    finite = torch.isfinite(ref64)
+    if not finite.any():
+        return
+    err = (actual - ref64)[finite].abs().max().item()
+    ref_err = (ref_same - ref64)[finite].abs().max().item()
+    bound = K_BOUND * ref_err + atol
+    assert err <= bound, f"{what}: max error {err:.3e} > {K_BOUND} * {ref_err:.3e} + {atol:.0e}"
+
+
+def check(q, k, v, **kwargs):
+    """Runs the op and compares out and lse with the reference; returns (out, lse)."""
+    out, lse = attnx.attention(q, k, v, **kwargs)
+    ref64_out, ref64_lse = reference.attention(
+        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
+    )
+    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
+    assert out.dtype == q.dtype and out.shape == ref_out.shape
+    assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
+    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shapes, dtypes and layouts.
+
+# (B, H, L, S, D, Dv). The CPU kernel tiles 256 queries by 512 keys and hands out blocks of up to 8 query
+# tiles: the larger shapes cross those boundaries, with partial tiles at the end.
+SHAPES = [
+    (2, 3, 37, 53, 24, 24),  # odd sizes, L != S
+    (1, 2, 16, 16, 32, 8),  # Dv < D
+    (2, 1, 9, 70, 8, 40),  # Dv > D, L < S
+    (1, 1, 1, 1, 4, 4),  # single query and key
+    (3, 2, 1, 33, 16, 16),  # decoding-like: one query
+    (1, 1, 45, 1, 16, 16),  # one key
+]
+BIG_SHAPES = [
+    (1, 2, 300, 600, 32, 32),  # one full + one partial tile each way
+    (2, 1, 520, 1030, 16, 24),  # 3 query tiles, 3 key tiles
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_shapes_dtypes_layouts(shape, dtype, layout):
+    check(*make_qkv(*shape, dtype=dtype, layout=layout))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "blhd", "expanded_kv", "strided_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", BIG_SHAPES, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tile_boundaries(shape, dtype, layout, is_causal):
+    check(*make_qkv(*shape, dtype=dtype, layout=layout), is_causal=is_causal)
+
+
+def test_single_thread_plan():
+    # One thread plans smaller query blocks for the same shape; results must not depend on it.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        check(*make_qkv(1, 1, 600, 700, 16, 16), is_causal=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_custom_scale():
+    q, k, v = make_qkv(2, 2, 20, 30, 16, 16)
+    check(q, k, v, scale=0.37)
+    check(q, k, v, scale=0.0)
+
+
+def test_b1_transposed_layout():
+    # batch_first=True at B == 1 on MPS leaves strides (D, B*D, 1)-like views behind; here with heads too.
+    q, k, v = make_qkv(1, 4, 12, 12, 8, 8, layout="lbhd")
+    assert q.stride(0) == 4 * 8  # the size-1 batch dim carries a stride that is not the contiguous one
+    check(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks.
+
+B, H, L, S, D = 2, 3, 19, 41, 16
+
+
+def _mask(kind, gen):
+    """A mask `kind` for (B, H, L, S) = (2, 3, 19, 41); some are non-contiguous or broadcast views."""
+    def rand(*size):
+        return torch.rand(*size, generator=gen)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen)
+
+    masks = {
+        "bool_ls": lambda: rand(L, S) < 0.3,
+        "float_ls": lambda: randn(L, S),
+        "float64_ls": lambda: randn(L, S).double(),
+        "bf16_ls": lambda: randn(L, S).bfloat16(),
+        "neginf_ls": lambda: randn(L, S).masked_fill(rand(L, S) < 0.3, float("-inf")),
+        "bool_bhls": lambda: rand(B * H, L, S) < 0.3,
+        "float_bhls": lambda: randn(B * H, L, S),
+        "bool_b1ls": lambda: rand(B, 1, L, S) < 0.3,
+        "float_1h1s": lambda: randn(1, H, 1, S),
+        "float_bh1s": lambda: randn(B, H, 1, S),
+        "bool_4d_full": lambda: rand(B, H, L, S) < 0.3,
+        "float_ls_transposed": lambda: randn(S, L).t(),  # key stride != 1
+        "bool_ls_sliced": lambda: (rand(L, 2 * S) < 0.3)[:, ::2],
+        "float_ls_expanded": lambda: randn(1, S).expand(L, S),  # stride 0 over queries
+        "float_bhls_sliced": lambda: randn(B * H, L + 5, S)[:, 5:],  # storage offset
+    }
+    return masks[kind]()
+
+
+def _padding(kind, gen):
+    if kind == "bool":
+        return torch.rand(B, S, generator=gen) < 0.3
+    if kind == "float":
+        return torch.randn(B, S, generator=gen)
+    if kind == "float_neginf":
+        return torch.zeros(B, S).masked_fill(torch.rand(B, S, generator=gen) < 0.3, float("-inf"))
+    if kind == "bool_transposed":
+        return (torch.rand(S, B, generator=gen) < 0.3).t()
+    if kind == "float16_expanded":
+        return torch.randn(B, 1, generator=gen).half().expand(B, S)
+    raise ValueError(kind)
+
+
+ATTN_MASKS = [
+    None, "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
+    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
+    "float_bhls_sliced",
+]
+PADDINGS = [None, "bool", "float", "float_neginf", "bool_transposed", "float16_expanded"]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
+def test_attn_mask(attn_mask, is_causal):
+    gen = torch.Generator().manual_seed(1)
+    mask = None if attn_mask is None else _mask(attn_mask, gen)
+    check(*make_qkv(B, H, L, S, D, D, layout="blhd"), attn_mask=mask, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+@pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
+def test_padding_and_attn_mask(attn_mask, padding, is_causal):
+    gen = torch.Generator().manual_seed(2)
+    mask = None if attn_mask is None else _mask(attn_mask, gen)
+    kpm = None if padding is None else _padding(padding, gen)
+    check(*make_qkv(B, H, L, S, D, D), attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masks_low_precision_and_strided(dtype):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_qkv(B, H, L, S, D, 8, dtype=dtype, layout="strided_last")
+    check(q, k, v, attn_mask=_mask("float_ls", gen).to(dtype), key_padding_mask=_padding("bool", gen),
+          is_causal=True, scale=0.2)
+
+
+def test_masked_tiles_are_skipped_correctly():
+    # Masks that remove whole (256, 512) tiles, which the kernel skips, next to tiles they remove in part.
+    q, k, v = make_qkv(2, 2, 600, 1300, 16, 16)
+    mask = torch.zeros(600, 1300, dtype=torch.bool)
+    mask[:300, 512:1024] = True  # whole key tile for the first query tile, part of it for the second
+    mask[:, 1200:] = True
+    kpm = torch.zeros(2, 1300, dtype=torch.bool)
+    kpm[0, :512] = True  # batch 0: whole first key tile
+    kpm[1, 1024:] = True  # batch 1: the last, partial key tile
+    check(q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    additive = torch.zeros(600, 1300).masked_fill(mask, float("-inf"))
+    check(q, k, v, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fully masked rows, empty sizes, NaN.
+
+
+def test_fully_masked_rows():
+    q, k, v = make_qkv(2, 2, 6, 9, 8, 8)
+    mask = torch.zeros(6, 9, dtype=torch.bool)
+    mask[2] = True  # query 2 sees no key
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True  # batch 1 sees no key at all
+    out, lse = check(q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    assert torch.isfinite(lse[0, :, [0, 1, 3, 4, 5]]).all()
+
+
+def test_float_neginf_mask_is_a_bool_mask():
+    q, k, v = make_qkv(1, 2, 7, 11, 8, 8)
+    masked = torch.rand(7, 11, generator=torch.Generator().manual_seed(4)) < 0.5
+    masked[3] = True
+    out_bool, lse_bool = attnx.attention(q, k, v, attn_mask=masked)
+    additive = torch.zeros(7, 11).masked_fill(masked, float("-inf"))
+    out_inf, lse_inf = attnx.attention(q, k, v, attn_mask=additive)
+    torch.testing.assert_close(out_inf, out_bool, rtol=0, atol=0)
+    torch.testing.assert_close(lse_inf, lse_bool, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "sizes",
+    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
+     (2, 2, 3, 4, 8, 0)],
+    ids=str,
+)
+def test_empty_sizes(sizes, dtype):
+    q, k, v = make_qkv(*sizes, dtype=dtype)
+    out, lse = check(q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
+    if sizes[3] == 0:  # no keys: every row is fully masked
+        assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+def test_nan_propagates_per_row():
+    q, k, v = make_qkv(1, 2, 5, 6, 4, 4)
+    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
+    mask = torch.zeros(5, 6)
+    mask[4, 3] = float("nan")  # row l=4 of every head
+    out, lse = check(q, k, v, attn_mask=mask)
+    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
+    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
+    assert not out[0, 0, :4].isnan().any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout of the outputs, fake kernel, opcheck.
+
+
+def test_output_layout():
+    q, k, v = make_qkv(2, 3, 5, 7, 8, 4)
+    out, lse = attnx.attention(q, k, v)
+    assert out.shape == (2, 3, 5, 4) and out.stride() == (60, 4, 12, 1)  # memory order (B, L, H, Dv)
+    assert out.transpose(1, 2).reshape(2, 5, 12).data_ptr() == out.data_ptr()
+    assert out.transpose(1, 2).is_contiguous()
+    assert lse.shape == (2, 3, 5) and lse.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "sizes", [(2, 3, 5, 7, 8, 4), (1, 1, 1, 1, 1, 1), (2, 0, 3, 4, 8, 8), (1, 2, 3, 4, 8, 0)], ids=str
+)
+def test_fake_matches_kernel(sizes, dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = make_qkv(*sizes, dtype=dtype, layout="blhd")
+    out, lse = attnx.attention(q, k, v)
+    with FakeTensorMode() as mode:
+        f_out, f_lse = attnx.attention(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v))
+    for real, fake in ((out, f_out), (lse, f_lse)):
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+def _opcheck_cases():
+    q, k, v = make_qkv(2, 2, 5, 7, 8, 4, layout="blhd")
+    gen = torch.Generator().manual_seed(5)
+    kpm = torch.rand(2, 7, generator=gen) < 0.3
+    mask = torch.randn(5, 7, generator=gen)
+    return [
+        (q, k, v, None, None, False, None),
+        (q, k, v, mask, kpm, True, 0.5),
+        (q.double(), k.double(), v.double(), (torch.rand(4, 5, 7, generator=gen) < 0.2), None, False, None),
+        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_opcheck(case):
+    pytest.importorskip("expecttest")
+    torch.library.opcheck(torch.ops.attnx.attention.default, _opcheck_cases()[case])
+
+
+def test_compile_fullgraph():
+    q, k, v = make_qkv(2, 2, 5, 7, 8, 8)
+    fn = torch.compile(lambda q, k, v: attnx.attention(q, k, v, is_causal=True)[0] * 2, fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), attnx.attention(q, k, v, is_causal=True)[0] * 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory: nothing of size (B, H, L, S), or even (B, 1, L, S), is ever built.
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import resource, torch, attnx
+    B, H, L, S, D = 2, 4, 4096, 4096, 16
+    q, k, v = (torch.randn(B, H, n, D) for n in (L, S, S))
+    mask = torch.rand(L, S) < 0.1
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[:, -100:] = True
+    attnx.attention(q[:, :, :8], k, v, mask[:8], kpm)  # warm up: threads, JIT kernels
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out, lse = attnx.attention(q, k, v, mask, kpm, is_causal=True)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) * 1024)
+    """
+)
+
+
+def test_no_quadratic_memory():
+    # Peak RSS of a fresh process around one call: a merged (B, 1, L, S) float mask alone would be 128 MiB,
+    # attention weights (B, H, L, S) 512 MiB. The call may add its outputs (1 MiB) and per-thread tiles.
+    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    grown = int(result.stdout.strip().splitlines()[-1])
+    assert grown < 32 * 2**20, f"peak RSS grew by {grown / 2**20:.1f} MiB during the call"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every ISA variant of the CPU kernel (torch picks one per process from ATEN_CPU_CAPABILITY).
+
+_ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_attention import check, make_qkv
+    assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        q, k, v = make_qkv(2, 3, 300, 530, 24, 20, dtype=dtype, layout="strided_last")
+        kpm = torch.rand(2, 530) < 0.3
+        mask = torch.randn(300, 530)
+        check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+        check(*make_qkv(1, 2, 37, 53, 24, 24, dtype=dtype))
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
+def test_isa_variants(isa):
+    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    script = _ISA_SCRIPT.format(tests=os.path.dirname(__file__), isa=isa)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower())
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad inputs: RuntimeError with a message that names what was expected.
+
+
+def _bad_cases():
+    q, k, v = make_qkv(2, 3, 5, 7, 8, 4)
+    return {
+        "query rank": ((q[0], k, v), {}, "expected query of shape (B, H, L, D), got a 3-D tensor"),
+        "key rank": ((q, k[0], v), {}, "expected key of shape (B, H, S, D), got a 3-D tensor"),
+        "value rank": ((q, k, v[..., None]), {}, "expected value of shape (B, H, S, Dv), got a 5-D tensor"),
+        "query dtype": (
+            (q.long(), k.long(), v.long()), {},
+            "expected query of dtype float32, float64, bfloat16 or float16, got Long",
+        ),
+        "key dtype": ((q, k.double(), v), {}, "expected key of query's dtype Float, got Double"),
+        "value dtype": ((q, k, v.half()), {}, "expected value of query's dtype Float, got Half"),
+        "device": ((q, k.to("meta"), v), {}, "expected key on query's device cpu, got meta"),
+        "batch": ((q, k[:1], v[:1]), {}, "expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
+        "heads": ((q, k[:, :2], v), {}, "expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
+        "head dim": ((q, k[..., :4], v), {}, "expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
+        "value S": ((q, k, v[:, :, :6]), {}, "expected value of shape (B, H, S, Dv) = (2, 3, 7, Dv)"),
+        "value B": ((q, k, v[:1]), {}, "expected value of shape (B, H, S, Dv) = (2, 3, 7, Dv)"),
+        "mask 2-D": (
+            (q, k, v), {"attn_mask": torch.zeros(5, 6)},
+            "expected attn_mask of shape (L, S) = (5, 7), (B*H, L, S) = (6, 5, 7) or 4-D broadcastable to "
+            "(B, H, L, S) = (2, 3, 5, 7), got [5, 6]",
+        ),
+        "mask 3-D": ((q, k, v), {"attn_mask": torch.zeros(3, 5, 7)}, "(B*H, L, S) = (6, 5, 7)"),
+        "mask 4-D": ((q, k, v), {"attn_mask": torch.zeros(2, 2, 5, 7)}, "4-D broadcastable to (B, H, L, S)"),
+        "mask 1-D": ((q, k, v), {"attn_mask": torch.zeros(7)}, "expected attn_mask of shape (L, S)"),
+        "mask int": ((q, k, v), {"attn_mask": torch.zeros(5, 7, dtype=torch.int64)},
+                     "expected attn_mask of dtype bool (True = masked out) or a floating dtype"),
+        "mask uint8": ((q, k, v), {"attn_mask": torch.zeros(5, 7, dtype=torch.uint8)}, "got Byte"),
+        "mask device": ((q, k, v), {"attn_mask": torch.zeros(5, 7, device="meta")},
+                        "expected attn_mask on query's device cpu, got meta"),
+        "padding shape": ((q, k, v), {"key_padding_mask": torch.zeros(2, 6)},
+                          "expected key_padding_mask of shape (B, S) = (2, 7), got [2, 6]"),
+        "padding rank": ((q, k, v), {"key_padding_mask": torch.zeros(2, 1, 7)},
+                         "expected key_padding_mask of shape (B, S) = (2, 7)"),
+        "padding dtype": ((q, k, v), {"key_padding_mask": torch.zeros(2, 7, dtype=torch.int32)},
+                          "expected key_padding_mask of dtype bool (True = masked out) or a floating dtype"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_inputs(case):
+    args, kwargs, message = _bad_cases()[case]
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        attnx.attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["query rank", "key dtype", "batch", "value S", "mask 2-D", "mask int",
+                                  "padding shape"])
+def test_bad_inputs_fake(case):
+    # The fake kernel raises the same errors, so torch.compile reports them at trace time.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, kwargs, message = _bad_cases()[case]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            attnx.attention(*args, **kwargs)
+
+
+def test_not_differentiable():
+    q, k, v = make_qkv(1, 1, 3, 4, 8, 8)
+    out, _ = attnx.attention(q.requires_grad_(), k, v)
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        out.sum().backward()
