@@ -22,4 +22,15 @@ TORCH_LIBRARY(attnx, m) {
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> (Tensor out, Tensor lse)");
+  // The whole nn.MultiheadAttention forward in one dispatch, sequence-first: query (L, B, E), key (S, B, kdim),
+  // value (S, B, vdim), any strides. Packed in_proj_weight or separate q/k/v weights, bias_k/bias_v,
+  // add_zero_attn, static_k/static_v (B*H, S, E/H), both masks as attention reads them (never merged),
+  // is_causal applied as a mask. Returns out (L, B, E), lse (B, H, L) and the attention weights when
+  // need_weights ((B, L, S') averaged over heads or (B, H, L, S')), else an empty tensor.
+  m.def(
+      "mha(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
+      "Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, "
+      "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "
+      "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "
+      "bool average_attn_weights) -> (Tensor out, Tensor lse, Tensor weights)");
 }

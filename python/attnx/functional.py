@@ -7,6 +7,7 @@ and runs a chain of ops; here the masks are only validated and go, as they are (
 own shape), to ONE call of :func:`attnx.ops.mha`, which reads them in place.
 """
 
+import functools
 import warnings
 from typing import Optional
 
@@ -65,8 +66,11 @@ def multi_head_attention_forward(
     a causal mask instead of attn_mask only when there is no key_padding_mask and ``need_weights=False``;
     otherwise it applies attn_mask. This function applies the same mask in each case.
 
-    Dropout (``training`` and ``dropout_p > 0``) runs a reference path (:mod:`attnx.reference` plus
-    ``F.dropout`` on the attention probabilities) instead of the fused op, until the op fuses dropout.
+    Until the fused backward and dropout land, two cases run a differentiable composition instead of the one
+    fused op: dropout (``training`` and ``dropout_p > 0``: :mod:`attnx.reference` plus ``F.dropout`` on the
+    attention probabilities) and any input requiring grad under grad mode (:func:`attnx.reference.mha`).
+    Both project through :func:`attnx.linear`, and both materialise the ``(B, H, L, S')`` probabilities, as
+    torch's own training path does.
     """
     tens_ops = (
         query,
@@ -300,7 +304,12 @@ def _forward(
     if training and dropout_p > 0.0:
         attn_output, fully_masked, attn_weights = _mha_with_dropout(*args, dropout_p=dropout_p)
     else:
-        attn_output, lse, attn_weights = ops.mha(*args)
+        # attnx::mha has no backward yet: with grads to compute, take the composition it is tested against.
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad for t in args
+        )
+        mha = functools.partial(reference.mha, project=ops.linear) if needs_grad else ops.mha
+        attn_output, lse, attn_weights = mha(*args)
         fully_masked = torch.isposinf(lse).any(dim=1) if need_weights else None  # (B, L)
 
     if need_weights:
@@ -362,6 +371,7 @@ def _mha_with_dropout(
         attn_mask,
         static_k,
         static_v,
+        project=ops.linear,
     )
     scores = reference._mha_scores(q, k, attn_mask, key_padding_mask, is_causal)  # (B, H, L, S')
     fully_masked = torch.isneginf(scores).all(dim=-1)  # (B, H, L)
@@ -369,7 +379,7 @@ def _mha_with_dropout(
         torch.softmax(scores, dim=-1), p=dropout_p, training=True
     )  # NaN rows where fully masked
     out = torch.matmul(probs.masked_fill(fully_masked.unsqueeze(-1), 0.0), v.to(probs.dtype)).to(query.dtype)
-    attn_output = reference._mha_out_projection(out, out_proj_weight, out_proj_bias)
+    attn_output = reference._mha_out_projection(out, out_proj_weight, out_proj_bias, project=ops.linear)
     if not need_weights:
         return attn_output, fully_masked.any(dim=1), query.new_empty(0)
     weights = probs.to(query.dtype)

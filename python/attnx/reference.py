@@ -4,7 +4,7 @@ This module is the spec: tests compare the kernels against it (in float64 where 
 benchmarks check outputs against it before timing, and fallbacks call it. Clarity beats speed here.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -96,6 +96,8 @@ def mha(
     static_v: Optional[Tensor],
     need_weights: bool,
     average_attn_weights: bool,
+    *,
+    project: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor] = linear,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward (without dropout); returns ``(out, lse, weights)``.
 
@@ -118,10 +120,14 @@ def mha(
     probabilities ``exp(score - lse)`` in query's dtype, ``(B, L, S')`` averaged over heads if
     ``average_attn_weights`` else ``(B, H, L, S')`` (``S'`` counts the appended keys; a fully masked row's
     weights are NaN, as torch's softmax gives), else an empty ``(0,)`` tensor.
+
+    ``project`` computes the in- and out-projections (``linear``'s signature); attnx.functional passes
+    :func:`attnx.linear` to differentiate through attnx's own projections.
     """
     q, k, v, attn_mask, key_padding_mask = _mha_project(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
         v_proj_weight, bias_k, bias_v, add_zero_attn, key_padding_mask, attn_mask, static_k, static_v,
+        project=project,
     )
     out, lse = attention(q, k, v, attn_mask, key_padding_mask, is_causal)
     if need_weights:
@@ -133,7 +139,7 @@ def mha(
             weights = weights.mean(dim=1)
     else:
         weights = query.new_empty(0)
-    return _mha_out_projection(out, out_proj_weight, out_proj_bias), lse, weights
+    return _mha_out_projection(out, out_proj_weight, out_proj_bias, project=project), lse, weights
 
 
 def _mha_project(
@@ -153,6 +159,8 @@ def _mha_project(
     attn_mask: Optional[Tensor],
     static_k: Optional[Tensor],
     static_v: Optional[Tensor],
+    *,
+    project: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor] = linear,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """:func:`mha` up to the attention core: q ``(B, H, L, D)``, k ``(B, H, S', D)``, v ``(B, H, S', D)``
     and the masks extended by one unmasked key column per appended key (attn_mask ``(L, S')`` or
@@ -171,16 +179,16 @@ def _mha_project(
     def heads(x: Tensor) -> Tensor:  # (S, B, E) -> (B, H, S, D); head h of batch b is row b*H + h, as torch's
         return x.reshape(x.shape[0], B, H, D).permute(1, 2, 0, 3)
 
-    q = heads(linear(query, w_q, b_q))
+    q = heads(project(query, w_q, b_q))
     if static_k is None:
-        k = linear(key, w_k, b_k)
+        k = project(key, w_k, b_k)
         if bias_k is not None:
             k = torch.cat([k, bias_k.expand(1, B, E)])
         k = heads(k)
     else:
         k = static_k.reshape(B, H, *static_k.shape[1:])
     if static_v is None:
-        v = linear(value, w_v, b_v)
+        v = project(value, w_v, b_v)
         if bias_v is not None:
             v = torch.cat([v, bias_v.expand(1, B, E)])
         v = heads(v)
@@ -216,7 +224,13 @@ def _mha_scores(
     return scores
 
 
-def _mha_out_projection(out: Tensor, out_proj_weight: Tensor, out_proj_bias: Optional[Tensor]) -> Tensor:
+def _mha_out_projection(
+    out: Tensor,
+    out_proj_weight: Tensor,
+    out_proj_bias: Optional[Tensor],
+    *,
+    project: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor] = linear,
+) -> Tensor:
     """Heads ``(B, H, L, D)`` -> concatenated ``(L, B, H*D)`` -> out projection ``(L, B, E)``."""
     B, H, L, D = out.shape
-    return linear(out.permute(2, 0, 1, 3).reshape(L, B, H * D), out_proj_weight, out_proj_bias)
+    return project(out.permute(2, 0, 1, 3).reshape(L, B, H * D), out_proj_weight, out_proj_bias)

@@ -1,0 +1,200 @@
+"""The fused op attnx::mha against its spec, reference.mha: every argument, strided inputs, memory, opcheck."""
+
+import itertools
+
+import pytest
+import torch
+from mha_helpers import MASK_CASES, make_masks
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from attnx import ops, reference
+
+B, H, L, S, E = 2, 4, 6, 9, 16
+KDIM, VDIM = 12, 20
+
+
+def _inputs(projection, layout, dtype, batch=B, length=L, source=S):
+    """(query, key, value, weights dict) in (L, B, E) form; ``layout`` decides their strides."""
+
+    def tensor(n, b, e):
+        if layout == "seq_first":
+            return torch.randn(n, b, e, dtype=dtype)
+        if layout == "batch_first":  # what a batch_first module passes: x.transpose(0, 1) of (B, N, E)
+            return torch.randn(b, n, e, dtype=dtype).transpose(0, 1)
+        if layout == "sliced":  # a window of a wider buffer: storage offset, row stride > E
+            return torch.randn(n + 1, b, e + 5, dtype=dtype)[1:, :, 2 : 2 + e]
+        raise ValueError(layout)
+
+    query = tensor(length, batch, E)
+    kdim, vdim = (KDIM, VDIM) if projection == "separate" else (E, E)
+    if projection == "self":
+        key = value = query
+    elif projection == "kv_shared":
+        key = value = tensor(source, batch, E)
+    else:
+        key, value = tensor(source, batch, kdim), tensor(source, batch, vdim)
+    w = {"out_proj_weight": torch.randn(E, E, dtype=dtype) / E**0.5}
+    if projection == "separate":
+        w["q_proj_weight"] = torch.randn(E, E, dtype=dtype) / E**0.5
+        w["k_proj_weight"] = torch.randn(E, kdim, dtype=dtype) / kdim**0.5
+        w["v_proj_weight"] = torch.randn(E, vdim, dtype=dtype) / vdim**0.5
+    else:
+        w["in_proj_weight"] = torch.randn(3 * E, E, dtype=dtype) / E**0.5
+    return query, key, value, w
+
+
+def _args(query, key, value, w, *, bias=True, extras="none", kpm=None, am=None, is_causal=False,
+          need_weights=False, average=True):
+    dtype, batch = query.dtype, query.shape[1]
+    static = extras == "static_kv"
+    hd = E // H
+    s_static = 5
+    return (
+        query, key, value, H, w.get("in_proj_weight"),
+        torch.randn(3 * E, dtype=dtype) if bias else None,
+        w.get("q_proj_weight"), w.get("k_proj_weight"), w.get("v_proj_weight"),
+        torch.randn(1, 1, E, dtype=dtype) if "bias_kv" in extras else None,
+        torch.randn(1, 1, E, dtype=dtype) if "bias_kv" in extras else None,
+        "zero_attn" in extras, w["out_proj_weight"], torch.randn(E, dtype=dtype) if bias else None,
+        kpm, am, is_causal,
+        torch.randn(batch * H, s_static, hd, dtype=dtype) if static else None,
+        torch.randn(batch * H, s_static, hd, dtype=dtype) if static else None,
+        need_weights, average,
+    )
+
+
+def _check(args, dtype=torch.float64):
+    """ops.mha vs reference.mha: float64 to rounding; lower precisions within 3x the reference's own error."""
+    out, lse, weights = ops.mha(*args)
+    ref = reference.mha(*args)
+    if dtype == torch.float64:
+        for got, want in zip((out, lse, weights), ref):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, equal_nan=True)
+        return
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref64 = reference.mha(*args64)
+    for got, want, want64 in zip((out, lse, weights), ref, ref64):
+        assert got.shape == want64.shape and got.dtype == want.dtype
+        finite = torch.isfinite(want64)
+        assert torch.equal(torch.isfinite(got), finite)
+        err = (got.double() - want64)[finite].abs().max().item() if finite.any() else 0.0
+        ref_err = (want.double() - want64)[finite].abs().max().item() if finite.any() else 0.0
+        assert err <= 3 * ref_err + 1e-5, (err, ref_err)
+
+
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("masks", MASK_CASES)
+def test_masks_and_weights(masks, need_weights, average):
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    kpm, am, is_causal = make_masks(masks, B, H, L, S, torch.float64)
+    _check(_args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights,
+                 average=average))
+
+
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "sliced"])
+@pytest.mark.parametrize("projection", ["self", "kv_shared", "distinct", "separate"])
+@pytest.mark.parametrize("extras", ["none", "bias_kv", "zero_attn", "bias_kv+zero_attn", "static_kv"])
+def test_projections_and_appended_keys(projection, layout, extras):
+    query, key, value, w = _inputs(projection, layout, torch.float64)
+    s = 5 if extras == "static_kv" else (L if projection == "self" else S)
+    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float64)
+    for bias in (True, False):
+        _check(_args(query, key, value, w, bias=bias, extras=extras, kpm=kpm, am=am, need_weights=True))
+
+
+@pytest.mark.parametrize("batch,length,source", [(1, 1, 1), (1, 32, 7), (3, 1, 4), (2, 5, 0)], ids=str)
+def test_size_one_and_empty_dims(batch, length, source):
+    """B=1 (the transposed layout of the seed report), a single query, and no keys at all (every row fully
+    masked: out is the out-projection bias, lse +inf)."""
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64, batch, length, source)
+    _check(_args(query, key, value, w, need_weights=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_low_precision(dtype):
+    query, key, value, w = _inputs("self", "batch_first", dtype)
+    kpm, am, _ = make_masks("both_float", B, H, L, L, dtype)
+    _check(_args(query, key, value, w, kpm=kpm, am=am, need_weights=True), dtype)
+
+
+def test_fully_masked_rows():
+    query, key, value, w = _inputs("kv_shared", "seq_first", torch.float64)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1] = True  # every key of batch 1
+    am = torch.zeros(L, S, dtype=torch.bool)
+    am[2] = True  # every key for query 2
+    args = _args(query, key, value, w, bias=False, kpm=kpm, am=am, need_weights=True)
+    out, lse, weights = ops.mha(*args)
+    assert torch.isposinf(lse[1]).all() and torch.isposinf(lse[0, :, 2]).all()
+    assert (out[:, 1] == 0).all() and (out[2] == 0).all()  # no out-projection bias here
+    assert weights[1].isnan().all() and weights[0, 2].isnan().all()
+    assert not out.isnan().any()
+    _check(args)
+
+
+def test_no_attention_sized_memory():
+    """Without need_weights no allocation is anywhere near [B, H, L, S]: extra memory is O(B*H*L)."""
+    b, h, n = 2, 4, 128
+    query, key, value, w = _inputs("self", "batch_first", torch.float32, b, n, n)
+    kpm, am, _ = make_masks("both_float", b, h, n, n, torch.float32)
+    attention_bytes = b * h * n * n * 4
+    for need_weights in (False, True):
+        args = _args(query, key, value, w, kpm=kpm, am=am, need_weights=need_weights, average=False)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+            ops.mha(*args)
+        largest = max(e.cpu_memory_usage for e in p.events())
+        if need_weights:  # the control: asking for the weights does allocate them
+            assert largest >= attention_bytes
+        else:
+            assert largest < attention_bytes / 4, largest
+
+
+@pytest.mark.parametrize("projection,layout", [("self", "batch_first"), ("separate", "seq_first")])
+def test_fake_kernel_matches(projection, layout):
+    for batch, length in [(B, L), (1, L), (B, 1)]:
+        query, key, value, w = _inputs(projection, layout, torch.float32, batch, length)
+        for extras, need_weights, average in itertools.product(["none", "bias_kv+zero_attn"], [False, True],
+                                                                [False, True]):
+            args = _args(query, key, value, w, extras=extras, need_weights=need_weights, average=average)
+            real = ops.mha(*args)
+            with FakeTensorMode() as mode:
+                fake = ops.mha(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+            for r, f in zip(real, fake):
+                assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_opcheck(extras):
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float32)
+    s = 5 if extras == "static_kv" else S
+    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
+    args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True)
+    torch.library.opcheck(torch.ops.attnx.mha.default, args)
+
+
+def test_backward_is_a_clear_error():
+    query, key, value, w = _inputs("self", "seq_first", torch.float32)
+    w["out_proj_weight"].requires_grad_()
+    out, _, _ = ops.mha(*_args(query, key, value, w))
+    with pytest.raises(NotImplementedError, match="attnx.mha has no backward yet"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: a.__setitem__(3, 5), r"attnx::mha: expected embed_dim \(16\) divisible by num_heads \(5\)"),
+        (lambda a: a.__setitem__(14, torch.zeros(B, S + 1, dtype=torch.bool)),
+         r"attnx::mha: expected key_padding_mask of shape \(B, S\) = \(2, 9\), got \[2, 10\]"),
+        (lambda a: a.__setitem__(15, torch.zeros(L, L, dtype=torch.bool)),
+         r"attnx::mha: expected attn_mask of shape \(L, S\) = \(6, 9\) or \(B\*H, L, S\) = \(8, 6, 9\)"),
+        (lambda a: a.__setitem__(4, None), "attnx::mha: expected either in_proj_weight or all three"),
+    ],
+    ids=["heads", "key_padding_mask", "attn_mask", "no weights"],
+)
+def test_bad_input(change, message):
+    query, key, value, w = _inputs("kv_shared", "seq_first", torch.float32)
+    args = list(_args(query, key, value, w))
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.mha(*args)
