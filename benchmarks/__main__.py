@@ -4,10 +4,10 @@ import argparse
 
 import torch
 
-from . import bench_linear
+from . import bench_linear, bench_mha
 from .common import write_results
 
-BENCHMARKS = {"linear": bench_linear}
+BENCHMARKS = {"linear": bench_linear, "mha": bench_mha}
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """Peak extra memory of one call, measured in a fresh process so nothing earlier in the run can hide it.
 
-CPU: the high-water mark of the resident set (``ru_maxrss``) after the call minus the resident set just
-before it, once a small warm-up call has initialised the libraries (thread pools, BLAS buffers). Large
-tensors are mmap-backed and returned to the system when freed, so the difference is the call's peak.
+CPU: the high-water mark of the resident set after the call minus the resident set just before it, once a
+small warm-up call has initialised the libraries (thread pools, BLAS buffers). On Linux the high-water mark
+(VmHWM) is reset right before the call (``/proc/self/clear_refs``): ``ru_maxrss`` would not do, since it
+survives exec and so starts at the RSS of the process that started this one. Large tensors are mmap-backed
+and returned to the system when freed, so the difference is the call's peak.
 CUDA: ``torch.cuda.max_memory_allocated`` after resetting it, minus what was allocated before the call.
 
 Usage from a benchmark: ``peak_extra_bytes("benchmarks.bench_mha:eval_case", impl="attnx", ...)`` runs
@@ -25,9 +27,17 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _max_rss_bytes() -> int:
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+def _reset_peak_rss() -> None:
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+
+
+def _peak_rss_bytes() -> int:
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
 
 
 def measure(factory: str, device: str, kwargs: dict) -> dict:
@@ -42,9 +52,10 @@ def measure(factory: str, device: str, kwargs: dict) -> dict:
             fn()
             torch.cuda.synchronize()
             return {"peak_extra_bytes": torch.cuda.max_memory_allocated() - before}
+        _reset_peak_rss()
         before = _rss_bytes()
         fn()
-        return {"peak_extra_bytes": _max_rss_bytes() - before}
+        return {"peak_extra_bytes": _peak_rss_bytes() - before}
 
 
 def peak_extra_bytes(factory: str, device: str = "cpu", **kwargs) -> int:
