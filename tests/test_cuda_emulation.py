@@ -1,10 +1,11 @@
-"""attnx::attention's CUDA SIMT kernel, compiled for the CPU and run on std::threads, against the float64 reference.
+"""attnx::attention's CUDA SIMT kernel compiled for the CPU, run on std::threads, vs the float64 reference.
 
-The source is csrc/cuda/attention.cu itself, compiled by g++ against tests/emulation/cuda_shim.h (one std::thread
-per CUDA thread, __syncthreads as a barrier, warp shuffles through exchange slots) and launched through the real
-launcher with the real launch plan. This checks the kernel's algorithm and indexing: strides, masks, causal
-skipping, partial tiles and blocks, fully masked rows, every dtype and head-dim bucket. It cannot show
-GPU-only behaviour (memory model, timing, compiler differences): tests/test_cuda.py does that on a GPU.
+The source is csrc/cuda/attention.cu itself, compiled by g++ against tests/emulation/cuda_shim.h (one
+std::thread per CUDA thread, __syncthreads as a barrier, warp shuffles through exchange slots) and launched
+through the real launcher with the real launch plan. This checks the kernel's algorithm and indexing:
+strides, masks, causal skipping, partial tiles and blocks, fully masked rows, every dtype and head-dim
+bucket. It cannot show GPU-only behaviour (memory model, timing, compiler differences): tests/test_cuda.py
+does that on a GPU.
 
 Shapes are tiny: every emulated block is 128 OS threads, and each warp shuffle is a barrier of 32 of them.
 """
@@ -13,10 +14,9 @@ import math
 
 import pytest
 import torch
+from attnx import reference
 from emulation import emulator
 from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv
-
-from attnx import reference
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -42,7 +42,7 @@ def check(emu, q, k, v, out_layout="blhd", **kwargs):
     return out, lse
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Dtypes, layouts, head-dim buckets, tile and block boundaries.
 
 LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
@@ -55,7 +55,7 @@ def test_dtypes_layouts(emu, dtype, layout):
     check(emu, *make_qkv(2, 2, 20, 37, 24, 24, dtype=dtype, layout=layout))
 
 
-# (L, S, D, Dv): one case per head-dim bucket (32, 64, 128, 256), D != Dv, D not a multiple of the vector width.
+# (L, S, D, Dv): one per head-dim bucket (32, 64, 128, 256); D != Dv; D not a multiple of the vector width.
 BUCKETS = [(5, 40, 8, 32), (6, 33, 64, 40), (3, 35, 100, 128), (3, 34, 256, 200), (2, 33, 129, 3)]
 
 
@@ -96,7 +96,7 @@ def test_custom_scale(emu):
     check(emu, q, k, v, scale=1 / 3)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Masks (the factories of test_attention: B, H, L, S, D = 2, 3, 19, 41, 16).
 
 B, H, L, S, D = 2, 3, 19, 41, 16
@@ -147,7 +147,7 @@ def test_padding_skips_whole_tiles(emu):
           is_causal=True)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Fully masked rows, NaN, empty sizes.
 
 
@@ -197,13 +197,13 @@ def test_empty_sizes(emu, sizes):
         assert (out == 0).all() and torch.isposinf(lse).all()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The launch plan: the glue and the emulation launch exactly what it says.
 
 
 def test_plan_limits(emu):
-    # Shared memory within an sm80 block's 163 KiB opt-in for every dtype and bucket; above 48 KiB the launcher
-    # opts in (the emulated launch refuses otherwise, as the runtime does: the D = 256 cases above pass).
+    # Shared memory within an sm80 block's 163 KiB opt-in for every dtype and bucket. Above 48 KiB the
+    # launcher opts in (the emulated launch refuses otherwise, as the runtime does; the D = 256 cases pass).
     for dtype in DTYPES:
         for d in (32, 64, 128, 256):
             p = emulator.make_params(*make_qkv(1, 1, 1, 1, d, d, dtype=dtype))
@@ -218,7 +218,8 @@ def test_plan_limits(emu):
 
 
 def test_head_dim_above_256_has_no_kernel(emu):
-    # The glue falls back to a chunked ATen composition (tested on a GPU in test_cuda.py); the launcher refuses.
+    # The glue falls back to a chunked ATen composition (tested on a GPU in test_cuda.py); the launcher
+    # refuses.
     q, k, v = make_qkv(1, 1, 3, 5, 264, 8)
     assert emu.plan(emulator.make_params(q, k, v), torch.float32).bucket == 0
     with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):

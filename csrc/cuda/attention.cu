@@ -1,16 +1,16 @@
 // attnx: attnx::attention's CUDA SIMT forward kernel, for float32, float64, float16 and bfloat16.
 //
-// Torch-free (raw pointers, AttentionParams, cudaStream_t): the glue is attention_cuda.cpp. The same source is
-// compiled for the CPU by tests/emulation/ and run there against the float64 reference.
+// Torch-free (raw pointers, AttentionParams, cudaStream_t): the glue is attention_cuda.cpp. The same source
+// is compiled for the CPU by tests/emulation/ and run there against the float64 reference.
 //
 // One block per (b, h, block of rows_per_block query rows); grid, block and shared-memory layout come from
-// plan_attention() (attention_plan.h). Each warp owns R = rows_per_warp consecutive query rows. For each tile of
-// 32 keys the block stages K and V in shared memory in the accumulator type; lane j scores key j against the
-// warp's R rows (queries read from shared memory as broadcasts), adds the masks read in place through their
-// strides, and the warp's max and sum (shuffles) drive the online softmax of softmax.h. Lane i accumulates the
-// output columns it owns (bucket / 32 of them, in vectors of up to 16 bytes) for the R rows, in float (double
-// for float64), from the probabilities each warp passes through shared memory. out and lse are written once
-// per row at the end.
+// plan_attention() (attention_plan.h). Each warp owns R = rows_per_warp consecutive query rows. For each tile
+// of 32 keys the block stages K and V in shared memory in the accumulator type; lane j scores key j against
+// the warp's R rows (queries read from shared memory as broadcasts), adds the masks read in place through
+// their strides, and the warp's max and sum (shuffles) drive the online softmax of softmax.h. Lane i
+// accumulates the output columns it owns (bucket / 32 of them, in vectors of up to 16 bytes) for the R rows,
+// in float (double for float64), from the probabilities each warp passes through shared memory. out and lse
+// are written once per row at the end.
 //
 // Skipped work: key tiles past the block's last query under is_causal, and key tiles that key_padding_mask
 // removes entirely (every warp reads the same 32 mask elements, so the decision is the block's). Masks
@@ -28,17 +28,18 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     attention_forward_simt(const AttentionParams p, const AttentionPointers ptr, const AttentionPlan plan) {
   using acc_t = typename AccType<scalar_t>::type;
   constexpr int kVec = 16 / static_cast<int>(sizeof(acc_t));  // accumulator elements per 16-byte vector
-  constexpr int kCols = kBucket / kWarpSize;                   // output columns per lane
-  constexpr int kOutVec = kCols < kVec ? kCols : kVec;         // a lane's columns come in groups of kOutVec
-  constexpr int kGroups = kCols / kOutVec;                     // ... spaced 32 * kOutVec apart
+  constexpr int kCols = kBucket / kWarpSize;                  // output columns per lane
+  constexpr int kOutVec = kCols < kVec ? kCols : kVec;        // a lane's columns come in groups of kOutVec
+  constexpr int kGroups = kCols / kOutVec;                    // ... spaced 32 * kOutVec apart
   using Vec = Pack<acc_t, kVec>;
   using OutVec = Pack<acc_t, kOutVec>;
   constexpr acc_t kNegInf = -acc_t(INFINITY);
 
   ATTNX_DYNAMIC_SHARED(acc_t, smem);
-  acc_t* const q_s = smem + plan.q_off;  // (rows_per_block, ldq) the block's queries, zero past D
-  acc_t* const k_s = smem + plan.k_off;  // (kTileKeys, ldk) the key tile, zero past D and past the last key
-  acc_t* const v_s = smem + plan.v_off;  // (kTileKeys, ldv) the value tile, zero past Dv and past the last key
+  // Zero past D, Dv and the last key (the partial last tile), so padded lanes and columns add exact zeros.
+  acc_t* const q_s = smem + plan.q_off;  // (rows_per_block, ldq) the block's queries
+  acc_t* const k_s = smem + plan.k_off;  // (kTileKeys, ldk) the key tile
+  acc_t* const v_s = smem + plan.v_off;  // (kTileKeys, ldv) the value tile
   acc_t* const p_s = smem + plan.p_off;  // (rows_per_block, kTileKeys) probabilities, one row per query row
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -48,7 +49,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int ldq = plan.ldq, ldk = plan.ldk, ldv = plan.ldv;
 
   // Under is_causal the last query blocks see the most keys: they get the lowest block indices, so they start
-  // first and the short blocks fill in at the end. Otherwise consecutive blocks share (b, h), hence K and V in L2.
+  // first and the short blocks fill in at the end. Otherwise consecutive blocks share (b, h), hence K and V
+  // in L2.
   const int64_t block = blockIdx.x;
   int64_t qb, bh;
   if (p.is_causal) {
@@ -216,7 +218,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       for (int u = 0; u < kOutVec; ++u) {
         const int c = g * kWarpSize * kOutVec + lane * kOutVec + u;
         // Written as 0, not as o * 0: o may hold 0 * inf = NaN from masked keys of an infinite value.
-        if (c < Dv) dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? acc_t(0) : o[r][g * kOutVec + u] * factor);
+        if (c < Dv)
+          dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? acc_t(0) : o[r][g * kOutVec + u] * factor);
       }
     }
     if (lane == 0) lse[l[r] * p.lse_stride[2]] = softmax_lse(state[r]);
@@ -228,14 +231,15 @@ cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, 
                         cudaStream_t stream) {
   using acc_t = typename AccType<scalar_t>::type;
   constexpr int R = rows_per_warp(static_cast<int>(sizeof(acc_t)), kBucket);
-  if (plan.rows_per_warp != R || plan.bucket != kBucket) return cudaErrorInvalidValue;  // plan and kernel disagree
+  if (plan.rows_per_warp != R || plan.bucket != kBucket)
+    return cudaErrorInvalidValue;  // plan and kernel disagree
   void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionPlan) =
       &attention_forward_simt<scalar_t, kBucket, R>;
   if (plan.smem_bytes > 48 * 1024) {
     // Above 48 KiB a kernel must opt in; a device with less shared memory per block fails here.
-    const cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(plan.smem_bytes));
+    const cudaError_t err =
+        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
     if (err != cudaSuccess) return err;
   }
   return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.blocks)), dim3(plan.threads), plan.smem_bytes,

@@ -1,5 +1,5 @@
-// attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernel is attention.cu
-// (torch-free), launched here on the current stream of the inputs' device.
+// attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernel is
+// attention.cu (torch-free), launched here on the current stream of the inputs' device.
 //
 // c10/cuda headers only: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE/cuSOLVER headers that a plain
 // CUDA toolkit install lacks.
@@ -43,10 +43,10 @@ at::Tensor additive(const at::Tensor& mask, at::ScalarType acc) {
   return mask.to(acc);
 }
 
-// Head dims above the kernel's kMaxHeadDim: the reference's formula on ATen ops (cuBLAS GEMMs), over chunks of
-// queries sized so that the scores of one chunk, (B, H, rows, S) in the accumulator dtype, stay within 256 MiB.
-// Nothing (B, H, L, S)-sized exists; masks are sliced per chunk, never merged beyond one chunk. Slower than a
-// fused kernel, but such head dims are rare.
+// Head dims above the kernel's kMaxHeadDim: the reference's formula on ATen ops (cuBLAS GEMMs), over chunks
+// of queries sized so that the scores of one chunk, (B, H, rows, S) in the accumulator dtype, stay within 256
+// MiB. Nothing (B, H, L, S)-sized exists; masks are sliced per chunk, never merged beyond one chunk. Slower
+// than a fused kernel, but such head dims are rare.
 void attention_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
@@ -106,13 +106,14 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
     attention_composite(query, key, value, attn_mask, key_padding_mask, is_causal, scale, pb);
     return {pb.out, pb.lse};
   }
-  const cuda::AttentionPointers ptr{pb.query,          pb.key,            pb.value,        pb.attn_mask,
-                                    pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()};
+  const cuda::AttentionPointers ptr{
+      pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()};
   const cudaError_t err =
       cuda::launch_attention(pb.params, dtype, ptr, c10::cuda::getCurrentCUDAStream(query.device().index()));
   TORCH_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
-              ", H=", pb.params.heads, ", L=", pb.params.q_len, ", S=", pb.params.kv_len, ", D=",
-              pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ", pb.dtype, "): ", cudaGetErrorString(err));
+              ", H=", pb.params.heads, ", L=", pb.params.q_len, ", S=", pb.params.kv_len,
+              ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ", pb.dtype,
+              "): ", cudaGetErrorString(err));
   return {pb.out, pb.lse};
 }
 

@@ -25,27 +25,32 @@ namespace attnx::cuda {
 enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
 
 constexpr int kWarpSize = 32;
-constexpr int kWarps = 4;       // warps per block: 128 threads
-constexpr int kTileKeys = 32;   // keys per K/V tile, one per lane
+constexpr int kWarps = 4;      // warps per block: 128 threads
+constexpr int kTileKeys = 32;  // keys per K/V tile, one per lane
 constexpr int kMaxHeadDim = 256;
 
 // Bytes of the accumulator type: 8 for float64 inputs, 4 for the others (fp16/bf16 accumulate in float).
-constexpr int acc_bytes(DType dtype) { return dtype == DType::kFloat64 ? 8 : 4; }
+constexpr int acc_bytes(DType dtype) {
+  return dtype == DType::kFloat64 ? 8 : 4;
+}
 
 // Query rows per warp. Every K or V element a lane reads from shared memory serves this many rows, which is
 // what the SIMT kernel's speed hangs on; 4 rows keep 4 * bucket / 32 fp32 output accumulators per lane in
-// registers (32 at bucket 256). float64 at bucket 256 takes 2, which keeps its shared memory (148 KiB) under the
-// 163 KiB an sm80 block may have.
-constexpr int rows_per_warp(int acc_size, int bucket) { return acc_size == 8 && bucket == 256 ? 2 : 4; }
+// registers (32 at bucket 256). float64 at bucket 256 takes 2, which keeps its shared memory (148 KiB) under
+// the 163 KiB an sm80 block may have.
+constexpr int rows_per_warp(int acc_size, int bucket) {
+  return acc_size == 8 && bucket == 256 ? 2 : 4;
+}
 
-// The head-dim bucket the kernel is instantiated for: max(D, Dv) rounded up to 32, 64, 128 or 256; 0 past 256.
+// The head-dim bucket the kernel is instantiated for: max(D, Dv) rounded up to 32, 64, 128 or 256; 0 past
+// 256.
 constexpr int head_dim_bucket(int64_t head_dim, int64_t v_head_dim) {
   const int64_t d = head_dim > v_head_dim ? head_dim : v_head_dim;
   return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : d <= kMaxHeadDim ? 256 : 0;
 }
 
 struct AttentionPlan {
-  int bucket;          // head-dim bucket; 0 when D or Dv exceeds kMaxHeadDim (no kernel: see attention_cuda.cpp)
+  int bucket;  // head-dim bucket; 0 when D or Dv exceeds kMaxHeadDim (no kernel: see attention_cuda.cpp)
   int rows_per_warp;
   int rows_per_block;  // kWarps * rows_per_warp
   int threads;         // kWarps * kWarpSize
@@ -54,14 +59,17 @@ struct AttentionPlan {
   int64_t blocks;      // q_blocks * bh: grid.x
   // Shared memory, in accumulator elements: row strides and region offsets.
   int ldq;  // >= D, a multiple of the 16-byte vector width; query rows are read whole by every lane
-  int ldk;  // >= D, a multiple of the vector width, and an odd number of vectors: lane j reads row j, and an odd
-            // vector stride puts the 8 lanes of each 128-bit shared-memory phase on 8 distinct bank groups
+  int ldk;  // >= D, a multiple of the vector width, and an odd number of vectors: lane j reads row j, and an
+            // odd vector stride puts the 8 lanes of each 128-bit shared-memory phase on 8 distinct bank
+            // groups
   int ldv;  // = bucket: lane i reads columns i * w + 32 * w * g (w = its vector width), never a bank conflict
   int64_t q_off, k_off, v_off, p_off;
   size_t smem_bytes;
 };
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
 
 // The largest grid.x a launch may have.
 constexpr int64_t kMaxBlocks = 2147483647;

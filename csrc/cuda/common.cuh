@@ -1,5 +1,6 @@
 // attnx: what every attnx .cu file shares: element conversions, warp reductions, and the two constructs that
-// differ between nvcc and the CPU emulation (tests/emulation/cuda_shim.h): dynamic shared memory and the launch.
+// differ between nvcc and the CPU emulation (tests/emulation/cuda_shim.h): dynamic shared memory and the
+// launch.
 //
 // Torch-free on purpose: a .cu that includes ATen takes ~30 s and 1.5 GB in nvcc, one that does not ~1 s.
 #pragma once
@@ -26,15 +27,18 @@ namespace attnx::cuda {
 #define ATTNX_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::attnx_emu::dynamic_shared_memory())
 using ::attnx_emu::launch_kernel;
 #else
-#define ATTNX_DYNAMIC_SHARED(T, name)                           \
+#define ATTNX_DYNAMIC_SHARED(T, name)                          \
   extern __shared__ __align__(16) unsigned char attnx_smem_[]; \
   T* name = reinterpret_cast<T*>(attnx_smem_)
 
-// kernel<<<grid, block, smem, stream>>>(args...), then the launch's error, as C10_CUDA_KERNEL_LAUNCH_CHECK reads it.
+// kernel<<<grid, block, smem, stream>>>(args...), then the launch's error, as C10_CUDA_KERNEL_LAUNCH_CHECK
+// reads it.
 template <typename... Params, typename... Args>
-inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                 Args&&... args) {
+inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                 cudaStream_t stream, Args&&... args) {
+  // clang-format off
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+  // clang-format on
   return cudaGetLastError();
 }
 #endif
@@ -45,10 +49,18 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // Conversions. torch builds .cu files with __CUDA_NO_HALF_CONVERSIONS__ and friends, so half and bfloat16 go
 // through the explicit intrinsics (round to nearest even, as torch's own casts).
 
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) {
+  return x;
+}
+__device__ __forceinline__ double to_acc(double x) {
+  return x;
+}
+__device__ __forceinline__ float to_acc(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
 template <typename T>
 struct FromAcc;

@@ -7,8 +7,10 @@
 
 namespace attnx {
 
-at::Tensor linear_cuda(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  // Only a CUDA input sets the device; a mix of devices fails linear_via_gemm's checks with F.linear's message.
+at::Tensor linear_cuda(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  // Only a CUDA input sets the device; a mix of devices fails linear_via_gemm's checks with F.linear's
+  // message.
   c10::cuda::OptionalCUDAGuard guard;
   if (input.is_cuda()) guard.set_device(input.device());
   return linear_via_gemm(input, weight, bias);
@@ -16,4 +18,6 @@ at::Tensor linear_cuda(const at::Tensor& input, const at::Tensor& weight, const 
 
 }  // namespace attnx
 
-TORCH_LIBRARY_IMPL(attnx, CUDA, m) { m.impl("linear", &attnx::linear_cuda); }
+TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
+  m.impl("linear", &attnx::linear_cuda);
+}

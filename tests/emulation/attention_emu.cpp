@@ -1,4 +1,5 @@
-// attnx: a C entry point to attnx::attention's CUDA kernels compiled for the CPU (see cuda_shim.h), for ctypes.
+// attnx: a C entry point to attnx::attention's CUDA kernels compiled for the CPU (see cuda_shim.h), for
+// ctypes.
 //
 // The launch goes through the real launcher, launch_attention() in csrc/cuda/attention.cu, so grid, block and
 // shared memory are the plan the GPU gets (plan_attention() in csrc/cuda/attention_plan.h).
@@ -7,8 +8,12 @@
 extern "C" {
 
 // sizeof(AttentionParams) and sizeof(AttentionPlan): the Python side checks its ctypes mirrors against them.
-size_t attnx_emu_sizeof_params() { return sizeof(attnx::AttentionParams); }
-size_t attnx_emu_sizeof_plan() { return sizeof(attnx::cuda::AttentionPlan); }
+size_t attnx_emu_sizeof_params() {
+  return sizeof(attnx::AttentionParams);
+}
+size_t attnx_emu_sizeof_plan() {
+  return sizeof(attnx::cuda::AttentionPlan);
+}
 
 void attnx_emu_plan(const attnx::AttentionParams* p, int dtype, attnx::cuda::AttentionPlan* plan) {
   *plan = attnx::cuda::plan_attention(*p, static_cast<attnx::cuda::DType>(dtype));

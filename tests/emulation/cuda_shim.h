@@ -1,20 +1,23 @@
-// attnx: the CUDA execution model on CPU threads, enough to run attnx's SIMT kernels (csrc/cuda/*.cu) unmodified.
+// attnx: the CUDA execution model on CPU threads, enough to run attnx's SIMT kernels (csrc/cuda/*.cu)
+// unmodified.
 //
 // g++ compiles a .cu file as C++ with -DATTNX_CUDA_EMULATION; csrc/cuda/common.cuh then includes this header.
 // The toolkit's own headers (host-capable) supply dim3, cudaError_t, __half, __nv_bfloat16 and turn
 // __device__/__global__/__shared__ into nothing; this file supplies the rest:
-//   - one std::thread per CUDA thread of a block; the blocks of a grid run one after another on the same threads;
+//   - one std::thread per CUDA thread of a block; the blocks of a grid run one after another on the same
+//   threads;
 //   - threadIdx / blockIdx / blockDim / gridDim as thread-locals;
 //   - __syncthreads: a barrier of the block's threads; __syncwarp: a barrier of the warp's 32;
-//   - __shfl_xor_sync / __shfl_sync / __all_sync / __any_sync / __ballot_sync: every lane of the warp writes its
-//     value into an exchange slot, a warp barrier, every lane reads the slot it asked for. Only full-warp masks
-//     are supported (the kernels use nothing else), and every lane must arrive, as on sm70+;
+//   - __shfl_xor_sync / __shfl_sync / __all_sync / __any_sync / __ballot_sync: every lane of the warp writes
+//   its
+//     value into an exchange slot, a warp barrier, every lane reads the slot it asked for. Only full-warp
+//     masks are supported (the kernels use nothing else), and every lane must arrive, as on sm70+;
 //   - dynamic shared memory, filled with 0xff bytes (NaN as float or double) before each block, so a kernel
 //     that reads shared memory it never wrote produces NaN rather than a lucky zero;
 //   - launch_kernel(): grid/block/shared-memory checks like the runtime's (1024 threads, 48 KiB without
 //     cudaFuncAttributeMaxDynamicSharedMemorySize, 227 KiB at most, as on sm90), then the run.
-// A launch in which no barrier completes for kBarrierTimeout (a divergent __syncthreads or shuffle) aborts the
-// process with a message instead of hanging.
+// A launch in which no barrier completes for kBarrierTimeout (a divergent __syncthreads or shuffle) aborts
+// the process with a message instead of hanging.
 //
 // What this cannot show: races that the hardware's scheduling would expose but the OS's does not (run the
 // TSan build for those), warp-synchronous code without __syncwarp, tensor-core instructions, performance.
@@ -56,9 +59,9 @@ constexpr auto kBarrierTimeout = std::chrono::seconds(120);
 }
 
 // Barriers and the watchdog. A barrier is an arrival counter and a generation word that waiters sleep on
-// (std::atomic::wait: a futex on Linux, no mutex to fight over when 128 threads wake at once). Barriers cannot
-// time out by themselves, so every barrier phase counts as progress and a watchdog thread aborts a launch that
-// makes none for kBarrierTimeout: a __syncthreads or shuffle that not every thread reaches.
+// (std::atomic::wait: a futex on Linux, no mutex to fight over when 128 threads wake at once). Barriers
+// cannot time out by themselves, so every barrier phase counts as progress and a watchdog thread aborts a
+// launch that makes none for kBarrierTimeout: a __syncthreads or shuffle that not every thread reaches.
 inline std::atomic<uint64_t>& progress() {
   static std::atomic<uint64_t> counter{0};
   return counter;
@@ -113,10 +116,11 @@ class Watchdog {
         last = std::chrono::steady_clock::now();
       } else if (std::chrono::steady_clock::now() - last > kBarrierTimeout) {
         char message[200];
-        std::snprintf(message, sizeof message,
-                      "%s: no barrier completed for %lld s: a __syncthreads, __syncwarp or warp shuffle that not "
-                      "every thread reaches?",
-                      what_, static_cast<long long>(kBarrierTimeout.count()));
+        std::snprintf(
+            message, sizeof message,
+            "%s: no barrier completed for %lld s: a __syncthreads, __syncwarp or warp shuffle that not "
+            "every thread reaches?",
+            what_, static_cast<long long>(kBarrierTimeout.count()));
         fail(message);
       }
     }
@@ -154,7 +158,9 @@ struct ThreadState {
 
 inline thread_local ThreadState tl;
 
-inline unsigned char* dynamic_shared_memory() { return tl.block->smem.data(); }
+inline unsigned char* dynamic_shared_memory() {
+  return tl.block->smem.data();
+}
 
 inline void warp_barrier() {
   tl.warp->barrier.arrive_and_wait();
@@ -169,7 +175,7 @@ inline void check_mask(unsigned mask, const char* what) {
 template <typename T>
 inline const unsigned char (*publish(const T& value))[16] {
   static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 16, "warp exchange of an unsupported type");
-  unsigned char(*slots)[16] = tl.warp->slots[tl.phase % 2];
+  unsigned char (*slots)[16] = tl.warp->slots[tl.phase % 2];
   std::memcpy(slots[tl.lane], &value, sizeof(T));
   warp_barrier();
   return slots;
@@ -192,7 +198,8 @@ inline cudaError_t& last_error() {
   return error;
 }
 
-// kernel<<<grid, block, smem>>>(args...) on std::threads; returns what cudaGetLastError would after the launch.
+// kernel<<<grid, block, smem>>>(args...) on std::threads; returns what cudaGetLastError would after the
+// launch.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t,
                           Args&&... args);
@@ -205,7 +212,9 @@ inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 constexpr int warpSize = attnx_emu::kWarpSize;
 
-inline void __syncthreads() { attnx_emu::tl.block->barrier.arrive_and_wait(); }
+inline void __syncthreads() {
+  attnx_emu::tl.block->barrier.arrive_and_wait();
+}
 
 inline void __syncwarp(unsigned mask = attnx_emu::kFullMask) {
   attnx_emu::check_mask(mask, "__syncwarp with a partial mask is not emulated");
@@ -236,8 +245,12 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
   return bits;
 }
 
-inline int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) == attnx_emu::kFullMask; }
-inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
+inline int __all_sync(unsigned mask, int predicate) {
+  return __ballot_sync(mask, predicate) == attnx_emu::kFullMask;
+}
+inline int __any_sync(unsigned mask, int predicate) {
+  return __ballot_sync(mask, predicate) != 0;
+}
 
 namespace attnx_emu {
 

@@ -1,10 +1,10 @@
 """attnx's CUDA kernels compiled for the CPU with g++ and the shim in cuda_shim.h, driven through ctypes.
 
 ``build()`` compiles ``csrc/cuda/attention.cu`` (the real source, as C++) with ``attention_emu.cpp`` and
-``cuda_shim.cpp`` into a shared library under ``build/emulation/``, cached by the hash of every source, header
-and flag. ``Emulator.attention`` mirrors the glue (csrc/cuda/attention_cuda.cpp + common/attention.cpp): it
-reads the tensors' layouts into AttentionParams without copying, allocates out in (B, L, H, Dv) memory order and
-lse, and calls the same launcher a GPU build calls.
+``cuda_shim.cpp`` into a shared library under ``build/emulation/``, cached by the hash of every source,
+header and flag. ``Emulator.attention`` mirrors the glue (csrc/cuda/attention_cuda.cpp and
+common/attention.cpp): it reads the tensors' layouts into AttentionParams without copying, allocates out in
+(B, L, H, Dv) memory order and lse, and calls the same launcher a GPU build calls.
 """
 
 import ctypes
@@ -44,7 +44,7 @@ def _depends():
 
 
 def toolkit_include():
-    """A CUDA toolkit include dir with the host-capable cuda_runtime.h / cuda_fp16.h / cuda_bf16.h, or None."""
+    """A CUDA toolkit include dir with host-capable cuda_runtime.h, cuda_fp16.h and cuda_bf16.h, or None."""
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     if nvcc:  # nvcc may be a wrapper script: ask it where its toolkit is
@@ -60,7 +60,8 @@ def toolkit_include():
     roots += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
     for root in filter(None, roots):
         inc = os.path.join(root, "include")
-        if all(os.path.exists(os.path.join(inc, h)) for h in ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")):
+        headers = ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")
+        if all(os.path.exists(os.path.join(inc, h)) for h in headers):
             return inc
     return None
 
@@ -70,7 +71,7 @@ def compiler():
 
 
 def build(extra_flags=(), sources=SOURCES, shared=True):
-    """Compile the emulation (a shared library, or an executable when ``shared`` is False); returns its path."""
+    """Compiles the emulation (a shared library, or an executable unless ``shared``); returns its path."""
     cxx = compiler()
     if cxx is None:
         raise Unavailable("no C++ compiler (g++ or clang++; or set CXX)")
@@ -111,7 +112,7 @@ def build(extra_flags=(), sources=SOURCES, shared=True):
     return target
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # ctypes mirrors of csrc/include/attnx/params.h and csrc/cuda/attention_plan.h.
 
 i64, i32 = ctypes.c_int64, ctypes.c_int32
@@ -119,7 +120,8 @@ i64, i32 = ctypes.c_int64, ctypes.c_int32
 
 class AttentionParams(ctypes.Structure):
     _fields_ = [
-        ("batch", i64), ("heads", i64), ("q_len", i64), ("kv_len", i64), ("head_dim", i64), ("v_head_dim", i64),
+        ("batch", i64), ("heads", i64), ("q_len", i64), ("kv_len", i64),
+        ("head_dim", i64), ("v_head_dim", i64),
         ("q_stride", i64 * 4), ("k_stride", i64 * 4), ("v_stride", i64 * 4), ("out_stride", i64 * 4),
         ("lse_stride", i64 * 3), ("attn_mask_stride", i64 * 4), ("key_padding_mask_stride", i64 * 2),
         ("attn_mask_kind", i32), ("key_padding_mask_kind", i32), ("is_causal", i32),
