@@ -266,7 +266,8 @@ cudaError_t launch_bucket(const AttentionParams& p, const AttentionPointers& ptr
 }  // namespace
 
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, Kernel kernel) {
+  if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, stream);
   const AttentionPlan plan = plan_attention(p, dtype);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.blocks == 0) return cudaSuccess;

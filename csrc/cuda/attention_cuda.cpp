@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <tuple>
 
@@ -33,6 +35,21 @@ cuda::DType kernel_dtype(at::ScalarType t) {
     default:
       TORCH_CHECK(false, "attnx::attention: no CUDA kernel for dtype ", t);
   }
+}
+
+// The tensor-core kernel when ATTNX_CUDA_MMA=1 (read once per process), the problem is one it covers and the
+// device is sm80+; the SIMT kernel otherwise. Off by default: the mma kernel has never run on a GPU.
+cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, c10::DeviceIndex device) {
+  static const bool requested = [] {
+    const char* flag = std::getenv("ATTNX_CUDA_MMA");
+    return flag != nullptr && std::strcmp(flag, "1") == 0;
+  }();
+  if (!requested || !cuda::mma_supports(p, dtype)) return cuda::Kernel::kSimt;
+  int major = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  TORCH_CHECK(err == cudaSuccess, "attnx::attention: cannot read the compute capability of device ", device,
+              ": ", cudaGetErrorString(err));
+  return major >= 8 ? cuda::Kernel::kMma : cuda::Kernel::kSimt;
 }
 
 // A mask as the additive term it stands for, in the accumulator dtype: bool true = -inf, a float as it is.
@@ -108,8 +125,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
   }
   const cuda::AttentionPointers ptr{
       pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()};
+  const c10::DeviceIndex device = query.device().index();
   const cudaError_t err =
-      cuda::launch_attention(pb.params, dtype, ptr, c10::cuda::getCurrentCUDAStream(query.device().index()));
+      cuda::launch_attention(pb.params, dtype, ptr, c10::cuda::getCurrentCUDAStream(device),
+                             select_kernel(pb.params, dtype, device));
   TORCH_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
               ", H=", pb.params.heads, ", L=", pb.params.q_len, ", S=", pb.params.kv_len,
               ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ", pb.dtype,

@@ -98,6 +98,45 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
   return plan;
 }
 
+// The tensor-core kernel (attention_mma.cu, opt-in with ATTNX_CUDA_MMA=1): float16/bfloat16 on sm80+, with
+// mma.sync.m16n8k16 (fp32 accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows each, K/V
+// tiles of 64 keys staged in shared memory in the input type, row stride bucket + 8 elements (16 bytes of
+// padding make every fragment load conflict-free).
+constexpr int kMmaRowsPerWarp = 16;
+constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
+constexpr int kMmaTileKeys = 64;
+constexpr int kMmaMaxHeadDim = 128;  // its Q, S and O fragments stay in registers up to here
+
+// True when the mma kernel covers the problem: float16/bfloat16 and max(D, Dv) <= kMmaMaxHeadDim.
+constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
+  return (dtype == DType::kFloat16 || dtype == DType::kBFloat16) &&
+         head_dim_bucket(p.head_dim, p.v_head_dim) != 0 &&
+         head_dim_bucket(p.head_dim, p.v_head_dim) <= kMmaMaxHeadDim;
+}
+
+struct AttentionMmaPlan {
+  int bucket;  // head-dim bucket (32, 64 or 128); 0 when mma_supports() is false
+  int threads;
+  int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
+  int64_t bh;
+  int64_t blocks;  // grid.x
+  int ld;          // row stride of the K and V tiles, in elements
+  size_t smem_bytes;
+};
+
+inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype) {
+  AttentionMmaPlan plan{};
+  plan.threads = kWarps * kWarpSize;
+  plan.q_blocks = (p.q_len + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock;
+  plan.bh = p.batch * p.heads;
+  plan.blocks = plan.q_blocks * plan.bh;
+  if (!mma_supports(p, dtype)) return plan;
+  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  plan.ld = plan.bucket + 8;
+  plan.smem_bytes = size_t{2} * kMmaTileKeys * static_cast<size_t>(plan.ld) * 2;  // K and V, 2-byte elements
+  return plan;
+}
+
 // Where the kernel's tensors start (storage offsets applied); their layouts are in AttentionParams.
 struct AttentionPointers {
   const void* query;

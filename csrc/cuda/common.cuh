@@ -10,7 +10,9 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
+#include <type_traits>
 #include <utility>
 
 #if defined(ATTNX_CUDA_EMULATION)
@@ -129,5 +131,48 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor cores (sm80+): D += A B for one m16n8k16 tile, A row-major 16x16 and B column-major 16x8 in float16
+// or bfloat16 (T), D 16x8 in float. Fragments are laid out as the PTX ISA specifies for mma.m16n8k16 (g =
+// lane / 4, t = lane % 4; each 32-bit register holds two elements, the lower index in the low half):
+//   a[0] = A[g][2t, 2t+1]  a[1] = A[g+8][2t, 2t+1]  a[2] = A[g][2t+8, 2t+9]  a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]  b[1] = B[2t+8, 2t+9][g]
+//   d[0], d[1] = D[g][2t, 2t+1]  d[2], d[3] = D[g+8][2t, 2t+1]
+// The CPU emulation replaces the instruction with a warp collective that rebuilds A, B and D from these
+// layouts.
+
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::mma_m16n8k16<T>(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // no tensor-core kernel below sm80; the glue never launches one there
+#endif
+}
+
+// Two 16-bit elements as one 32-bit fragment register, `lo` in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(T lo, T hi) {
+  static_assert(sizeof(T) == 2, "pack2 packs 16-bit elements");
+  uint16_t l, h;
+  memcpy(&l, static_cast<const void*>(&lo), 2);
+  memcpy(&h, static_cast<const void*>(&hi), 2);
+  return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+}
 
 }  // namespace attnx::cuda
