@@ -30,9 +30,9 @@ def emu():
     return emulator.Emulator(path)
 
 
-def check(emu, q, k, v, out_layout="blhd", **kwargs):
+def check(emu, q, k, v, out_layout="blhd", kernel="simt", **kwargs):
     """Runs the emulated kernel and compares out and lse with the reference, as test_attention.check does."""
-    out, lse = emu.attention(q, k, v, out_layout=out_layout, **kwargs)
+    out, lse = emu.attention(q, k, v, out_layout=out_layout, kernel=kernel, **kwargs)
     ref64_out, ref64_lse = reference.attention(
         _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
     )
@@ -227,3 +227,77 @@ def test_head_dim_above_256_has_no_kernel(emu):
     q, k, v = make_qkv(1, 1, 3, 5, 8, 300)
     with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
         emu.attention(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The tensor-core kernel (attention_mma.cu, opt-in), with mma.sync emulated over the PTX fragment layouts. It
+# rounds P to the input type before P V, as FlashAttention does; the bounds above absorb that.
+
+MMA_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
+def test_mma_dtypes_layouts(emu, dtype, layout):
+    # L = 70: two query blocks of 64, the second partial; S = 90: two key tiles of 64, the second partial.
+    check(emu, *make_qkv(2, 2, 70, 90, 24, 24, dtype=dtype, layout=layout), kernel="mma")
+
+
+@pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", [(5, 40, 8, 32), (6, 33, 64, 40), (3, 70, 100, 128), (2, 33, 128, 3)],
+                         ids=str)
+def test_mma_head_dim_buckets(emu, sizes, dtype):
+    L, S, D, Dv = sizes
+    check(emu, *make_qkv(1, 1, L, S, D, Dv, dtype=dtype, layout="blhd"), is_causal=True, kernel="mma")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_mma_many_blocks_and_tiles(emu, is_causal):
+    check(emu, *make_qkv(1, 1, 150, 200, 16, 16, dtype=torch.float16), is_causal=is_causal, kernel="mma")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("attn_mask", ["bool_ls", "float64_ls", "neginf_ls", "float_bhls", "float_1h1s",
+                                       "bool_4d_full", "float_ls_transposed", "float_ls_expanded"], ids=str)
+def test_mma_attn_mask(emu, attn_mask, is_causal):
+    mask = _mask(attn_mask, torch.Generator().manual_seed(1))
+    q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.bfloat16, layout="blhd")
+    check(emu, q, k, v, attn_mask=mask, is_causal=is_causal, kernel="mma")
+
+
+@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+def test_mma_padding_and_attn_mask(emu, padding):
+    gen = torch.Generator().manual_seed(2)
+    mask, kpm = _mask("float_bhls", gen), _padding(padding, gen)
+    q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.float16)
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=padding == "bool", scale=0.3,
+          kernel="mma")
+
+
+def test_mma_padding_skips_whole_tiles_and_fully_masked_rows(emu):
+    q, k, v = make_qkv(2, 2, 20, 140, 16, 16, dtype=torch.float16)
+    kpm = torch.zeros(2, 140, dtype=torch.bool)
+    kpm[0, :64] = True  # batch 0: the whole first key tile, skipped
+    kpm[1] = True  # batch 1: every key
+    mask = torch.zeros(20, 140, dtype=torch.bool)
+    mask[3] = True  # query 3 sees no key
+    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, kernel="mma")
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
+
+
+def test_mma_nan_and_empty(emu):
+    q, k, v = make_qkv(1, 2, 5, 6, 16, 16, dtype=torch.float16)
+    q[0, 1, 2, 0] = float("nan")
+    mask = torch.zeros(5, 6)
+    mask[4, 3] = float("nan")
+    out, lse = check(emu, q, k, v, attn_mask=mask, kernel="mma")
+    assert out[0, 1, 2].isnan().all() and out[0, :, 4].isnan().all()
+    for sizes in [(2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8), (2, 2, 3, 4, 8, 0)]:
+        check(emu, *make_qkv(*sizes, dtype=torch.float16), kernel="mma")
+
+
+def test_mma_refuses_what_it_does_not_cover(emu):
+    for dtype, d in [(torch.float32, 64), (torch.float64, 64), (torch.float16, 136), (torch.bfloat16, 256)]:
+        with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+            emu.attention(*make_qkv(1, 1, 3, 5, d, d, dtype=dtype), kernel="mma")

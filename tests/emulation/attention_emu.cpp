@@ -19,13 +19,14 @@ void attnx_emu_plan(const attnx::AttentionParams* p, int dtype, attnx::cuda::Att
   *plan = attnx::cuda::plan_attention(*p, static_cast<attnx::cuda::DType>(dtype));
 }
 
-// Returns the cudaError_t of the launch (0 = cudaSuccess).
-int attnx_emu_attention(const attnx::AttentionParams* p, int dtype, const void* query, const void* key,
-                        const void* value, const void* attn_mask, const void* key_padding_mask, void* out,
-                        void* lse) {
+// Returns the cudaError_t of the launch (0 = cudaSuccess). kernel: 0 = SIMT, 1 = mma.
+int attnx_emu_attention(const attnx::AttentionParams* p, int dtype, int kernel, const void* query,
+                        const void* key, const void* value, const void* attn_mask,
+                        const void* key_padding_mask, void* out, void* lse) {
   const attnx::cuda::AttentionPointers ptr{query, key, value, attn_mask, key_padding_mask, out, lse};
-  return static_cast<int>(
-      attnx::cuda::launch_attention(*p, static_cast<attnx::cuda::DType>(dtype), ptr, /*stream=*/nullptr));
+  return static_cast<int>(attnx::cuda::launch_attention(*p, static_cast<attnx::cuda::DType>(dtype), ptr,
+                                                        /*stream=*/nullptr,
+                                                        static_cast<attnx::cuda::Kernel>(kernel)));
 }
 
 }  // extern "C"

@@ -19,10 +19,13 @@
 // A launch in which no barrier completes for kBarrierTimeout (a divergent __syncthreads or shuffle) aborts
 // the process with a message instead of hanging.
 //
+//   - mma.sync.m16n8k16 (attnx::cuda::mma_m16n8k16): a warp collective over the PTX ISA's fragment layouts.
 // What this cannot show: races that the hardware's scheduling would expose but the OS's does not (run the
 // TSan build for those), warp-synchronous code without __syncwarp, tensor-core instructions, performance.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -47,6 +50,7 @@
 namespace attnx_emu {
 
 constexpr int kWarpSize = 32;
+constexpr int kSlotBytes = 64;  // the largest value a lane exchanges (an mma's fragments: 40 bytes)
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 constexpr size_t kMaxSharedBytes = 227 * 1024;  // sm90's opt-in maximum per block
@@ -138,7 +142,7 @@ class Watchdog {
 struct Warp {
   Warp() : barrier(kWarpSize) {}
   Barrier barrier;
-  alignas(16) unsigned char slots[2][kWarpSize][16];
+  alignas(16) unsigned char slots[2][kWarpSize][kSlotBytes];
 };
 
 struct Block {
@@ -173,19 +177,69 @@ inline void check_mask(unsigned mask, const char* what) {
 
 // Every lane publishes `value`; returns the values of all lanes (after one warp barrier).
 template <typename T>
-inline const unsigned char (*publish(const T& value))[16] {
-  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 16, "warp exchange of an unsupported type");
-  unsigned char (*slots)[16] = tl.warp->slots[tl.phase % 2];
+inline const unsigned char (*publish(const T& value)) [kSlotBytes] {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= kSlotBytes,
+                "warp exchange of an unsupported type");
+  unsigned char (*slots)[kSlotBytes] = tl.warp->slots[tl.phase % 2];
   std::memcpy(slots[tl.lane], &value, sizeof(T));
   warp_barrier();
   return slots;
 }
 
 template <typename T>
-inline T read_slot(const unsigned char (*slots)[16], int lane) {
+inline T read_slot(const unsigned char (*slots)[kSlotBytes], int lane) {
   T out;
   std::memcpy(&out, slots[lane], sizeof(T));
   return out;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: every lane publishes its fragments; each rebuilds A, B
+// and C from the fragment layouts of the PTX ISA (see csrc/cuda/common.cuh) and computes its own four
+// elements of D = A B + C, in float. Bit-exactness with the hardware is not the point (its summation order
+// differs); the layouts are: a kernel that puts an element in the wrong register gets the wrong result here
+// too.
+template <typename T>
+inline float to_float16_value(uint16_t bits) {
+  T x;
+  std::memcpy(static_cast<void*>(&x), &bits, 2);
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(x);
+  } else {
+    return __bfloat162float(x);
+  }
+}
+
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  struct Fragments {
+    uint32_t a[4];
+    uint32_t b[2];
+    float c[4];
+  };
+  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {d[0], d[1], d[2], d[3]}};
+  const auto slots = publish(mine);
+  float A[16][16], B[16][8], C[16][8];
+  const auto lo = [](uint32_t r) { return to_float16_value<T>(static_cast<uint16_t>(r & 0xffffu)); };
+  const auto hi = [](uint32_t r) { return to_float16_value<T>(static_cast<uint16_t>(r >> 16)); };
+  for (int lane = 0; lane < kWarpSize; ++lane) {
+    const Fragments f = read_slot<Fragments>(slots, lane);
+    const int g = lane / 4, t = lane % 4;
+    A[g][2 * t] = lo(f.a[0]), A[g][2 * t + 1] = hi(f.a[0]);
+    A[g + 8][2 * t] = lo(f.a[1]), A[g + 8][2 * t + 1] = hi(f.a[1]);
+    A[g][2 * t + 8] = lo(f.a[2]), A[g][2 * t + 9] = hi(f.a[2]);
+    A[g + 8][2 * t + 8] = lo(f.a[3]), A[g + 8][2 * t + 9] = hi(f.a[3]);
+    B[2 * t][g] = lo(f.b[0]), B[2 * t + 1][g] = hi(f.b[0]);
+    B[2 * t + 8][g] = lo(f.b[1]), B[2 * t + 9][g] = hi(f.b[1]);
+    C[g][2 * t] = f.c[0], C[g][2 * t + 1] = f.c[1];
+    C[g + 8][2 * t] = f.c[2], C[g + 8][2 * t + 1] = f.c[3];
+  }
+  const int g = tl.lane / 4, t = tl.lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i / 2) * 8, col = 2 * t + i % 2;
+    float acc = C[row][col];
+    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[i] = acc;
+  }
 }
 
 inline std::vector<std::pair<const void*, int>>& smem_attributes() {

@@ -24,13 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
 BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
-SOURCES = [os.path.join(CSRC, "cuda", "attention.cu"), os.path.join(HERE, "attention_emu.cpp"),
-           os.path.join(HERE, "cuda_shim.cpp")]
+SOURCES = [os.path.join(CSRC, "cuda", "attention.cu"), os.path.join(CSRC, "cuda", "attention_mma.cu"),
+           os.path.join(HERE, "attention_emu.cpp"), os.path.join(HERE, "cuda_shim.cpp")]
 # torch compiles .cu files with these; so does the emulation, so that the same conversions are exercised.
 TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
-FLAGS = ["-std=c++20", "-pthread", "-O1", "-fPIC", "-Wall", "-Wno-unknown-pragmas", "-DATTNX_CUDA_EMULATION",
-         *TORCH_NVCC_DEFINES]
+# -fno-strict-aliasing: like nvcc, which lets kernels read fragments through casts.
+FLAGS = ["-std=c++20", "-pthread", "-O1", "-fno-strict-aliasing", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
+         "-DATTNX_CUDA_EMULATION", *TORCH_NVCC_DEFINES]
 
 
 class Unavailable(Exception):
@@ -139,6 +140,7 @@ class AttentionPlan(ctypes.Structure):
 
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 MASK_KINDS = {torch.bool: 1, torch.float16: 2, torch.bfloat16: 3, torch.float32: 4, torch.float64: 5}
+KERNELS = {"simt": 0, "mma": 1}
 CUDA_ERRORS = {1: "cudaErrorInvalidValue", 9: "cudaErrorInvalidConfiguration"}
 
 
@@ -196,9 +198,9 @@ class Emulator:
         assert self.lib.attnx_emu_sizeof_params() == ctypes.sizeof(AttentionParams), "params.h changed"
         assert self.lib.attnx_emu_sizeof_plan() == ctypes.sizeof(AttentionPlan), "attention_plan.h changed"
         self.lib.attnx_emu_attention.restype = ctypes.c_int
-        self.lib.attnx_emu_attention.argtypes = [ctypes.POINTER(AttentionParams), ctypes.c_int] + [
-            ctypes.c_void_p
-        ] * 7
+        self.lib.attnx_emu_attention.argtypes = [
+            ctypes.POINTER(AttentionParams), ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 7
+        ]
 
     def plan(self, params, dtype):
         plan = AttentionPlan()
@@ -206,8 +208,10 @@ class Emulator:
         return plan
 
     def attention(self, q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                  out_layout="blhd"):
+                  out_layout="blhd", kernel="simt"):
         """attnx.attention on the emulated CUDA kernel: (out, lse) as the CUDA op returns them.
+
+        ``kernel``: "simt" (attention.cu) or "mma" (attention_mma.cu, with mma.sync emulated).
 
         ``out_layout="bhld"`` writes into a contiguous (B, H, L, Dv) out instead of the op's (B, L, H, Dv)
         memory order, to check that the kernel honours out's strides.
@@ -225,8 +229,8 @@ class Emulator:
             return None if t is None else t.data_ptr()
 
         err = self.lib.attnx_emu_attention(
-            ctypes.byref(p), DTYPES[q.dtype], ptr(q), ptr(k), ptr(v), ptr(attn_mask), ptr(key_padding_mask),
-            ptr(out), ptr(lse),
+            ctypes.byref(p), DTYPES[q.dtype], KERNELS[kernel], ptr(q), ptr(k), ptr(v), ptr(attn_mask),
+            ptr(key_padding_mask), ptr(out), ptr(lse),
         )
         if err != 0:
             raise RuntimeError(f"emulated launch failed: {CUDA_ERRORS.get(err, err)}")
