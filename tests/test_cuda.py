@@ -235,6 +235,9 @@ _MMA_SCRIPT = textwrap.dedent(
                 mask = torch.randn(shape[2], shape[3], device="cuda")
                 check(q, k, v)
                 check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    # What the mma kernel does not cover still runs, on the SIMT kernel: float32, head dim 256.
+    check(*to_device(make_qkv(2, 3, 37, 53, 64, 64, dtype=torch.float32), "cuda"), is_causal=True)
+    check(*to_device(make_qkv(1, 2, 37, 53, 256, 256, dtype=torch.float16), "cuda"), is_causal=True)
     print("ok")
     """
 )
