@@ -11,6 +11,7 @@ Shapes are tiny: every emulated block is 128 OS threads, and each warp shuffle i
 """
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -301,3 +302,24 @@ def test_mma_refuses_what_it_does_not_cover(emu):
     for dtype, d in [(torch.float32, 64), (torch.float64, 64), (torch.float16, 136), (torch.bfloat16, 256)]:
         with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
             emu.attention(*make_qkv(1, 1, 3, 5, d, d, dtype=dtype), kernel="mma")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Races: both kernels under ThreadSanitizer (tests/emulation/race_check.cpp). The emulated barriers and warp
+# exchanges are atomics TSan follows, so a shared-memory access that no __syncthreads/__syncwarp orders is
+# reported whatever the interleaving.
+
+
+def test_no_data_races_under_thread_sanitizer():
+    if not emulator.has_thread_sanitizer():
+        pytest.skip("the C++ compiler cannot build -fsanitize=thread programs (no libtsan)")
+    try:
+        exe = emulator.build(extra_flags=["-fsanitize=thread", "-g"], sources=emulator.RACE_CHECK_SOURCES,
+                             shared=False)
+    except emulator.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    result = subprocess.run([exe], capture_output=True, text=True, timeout=900)
+    if "FATAL: ThreadSanitizer" in result.stderr:
+        pytest.skip(f"ThreadSanitizer cannot run here: {result.stderr.strip().splitlines()[0]}")
+    assert "WARNING: ThreadSanitizer" not in result.stderr, result.stderr[-8000:]
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]

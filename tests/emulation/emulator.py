@@ -24,8 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
 BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
-SOURCES = [os.path.join(CSRC, "cuda", "attention.cu"), os.path.join(CSRC, "cuda", "attention_mma.cu"),
-           os.path.join(HERE, "attention_emu.cpp"), os.path.join(HERE, "cuda_shim.cpp")]
+KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention.cu"),
+                    os.path.join(CSRC, "cuda", "attention_mma.cu"), os.path.join(HERE, "cuda_shim.cpp")]
+SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "attention_emu.cpp")]  # the ctypes library
+RACE_CHECK_SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "race_check.cpp")]  # the TSan executable
 # torch compiles .cu files with these; so does the emulation, so that the same conversions are exercised.
 TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
@@ -69,6 +71,20 @@ def toolkit_include():
 
 def compiler():
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def has_thread_sanitizer():
+    """Whether the compiler builds and links a -fsanitize=thread program (libtsan present)."""
+    cxx = compiler()
+    if cxx is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.cpp")
+        with open(src, "w") as f:
+            f.write("#include <thread>\nint main() { std::thread t([] {}); t.join(); }\n")
+        result = subprocess.run([cxx, "-std=c++20", "-pthread", "-fsanitize=thread", src, "-o", src + ".out"],
+                                capture_output=True, text=True)
+        return result.returncode == 0
 
 
 def build(extra_flags=(), sources=SOURCES, shared=True):
