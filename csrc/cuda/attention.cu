@@ -1,0 +1,288 @@
+// attnx: attnx::attention's CUDA SIMT forward kernel, for float32, float64, float16 and bfloat16.
+//
+// Torch-free (raw pointers, AttentionParams, cudaStream_t): the glue is attention_cuda.cpp. The same source
+// is compiled for the CPU by tests/emulation/ and run there against the float64 reference.
+//
+// One block per (b, h, block of rows_per_block query rows); grid, block and shared-memory layout come from
+// plan_attention() (attention_plan.h). Each warp owns R = rows_per_warp consecutive query rows. For each tile
+// of 32 keys the block stages K and V in shared memory in the accumulator type; lane j scores key j against
+// the warp's R rows (queries read from shared memory as broadcasts), adds the masks read in place through
+// their strides, and the warp's max and sum (shuffles) drive the online softmax of softmax.h. Lane i
+// accumulates the output columns it owns (bucket / 32 of them, in vectors of up to 16 bytes) for the R rows,
+// in float (double for float64), from the probabilities each warp passes through shared memory. out and lse
+// are written once per row at the end.
+//
+// Skipped work: key tiles past the block's last query under is_causal, and key tiles that key_padding_mask
+// removes entirely (every warp reads the same 32 mask elements, so the decision is the block's). Masks
+// change nothing else: a masked score is -inf and contributes exp(-inf) = 0.
+//
+// Head dims up to kMaxHeadDim; the glue falls back to a chunked composition of ATen ops above that.
+#include "cuda/attention.h"
+#include "cuda/common.cuh"
+
+namespace attnx::cuda {
+namespace {
+
+template <typename scalar_t, int kBucket, int R>
+__global__ void __launch_bounds__(kWarps* kWarpSize)
+    attention_forward_simt(const AttentionParams p, const AttentionPointers ptr, const AttentionPlan plan) {
+  using acc_t = typename AccType<scalar_t>::type;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(acc_t));  // accumulator elements per 16-byte vector
+  constexpr int kCols = kBucket / kWarpSize;                  // output columns per lane
+  constexpr int kOutVec = kCols < kVec ? kCols : kVec;        // a lane's columns come in groups of kOutVec
+  constexpr int kGroups = kCols / kOutVec;                    // ... spaced 32 * kOutVec apart
+  using Vec = Pack<acc_t, kVec>;
+  using OutVec = Pack<acc_t, kOutVec>;
+  constexpr acc_t kNegInf = -acc_t(INFINITY);
+
+  ATTNX_DYNAMIC_SHARED(acc_t, smem);
+  // Zero past D, Dv and the last key (the partial last tile), so padded lanes and columns add exact zeros.
+  acc_t* const q_s = smem + plan.q_off;  // (rows_per_block, ldq) the block's queries
+  acc_t* const k_s = smem + plan.k_off;  // (kTileKeys, ldk) the key tile
+  acc_t* const v_s = smem + plan.v_off;  // (kTileKeys, ldv) the value tile
+  acc_t* const p_s = smem + plan.p_off;  // (rows_per_block, kTileKeys) probabilities, one row per query row
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
+  const int64_t L = p.q_len, S = p.kv_len;
+  const int ldq = plan.ldq, ldk = plan.ldk, ldv = plan.ldv;
+
+  // Under is_causal the last query blocks see the most keys: they get the lowest block indices, so they start
+  // first and the short blocks fill in at the end. Otherwise consecutive blocks share (b, h), hence K and V
+  // in L2.
+  const int64_t block = blockIdx.x;
+  int64_t qb, bh;
+  if (p.is_causal) {
+    qb = plan.q_blocks - 1 - block / plan.bh;
+    bh = block % plan.bh;
+  } else {
+    qb = block % plan.q_blocks;
+    bh = block / plan.q_blocks;
+  }
+  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const int64_t q0 = qb * plan.rows_per_block;
+  const int64_t rows_in_block = L - q0 < plan.rows_per_block ? L - q0 : plan.rows_per_block;
+  const bool causal = p.is_causal != 0;
+
+  const scalar_t* const q = static_cast<const scalar_t*>(ptr.query) + b * p.q_stride[0] + h * p.q_stride[1];
+  const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + h * p.k_stride[1];
+  const scalar_t* const v = static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + h * p.v_stride[1];
+  const int64_t am_base = b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1];
+  const int64_t kpm_base = b * p.key_padding_mask_stride[0];
+  const acc_t scale = sizeof(acc_t) == 8 ? acc_t(double(p.scale) + double(p.scale_lo)) : acc_t(p.scale);
+
+  // The block's queries, one row per warp at a time, lanes along D (coalesced when the last stride is 1).
+  for (int r = warp; r < plan.rows_per_block; r += kWarps) {
+    const bool valid = r < rows_in_block;
+    const scalar_t* src = q + (q0 + r) * p.q_stride[2];
+    for (int d = lane; d < ldq; d += kWarpSize) {
+      q_s[r * ldq + d] = valid && d < D ? to_acc(src[d * p.q_stride[3]]) : acc_t(0);
+    }
+  }
+
+  // This warp's rows: row r is query l[r]; rows past L (in the last block) take part in every collective but
+  // read and write nothing.
+  int64_t l[R];
+  bool active[R];
+  SoftmaxRow<acc_t> state[R];
+  acc_t o[R][kCols];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = warp * R + r;
+    l[r] = q0 + row;
+    active[r] = row < rows_in_block;
+    state[r] = softmax_row_init<acc_t>();
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) o[r][c] = acc_t(0);
+  }
+
+  // Under is_causal, keys past the block's last query are masked for every row of it.
+  const int64_t kv_end = causal ? (S < q0 + rows_in_block ? S : q0 + rows_in_block) : S;
+  for (int64_t k0 = 0; k0 < kv_end; k0 += kTileKeys) {
+    const int nk = kv_end - k0 < kTileKeys ? static_cast<int>(kv_end - k0) : kTileKeys;
+    const int64_t key = k0 + lane;  // this lane's key
+
+    // key_padding_mask is the same for every row of the block: read once per tile. Every warp reads the same
+    // elements, so a tile it removes entirely is skipped by the whole block (before any __syncthreads).
+    acc_t padding = acc_t(0);
+    if (p.key_padding_mask_kind != kMaskNone) {
+      padding = lane < nk ? mask_value<acc_t>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                              kpm_base + key * p.key_padding_mask_stride[1])
+                          : kNegInf;
+      if (__all_sync(kFullMask, padding == kNegInf)) continue;
+    }
+
+    __syncthreads();  // every warp is done with the previous tile's k_s, v_s and p_s (and q_s is written)
+    for (int j = warp; j < kTileKeys; j += kWarps) {
+      const bool valid = j < nk;
+      const scalar_t* ksrc = k + (k0 + j) * p.k_stride[2];
+      const scalar_t* vsrc = v + (k0 + j) * p.v_stride[2];
+      for (int d = lane; d < ldk; d += kWarpSize) {
+        k_s[j * ldk + d] = valid && d < D ? to_acc(ksrc[d * p.k_stride[3]]) : acc_t(0);
+      }
+      // Zeros past the last key matter: their probabilities are 0, and 0 * (stale NaN) would not be.
+      for (int c = lane; c < ldv; c += kWarpSize) {
+        v_s[j * ldv + c] = valid && c < Dv ? to_acc(vsrc[c * p.v_stride[3]]) : acc_t(0);
+      }
+    }
+    __syncthreads();
+
+    // Scores of key `key` against the warp's R rows: one pass over D, each key vector serving R rows.
+    acc_t dot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) dot[r] = acc_t(0);
+    {
+      const Vec* krow = reinterpret_cast<const Vec*>(k_s + lane * ldk);
+      const Vec* qrow = reinterpret_cast<const Vec*>(q_s + warp * R * ldq);
+      const int nvec = ldq / kVec;  // k rows are at least as long (ldk >= ldq)
+      for (int i = 0; i < nvec; ++i) {
+        const Vec kv = krow[i];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const Vec qv = qrow[r * nvec + i];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) dot[r] += qv.v[e] * kv.v[e];
+        }
+      }
+    }
+
+    // Online softmax, row by row (each row is one warp-uniform branch).
+    bool any = false;  // some row of the warp has a finite probability mass in this tile
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc_t pr = acc_t(0);
+      // A row sees this tile unless it is past L or, under is_causal, before the tile's first key.
+      if (active[r] && !(causal && k0 > l[r])) {
+        acc_t s = kNegInf;  // keys past the end contribute exp(-inf) = 0
+        if (lane < nk) {
+          // scores + (attn_mask + key_padding_mask), summed in the reference's order.
+          acc_t bias = padding;
+          if (p.attn_mask_kind != kMaskNone) {
+            bias = mask_value<acc_t>(p.attn_mask_kind, ptr.attn_mask,
+                                     am_base + l[r] * p.attn_mask_stride[2] + key * p.attn_mask_stride[3]) +
+                   padding;
+          }
+          s = dot[r] * scale + bias;
+          if (causal && key > l[r]) s += kNegInf;  // adding keeps a NaN score NaN, as the reference's bias
+        }
+        const acc_t tile_max = warp_max(s);
+        const SoftmaxStep<acc_t> step = softmax_step(state[r], tile_max);
+        pr = softmax_exp(s - step.base);
+        state[r] = softmax_advance(state[r], step, warp_sum(pr));
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) o[r][c] *= step.alpha;
+        any = any || tile_max != kNegInf;
+      }
+      p_s[(warp * R + r) * kTileKeys + lane] = pr;
+    }
+    __syncwarp();
+
+    // o[r] += p[r] V over the tile's keys, for the warp's R rows; skipped when every row's mass is 0.
+    if (any) {
+      const acc_t* prow = p_s + warp * R * kTileKeys;
+      const int jn = (nk + kVec - 1) / kVec * kVec;  // p and V are zero past nk
+      for (int j = 0; j < jn; j += kVec) {
+        Vec pv[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) pv[r] = *reinterpret_cast<const Vec*>(prow + r * kTileKeys + j);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const acc_t* vrow = v_s + (j + e) * ldv + lane * kOutVec;
+#pragma unroll
+          for (int g = 0; g < kGroups; ++g) {
+            const OutVec vv = *reinterpret_cast<const OutVec*>(vrow + g * kWarpSize * kOutVec);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+              for (int u = 0; u < kOutVec; ++u) o[r][g * kOutVec + u] += pv[r].v[e] * vv.v[u];
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // out = o / l and lse = m + log(l); a row that saw no unmasked key gets out 0 and lse +inf.
+  scalar_t* const out = static_cast<scalar_t*>(ptr.out) + b * p.out_stride[0] + h * p.out_stride[1];
+  acc_t* const lse = static_cast<acc_t*>(ptr.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (!active[r]) continue;
+    const bool empty = softmax_row_empty(state[r]);
+    const acc_t factor = softmax_out_scale(state[r]);
+    scalar_t* dst = out + l[r] * p.out_stride[2];
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+      for (int u = 0; u < kOutVec; ++u) {
+        const int c = g * kWarpSize * kOutVec + lane * kOutVec + u;
+        // Written as 0, not as o * 0: o may hold 0 * inf = NaN from masked keys of an infinite value.
+        if (c < Dv)
+          dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? acc_t(0) : o[r][g * kOutVec + u] * factor);
+      }
+    }
+    if (lane == 0) lse[l[r] * p.lse_stride[2]] = softmax_lse(state[r]);
+  }
+}
+
+template <typename scalar_t, int kBucket>
+cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, const AttentionPlan& plan,
+                        cudaStream_t stream) {
+  using acc_t = typename AccType<scalar_t>::type;
+  constexpr int R = rows_per_warp(static_cast<int>(sizeof(acc_t)), kBucket);
+  if (plan.rows_per_warp != R || plan.bucket != kBucket)
+    return cudaErrorInvalidValue;  // plan and kernel disagree
+  void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionPlan) =
+      &attention_forward_simt<scalar_t, kBucket, R>;
+  if (plan.smem_bytes > 48 * 1024) {
+    // Above 48 KiB a kernel must opt in; a device with less shared memory per block fails here.
+    const cudaError_t err =
+        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
+    if (err != cudaSuccess) return err;
+  }
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.blocks)), dim3(plan.threads), plan.smem_bytes,
+                       stream, p, ptr, plan);
+}
+
+template <typename scalar_t>
+cudaError_t launch_bucket(const AttentionParams& p, const AttentionPointers& ptr, const AttentionPlan& plan,
+                          cudaStream_t stream) {
+  switch (plan.bucket) {
+    case 32:
+      return launch_simt<scalar_t, 32>(p, ptr, plan, stream);
+    case 64:
+      return launch_simt<scalar_t, 64>(p, ptr, plan, stream);
+    case 128:
+      return launch_simt<scalar_t, 128>(p, ptr, plan, stream);
+    case 256:
+      return launch_simt<scalar_t, 256>(p, ptr, plan, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
+                             cudaStream_t stream, Kernel kernel) {
+  if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, stream);
+  const AttentionPlan plan = plan_attention(p, dtype);
+  if (plan.bucket == 0) return cudaErrorInvalidValue;
+  if (plan.blocks == 0) return cudaSuccess;
+  if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  switch (dtype) {
+    case DType::kFloat32:
+      return launch_bucket<float>(p, ptr, plan, stream);
+    case DType::kFloat64:
+      return launch_bucket<double>(p, ptr, plan, stream);
+    case DType::kFloat16:
+      return launch_bucket<__half>(p, ptr, plan, stream);
+    case DType::kBFloat16:
+      return launch_bucket<__nv_bfloat16>(p, ptr, plan, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace attnx::cuda

@@ -1,0 +1,29 @@
+// attnx: the torch-free entry point of attnx::attention's CUDA kernels (attention.cu), called by the glue
+// (attention_cuda.cpp) and by the CPU emulation (tests/emulation/).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "attnx/params.h"
+#include "cuda/attention_plan.h"
+
+namespace attnx::cuda {
+
+enum class Kernel {
+  kSimt,  // attention.cu: every dtype, head dims up to kMaxHeadDim
+  kMma,  // attention_mma.cu: tensor cores, float16/bfloat16 on sm80+, head dims up to kMmaMaxHeadDim (opt-in)
+};
+
+// Runs attention on `stream` with `kernel` and the launch of its plan (plan_attention / plan_attention_mma).
+// Returns the launch's error (cudaGetLastError right after it), cudaSuccess when there is nothing to compute,
+// and cudaErrorInvalidValue when the kernel does not cover the problem (plan_attention(p, dtype).bucket == 0:
+// D or Dv above kMaxHeadDim; for kMma, !mma_supports(p, dtype)). The caller checks that an sm80+ device runs
+// kMma.
+cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
+                             cudaStream_t stream, Kernel kernel = Kernel::kSimt);
+
+// The tensor-core launcher (attention_mma.cu), called by launch_attention for Kernel::kMma.
+cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
+                                 cudaStream_t stream);
+
+}  // namespace attnx::cuda

@@ -1,0 +1,143 @@
+// attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernel is
+// attention.cu (torch-free), launched here on the current stream of the inputs' device.
+//
+// c10/cuda headers only: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE/cuSOLVER headers that a plain
+// CUDA toolkit install lacks.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <tuple>
+
+#include "common/attention.h"
+#include "cuda/attention.h"
+
+namespace attnx {
+
+namespace {
+
+cuda::DType kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return cuda::DType::kFloat32;
+    case at::kDouble:
+      return cuda::DType::kFloat64;
+    case at::kHalf:
+      return cuda::DType::kFloat16;
+    case at::kBFloat16:
+      return cuda::DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "attnx::attention: no CUDA kernel for dtype ", t);
+  }
+}
+
+// The tensor-core kernel when ATTNX_CUDA_MMA=1 (read once per process), the problem is one it covers and the
+// device is sm80+; the SIMT kernel otherwise. Off by default: the mma kernel has never run on a GPU.
+cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, c10::DeviceIndex device) {
+  static const bool requested = [] {
+    const char* flag = std::getenv("ATTNX_CUDA_MMA");
+    return flag != nullptr && std::strcmp(flag, "1") == 0;
+  }();
+  if (!requested || !cuda::mma_supports(p, dtype)) return cuda::Kernel::kSimt;
+  int major = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  TORCH_CHECK(err == cudaSuccess, "attnx::attention: cannot read the compute capability of device ", device,
+              ": ", cudaGetErrorString(err));
+  return major >= 8 ? cuda::Kernel::kMma : cuda::Kernel::kSimt;
+}
+
+// A mask as the additive term it stands for, in the accumulator dtype: bool true = -inf, a float as it is.
+at::Tensor additive(const at::Tensor& mask, at::ScalarType acc) {
+  if (mask.scalar_type() == at::kBool) {
+    return at::zeros(mask.sizes(), mask.options().dtype(acc)).masked_fill_(mask, -INFINITY);
+  }
+  return mask.to(acc);
+}
+
+// Head dims above the kernel's kMaxHeadDim: the reference's formula on ATen ops (cuBLAS GEMMs), over chunks
+// of queries sized so that the scores of one chunk, (B, H, rows, S) in the accumulator dtype, stay within 256
+// MiB. Nothing (B, H, L, S)-sized exists; masks are sliced per chunk, never merged beyond one chunk. Slower
+// than a fused kernel, but such head dims are rare.
+void attention_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& attn_mask,
+                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                         std::optional<double> scale, AttentionProblem& pb) {
+  const AttentionParams& p = pb.params;
+  const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
+  const at::ScalarType acc = attention_acc_dtype(pb.dtype);
+  const double s = scale ? *scale : (p.head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(p.head_dim)) : 1.0);
+  const int64_t row_bytes = std::max<int64_t>(B * H * S * static_cast<int64_t>(c10::elementSize(acc)), 1);
+  const int64_t rows = std::clamp<int64_t>((int64_t{256} << 20) / row_bytes, 1, std::max<int64_t>(L, 1));
+
+  std::optional<at::Tensor> mask4;  // attn_mask as a 4-D view broadcastable to (B, H, L, S)
+  if (attn_mask) {
+    mask4 = attn_mask->dim() == 2   ? attn_mask->unsqueeze(0).unsqueeze(0)
+            : attn_mask->dim() == 3 ? attn_mask->unflatten(0, {B, H})
+                                    : *attn_mask;
+  }
+  std::optional<at::Tensor> padding;  // (B, 1, 1, S)
+  if (key_padding_mask) padding = additive(*key_padding_mask, acc).view({B, 1, 1, S});
+  const at::Tensor kt = key.to(acc).transpose(-2, -1);
+  const at::Tensor v = value.to(acc);
+
+  for (int64_t l0 = 0; l0 < L; l0 += rows) {
+    const int64_t n = std::min(rows, L - l0);
+    at::Tensor scores = at::matmul(query.narrow(2, l0, n).to(acc), kt).mul_(s);  // (B, H, n, S)
+    // scores + (causal + attn_mask + key_padding_mask), summed in the reference's order.
+    at::Tensor bias = at::zeros({n, S}, scores.options());
+    if (is_causal) {
+      const auto opts = scores.options().dtype(at::kLong);
+      const at::Tensor above = at::arange(S, opts).unsqueeze(0) > at::arange(l0, l0 + n, opts).unsqueeze(1);
+      bias.masked_fill_(above, -INFINITY);
+    }
+    if (mask4) bias = bias + additive(mask4->size(2) == 1 ? *mask4 : mask4->narrow(2, l0, n), acc);
+    if (padding) bias = bias + *padding;
+    scores.add_(bias);
+    at::Tensor lse = at::logsumexp(scores, -1, /*keepdim=*/true);  // -inf for a fully masked row
+    const at::Tensor empty = lse.isneginf();
+    at::Tensor probs = scores.sub_(lse).exp_().masked_fill_(empty, 0);
+    pb.out.narrow(2, l0, n).copy_(at::matmul(probs, v));
+    pb.lse.narrow(2, l0, n).copy_(lse.squeeze(-1).masked_fill_(empty.squeeze(-1), INFINITY));
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value,
+                                                  const std::optional<at::Tensor>& attn_mask,
+                                                  const std::optional<at::Tensor>& key_padding_mask,
+                                                  bool is_causal, std::optional<double> scale) {
+  // Only a CUDA query sets the device; any other mix of devices fails prepare_attention's device checks.
+  c10::cuda::OptionalCUDAGuard guard;
+  if (query.is_cuda()) guard.set_device(query.device());
+  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  const cuda::DType dtype = kernel_dtype(pb.dtype);
+  if (cuda::plan_attention(pb.params, dtype).bucket == 0) {
+    attention_composite(query, key, value, attn_mask, key_padding_mask, is_causal, scale, pb);
+    return {pb.out, pb.lse};
+  }
+  const cuda::AttentionPointers ptr{
+      pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()};
+  const c10::DeviceIndex device = query.device().index();
+  const cudaError_t err =
+      cuda::launch_attention(pb.params, dtype, ptr, c10::cuda::getCurrentCUDAStream(device),
+                             select_kernel(pb.params, dtype, device));
+  TORCH_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
+              ", H=", pb.params.heads, ", L=", pb.params.q_len, ", S=", pb.params.kv_len,
+              ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ", pb.dtype,
+              "): ", cudaGetErrorString(err));
+  return {pb.out, pb.lse};
+}
+
+}  // namespace attnx
+
+TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
+  m.impl("attention", &attnx::attention_cuda);
+}

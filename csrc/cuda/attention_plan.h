@@ -1,0 +1,151 @@
+// attnx: the launch plan of attnx::attention's CUDA SIMT kernel.
+//
+// Torch-free and host-only. The kernel's launcher (attention.cu), the glue (attention_cuda.cpp) and the CPU
+// emulation (tests/emulation/) all take grid, block and shared-memory layout from plan_attention(), so the
+// emulated launches are the launches a GPU gets.
+//
+// The kernel (see attention.cu):
+//   grid   1-D, one block per (b, h, block of kRowsPerBlock query rows): blockIdx.x < 2^31 - 1, so B*H and L
+//          never meet the 65535 limit of grid.y / grid.z.
+//   block  kWarps warps; warp w owns rows_per_warp consecutive query rows of the block.
+//   tiles  kTileKeys = 32 keys at a time (lane j scores key j), K and V staged in shared memory in the
+//          accumulator type (float, or double for float64).
+//   shared q_s (rows_per_block, ldq) | k_s (kTileKeys, ldk) | v_s (kTileKeys, ldv) | p_s (rows_per_block,
+//          kTileKeys), every region 16-byte aligned.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attnx/params.h"
+
+namespace attnx::cuda {
+
+// The element type of query, key, value and out.
+enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+constexpr int kWarpSize = 32;
+constexpr int kWarps = 4;      // warps per block: 128 threads
+constexpr int kTileKeys = 32;  // keys per K/V tile, one per lane
+constexpr int kMaxHeadDim = 256;
+
+// Bytes of the accumulator type: 8 for float64 inputs, 4 for the others (fp16/bf16 accumulate in float).
+constexpr int acc_bytes(DType dtype) {
+  return dtype == DType::kFloat64 ? 8 : 4;
+}
+
+// Query rows per warp. Every K or V element a lane reads from shared memory serves this many rows, which is
+// what the SIMT kernel's speed hangs on; 4 rows keep 4 * bucket / 32 fp32 output accumulators per lane in
+// registers (32 at bucket 256). float64 at bucket 256 takes 2, which keeps its shared memory (148 KiB) under
+// the 163 KiB an sm80 block may have.
+constexpr int rows_per_warp(int acc_size, int bucket) {
+  return acc_size == 8 && bucket == 256 ? 2 : 4;
+}
+
+// The head-dim bucket the kernel is instantiated for: max(D, Dv) rounded up to 32, 64, 128 or 256; 0 past
+// 256.
+constexpr int head_dim_bucket(int64_t head_dim, int64_t v_head_dim) {
+  const int64_t d = head_dim > v_head_dim ? head_dim : v_head_dim;
+  return d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : d <= kMaxHeadDim ? 256 : 0;
+}
+
+struct AttentionPlan {
+  int bucket;  // head-dim bucket; 0 when D or Dv exceeds kMaxHeadDim (no kernel: see attention_cuda.cpp)
+  int rows_per_warp;
+  int rows_per_block;  // kWarps * rows_per_warp
+  int threads;         // kWarps * kWarpSize
+  int64_t q_blocks;    // ceil(L / rows_per_block)
+  int64_t bh;          // B * H
+  int64_t blocks;      // q_blocks * bh: grid.x
+  // Shared memory, in accumulator elements: row strides and region offsets.
+  int ldq;  // >= D, a multiple of the 16-byte vector width; query rows are read whole by every lane
+  int ldk;  // >= D, a multiple of the vector width, and an odd number of vectors: lane j reads row j, and an
+            // odd vector stride puts the 8 lanes of each 128-bit shared-memory phase on 8 distinct bank
+            // groups
+  int ldv;  // = bucket: lane i reads columns i * w + 32 * w * g (w = its vector width), never a bank conflict
+  int64_t q_off, k_off, v_off, p_off;
+  size_t smem_bytes;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+// The largest grid.x a launch may have.
+constexpr int64_t kMaxBlocks = 2147483647;
+
+inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
+  AttentionPlan plan{};
+  const int acc = acc_bytes(dtype);
+  const int vec = 16 / acc;  // accumulator elements per 16-byte vector
+  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  plan.rows_per_warp = rows_per_warp(acc, plan.bucket);
+  plan.rows_per_block = kWarps * plan.rows_per_warp;
+  plan.threads = kWarps * kWarpSize;
+  plan.q_blocks = (p.q_len + plan.rows_per_block - 1) / plan.rows_per_block;
+  plan.bh = p.batch * p.heads;
+  plan.blocks = plan.q_blocks * plan.bh;
+  if (plan.bucket == 0) return plan;
+  const int64_t d_vecs = round_up(p.head_dim, vec) / vec;
+  plan.ldq = static_cast<int>(d_vecs * vec);
+  plan.ldk = static_cast<int>((d_vecs | 1) * vec);
+  plan.ldv = plan.bucket;
+  plan.q_off = 0;
+  plan.k_off = plan.q_off + round_up(int64_t{plan.rows_per_block} * plan.ldq, vec);
+  plan.v_off = plan.k_off + round_up(int64_t{kTileKeys} * plan.ldk, vec);
+  plan.p_off = plan.v_off + round_up(int64_t{kTileKeys} * plan.ldv, vec);
+  plan.smem_bytes = static_cast<size_t>(plan.p_off + int64_t{plan.rows_per_block} * kTileKeys) * acc;
+  return plan;
+}
+
+// The tensor-core kernel (attention_mma.cu, opt-in with ATTNX_CUDA_MMA=1): float16/bfloat16 on sm80+, with
+// mma.sync.m16n8k16 (fp32 accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows each, K/V
+// tiles of 64 keys staged in shared memory in the input type, row stride bucket + 8 elements (16 bytes of
+// padding make every fragment load conflict-free).
+constexpr int kMmaRowsPerWarp = 16;
+constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
+constexpr int kMmaTileKeys = 64;
+constexpr int kMmaMaxHeadDim = 128;  // its Q, S and O fragments stay in registers up to here
+
+// True when the mma kernel covers the problem: float16/bfloat16 and max(D, Dv) <= kMmaMaxHeadDim.
+constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
+  return (dtype == DType::kFloat16 || dtype == DType::kBFloat16) &&
+         head_dim_bucket(p.head_dim, p.v_head_dim) != 0 &&
+         head_dim_bucket(p.head_dim, p.v_head_dim) <= kMmaMaxHeadDim;
+}
+
+struct AttentionMmaPlan {
+  int bucket;  // head-dim bucket (32, 64 or 128); 0 when mma_supports() is false
+  int threads;
+  int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
+  int64_t bh;
+  int64_t blocks;  // grid.x
+  int ld;          // row stride of the K and V tiles, in elements
+  size_t smem_bytes;
+};
+
+inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype) {
+  AttentionMmaPlan plan{};
+  plan.threads = kWarps * kWarpSize;
+  plan.q_blocks = (p.q_len + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock;
+  plan.bh = p.batch * p.heads;
+  plan.blocks = plan.q_blocks * plan.bh;
+  if (!mma_supports(p, dtype)) return plan;
+  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  plan.ld = plan.bucket + 8;
+  plan.smem_bytes = size_t{2} * kMmaTileKeys * static_cast<size_t>(plan.ld) * 2;  // K and V, 2-byte elements
+  return plan;
+}
+
+// Where the kernel's tensors start (storage offsets applied); their layouts are in AttentionParams.
+struct AttentionPointers {
+  const void* query;
+  const void* key;
+  const void* value;
+  const void* attn_mask;         // nullptr when absent
+  const void* key_padding_mask;  // nullptr when absent
+  void* out;
+  void* lse;  // float32, or float64 for float64 inputs
+};
+
+}  // namespace attnx::cuda

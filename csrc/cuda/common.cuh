@@ -1,0 +1,178 @@
+// attnx: what every attnx .cu file shares: element conversions, warp reductions, and the two constructs that
+// differ between nvcc and the CPU emulation (tests/emulation/cuda_shim.h): dynamic shared memory and the
+// launch.
+//
+// Torch-free on purpose: a .cu that includes ATen takes ~30 s and 1.5 GB in nvcc, one that does not ~1 s.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <type_traits>
+#include <utility>
+
+#if defined(ATTNX_CUDA_EMULATION)
+// g++ compiles this file for the CPU: threadIdx, __syncthreads, warp shuffles and the launch are emulated.
+#include "cuda_shim.h"
+#endif
+
+#include "attnx/params.h"
+#include "attnx/softmax.h"
+
+namespace attnx::cuda {
+
+#if defined(ATTNX_CUDA_EMULATION)
+#define ATTNX_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::attnx_emu::dynamic_shared_memory())
+using ::attnx_emu::launch_kernel;
+#else
+#define ATTNX_DYNAMIC_SHARED(T, name)                          \
+  extern __shared__ __align__(16) unsigned char attnx_smem_[]; \
+  T* name = reinterpret_cast<T*>(attnx_smem_)
+
+// kernel<<<grid, block, smem, stream>>>(args...), then the launch's error, as C10_CUDA_KERNEL_LAUNCH_CHECK
+// reads it.
+template <typename... Params, typename... Args>
+inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                 cudaStream_t stream, Args&&... args) {
+  // clang-format off
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+  // clang-format on
+  return cudaGetLastError();
+}
+#endif
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Conversions. torch builds .cu files with __CUDA_NO_HALF_CONVERSIONS__ and friends, so half and bfloat16 go
+// through the explicit intrinsics (round to nearest even, as torch's own casts).
+
+__device__ __forceinline__ float to_acc(float x) {
+  return x;
+}
+__device__ __forceinline__ double to_acc(double x) {
+  return x;
+}
+__device__ __forceinline__ float to_acc(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+struct FromAcc;
+template <>
+struct FromAcc<float> {
+  __device__ __forceinline__ static float cast(float x) { return x; }
+};
+template <>
+struct FromAcc<double> {
+  __device__ __forceinline__ static double cast(double x) { return x; }
+};
+template <>
+struct FromAcc<__half> {
+  __device__ __forceinline__ static __half cast(float x) { return __float2half_rn(x); }
+};
+template <>
+struct FromAcc<__nv_bfloat16> {
+  __device__ __forceinline__ static __nv_bfloat16 cast(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <typename T, typename A>
+__device__ __forceinline__ T from_acc(A x) {
+  return FromAcc<T>::cast(x);
+}
+
+// One element of a mask, as the additive term it stands for: bool true = masked out (-inf), a float is added
+// as it is, converted to the accumulator type like the reference's mask.to(acc). `kind` is the same for every
+// thread of a launch, so the switch never diverges.
+template <typename A>
+__device__ __forceinline__ A mask_value(int32_t kind, const void* mask, int64_t offset) {
+  switch (kind) {
+    case kMaskBool:
+      return static_cast<const bool*>(mask)[offset] ? -A(INFINITY) : A(0);
+    case kMaskFloat16:
+      return A(__half2float(static_cast<const __half*>(mask)[offset]));
+    case kMaskBFloat16:
+      return A(__bfloat162float(static_cast<const __nv_bfloat16*>(mask)[offset]));
+    case kMaskFloat32:
+      return A(static_cast<const float*>(mask)[offset]);
+    case kMaskFloat64:
+      return A(static_cast<const double*>(mask)[offset]);
+    default:
+      return A(0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Warp reductions (butterfly: every lane ends with the same value, bit for bit, since a + b == b + a).
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x = nan_max(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+// N elements of T as one aligned access: a 16-byte struct compiles to one ld.shared.v4.f32 (v2.f64).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor cores (sm80+): D += A B for one m16n8k16 tile, A row-major 16x16 and B column-major 16x8 in float16
+// or bfloat16 (T), D 16x8 in float. Fragments are laid out as the PTX ISA specifies for mma.m16n8k16 (g =
+// lane / 4, t = lane % 4; each 32-bit register holds two elements, the lower index in the low half):
+//   a[0] = A[g][2t, 2t+1]  a[1] = A[g+8][2t, 2t+1]  a[2] = A[g][2t+8, 2t+9]  a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]  b[1] = B[2t+8, 2t+9][g]
+//   d[0], d[1] = D[g][2t, 2t+1]  d[2], d[3] = D[g+8][2t, 2t+1]
+// The CPU emulation replaces the instruction with a warp collective that rebuilds A, B and D from these
+// layouts.
+
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::mma_m16n8k16<T>(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // no tensor-core kernel below sm80; the glue never launches one there
+#endif
+}
+
+// Two 16-bit elements as one 32-bit fragment register, `lo` in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(T lo, T hi) {
+  static_assert(sizeof(T) == 2, "pack2 packs 16-bit elements");
+  uint16_t l, h;
+  memcpy(&l, static_cast<const void*>(&lo), 2);
+  memcpy(&h, static_cast<const void*>(&hi), 2);
+  return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+}
+
+}  // namespace attnx::cuda

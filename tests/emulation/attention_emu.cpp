@@ -1,0 +1,32 @@
+// attnx: a C entry point to attnx::attention's CUDA kernels compiled for the CPU (see cuda_shim.h), for
+// ctypes.
+//
+// The launch goes through the real launcher, launch_attention() in csrc/cuda/attention.cu, so grid, block and
+// shared memory are the plan the GPU gets (plan_attention() in csrc/cuda/attention_plan.h).
+#include "cuda/attention.h"
+
+extern "C" {
+
+// sizeof(AttentionParams) and sizeof(AttentionPlan): the Python side checks its ctypes mirrors against them.
+size_t attnx_emu_sizeof_params() {
+  return sizeof(attnx::AttentionParams);
+}
+size_t attnx_emu_sizeof_plan() {
+  return sizeof(attnx::cuda::AttentionPlan);
+}
+
+void attnx_emu_plan(const attnx::AttentionParams* p, int dtype, attnx::cuda::AttentionPlan* plan) {
+  *plan = attnx::cuda::plan_attention(*p, static_cast<attnx::cuda::DType>(dtype));
+}
+
+// Returns the cudaError_t of the launch (0 = cudaSuccess). kernel: 0 = SIMT, 1 = mma.
+int attnx_emu_attention(const attnx::AttentionParams* p, int dtype, int kernel, const void* query,
+                        const void* key, const void* value, const void* attn_mask,
+                        const void* key_padding_mask, void* out, void* lse) {
+  const attnx::cuda::AttentionPointers ptr{query, key, value, attn_mask, key_padding_mask, out, lse};
+  return static_cast<int>(attnx::cuda::launch_attention(*p, static_cast<attnx::cuda::DType>(dtype), ptr,
+                                                        /*stream=*/nullptr,
+                                                        static_cast<attnx::cuda::Kernel>(kernel)));
+}
+
+}  // extern "C"

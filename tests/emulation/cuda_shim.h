@@ -1,0 +1,355 @@
+// attnx: the CUDA execution model on CPU threads, enough to run attnx's SIMT kernels (csrc/cuda/*.cu)
+// unmodified.
+//
+// g++ compiles a .cu file as C++ with -DATTNX_CUDA_EMULATION; csrc/cuda/common.cuh then includes this header.
+// The toolkit's own headers (host-capable) supply dim3, cudaError_t, __half, __nv_bfloat16 and turn
+// __device__/__global__/__shared__ into nothing; this file supplies the rest:
+//   - one std::thread per CUDA thread of a block; the blocks of a grid run one after another on the same
+//   threads;
+//   - threadIdx / blockIdx / blockDim / gridDim as thread-locals;
+//   - __syncthreads: a barrier of the block's threads; __syncwarp: a barrier of the warp's 32;
+//   - __shfl_xor_sync / __shfl_sync / __all_sync / __any_sync / __ballot_sync: every lane of the warp writes
+//   its
+//     value into an exchange slot, a warp barrier, every lane reads the slot it asked for. Only full-warp
+//     masks are supported (the kernels use nothing else), and every lane must arrive, as on sm70+;
+//   - dynamic shared memory, filled with 0xff bytes (NaN as float or double) before each block, so a kernel
+//     that reads shared memory it never wrote produces NaN rather than a lucky zero;
+//   - launch_kernel(): grid/block/shared-memory checks like the runtime's (1024 threads, 48 KiB without
+//     cudaFuncAttributeMaxDynamicSharedMemorySize, 227 KiB at most, as on sm90), then the run.
+// A launch in which no barrier completes for kBarrierTimeout (a divergent __syncthreads or shuffle) aborts
+// the process with a message instead of hanging.
+//
+//   - mma.sync.m16n8k16 (attnx::cuda::mma_m16n8k16): a warp collective over the PTX ISA's fragment layouts.
+// What this cannot show: races that the hardware's scheduling would expose but the OS's does not (run the
+// TSan build for those), warp-synchronous code without __syncwarp, tensor-core instructions, performance.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+
+namespace attnx_emu {
+
+constexpr int kWarpSize = 32;
+constexpr int kSlotBytes = 64;  // the largest value a lane exchanges (an mma's fragments: 40 bytes)
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+constexpr size_t kMaxSharedBytes = 227 * 1024;  // sm90's opt-in maximum per block
+constexpr auto kBarrierTimeout = std::chrono::seconds(120);
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "attnx CUDA emulation: %s\n", what);
+  std::fflush(stderr);
+  std::abort();
+}
+
+// Barriers and the watchdog. A barrier is an arrival counter and a generation word that waiters sleep on
+// (std::atomic::wait: a futex on Linux, no mutex to fight over when 128 threads wake at once). Barriers
+// cannot time out by themselves, so every barrier phase counts as progress and a watchdog thread aborts a
+// launch that makes none for kBarrierTimeout: a __syncthreads or shuffle that not every thread reaches.
+inline std::atomic<uint64_t>& progress() {
+  static std::atomic<uint64_t> counter{0};
+  return counter;
+}
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+
+  void arrive_and_wait() {
+    const uint32_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      progress().fetch_add(1, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      generation_.notify_all();
+      return;
+    }
+    for (uint32_t g = generation; g == generation; g = generation_.load(std::memory_order_acquire)) {
+      generation_.wait(generation, std::memory_order_acquire);
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0};
+  std::atomic<uint32_t> generation_{0};
+};
+
+// Aborts the process, naming the launch, when no barrier of it completes for kBarrierTimeout.
+class Watchdog {
+ public:
+  explicit Watchdog(const char* what) : what_(what), thread_([this] { run(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    uint64_t seen = progress().load();
+    auto last = std::chrono::steady_clock::now();
+    while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; })) {
+      const uint64_t now = progress().load();
+      if (now != seen) {
+        seen = now;
+        last = std::chrono::steady_clock::now();
+      } else if (std::chrono::steady_clock::now() - last > kBarrierTimeout) {
+        char message[200];
+        std::snprintf(
+            message, sizeof message,
+            "%s: no barrier completed for %lld s: a __syncthreads, __syncwarp or warp shuffle that not "
+            "every thread reaches?",
+            what_, static_cast<long long>(kBarrierTimeout.count()));
+        fail(message);
+      }
+    }
+  }
+
+  const char* what_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+// The exchange slots of one warp, double-buffered: the slots of barrier phase k are rewritten at phase k + 2,
+// after every lane has passed phase k + 1 and so finished reading them.
+struct Warp {
+  Warp() : barrier(kWarpSize) {}
+  Barrier barrier;
+  alignas(16) unsigned char slots[2][kWarpSize][kSlotBytes];
+};
+
+struct Block {
+  Block(int threads, size_t smem_bytes)
+      : barrier(threads), warps(new Warp[threads / kWarpSize]), smem(smem_bytes ? smem_bytes : 16) {}
+  Barrier barrier;
+  std::unique_ptr<Warp[]> warps;
+  std::vector<unsigned char> smem;  // from operator new: 16-byte aligned on x86-64 and aarch64
+};
+
+struct ThreadState {
+  Block* block = nullptr;
+  Warp* warp = nullptr;
+  int lane = 0;
+  unsigned phase = 0;  // warp barrier phases this thread has passed
+};
+
+inline thread_local ThreadState tl;
+
+inline unsigned char* dynamic_shared_memory() {
+  return tl.block->smem.data();
+}
+
+inline void warp_barrier() {
+  tl.warp->barrier.arrive_and_wait();
+  ++tl.phase;
+}
+
+inline void check_mask(unsigned mask, const char* what) {
+  if (mask != kFullMask) fail(what);
+}
+
+// Every lane publishes `value`; returns the values of all lanes (after one warp barrier).
+template <typename T>
+inline const unsigned char (*publish(const T& value)) [kSlotBytes] {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= kSlotBytes,
+                "warp exchange of an unsupported type");
+  unsigned char (*slots)[kSlotBytes] = tl.warp->slots[tl.phase % 2];
+  std::memcpy(slots[tl.lane], &value, sizeof(T));
+  warp_barrier();
+  return slots;
+}
+
+template <typename T>
+inline T read_slot(const unsigned char (*slots)[kSlotBytes], int lane) {
+  T out;
+  std::memcpy(&out, slots[lane], sizeof(T));
+  return out;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: every lane publishes its fragments; each rebuilds A, B
+// and C from the fragment layouts of the PTX ISA (see csrc/cuda/common.cuh) and computes its own four
+// elements of D = A B + C, in float. Bit-exactness with the hardware is not the point (its summation order
+// differs); the layouts are: a kernel that puts an element in the wrong register gets the wrong result here
+// too.
+template <typename T>
+inline float to_float16_value(uint16_t bits) {
+  T x;
+  std::memcpy(static_cast<void*>(&x), &bits, 2);
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(x);
+  } else {
+    return __bfloat162float(x);
+  }
+}
+
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  struct Fragments {
+    uint32_t a[4];
+    uint32_t b[2];
+    float c[4];
+  };
+  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {d[0], d[1], d[2], d[3]}};
+  const auto slots = publish(mine);
+  float A[16][16], B[16][8], C[16][8];
+  const auto lo = [](uint32_t r) { return to_float16_value<T>(static_cast<uint16_t>(r & 0xffffu)); };
+  const auto hi = [](uint32_t r) { return to_float16_value<T>(static_cast<uint16_t>(r >> 16)); };
+  for (int lane = 0; lane < kWarpSize; ++lane) {
+    const Fragments f = read_slot<Fragments>(slots, lane);
+    const int g = lane / 4, t = lane % 4;
+    A[g][2 * t] = lo(f.a[0]), A[g][2 * t + 1] = hi(f.a[0]);
+    A[g + 8][2 * t] = lo(f.a[1]), A[g + 8][2 * t + 1] = hi(f.a[1]);
+    A[g][2 * t + 8] = lo(f.a[2]), A[g][2 * t + 9] = hi(f.a[2]);
+    A[g + 8][2 * t + 8] = lo(f.a[3]), A[g + 8][2 * t + 9] = hi(f.a[3]);
+    B[2 * t][g] = lo(f.b[0]), B[2 * t + 1][g] = hi(f.b[0]);
+    B[2 * t + 8][g] = lo(f.b[1]), B[2 * t + 9][g] = hi(f.b[1]);
+    C[g][2 * t] = f.c[0], C[g][2 * t + 1] = f.c[1];
+    C[g + 8][2 * t] = f.c[2], C[g + 8][2 * t + 1] = f.c[3];
+  }
+  const int g = tl.lane / 4, t = tl.lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i / 2) * 8, col = 2 * t + i % 2;
+    float acc = C[row][col];
+    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[i] = acc;
+  }
+}
+
+inline std::vector<std::pair<const void*, int>>& smem_attributes() {
+  static std::vector<std::pair<const void*, int>> attributes;
+  return attributes;
+}
+
+inline cudaError_t& last_error() {
+  static cudaError_t error = cudaSuccess;
+  return error;
+}
+
+// kernel<<<grid, block, smem>>>(args...) on std::threads; returns what cudaGetLastError would after the
+// launch.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t,
+                          Args&&... args);
+
+}  // namespace attnx_emu
+
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline thread_local dim3 blockDim;
+inline thread_local dim3 gridDim;
+constexpr int warpSize = attnx_emu::kWarpSize;
+
+inline void __syncthreads() {
+  attnx_emu::tl.block->barrier.arrive_and_wait();
+}
+
+inline void __syncwarp(unsigned mask = attnx_emu::kFullMask) {
+  attnx_emu::check_mask(mask, "__syncwarp with a partial mask is not emulated");
+  attnx_emu::warp_barrier();
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned mask, T value, int src_lane, int width = attnx_emu::kWarpSize) {
+  attnx_emu::check_mask(mask, "__shfl_sync with a partial mask is not emulated");
+  if (width != attnx_emu::kWarpSize) attnx_emu::fail("__shfl_sync with width < 32 is not emulated");
+  return attnx_emu::read_slot<T>(attnx_emu::publish(value), src_lane & 31);
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = attnx_emu::kWarpSize) {
+  attnx_emu::check_mask(mask, "__shfl_xor_sync with a partial mask is not emulated");
+  if (width != attnx_emu::kWarpSize) attnx_emu::fail("__shfl_xor_sync with width < 32 is not emulated");
+  return attnx_emu::read_slot<T>(attnx_emu::publish(value), (attnx_emu::tl.lane ^ lane_mask) & 31);
+}
+
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  attnx_emu::check_mask(mask, "__ballot_sync with a partial mask is not emulated");
+  const auto slots = attnx_emu::publish(predicate != 0);
+  unsigned bits = 0;
+  for (int lane = 0; lane < attnx_emu::kWarpSize; ++lane) {
+    if (attnx_emu::read_slot<bool>(slots, lane)) bits |= 1u << lane;
+  }
+  return bits;
+}
+
+inline int __all_sync(unsigned mask, int predicate) {
+  return __ballot_sync(mask, predicate) == attnx_emu::kFullMask;
+}
+inline int __any_sync(unsigned mask, int predicate) {
+  return __ballot_sync(mask, predicate) != 0;
+}
+
+namespace attnx_emu {
+
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t,
+                          Args&&... args) {
+  const auto fail_launch = [](cudaError_t err) { return last_error() = err; };
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (threads == 0 || threads > 1024 || block.z > 64) return fail_launch(cudaErrorInvalidConfiguration);
+  if (threads % kWarpSize != 0) fail("blocks of a partial warp are not emulated");
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535) {
+    return fail_launch(cudaErrorInvalidConfiguration);
+  }
+  size_t allowed = kDefaultSharedBytes;
+  for (const auto& [fn, bytes] : smem_attributes()) {
+    if (fn == reinterpret_cast<const void*>(kernel)) allowed = static_cast<size_t>(bytes);
+  }
+  if (smem > allowed || smem > kMaxSharedBytes) return fail_launch(cudaErrorInvalidValue);
+
+  // Kernel parameters are copied once, by value, as the runtime does.
+  const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+  Block state(static_cast<int>(threads), smem);
+  const auto body = [&](int tid) {
+    tl = ThreadState{&state, &state.warps[tid / kWarpSize], tid % kWarpSize, 0};
+    threadIdx = uint3{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)};
+    blockDim = block;
+    gridDim = grid;
+    for (unsigned z = 0; z < grid.z; ++z) {
+      for (unsigned y = 0; y < grid.y; ++y) {
+        for (unsigned x = 0; x < grid.x; ++x) {
+          if (tid == 0) std::memset(state.smem.data(), 0xff, state.smem.size());
+          state.barrier.arrive_and_wait();
+          blockIdx = uint3{x, y, z};
+          std::apply(kernel, params);
+          state.barrier.arrive_and_wait();
+        }
+      }
+    }
+  };
+  const Watchdog watchdog("emulated kernel launch");
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (int tid = 0; tid < static_cast<int>(threads); ++tid) pool.emplace_back(body, tid);
+  for (auto& t : pool) t.join();
+  return last_error() = cudaSuccess;
+}
+
+}  // namespace attnx_emu

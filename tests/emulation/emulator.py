@@ -1,0 +1,253 @@
+"""attnx's CUDA kernels compiled for the CPU with g++ and the shim in cuda_shim.h, driven through ctypes.
+
+``build()`` compiles ``csrc/cuda/attention.cu`` (the real source, as C++) with ``attention_emu.cpp`` and
+``cuda_shim.cpp`` into a shared library under ``build/emulation/``, cached by the hash of every source,
+header and flag. ``Emulator.attention`` mirrors the glue (csrc/cuda/attention_cuda.cpp and
+common/attention.cpp): it reads the tensors' layouts into AttentionParams without copying, allocates out in
+(B, L, H, Dv) memory order and lse, and calls the same launcher a GPU build calls.
+"""
+
+import ctypes
+import glob
+import hashlib
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CSRC = os.path.join(ROOT, "csrc")
+BUILD_DIR = os.path.join(ROOT, "build", "emulation")
+
+KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention.cu"),
+                    os.path.join(CSRC, "cuda", "attention_mma.cu"), os.path.join(HERE, "cuda_shim.cpp")]
+SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "attention_emu.cpp")]  # the ctypes library
+RACE_CHECK_SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "race_check.cpp")]  # the TSan executable
+# torch compiles .cu files with these; so does the emulation, so that the same conversions are exercised.
+TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                      "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+# -fno-strict-aliasing: like nvcc, which lets kernels read fragments through casts.
+FLAGS = ["-std=c++20", "-pthread", "-O1", "-fno-strict-aliasing", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
+         "-DATTNX_CUDA_EMULATION", *TORCH_NVCC_DEFINES]
+
+
+class Unavailable(Exception):
+    """The emulation cannot be built on this machine (no C++20 compiler or no CUDA toolkit headers)."""
+
+
+def _depends():
+    patterns = ["cuda/*.h", "cuda/*.cuh", "cuda/*.cu", "include/attnx/*.h"]
+    files = sorted(p for pattern in patterns for p in glob.glob(os.path.join(CSRC, pattern)))
+    return files + sorted(glob.glob(os.path.join(HERE, "*.h"))) + SOURCES
+
+
+def toolkit_include():
+    """A CUDA toolkit include dir with host-capable cuda_runtime.h, cuda_fp16.h and cuda_bf16.h, or None."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:  # nvcc may be a wrapper script: ask it where its toolkit is
+        try:
+            dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                                 capture_output=True, text=True, timeout=60)
+            match = re.search(r"^#\$ TOP=(.*)$", dry.stdout + dry.stderr, re.MULTILINE)
+            if match:
+                roots.append(match.group(1).strip())
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    roots += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in filter(None, roots):
+        inc = os.path.join(root, "include")
+        headers = ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")
+        if all(os.path.exists(os.path.join(inc, h)) for h in headers):
+            return inc
+    return None
+
+
+def compiler():
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def has_thread_sanitizer():
+    """Whether the compiler builds and links a -fsanitize=thread program (libtsan present)."""
+    cxx = compiler()
+    if cxx is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.cpp")
+        with open(src, "w") as f:
+            f.write("#include <thread>\nint main() { std::thread t([] {}); t.join(); }\n")
+        result = subprocess.run([cxx, "-std=c++20", "-pthread", "-fsanitize=thread", src, "-o", src + ".out"],
+                                capture_output=True, text=True)
+        return result.returncode == 0
+
+
+def build(extra_flags=(), sources=SOURCES, shared=True):
+    """Compiles the emulation (a shared library, or an executable unless ``shared``); returns its path."""
+    cxx = compiler()
+    if cxx is None:
+        raise Unavailable("no C++ compiler (g++ or clang++; or set CXX)")
+    inc = toolkit_include()
+    if inc is None:
+        raise Unavailable("no CUDA toolkit headers (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h); set CUDA_HOME")
+    flags = [*FLAGS, *extra_flags, "-I" + HERE, "-I" + CSRC, "-I" + os.path.join(CSRC, "include"), "-I" + inc]
+    # -Bsymbolic: the library's cudaFuncSetAttribute & co. are the shim's, even in a process where torch has
+    # loaded the real libcudart (whose versions fail without a driver).
+    flags += ["-shared", "-Wl,-Bsymbolic"] if shared else []
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError as e:
+        raise Unavailable(f"{cxx} does not run: {e}") from e
+    digest = hashlib.sha256("\0".join([cxx, version, *flags, *sources]).encode())
+    for path in _depends() + list(sources):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    name = f"attention-{digest.hexdigest()[:16]}" + (".so" if shared else "")
+    target = os.path.join(BUILD_DIR, name)
+    if os.path.exists(target):
+        return target
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    # .cu files are C++ here; the -x c++ / -x none pair scopes that to them.
+    cmd = [cxx, *flags]
+    for src in sources:
+        cmd += ["-x", "c++", src, "-x", "none"] if src.endswith(".cu") else [src]
+    fd, tmp = tempfile.mkstemp(dir=BUILD_DIR, prefix=name + ".")
+    os.close(fd)
+    result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        if "C++20" in result.stderr or "-std=c++20" in result.stderr:
+            raise Unavailable(f"{cxx} does not support C++20:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, target)  # atomic: concurrent test processes never see a half-written library
+    return target
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ctypes mirrors of csrc/include/attnx/params.h and csrc/cuda/attention_plan.h.
+
+i64, i32 = ctypes.c_int64, ctypes.c_int32
+
+
+class AttentionParams(ctypes.Structure):
+    _fields_ = [
+        ("batch", i64), ("heads", i64), ("q_len", i64), ("kv_len", i64),
+        ("head_dim", i64), ("v_head_dim", i64),
+        ("q_stride", i64 * 4), ("k_stride", i64 * 4), ("v_stride", i64 * 4), ("out_stride", i64 * 4),
+        ("lse_stride", i64 * 3), ("attn_mask_stride", i64 * 4), ("key_padding_mask_stride", i64 * 2),
+        ("attn_mask_kind", i32), ("key_padding_mask_kind", i32), ("is_causal", i32),
+        ("scale", ctypes.c_float), ("scale_lo", ctypes.c_float),
+    ]
+
+
+class AttentionPlan(ctypes.Structure):
+    _fields_ = [
+        ("bucket", i32), ("rows_per_warp", i32), ("rows_per_block", i32), ("threads", i32),
+        ("q_blocks", i64), ("bh", i64), ("blocks", i64), ("ldq", i32), ("ldk", i32), ("ldv", i32),
+        ("q_off", i64), ("k_off", i64), ("v_off", i64), ("p_off", i64), ("smem_bytes", ctypes.c_size_t),
+    ]
+
+
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+MASK_KINDS = {torch.bool: 1, torch.float16: 2, torch.bfloat16: 3, torch.float32: 4, torch.float64: 5}
+KERNELS = {"simt": 0, "mma": 1}
+CUDA_ERRORS = {1: "cudaErrorInvalidValue", 9: "cudaErrorInvalidConfiguration"}
+
+
+def attn_mask_strides(mask, B, H, L, S):
+    """common/attention.cpp's attn_mask_strides: the mask as (B, H, L, S), stride 0 on broadcast dims."""
+    if mask.dim() == 2:
+        st = [0, 0, mask.stride(0), mask.stride(1)]
+    elif mask.dim() == 3:
+        st = [H * mask.stride(0), mask.stride(0), mask.stride(1), mask.stride(2)]
+    else:
+        st = list(mask.stride())
+    for d, n in enumerate((B, H, L, S)):
+        if n == 1 or (mask.dim() == 4 and mask.size(d) == 1):
+            st[d] = 0
+    return st
+
+
+def split_scale(scale):
+    """The unevaluated float32 pair hi + lo closest to ``scale`` (AttentionParams::scale, scale_lo)."""
+    hi = float(torch.tensor(scale, dtype=torch.float32))
+    lo = float(torch.tensor(scale - hi, dtype=torch.float32)) if math.isfinite(hi) else 0.0
+    return hi, lo
+
+
+def make_params(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None, out=None,
+                lse=None):
+    B, H, L, D = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    p = AttentionParams(batch=B, heads=H, q_len=L, kv_len=S, head_dim=D, v_head_dim=Dv)
+    p.q_stride[:], p.k_stride[:], p.v_stride[:] = q.stride(), k.stride(), v.stride()
+    if out is not None:
+        p.out_stride[:] = out.stride()
+    if lse is not None:
+        p.lse_stride[:] = lse.stride()
+    if attn_mask is not None:
+        p.attn_mask_kind = MASK_KINDS[attn_mask.dtype]
+        p.attn_mask_stride[:] = attn_mask_strides(attn_mask, B, H, L, S)
+    if key_padding_mask is not None:
+        p.key_padding_mask_kind = MASK_KINDS[key_padding_mask.dtype]
+        p.key_padding_mask_stride[:] = [0 if key_padding_mask.size(d) == 1 else key_padding_mask.stride(d)
+                                        for d in range(2)]
+    p.is_causal = int(is_causal)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    p.scale, p.scale_lo = split_scale(scale)
+    return p
+
+
+class Emulator:
+    def __init__(self, path):
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        self.lib.attnx_emu_sizeof_params.restype = ctypes.c_size_t
+        self.lib.attnx_emu_sizeof_plan.restype = ctypes.c_size_t
+        assert self.lib.attnx_emu_sizeof_params() == ctypes.sizeof(AttentionParams), "params.h changed"
+        assert self.lib.attnx_emu_sizeof_plan() == ctypes.sizeof(AttentionPlan), "attention_plan.h changed"
+        self.lib.attnx_emu_attention.restype = ctypes.c_int
+        self.lib.attnx_emu_attention.argtypes = [
+            ctypes.POINTER(AttentionParams), ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 7
+        ]
+
+    def plan(self, params, dtype):
+        plan = AttentionPlan()
+        self.lib.attnx_emu_plan(ctypes.byref(params), DTYPES[dtype], ctypes.byref(plan))
+        return plan
+
+    def attention(self, q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
+                  out_layout="blhd", kernel="simt"):
+        """attnx.attention on the emulated CUDA kernel: (out, lse) as the CUDA op returns them.
+
+        ``kernel``: "simt" (attention.cu) or "mma" (attention_mma.cu, with mma.sync emulated).
+
+        ``out_layout="bhld"`` writes into a contiguous (B, H, L, Dv) out instead of the op's (B, L, H, Dv)
+        memory order, to check that the kernel honours out's strides.
+        """
+        B, H, L, _ = q.shape
+        Dv = v.shape[3]
+        if out_layout == "blhd":
+            out = torch.empty(B, L, H, Dv, dtype=q.dtype).transpose(1, 2)
+        else:
+            out = torch.empty(B, H, L, Dv, dtype=q.dtype)
+        lse = torch.empty(B, H, L, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse)
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
+        err = self.lib.attnx_emu_attention(
+            ctypes.byref(p), DTYPES[q.dtype], KERNELS[kernel], ptr(q), ptr(k), ptr(v), ptr(attn_mask),
+            ptr(key_padding_mask), ptr(out), ptr(lse),
+        )
+        if err != 0:
+            raise RuntimeError(f"emulated launch failed: {CUDA_ERRORS.get(err, err)}")
+        return out, lse

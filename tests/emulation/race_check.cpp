@@ -1,0 +1,93 @@
+// attnx: the emulated CUDA kernels under ThreadSanitizer (see test_cuda_emulation.py).
+//
+// The emulation's barriers and warp exchanges are atomics that TSan understands, so a shared-memory access
+// that no __syncthreads/__syncwarp orders against another thread's write is reported as a data race, whether
+// or not the OS happened to interleave the threads badly. Values do not matter here (the pytest suite checks
+// them): each launch covers several key tiles, masks, causal skipping and partial tiles.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/attention.h"
+
+namespace {
+
+using attnx::AttentionParams;
+using attnx::cuda::DType;
+using attnx::cuda::Kernel;
+
+template <typename T>
+std::vector<T> randn(size_t n, std::mt19937& gen) {
+  std::normal_distribution<float> dist;
+  std::vector<T> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float x = dist(gen);
+    if constexpr (std::is_same_v<T, __half>) {
+      out.push_back(__float2half_rn(x));
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      out.push_back(__float2bfloat16_rn(x));
+    } else {
+      out.push_back(static_cast<T>(x));
+    }
+  }
+  return out;
+}
+
+// Contiguous (B, H, N, D) strides.
+void contiguous(int64_t* st, int64_t H, int64_t N, int64_t D) {
+  st[3] = 1;
+  st[2] = D;
+  st[1] = N * D;
+  st[0] = H * N * D;
+}
+
+template <typename T>
+int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal) {
+  std::mt19937 gen(0);
+  AttentionParams p{};
+  p.batch = B, p.heads = H, p.q_len = L, p.kv_len = S, p.head_dim = D, p.v_head_dim = D;
+  contiguous(p.q_stride, H, L, D);
+  contiguous(p.k_stride, H, S, D);
+  contiguous(p.v_stride, H, S, D);
+  contiguous(p.out_stride, H, L, D);
+  p.lse_stride[0] = H * L, p.lse_stride[1] = L, p.lse_stride[2] = 1;
+  const auto q = randn<T>(B * H * L * D, gen), k = randn<T>(B * H * S * D, gen),
+             v = randn<T>(B * H * S * D, gen);
+  std::vector<T> out(B * H * L * D);
+  std::vector<double> lse(B * H * L);  // room for float64's
+  // A random (L, S) bool mask and a float key_padding_mask that removes whole tiles of batch 0.
+  std::vector<unsigned char> attn_mask(L * S);
+  for (auto& m : attn_mask) m = gen() % 10 == 0;
+  std::vector<float> padding(B * S, 0.0f);
+  for (int64_t s = 0; s < S && s < 64; ++s) padding[s] = -INFINITY;
+  p.attn_mask_kind = attnx::kMaskBool, p.attn_mask_stride[2] = S, p.attn_mask_stride[3] = 1;
+  p.key_padding_mask_kind = attnx::kMaskFloat32, p.key_padding_mask_stride[0] = S,
+  p.key_padding_mask_stride[1] = 1;
+  p.is_causal = causal;
+  p.scale = 0.25f;
+  const attnx::cuda::AttentionPointers ptr{q.data(),       k.data(),   v.data(),  attn_mask.data(),
+                                           padding.data(), out.data(), lse.data()};
+  const cudaError_t err = attnx::cuda::launch_attention(p, dtype, ptr, nullptr, kernel);
+  if (err != cudaSuccess) std::fprintf(stderr, "launch failed: %d\n", static_cast<int>(err));
+  return err == cudaSuccess ? 0 : 1;
+}
+
+}  // namespace
+
+int main() {
+  int failures = 0;
+  failures += run<float>(DType::kFloat32, Kernel::kSimt, 2, 1, 20, 100, 24, false);
+  failures += run<float>(DType::kFloat32, Kernel::kSimt, 1, 2, 40, 100, 40, true);
+  failures += run<double>(DType::kFloat64, Kernel::kSimt, 1, 1, 9, 70, 200, false);
+  failures += run<__nv_bfloat16>(DType::kBFloat16, Kernel::kSimt, 1, 1, 17, 70, 64, false);
+  failures += run<__half>(DType::kFloat16, Kernel::kMma, 2, 1, 70, 200, 64, false);
+  failures += run<__nv_bfloat16>(DType::kBFloat16, Kernel::kMma, 1, 1, 130, 140, 32, true);
+  std::printf("%d failed launches\n", failures);
+  return failures;
+}

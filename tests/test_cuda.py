@@ -1,0 +1,326 @@
+"""attnx's CUDA kernels on a real GPU: attention, linear and mha against the references, opcheck, memory.
+
+Every test takes the ``cuda`` device param of conftest.DEVICES, so without a GPU (or without CUDA kernels in
+the build) they show as skipped. Inputs are built on the CPU by the same factories as the CPU tests and moved
+to the GPU with their exact layout (strides, storage offset, stride-0 dims): see ``to_device``.
+
+Also worth running by hand on a GPU machine:
+    compute-sanitizer --tool memcheck  python -m pytest tests/test_cuda.py -k "attention and not big" -x
+    compute-sanitizer --tool racecheck python -m pytest tests/test_cuda.py -k "attention_masks" -x
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import attnx
+import pytest
+import torch
+from attnx import reference
+from conftest import DEVICES, require_kernel
+from mha_helpers import make_masks
+from test_attention import _mask, _opcheck_cases, _padding, check, make_qkv
+from test_mha_op import _args, _check, _inputs
+
+CUDA = [p for p in DEVICES if p.id == "cuda"]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.parametrize("device", CUDA)
+
+
+@pytest.fixture(autouse=True)
+def _kernels(device):
+    require_kernel("attnx::attention", device)
+    require_kernel("attnx::linear", device)
+
+
+def to_device(x, device):
+    """``x`` (or the tensors in a tuple, list or dict) on ``device``: same sizes, strides, storage offset."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(a, device) for a in x)
+    if isinstance(x, dict):
+        return {k: to_device(a, device) for k, a in x.items()}
+    if not isinstance(x, torch.Tensor):
+        return x
+    numel = x.untyped_storage().nbytes() // x.element_size()
+    storage = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage(), 0, (numel,))
+    return storage.to(device).as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def qkv(device, *args, **kwargs):
+    return to_device(make_qkv(*args, **kwargs), device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# attnx.attention
+
+
+LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
+SHAPES = [
+    (2, 3, 37, 53, 24, 24),  # odd sizes, partial query blocks and key tiles
+    (1, 2, 16, 16, 32, 8),  # Dv < D
+    (2, 1, 9, 70, 8, 40),  # Dv > D
+    (1, 1, 1, 1, 4, 4),
+    (3, 2, 1, 33, 16, 16),  # one query
+    (1, 1, 45, 1, 16, 16),  # one key
+    (1, 2, 20, 30, 64, 64),
+    (1, 2, 20, 30, 128, 100),
+    (1, 1, 20, 30, 256, 256),  # the largest bucket (fp64: 2 rows per warp, 147 KiB of shared memory)
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_attention_shapes_dtypes_layouts(device, shape, dtype, layout):
+    check(*qkv(device, *shape, dtype=dtype, layout=layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 4, 300, 600, 64, 64), (1, 2, 1030, 1000, 128, 128)], ids=str)
+def test_attention_big(device, shape, is_causal, dtype):
+    q, k, v = qkv(device, *shape, dtype=dtype, layout="blhd")
+    B, _, L, S, _, _ = shape
+    kpm = torch.rand(B, S, device=device) < 0.2
+    kpm[:, :100] = True  # whole key tiles removed by padding
+    mask = torch.randn(L, S, device=device)
+    check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("attn_mask", [
+    "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
+    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
+    "float_bhls_sliced",
+])
+def test_attention_masks(device, attn_mask, is_causal):
+    mask = to_device(_mask(attn_mask, torch.Generator().manual_seed(1)), device)
+    check(*qkv(device, 2, 3, 19, 41, 16, 16, layout="blhd"), attn_mask=mask, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("padding", ["bool", "float", "float_neginf", "bool_transposed", "float16_expanded"])
+@pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
+def test_attention_padding_and_mask(device, attn_mask, padding, is_causal):
+    gen = torch.Generator().manual_seed(2)
+    mask = None if attn_mask is None else to_device(_mask(attn_mask, gen), device)
+    kpm = to_device(_padding(padding, gen), device)
+    check(*qkv(device, 2, 3, 19, 41, 16, 16), attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_fully_masked_rows_and_scale(device, dtype):
+    q, k, v = qkv(device, 2, 2, 6, 9, 8, 8, dtype=dtype)
+    mask = torch.zeros(6, 9, dtype=torch.bool, device=device)
+    mask[2] = True
+    kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
+    kpm[1] = True
+    out, lse = check(q, k, v, attn_mask=mask, key_padding_mask=kpm, scale=0.3)
+    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+def test_attention_nan_and_empty(device):
+    q, k, v = qkv(device, 1, 2, 5, 6, 4, 4)
+    q[0, 1, 2, 0] = float("nan")
+    mask = torch.zeros(5, 6, device=device)
+    mask[4, 3] = float("nan")
+    out, lse = check(q, k, v, attn_mask=mask)
+    assert out[0, 1, 2].isnan().all() and out[0, :, 4].isnan().all()
+    for sizes in [(0, 2, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
+                  (2, 2, 3, 4, 8, 0)]:
+        check(*qkv(device, *sizes))
+
+
+def test_attention_many_heads(device):
+    # B*H = 70000 blocks of one query block each: past grid.y's 65535 (the grid is 1-D).
+    check(*qkv(device, 700, 100, 3, 5, 8, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dims", [(288, 288), (264, 64), (64, 320)], ids=str)
+def test_attention_head_dim_above_256_falls_back(device, dims, dtype):
+    D, Dv = dims
+    q, k, v = qkv(device, 2, 2, 37, 50, D, Dv, dtype=dtype, layout="blhd")
+    kpm = torch.rand(2, 50, device=device) < 0.3
+    kpm[1] = True  # fully masked rows in the fallback too
+    mask = torch.randn(4, 37, 50, device=device)
+    check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+
+
+def test_attention_head_dim_above_256_chunks(device):
+    # Scores of (B, H, L, S) = 1 x 1 x 1200 x 70000 fp32 are 336 MB: the fallback takes two chunks of queries.
+    q, k, v = (torch.randn(1, 1, n, 272, device=device) for n in (1200, 70000, 70000))
+    kpm = torch.rand(1, 70000, device=device) < 0.5
+    check(q, k, v, key_padding_mask=kpm, is_causal=True)
+
+
+def test_attention_side_stream_and_device_guard(device):
+    q, k, v = qkv(device, 2, 2, 40, 50, 32, 32)
+    want = attnx.attention(q, k, v, is_causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = attnx.attention(q, k, v, is_causal=True)
+    stream.synchronize()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if torch.cuda.device_count() > 1:
+        q1, k1, v1 = (t.to("cuda:1") for t in (q, k, v))
+        got1 = attnx.attention(q1, k1, v1, is_causal=True)  # launched on cuda:1 while cuda:0 is current
+        assert got1[0].device == q1.device
+        torch.testing.assert_close(got1[0].cpu(), want[0].cpu(), rtol=0, atol=0)
+
+
+def test_attention_mixed_devices_is_an_error(device):
+    q, k, v = qkv(device, 1, 1, 3, 4, 8, 8)
+    with pytest.raises(RuntimeError, match="expected key on query's device"):
+        attnx.attention(q, k.cpu(), v)
+    with pytest.raises(RuntimeError, match="expected attn_mask on query's device"):
+        attnx.attention(q, k, v, attn_mask=torch.zeros(3, 4))
+
+
+def test_attention_no_quadratic_memory(device):
+    B, H, L, S, D = 2, 4, 4096, 4096, 64
+    q, k, v = (torch.randn(B, H, n, D, device=device) for n in (L, S, S))
+    mask = torch.rand(L, S, device=device) < 0.1
+    kpm = torch.zeros(B, S, dtype=torch.bool, device=device)
+    kpm[:, -100:] = True
+    attnx.attention(q[:, :, :8], k, v, mask[:8], kpm)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    attnx.attention(q, k, v, mask, kpm, is_causal=True)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - before
+    outputs = B * H * L * D * 4 + B * H * L * 4
+    assert grown <= outputs + 2**20, f"peak grew {grown / 2**20:.1f} MiB, outputs are {outputs / 2**20:.1f}"
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_attention_opcheck(device, case):
+    pytest.importorskip("expecttest")
+    torch.library.opcheck(torch.ops.attnx.attention.default, to_device(_opcheck_cases()[case], device))
+
+
+def test_attention_fake_matches_kernel(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = qkv(device, 2, 3, 5, 7, 8, 4, layout="blhd")
+    real = attnx.attention(q, k, v)
+    with FakeTensorMode() as mode:
+        fake = attnx.attention(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v))
+    for r, f in zip(real, fake, strict=True):
+        assert (r.shape, r.stride(), r.dtype, r.device) == (f.shape, f.stride(), f.dtype, f.device)
+
+
+def test_attention_compile_fullgraph(device):
+    q, k, v = qkv(device, 2, 2, 5, 7, 8, 8)
+    fn = torch.compile(lambda q, k, v: attnx.attention(q, k, v, is_causal=True)[0] * 2, fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), attnx.attention(q, k, v, is_causal=True)[0] * 2)
+
+
+_MMA_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_attention import check, make_qkv
+    from test_cuda import to_device
+    for dtype in (torch.float16, torch.bfloat16):
+        for shape in [(2, 3, 37, 53, 64, 64), (1, 2, 300, 600, 128, 128), (1, 1, 70, 90, 32, 32)]:
+            for layout in ("contiguous", "blhd", "strided_last", "expanded_kv"):
+                q, k, v = to_device(make_qkv(*shape, dtype=dtype, layout=layout), "cuda")
+                kpm = torch.rand(shape[0], shape[3], device="cuda") < 0.3
+                mask = torch.randn(shape[2], shape[3], device="cuda")
+                check(q, k, v)
+                check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    # What the mma kernel does not cover still runs, on the SIMT kernel: float32, head dim 256.
+    check(*to_device(make_qkv(2, 3, 37, 53, 64, 64, dtype=torch.float32), "cuda"), is_causal=True)
+    check(*to_device(make_qkv(1, 2, 37, 53, 256, 256, dtype=torch.float16), "cuda"), is_causal=True)
+    print("ok")
+    """
+)
+
+
+def test_attention_mma_opt_in(device):
+    # The tensor-core kernel (ATTNX_CUDA_MMA=1, fp16/bf16 on sm80+) in a fresh process; skipped when absent.
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the mma kernel needs sm80+")
+    env = dict(os.environ, ATTNX_CUDA_MMA="1")
+    script = _MMA_SCRIPT.format(tests=os.path.dirname(__file__))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# attnx.linear (test_linear.py also runs its parametrised tests on the cuda param)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_layouts(device, dtype):
+    w = torch.randn(48, 32, dtype=dtype, device=device)
+    b = torch.randn(48, dtype=dtype, device=device)
+    x = torch.randn(1, 20, 32, dtype=dtype, device=device)
+    packed = torch.randn(4, 20, 96, dtype=dtype, device=device)
+    for inp in (x, x.transpose(0, 1), packed[..., 32:64].transpose(0, 1), x.expand(3, 20, 32)):
+        got = attnx.linear(inp, w, b)
+        want = reference.linear(inp.double(), w.double(), b.double())
+        tol = {torch.float64: 1e-12, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 2e-1}[dtype]
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_linear_gradients_and_opcheck(device):
+    x = torch.randn(3, 5, 8, device=device, dtype=torch.float64).transpose(0, 1).requires_grad_()
+    w = torch.randn(6, 8, device=device, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, device=device, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(attnx.linear, (x, w, b))
+    torch.library.opcheck(torch.ops.attnx.linear.default, (x.detach(), w.detach(), b.detach()))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# attnx.mha and the module
+
+
+@pytest.mark.parametrize("masks", ["none", "both_bool", "both_float", "causal", "am3_float"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_matches_reference(device, masks, need_weights):
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    kpm, am, is_causal = make_masks(masks, 2, 4, 6, 9, torch.float64)
+    args = _args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights)
+    _check(to_device(args, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_mha_low_precision_and_extras(device, dtype, extras):
+    query, key, value, w = _inputs("separate" if extras == "none" else "kv_shared", "sliced", dtype)
+    s = 5 if extras == "static_kv" else 9
+    kpm, am, _ = make_masks("both_float", 2, 4, 6, s, dtype)
+    _check(to_device(_args(query, key, value, w, extras=extras, kpm=kpm, am=am), device), dtype)
+
+
+def test_mha_opcheck(device):
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float32)
+    kpm, am, _ = make_masks("both_bool", 2, 4, 6, 9, torch.float32)
+    args = _args(query, key, value, w, kpm=kpm, am=am, need_weights=True)
+    torch.library.opcheck(torch.ops.attnx.mha.default, to_device(args, device))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_module_matches_torch(device, batch_first):
+    E, H, B, L = 64, 4, 3, 50
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=batch_first, device=device).eval()
+    ours = attnx.nn.MultiheadAttention(E, H, batch_first=batch_first, device=device).eval()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(B, L, E, device=device) if batch_first else torch.randn(L, B, E, device=device)
+    kpm = torch.rand(B, L, device=device) < 0.2
+    mask = torch.rand(L, L, device=device) < 0.2
+    mask.fill_diagonal_(False)
+    with torch.no_grad():
+        for fast in (True, False):
+            torch.backends.mha.set_fastpath_enabled(fast)
+            want = ref(x, x, x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)[0]
+            got = ours(x, x, x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)[0]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.backends.mha.set_fastpath_enabled(True)

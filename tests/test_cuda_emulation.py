@@ -1,0 +1,325 @@
+"""attnx::attention's CUDA SIMT kernel compiled for the CPU, run on std::threads, vs the float64 reference.
+
+The source is csrc/cuda/attention.cu itself, compiled by g++ against tests/emulation/cuda_shim.h (one
+std::thread per CUDA thread, __syncthreads as a barrier, warp shuffles through exchange slots) and launched
+through the real launcher with the real launch plan. This checks the kernel's algorithm and indexing:
+strides, masks, causal skipping, partial tiles and blocks, fully masked rows, every dtype and head-dim
+bucket. It cannot show GPU-only behaviour (memory model, timing, compiler differences): tests/test_cuda.py
+does that on a GPU.
+
+Shapes are tiny: every emulated block is 128 OS threads, and each warp shuffle is a barrier of 32 of them.
+"""
+
+import math
+import subprocess
+
+import pytest
+import torch
+from attnx import reference
+from emulation import emulator
+from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    try:
+        path = emulator.build()
+    except emulator.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    return emulator.Emulator(path)
+
+
+def check(emu, q, k, v, out_layout="blhd", kernel="simt", **kwargs):
+    """Runs the emulated kernel and compares out and lse with the reference, as test_attention.check does."""
+    out, lse = emu.attention(q, k, v, out_layout=out_layout, kernel=kernel, **kwargs)
+    ref64_out, ref64_lse = reference.attention(
+        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
+    )
+    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
+    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
+    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Dtypes, layouts, head-dim buckets, tile and block boundaries.
+
+LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtypes_layouts(emu, dtype, layout):
+    # L = 20: two query blocks of 16, the second partial; S = 37: two key tiles, the second partial.
+    check(emu, *make_qkv(2, 2, 20, 37, 24, 24, dtype=dtype, layout=layout))
+
+
+# (L, S, D, Dv): one per head-dim bucket (32, 64, 128, 256); D != Dv; D not a multiple of the vector width.
+BUCKETS = [(5, 40, 8, 32), (6, 33, 64, 40), (3, 35, 100, 128), (3, 34, 256, 200), (2, 33, 129, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", BUCKETS, ids=str)
+def test_head_dim_buckets(emu, sizes, dtype):
+    L, S, D, Dv = sizes
+    check(emu, *make_qkv(1, 1, L, S, D, Dv, dtype=dtype, layout="blhd"), is_causal=True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_many_blocks_and_tiles(emu, dtype, is_causal):
+    # 4 query blocks (the causal ordering reverses them) and 3 key tiles; causal skips tiles past each block.
+    check(emu, *make_qkv(1, 1, 50, 70, 16, 16, dtype=dtype), is_causal=is_causal)
+
+
+def test_b1_transposed_and_out_strides(emu):
+    q, k, v = make_qkv(1, 4, 12, 12, 8, 8, layout="lbhd")
+    assert q.stride(0) == 4 * 8  # the size-1 batch dim carries a stride that is not the contiguous one
+    check(emu, q, k, v)
+    check(emu, q, k, v, out_layout="bhld")  # the kernel writes through out's strides, whatever they are
+
+
+def test_sliced_with_storage_offset(emu):
+    big = torch.randn(3, 2, 30, 40)
+    q, k, v = big[1:2, :, 3:20, 5:21], big[2:, :, 1:30, 2:18], big[:1, :, :29, 20:36]
+    assert q.storage_offset() > 0 and k.storage_offset() > 0
+    check(emu, q, k, v)
+
+
+def test_custom_scale(emu):
+    q, k, v = make_qkv(1, 2, 10, 30, 16, 16)
+    check(emu, q, k, v, scale=0.37)
+    check(emu, q, k, v, scale=0.0)
+    # float64 carries the scale as a float pair (hi + lo); 1/3 is not a float.
+    q, k, v = make_qkv(1, 1, 5, 30, 16, 16, dtype=torch.float64)
+    check(emu, q, k, v, scale=1 / 3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Masks (the factories of test_attention: B, H, L, S, D = 2, 3, 19, 41, 16).
+
+B, H, L, S, D = 2, 3, 19, 41, 16
+ATTN_MASKS = [
+    "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
+    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
+    "float_bhls_sliced",
+]
+PADDINGS = ["bool", "float", "float_neginf", "bool_transposed", "float16_expanded"]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
+def test_attn_mask(emu, attn_mask, is_causal):
+    mask = _mask(attn_mask, torch.Generator().manual_seed(1))
+    check(emu, *make_qkv(B, H, L, S, D, D, layout="blhd"), attn_mask=mask, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+@pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls"], ids=str)
+def test_padding_and_attn_mask(emu, attn_mask, padding):
+    gen = torch.Generator().manual_seed(2)
+    mask = None if attn_mask is None else _mask(attn_mask, gen)
+    kpm = _padding(padding, gen)
+    check(emu, *make_qkv(B, H, L, S, D, D), attn_mask=mask, key_padding_mask=kpm, is_causal=padding == "bool")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masks_low_precision_and_strided(emu, dtype):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_qkv(B, H, L, S, D, 8, dtype=dtype, layout="strided_last")
+    check(emu, q, k, v, attn_mask=_mask("float_ls", gen).to(dtype), key_padding_mask=_padding("bool", gen),
+          is_causal=True, scale=0.2)
+
+
+def test_padding_skips_whole_tiles(emu):
+    # Batch 0: key_padding_mask removes the whole first key tile (skipped by the block) and part of the third;
+    # batch 1: the whole last, partial tile. attn_mask removes a whole tile for some rows only (not skipped).
+    q, k, v = make_qkv(2, 2, 20, 70, 16, 16)
+    kpm = torch.zeros(2, 70, dtype=torch.bool)
+    kpm[0, :32] = True
+    kpm[0, 66:] = True
+    kpm[1, 64:] = True
+    mask = torch.zeros(20, 70, dtype=torch.bool)
+    mask[:10, 32:64] = True
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    check(emu, q, k, v, attn_mask=torch.zeros(20, 70).masked_fill(mask, -math.inf), key_padding_mask=kpm,
+          is_causal=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fully masked rows, NaN, empty sizes.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_fully_masked_rows(emu, dtype):
+    q, k, v = make_qkv(2, 2, 6, 9, 8, 8, dtype=dtype)
+    mask = torch.zeros(6, 9, dtype=torch.bool)
+    mask[2] = True  # query 2 sees no key
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True  # batch 1 sees no key at all (its only tile is skipped)
+    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+def test_fully_masked_row_with_infinite_values(emu):
+    # A masked key whose value is inf gives 0 * inf = NaN in the accumulator; the row is written as 0 anyway.
+    q, k, v = make_qkv(1, 1, 4, 5, 8, 8)
+    v[0, 0, 3] = math.inf
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    mask[1] = True
+    out, lse = emu.attention(q, k, v, attn_mask=mask)
+    assert (out[0, 0, 1] == 0).all() and torch.isposinf(lse[0, 0, 1])
+
+
+def test_nan_propagates_per_row(emu):
+    q, k, v = make_qkv(1, 2, 5, 6, 4, 4)
+    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
+    mask = torch.zeros(5, 6)
+    mask[4, 3] = float("nan")  # row l=4 of every head
+    out, lse = check(emu, q, k, v, attn_mask=mask)
+    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
+    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
+    assert not out[0, 0, :4].isnan().any()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
+     (2, 2, 3, 4, 8, 0)],
+    ids=str,
+)
+def test_empty_sizes(emu, sizes):
+    q, k, v = make_qkv(*sizes)
+    out, lse = check(emu, q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
+    if sizes[3] == 0:
+        assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The launch plan: the glue and the emulation launch exactly what it says.
+
+
+def test_plan_limits(emu):
+    # Shared memory within an sm80 block's 163 KiB opt-in for every dtype and bucket. Above 48 KiB the
+    # launcher opts in (the emulated launch refuses otherwise, as the runtime does; the D = 256 cases pass).
+    for dtype in DTYPES:
+        for d in (32, 64, 128, 256):
+            p = emulator.make_params(*make_qkv(1, 1, 1, 1, d, d, dtype=dtype))
+            plan = emu.plan(p, dtype)
+            assert plan.bucket == d and plan.threads == 128
+            assert plan.smem_bytes <= 163 * 1024, (dtype, d, plan.smem_bytes)
+    # B * H past grid.y's 65535: the grid is 1-D, blockIdx.x = query block and (b, h).
+    p = emulator.make_params(*make_qkv(1, 1, 40, 1, 8, 8))
+    p.batch, p.heads = 300, 300
+    plan = emu.plan(p, torch.float32)
+    assert plan.bh == 90000 and plan.q_blocks == 3 and plan.blocks == 270000
+
+
+def test_head_dim_above_256_has_no_kernel(emu):
+    # The glue falls back to a chunked ATen composition (tested on a GPU in test_cuda.py); the launcher
+    # refuses.
+    q, k, v = make_qkv(1, 1, 3, 5, 264, 8)
+    assert emu.plan(emulator.make_params(q, k, v), torch.float32).bucket == 0
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+        emu.attention(q, k, v)
+    q, k, v = make_qkv(1, 1, 3, 5, 8, 300)
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+        emu.attention(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The tensor-core kernel (attention_mma.cu, opt-in), with mma.sync emulated over the PTX fragment layouts. It
+# rounds P to the input type before P V, as FlashAttention does; the bounds above absorb that.
+
+MMA_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
+def test_mma_dtypes_layouts(emu, dtype, layout):
+    # L = 70: two query blocks of 64, the second partial; S = 90: two key tiles of 64, the second partial.
+    check(emu, *make_qkv(2, 2, 70, 90, 24, 24, dtype=dtype, layout=layout), kernel="mma")
+
+
+@pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", [(5, 40, 8, 32), (6, 33, 64, 40), (3, 70, 100, 128), (2, 33, 128, 3)],
+                         ids=str)
+def test_mma_head_dim_buckets(emu, sizes, dtype):
+    L, S, D, Dv = sizes
+    check(emu, *make_qkv(1, 1, L, S, D, Dv, dtype=dtype, layout="blhd"), is_causal=True, kernel="mma")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_mma_many_blocks_and_tiles(emu, is_causal):
+    check(emu, *make_qkv(1, 1, 150, 200, 16, 16, dtype=torch.float16), is_causal=is_causal, kernel="mma")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("attn_mask", ["bool_ls", "float64_ls", "neginf_ls", "float_bhls", "float_1h1s",
+                                       "bool_4d_full", "float_ls_transposed", "float_ls_expanded"], ids=str)
+def test_mma_attn_mask(emu, attn_mask, is_causal):
+    mask = _mask(attn_mask, torch.Generator().manual_seed(1))
+    q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.bfloat16, layout="blhd")
+    check(emu, q, k, v, attn_mask=mask, is_causal=is_causal, kernel="mma")
+
+
+@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+def test_mma_padding_and_attn_mask(emu, padding):
+    gen = torch.Generator().manual_seed(2)
+    mask, kpm = _mask("float_bhls", gen), _padding(padding, gen)
+    q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.float16)
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=padding == "bool", scale=0.3,
+          kernel="mma")
+
+
+def test_mma_padding_skips_whole_tiles_and_fully_masked_rows(emu):
+    q, k, v = make_qkv(2, 2, 20, 140, 16, 16, dtype=torch.float16)
+    kpm = torch.zeros(2, 140, dtype=torch.bool)
+    kpm[0, :64] = True  # batch 0: the whole first key tile, skipped
+    kpm[1] = True  # batch 1: every key
+    mask = torch.zeros(20, 140, dtype=torch.bool)
+    mask[3] = True  # query 3 sees no key
+    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, kernel="mma")
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
+
+
+def test_mma_nan_and_empty(emu):
+    q, k, v = make_qkv(1, 2, 5, 6, 16, 16, dtype=torch.float16)
+    q[0, 1, 2, 0] = float("nan")
+    mask = torch.zeros(5, 6)
+    mask[4, 3] = float("nan")
+    out, lse = check(emu, q, k, v, attn_mask=mask, kernel="mma")
+    assert out[0, 1, 2].isnan().all() and out[0, :, 4].isnan().all()
+    for sizes in [(2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8), (2, 2, 3, 4, 8, 0)]:
+        check(emu, *make_qkv(*sizes, dtype=torch.float16), kernel="mma")
+
+
+def test_mma_refuses_what_it_does_not_cover(emu):
+    for dtype, d in [(torch.float32, 64), (torch.float64, 64), (torch.float16, 136), (torch.bfloat16, 256)]:
+        with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+            emu.attention(*make_qkv(1, 1, 3, 5, d, d, dtype=dtype), kernel="mma")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Races: both kernels under ThreadSanitizer (tests/emulation/race_check.cpp). The emulated barriers and warp
+# exchanges are atomics TSan follows, so a shared-memory access that no __syncthreads/__syncwarp orders is
+# reported whatever the interleaving.
+
+
+def test_no_data_races_under_thread_sanitizer():
+    if not emulator.has_thread_sanitizer():
+        pytest.skip("the C++ compiler cannot build -fsanitize=thread programs (no libtsan)")
+    try:
+        exe = emulator.build(extra_flags=["-fsanitize=thread", "-g"], sources=emulator.RACE_CHECK_SOURCES,
+                             shared=False)
+    except emulator.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    result = subprocess.run([exe], capture_output=True, text=True, timeout=900)
+    if "FATAL: ThreadSanitizer" in result.stderr:
+        pytest.skip(f"ThreadSanitizer cannot run here: {result.stderr.strip().splitlines()[0]}")
+    assert "WARNING: ThreadSanitizer" not in result.stderr, result.stderr[-8000:]
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
