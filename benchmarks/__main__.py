@@ -4,10 +4,11 @@ import argparse
 
 import torch
 
-from . import bench_linear, bench_mha
+from . import bench_cuda, bench_linear, bench_mha
 from .common import write_results
 
-BENCHMARKS = {"linear": bench_linear, "mha": bench_mha}
+# name -> module with run(device, quick) and DEVICES, the devices it has cases for.
+BENCHMARKS = {"linear": bench_linear, "mha": bench_mha, "cuda": bench_cuda}
 
 
 def main() -> None:
@@ -23,6 +24,8 @@ def main() -> None:
     for device in devices:
         results = {}
         for name in args.only or BENCHMARKS:
+            if device not in BENCHMARKS[name].DEVICES:
+                continue
             print(f"[{device}] {name} ...", flush=True)
             out = BENCHMARKS[name].run(device=device, quick=args.quick)
             print(out["text"], end="\n\n", flush=True)

@@ -37,6 +37,8 @@ SDPA_BACKENDS = {
 THROUGHPUT_B, THROUGHPUT_H = 4, 16
 
 
+DEVICES = ("cuda",)
+
 def run_seed_memory(quick: bool) -> tuple:
     shape = EVAL_SHAPE["cuda"]
     B, L, E = shape["B"], shape["L"], shape["E"]

@@ -12,6 +12,7 @@ import attnx
 
 from .common import fmt_us, table, time_interleaved
 
+DEVICES = ("cpu", "cuda", "mps")
 SHAPES = [  # (B, L, E): the seed report's B=1 decoder query, a long B=1 sequence, a batch
     (1, 32, 512),
     (1, 1024, 512),

@@ -7,7 +7,8 @@ import torch
 import attnx
 
 # Dispatch keys a kernel of an attnx op can be registered for, in the order they are reported.
-DISPATCH_KEYS = ("CPU", "CUDA", "MPS", "Meta", "Autograd")
+# CompositeExplicitAutograd: one kernel built from other ops, serving every backend those ops have.
+DISPATCH_KEYS = ("CPU", "CUDA", "MPS", "CompositeExplicitAutograd", "Meta", "Autograd")
 
 
 def ops() -> list[str]:
