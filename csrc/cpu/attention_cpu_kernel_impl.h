@@ -37,7 +37,15 @@ inline int64_t round_up(int64_t x, int64_t m) {
 template <typename acc_t, typename mask_t>
 inline acc_t mask_value(mask_t x) {
   if constexpr (std::is_same_v<mask_t, bool>) {
-    return x ? kNegInf<acc_t> : acc_t(0);
+    // -inf's bits under an all-ones or all-zeros mask: branch-free, so loops over bool masks vectorise.
+    using bits_t = std::conditional_t<sizeof(acc_t) == 4, uint32_t, uint64_t>;
+    const acc_t neg_inf = kNegInf<acc_t>;
+    bits_t bits;
+    std::memcpy(&bits, &neg_inf, sizeof(bits));
+    bits &= bits_t(0) - static_cast<bits_t>(x);
+    acc_t value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
   } else {
     return static_cast<acc_t>(x);
   }
