@@ -308,33 +308,42 @@ void scale_row(acc_t* x, int64_t n, acc_t factor) {
 // The tiling plan and the per-thread scratch.
 
 struct Plan {
-  int64_t bq;       // query rows per tile
-  int64_t bk;       // keys per tile
-  int64_t q_tiles;  // ceil(L / bq)
-  int64_t k_tiles;  // ceil(S / bk)
-  int64_t block;    // query tiles per work item (see run_item)
-  int64_t blocks;   // ceil(q_tiles / block): work items per (b, h)
-  int64_t ld_s;     // row stride of the score tile and of the transposed key tile
-  int64_t bh_m;     // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
-  int64_t heads_m;  // attn_mask's distinct heads: H, or 1 when broadcast over heads
+  int64_t bq;        // query rows per tile
+  int64_t bk;        // keys per tile
+  int64_t q_tiles;   // ceil(L / bq)
+  int64_t k_tiles;   // ceil(S / bk)
+  int64_t block;     // query tiles per work item (see run_item)
+  int64_t blocks;    // ceil(q_tiles / block): work items per (b, h)
+  int64_t ld_s;      // row stride of the score tile and of the transposed key tile
+  int64_t bh_m;      // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
+  int64_t heads_m;   // attn_mask's distinct heads: H, or 1 when broadcast over heads
+  bool mask_shared;  // attn_mask varies along L and several (b, h) share it
 };
 
 Plan make_plan(const AttentionParams& p, size_t acc_size) {
   Plan plan{};
   const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
   const int64_t threads = at::get_num_threads();
-  // A (bq, bk) tile: 512 keys keep the P V GEMM deep; 256 query rows amortise each transposed key tile and
-  // keep the (bq, bk) scores (512 KiB in fp32) in L2. Short sequences take one tile.
+  // A (bq, bk) tile of 128 queries by 512 keys: 512 keys keep the P V GEMM deep and the (bq, bk) scores
+  // (256 KiB in fp32) in L2; 128 rows (rather than 256) waste less on tiles that causality cuts in two and
+  // measured as fast without masks. Short sequences take one tile.
   plan.bk = std::clamp<int64_t>(S, 1, 512);
-  plan.bq = std::clamp<int64_t>(L, 1, 256);
+  plan.bq = std::clamp<int64_t>(L, 1, 128);
   plan.q_tiles = (L + plan.bq - 1) / plan.bq;
   plan.k_tiles = (S + plan.bk - 1) / plan.bk;
-  // A work item is `block` consecutive query tiles of one (b, h): up to 8 (2048 rows, whose packed queries
-  // and accumulators take 2048 * (D + Dv) * 4 bytes, 1 MiB at D = 64), fewer when there would not be 4 items
-  // per thread to balance the load (rows under is_causal see different numbers of keys).
-  plan.block = 8;
-  while (plan.block > 1 && B * H * ((plan.q_tiles + plan.block - 1) / plan.block) < 4 * threads)
+  plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
+  plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
+  // A work item is `block` consecutive query tiles of one (b, h), whose transposed key tiles it shares: up to
+  // 8 (1024 rows, whose packed queries and accumulators take 1024 * (D + Dv) * 4 bytes, 512 KiB at D = 64).
+  // An attn_mask that varies along L but is shared by several (b, h) is re-read by each of them: items then
+  // cover 512 rows and go out query-block first, so that the mask rows that consecutive items read (512 rows
+  // by S) are still in cache. Blocks shrink until there are 4 items per thread, to balance the load (rows
+  // under is_causal see different numbers of keys).
+  plan.mask_shared = p.attn_mask_kind != kMaskNone && p.attn_mask_stride[2] != 0 && plan.bh_m < B * H;
+  plan.block = plan.mask_shared ? 4 : 8;
+  while (plan.block > 1 && B * H * ((plan.q_tiles + plan.block - 1) / plan.block) < 4 * threads) {
     plan.block /= 2;
+  }
   plan.block = std::clamp<int64_t>(plan.block, 1, std::max<int64_t>(plan.q_tiles, 1));
   plan.blocks = (plan.q_tiles + plan.block - 1) / plan.block;
   // Whole 64-byte lines per row, and an odd number of them: a power-of-two row stride would map every row of
@@ -343,8 +352,6 @@ Plan make_plan(const AttentionParams& p, size_t acc_size) {
   int64_t lines = round_up(plan.bk, line) / line;
   if (lines % 2 == 0) ++lines;
   plan.ld_s = lines * line;
-  plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
-  plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
   return plan;
 }
 
@@ -407,8 +414,9 @@ class AttentionCpu {
     compute_padding_flags();
     compute_mask_flags();
 
-    // Items are handed out one at a time from a shared counter, heaviest first: under is_causal the last
-    // query blocks see the most keys, so they start first and the short ones fill in at the end.
+    // Items are handed out one at a time from a shared counter. Under is_causal the last query blocks see
+    // the most keys: they go first, so that the short ones fill in at the end. A shared mask orders items
+    // query-block first (see make_plan); otherwise a (b, h)'s blocks follow each other.
     std::atomic<int64_t> next{0};
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -417,6 +425,9 @@ class AttentionCpu {
         int64_t bh, blk;
         if (p_.is_causal) {
           blk = plan_.blocks - 1 - i / (B * H);
+          bh = i % (B * H);
+        } else if (plan_.mask_shared) {
+          blk = i / (B * H);
           bh = i % (B * H);
         } else {
           bh = i / plan_.blocks;
