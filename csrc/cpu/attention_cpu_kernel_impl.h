@@ -3,11 +3,12 @@
 // Included once per ISA level by a TU that has defined CPU_CAPABILITY (see attention_cpu_kernel.h); defines
 // attnx::cpu::CPU_CAPABILITY::attention_kernel.
 //
-// Work item = (b, h, a tile of up to BQ query rows). For each tile of up to BK keys that the masks leave
-// anything of, one GEMM computes the (BQ, BK) scores, the softmax passes run vectorised over each row (masks
-// added in place, row max, exp and row sum), and a second GEMM adds P @ V into an fp32 (fp64) accumulator.
-// Scores never exist beyond one (BQ, BK) tile per thread, so extra memory is per-thread tiles plus O(B*S/BK)
-// and O(mask tiles) skip flags; out and lse are written once per row at the end.
+// A work item is a block of query tiles (BQ rows each) of one (b, h). For each tile of BK keys, transposed
+// once for the whole block, and each query tile that the masks leave anything of: one GEMM computes the
+// (BQ, BK) scores, vectorised passes over each row add the masks read in place, take the row max and the
+// exp and row sum of the online softmax, and a second GEMM adds P V into the block's fp32 (fp64 for fp64)
+// accumulators. Scores never exist beyond one (BQ, BK) tile per thread, so extra memory is the per-thread
+// scratch plus O(B * S / BK) and O(mask tiles) skip flags; out and lse are written once per row at the end.
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -16,7 +17,6 @@ namespace attnx::cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-using at::native::TransposeType;
 using at::vec::Vectorized;
 
 template <typename acc_t>
@@ -548,8 +548,9 @@ class AttentionCpu {
     const int64_t kv_end = causal ? std::min(S, r0 + rows_n) : S;
     for (int64_t kt = 0, k0 = 0; k0 < kv_end; ++kt, k0 += plan_.bk) {
       const int64_t nk = std::min(plan_.bk, kv_end - k0);
-      bool loaded = false;  // ws.kt (and ws.v) hold this key tile
+      bool loaded = false;  // ws.kt, va and `shared` hold this key tile
       Operand<acc_t> va{};
+      const acc_t* shared = nullptr;
       for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
         if ((causal && k0 > q0 + nq - 1) || tile_skipped(b, h, qt, kt)) continue;
@@ -558,9 +559,10 @@ class AttentionCpu {
         if (!loaded) {
           if (D > 0) transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
           if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
+          shared = shared_bias(b, h, k0, nk, ws);
           loaded = true;
         }
-        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, va, ws, mask_rows);
+        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, va, shared, ws, mask_rows);
       }
     }
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
@@ -570,9 +572,9 @@ class AttentionCpu {
   }
 
   // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk), whose transposed keys
-  // are in ws.kt and values in va.
+  // are in ws.kt, values in va, and bias shared by all rows in `shared` (see shared_bias).
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                    const Operand<acc_t>& va, Scratch<acc_t>& ws, bool mask_rows) {
+                    const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     const bool causal = p_.is_causal != 0;
     acc_t* s = ws.s;
@@ -583,7 +585,6 @@ class AttentionCpu {
       for (int64_t i = 0; i < nq; ++i) std::fill_n(s + i * lds, nk, acc_t(0) * scale_);
     }
 
-    const acc_t* shared = shared_bias(b, h, k0, nk, ws);
     for (int64_t i = 0; i < nq; ++i) {
       acc_t* row = s + i * lds;
       const acc_t* bias = shared;
