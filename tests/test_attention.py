@@ -107,8 +107,8 @@ def check(q, k, v, **kwargs):
 # ---------------------------------------------------------------------------------------------------------------
 # Shapes, dtypes and layouts.
 
-# (B, H, L, S, D, Dv). The CPU kernel tiles 256 queries by 512 keys and hands out blocks of up to 8 query
-# tiles: the larger shapes cross those boundaries, with partial tiles at the end.
+# (B, H, L, S, D, Dv). The CPU kernel tiles 128 queries by 512 keys and hands out blocks of up to 8 query
+# tiles that share each transposed key tile: the larger shapes cross those boundaries, with partial tiles.
 SHAPES = [
     (2, 3, 37, 53, 24, 24),  # odd sizes, L != S
     (1, 2, 16, 16, 32, 8),  # Dv < D
@@ -118,8 +118,9 @@ SHAPES = [
     (1, 1, 45, 1, 16, 16),  # one key
 ]
 BIG_SHAPES = [
-    (1, 2, 300, 600, 32, 32),  # one full + one partial tile each way
-    (2, 1, 520, 1030, 16, 24),  # 3 query tiles, 3 key tiles
+    (1, 2, 300, 600, 32, 32),  # partial tiles both ways
+    (2, 1, 520, 1030, 16, 24),  # 5 query tiles, 3 key tiles
+    (2, 4, 700, 900, 16, 16),  # blocks of 6 query tiles
 ]
 
 
@@ -139,11 +140,11 @@ def test_tile_boundaries(shape, dtype, layout, is_causal):
 
 
 def test_single_thread_plan():
-    # One thread plans smaller query blocks for the same shape; results must not depend on it.
+    # One thread plans larger query blocks for the same shape; results must not depend on it.
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        check(*make_qkv(1, 1, 600, 700, 16, 16), is_causal=True)
+        check(*make_qkv(1, 2, 1100, 700, 16, 16), is_causal=True)
     finally:
         torch.set_num_threads(threads)
 
@@ -244,10 +245,10 @@ def test_masks_low_precision_and_strided(dtype):
 
 
 def test_masked_tiles_are_skipped_correctly():
-    # Masks that remove whole (256, 512) tiles, which the kernel skips, next to tiles they remove in part.
+    # Masks that remove whole (128, 512) tiles, which the kernel skips, next to tiles they remove in part.
     q, k, v = make_qkv(2, 2, 600, 1300, 16, 16)
     mask = torch.zeros(600, 1300, dtype=torch.bool)
-    mask[:300, 512:1024] = True  # whole key tile for the first query tile, part of it for the second
+    mask[:300, 512:1024] = True  # whole key tile for the first two query tiles, part of it for the third
     mask[:, 1200:] = True
     kpm = torch.zeros(2, 1300, dtype=torch.bool)
     kpm[0, :512] = True  # batch 0: whole first key tile

@@ -3,11 +3,12 @@
 // Included once per ISA level by a TU that has defined CPU_CAPABILITY (see attention_cpu_kernel.h); defines
 // attnx::cpu::CPU_CAPABILITY::attention_kernel.
 //
-// Work item = (b, h, a tile of up to BQ query rows). For each tile of up to BK keys that the masks leave
-// anything of, one GEMM computes the (BQ, BK) scores, the softmax passes run vectorised over each row (masks
-// added in place, row max, exp and row sum), and a second GEMM adds P @ V into an fp32 (fp64) accumulator.
-// Scores never exist beyond one (BQ, BK) tile per thread, so extra memory is per-thread tiles plus O(B*S/BK)
-// and O(mask tiles) skip flags; out and lse are written once per row at the end.
+// A work item is a block of query tiles (BQ rows each) of one (b, h). For each tile of BK keys, transposed
+// once for the whole block, and each query tile that the masks leave anything of: one GEMM computes the
+// (BQ, BK) scores, vectorised passes over each row add the masks read in place, take the row max and the
+// exp and row sum of the online softmax, and a second GEMM adds P V into the block's fp32 (fp64 for fp64)
+// accumulators. Scores never exist beyond one (BQ, BK) tile per thread, so extra memory is the per-thread
+// scratch plus O(B * S / BK) and O(mask tiles) skip flags; out and lse are written once per row at the end.
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -16,7 +17,6 @@ namespace attnx::cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-using at::native::TransposeType;
 using at::vec::Vectorized;
 
 template <typename acc_t>
@@ -37,7 +37,15 @@ inline int64_t round_up(int64_t x, int64_t m) {
 template <typename acc_t, typename mask_t>
 inline acc_t mask_value(mask_t x) {
   if constexpr (std::is_same_v<mask_t, bool>) {
-    return x ? kNegInf<acc_t> : acc_t(0);
+    // -inf's bits under an all-ones or all-zeros mask: branch-free, so loops over bool masks vectorise.
+    using bits_t = std::conditional_t<sizeof(acc_t) == 4, uint32_t, uint64_t>;
+    const acc_t neg_inf = kNegInf<acc_t>;
+    bits_t bits;
+    std::memcpy(&bits, &neg_inf, sizeof(bits));
+    bits &= bits_t(0) - static_cast<bits_t>(x);
+    acc_t value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
   } else {
     return static_cast<acc_t>(x);
   }
@@ -300,33 +308,42 @@ void scale_row(acc_t* x, int64_t n, acc_t factor) {
 // The tiling plan and the per-thread scratch.
 
 struct Plan {
-  int64_t bq;       // query rows per tile
-  int64_t bk;       // keys per tile
-  int64_t q_tiles;  // ceil(L / bq)
-  int64_t k_tiles;  // ceil(S / bk)
-  int64_t block;    // query tiles per work item (see run_item)
-  int64_t blocks;   // ceil(q_tiles / block): work items per (b, h)
-  int64_t ld_s;     // row stride of the score tile and of the transposed key tile
-  int64_t bh_m;     // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
-  int64_t heads_m;  // attn_mask's distinct heads: H, or 1 when broadcast over heads
+  int64_t bq;        // query rows per tile
+  int64_t bk;        // keys per tile
+  int64_t q_tiles;   // ceil(L / bq)
+  int64_t k_tiles;   // ceil(S / bk)
+  int64_t block;     // query tiles per work item (see run_item)
+  int64_t blocks;    // ceil(q_tiles / block): work items per (b, h)
+  int64_t ld_s;      // row stride of the score tile and of the transposed key tile
+  int64_t bh_m;      // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
+  int64_t heads_m;   // attn_mask's distinct heads: H, or 1 when broadcast over heads
+  bool mask_shared;  // attn_mask varies along L and several (b, h) share it
 };
 
 Plan make_plan(const AttentionParams& p, size_t acc_size) {
   Plan plan{};
   const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
   const int64_t threads = at::get_num_threads();
-  // A (bq, bk) tile: 512 keys keep the P V GEMM deep; 256 query rows amortise each transposed key tile and
-  // keep the (bq, bk) scores (512 KiB in fp32) in L2. Short sequences take one tile.
+  // A (bq, bk) tile of 128 queries by 512 keys: 512 keys keep the P V GEMM deep and the (bq, bk) scores
+  // (256 KiB in fp32) in L2; 128 rows (rather than 256) waste less on tiles that causality cuts in two and
+  // measured as fast without masks. Short sequences take one tile.
   plan.bk = std::clamp<int64_t>(S, 1, 512);
-  plan.bq = std::clamp<int64_t>(L, 1, 256);
+  plan.bq = std::clamp<int64_t>(L, 1, 128);
   plan.q_tiles = (L + plan.bq - 1) / plan.bq;
   plan.k_tiles = (S + plan.bk - 1) / plan.bk;
-  // A work item is `block` consecutive query tiles of one (b, h): up to 8 (2048 rows, whose packed queries
-  // and accumulators take 2048 * (D + Dv) * 4 bytes, 1 MiB at D = 64), fewer when there would not be 4 items
-  // per thread to balance the load (rows under is_causal see different numbers of keys).
-  plan.block = 8;
-  while (plan.block > 1 && B * H * ((plan.q_tiles + plan.block - 1) / plan.block) < 4 * threads)
+  plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
+  plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
+  // A work item is `block` consecutive query tiles of one (b, h), whose transposed key tiles it shares: up to
+  // 8 (1024 rows, whose packed queries and accumulators take 1024 * (D + Dv) * 4 bytes, 512 KiB at D = 64).
+  // An attn_mask that varies along L but is shared by several (b, h) is re-read by each of them: items then
+  // cover 512 rows and go out query-block first, so that the mask rows that consecutive items read (512 rows
+  // by S) are still in cache. Blocks shrink until there are 4 items per thread, to balance the load (rows
+  // under is_causal see different numbers of keys).
+  plan.mask_shared = p.attn_mask_kind != kMaskNone && p.attn_mask_stride[2] != 0 && plan.bh_m < B * H;
+  plan.block = plan.mask_shared ? 4 : 8;
+  while (plan.block > 1 && B * H * ((plan.q_tiles + plan.block - 1) / plan.block) < 4 * threads) {
     plan.block /= 2;
+  }
   plan.block = std::clamp<int64_t>(plan.block, 1, std::max<int64_t>(plan.q_tiles, 1));
   plan.blocks = (plan.q_tiles + plan.block - 1) / plan.block;
   // Whole 64-byte lines per row, and an odd number of them: a power-of-two row stride would map every row of
@@ -335,8 +352,6 @@ Plan make_plan(const AttentionParams& p, size_t acc_size) {
   int64_t lines = round_up(plan.bk, line) / line;
   if (lines % 2 == 0) ++lines;
   plan.ld_s = lines * line;
-  plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
-  plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
   return plan;
 }
 
@@ -399,8 +414,9 @@ class AttentionCpu {
     compute_padding_flags();
     compute_mask_flags();
 
-    // Items are handed out one at a time from a shared counter, heaviest first: under is_causal the last
-    // query blocks see the most keys, so they start first and the short ones fill in at the end.
+    // Items are handed out one at a time from a shared counter. Under is_causal the last query blocks see
+    // the most keys: they go first, so that the short ones fill in at the end. A shared mask orders items
+    // query-block first (see make_plan); otherwise a (b, h)'s blocks follow each other.
     std::atomic<int64_t> next{0};
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -409,6 +425,9 @@ class AttentionCpu {
         int64_t bh, blk;
         if (p_.is_causal) {
           blk = plan_.blocks - 1 - i / (B * H);
+          bh = i % (B * H);
+        } else if (plan_.mask_shared) {
+          blk = i / (B * H);
           bh = i % (B * H);
         } else {
           bh = i / plan_.blocks;
@@ -529,8 +548,9 @@ class AttentionCpu {
     const int64_t kv_end = causal ? std::min(S, r0 + rows_n) : S;
     for (int64_t kt = 0, k0 = 0; k0 < kv_end; ++kt, k0 += plan_.bk) {
       const int64_t nk = std::min(plan_.bk, kv_end - k0);
-      bool loaded = false;  // ws.kt (and ws.v) hold this key tile
+      bool loaded = false;  // ws.kt, va and `shared` hold this key tile
       Operand<acc_t> va{};
+      const acc_t* shared = nullptr;
       for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
         if ((causal && k0 > q0 + nq - 1) || tile_skipped(b, h, qt, kt)) continue;
@@ -539,9 +559,10 @@ class AttentionCpu {
         if (!loaded) {
           if (D > 0) transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
           if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
+          shared = shared_bias(b, h, k0, nk, ws);
           loaded = true;
         }
-        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, va, ws, mask_rows);
+        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, va, shared, ws, mask_rows);
       }
     }
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
@@ -551,9 +572,9 @@ class AttentionCpu {
   }
 
   // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk), whose transposed keys
-  // are in ws.kt and values in va.
+  // are in ws.kt, values in va, and bias shared by all rows in `shared` (see shared_bias).
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                    const Operand<acc_t>& va, Scratch<acc_t>& ws, bool mask_rows) {
+                    const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     const bool causal = p_.is_causal != 0;
     acc_t* s = ws.s;
@@ -564,7 +585,6 @@ class AttentionCpu {
       for (int64_t i = 0; i < nq; ++i) std::fill_n(s + i * lds, nk, acc_t(0) * scale_);
     }
 
-    const acc_t* shared = shared_bias(b, h, k0, nk, ws);
     for (int64_t i = 0; i < nq; ++i) {
       acc_t* row = s + i * lds;
       const acc_t* bias = shared;
