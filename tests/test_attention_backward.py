@@ -1,14 +1,14 @@
 """The gradients of attnx.attention (attnx::attention_backward) against autograd through reference.attention.
 
-Accuracy bound (flash-attention style), per gradient: with g64 autograd through the reference on float64 copies
-of the same inputs and g_same autograd through the reference in the inputs' own dtype,
+Accuracy bound (flash-attention style), per gradient: with g64 autograd through the reference on float64
+copies of the same inputs and g_same autograd through the reference in the inputs' own dtype,
 
     max |g - g64| <= K * max |g_same - g64| + atol[dtype]
 
-float64 has g_same = g64, so its bound is atol alone: tight. atol covers what the relative bound cannot: float32
-recomputes the probabilities with an exp accurate to ~20 ulp where the reference's is ~1 ulp; bfloat16/float16
-round the saved out, which enters delta = rowsum(dO * O), where the reference differentiates its unrounded
-output. Expanded (stride-0) inputs are compared through the gradient of their un-expanded base.
+float64 has g_same = g64, so its bound is atol alone: tight. atol covers what the relative bound cannot:
+float32 recomputes the probabilities with an exp accurate to ~20 ulp where the reference's is ~1 ulp;
+bfloat16/float16 round the saved out, which enters delta = rowsum(dO * O), where the reference differentiates
+its unrounded output. Expanded (stride-0) inputs are compared through the gradient of their un-expanded base.
 """
 
 import os
@@ -111,7 +111,7 @@ def check(leaves, layout="contiguous", grad_out=None, **kwargs):
     _, g64 = _grads(reference.attention, [_upcast(t) for t in leaves], layout, _upcast(grad_out),
                     {n: _upcast(a) for n, a in kwargs.items()})
     _, g_same = _grads(reference.attention, leaves, layout, grad_out, kwargs)
-    for name, g, r64, rs, leaf in zip("qkv", grads, g64, g_same, leaves):
+    for name, g, r64, rs, leaf in zip("qkv", grads, g64, g_same, leaves, strict=True):
         assert g.dtype == dtype and g.shape == leaf.shape
         _assert_bounded(g, r64, rs, ATOL[dtype], f"grad {name}")
     return grads
@@ -138,10 +138,10 @@ def test_shapes_dtypes_layouts(shape, dtype, layout):
     check(make_leaves(*shape, dtype=dtype, layout=layout), layout)
 
 
-# The backward tiles 128 queries by 128 keys; a head's keys are split into chunks when B*H is small next to the
-# thread count, whose dQ contributions are summed in a second pass. These shapes cross the tile boundaries with
-# partial tiles, and run with one thread and with all of them, so that both plans (one chunk per head, several)
-# are exercised.
+# The backward tiles 128 queries by 128 keys; a head's keys are split into chunks when B*H is small next to
+# the thread count, whose dQ contributions are summed in a second pass. These shapes cross the tile boundaries
+# with partial tiles, and run with one thread and with all of them, so that both plans (one chunk per head,
+# several) are exercised.
 BIG_SHAPES = [
     (1, 1, 300, 270, 32, 32),  # one head: chunked keys
     (2, 3, 130, 390, 16, 24),  # six heads
@@ -179,7 +179,8 @@ def test_b1_transposed_layout():
 def test_expanded_grad_out():
     # out.sum().backward() hands the backward a grad_out of stride 0 everywhere.
     leaves = make_leaves(2, 2, 20, 30, 16, 16, dtype=torch.float64, layout="blhd")
-    check(leaves, "blhd", grad_out=torch.ones(1, 1, 1, 1, dtype=torch.float64).expand(2, 2, 20, 16), is_causal=True)
+    ones = torch.ones(1, 1, 1, 1, dtype=torch.float64).expand(2, 2, 20, 16)
+    check(leaves, "blhd", grad_out=ones, is_causal=True)
     q, k, v = (t.detach().requires_grad_() for t in leaves)
     attnx.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0].sum().backward()
     q64, k64, v64 = (t.detach().requires_grad_() for t in leaves)
@@ -208,8 +209,9 @@ def test_attn_mask(attn_mask, is_causal):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("padding", [None, "bool", "float", "float_neginf", "bool_transposed", "float16_expanded"],
-                         ids=str)
+@pytest.mark.parametrize(
+    "padding", [None, "bool", "float", "float_neginf", "bool_transposed", "float16_expanded"], ids=str
+)
 @pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
 def test_padding_and_attn_mask(attn_mask, padding, is_causal):
     gen = torch.Generator().manual_seed(2)
@@ -223,12 +225,12 @@ def test_padding_and_attn_mask(attn_mask, padding, is_causal):
 def test_masks_low_precision_and_strided(dtype):
     gen = torch.Generator().manual_seed(3)
     leaves = make_leaves(2, 3, 19, 41, 16, 8, dtype=dtype, layout="strided_last")
-    check(leaves, "strided_last", attn_mask=_mask("float_ls", gen).to(dtype), key_padding_mask=_padding("bool", gen),
-          is_causal=True, scale=0.2)
+    check(leaves, "strided_last", attn_mask=_mask("float_ls", gen).to(dtype),
+          key_padding_mask=_padding("bool", gen), is_causal=True, scale=0.2)
 
 
 def test_masked_tiles_are_skipped_correctly():
-    # Masks that remove whole (128, 128) tile pairs, which the kernel skips, next to pairs they remove in part.
+    # Masks that remove whole (128, 128) tile pairs, which the kernel skips, next to pairs they cut in part.
     leaves = make_leaves(2, 2, 300, 400, 16, 16)
     mask = torch.zeros(300, 400, dtype=torch.bool)
     mask[:128, 128:256] = True  # a whole pair for the first query tile, part of one for the second
@@ -266,7 +268,8 @@ def test_fully_masked_rows(dtype):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_empty_sizes(sizes, dtype):
-    dq, dk, dv = check(make_leaves(*sizes, dtype=dtype), key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
+    kpm = torch.zeros(sizes[0], sizes[3], dtype=torch.bool)
+    dq, dk, dv = check(make_leaves(*sizes, dtype=dtype), key_padding_mask=kpm)
     if sizes[2] == 0:  # no queries: no gradient reaches the keys
         assert (dk == 0).all() and (dv == 0).all()
     if sizes[3] == 0:  # no keys: every row is fully masked
@@ -308,10 +311,11 @@ def test_float_mask_requiring_grad_is_an_error():
     q, k, v = (t.requires_grad_() for t in make_leaves(1, 2, 4, 5, 8, 8))
     mask = torch.randn(4, 5, requires_grad=True)
     out, _ = attnx.attention(q, k, v, attn_mask=mask)
-    with pytest.raises(RuntimeError, match=r"attnx.attention: no gradient for float masks; attn_mask requires grad"):
+    with pytest.raises(RuntimeError, match=r"attnx.attention: no gradient for float masks; attn_mask req"):
         out.sum().backward()
     kpm = torch.randn(1, 5, requires_grad=True)
-    out, _ = attnx.attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm)  # only the mask requires grad
+    # Only the mask requires grad.
+    out, _ = attnx.attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm)
     with pytest.raises(RuntimeError, match=r"no gradient for float masks; key_padding_mask requires grad"):
         out.sum().backward()
     # A mask that does not require grad is fine, float or bool.
@@ -372,8 +376,9 @@ def test_gradient_layout():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("sizes", [(2, 3, 5, 7, 8, 4), (1, 1, 1, 1, 1, 1), (2, 0, 3, 4, 8, 8), (1, 2, 3, 4, 8, 0)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "sizes", [(2, 3, 5, 7, 8, 4), (1, 1, 1, 1, 1, 1), (2, 0, 3, 4, 8, 8), (1, 2, 3, 4, 8, 0)], ids=str
+)
 def test_fake_matches_kernel(sizes, dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -381,7 +386,7 @@ def test_fake_matches_kernel(sizes, dtype):
     real = attnx.attention_backward(*args)
     with FakeTensorMode() as mode:
         fake = attnx.attention_backward(*[mode.from_tensor(a) for a in args])
-    for r, f in zip(real, fake):
+    for r, f in zip(real, fake, strict=True):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
 
 
@@ -418,10 +423,12 @@ def test_opcheck_attention_backward(case):
 
 def test_compile_backward():
     q, k, v = (t.requires_grad_() for t in make_leaves(2, 2, 5, 7, 8, 8))
-    fn = torch.compile(lambda q, k, v: attnx.attention(q, k, v, is_causal=True)[0].square().sum(), fullgraph=True)
-    grads = torch.autograd.grad(fn(q, k, v), (q, k, v))
-    expected = torch.autograd.grad(attnx.attention(q, k, v, is_causal=True)[0].square().sum(), (q, k, v))
-    for g, e in zip(grads, expected):
+    def loss(q, k, v):
+        return attnx.attention(q, k, v, is_causal=True)[0].square().sum()
+
+    grads = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e)
 
 
@@ -429,16 +436,18 @@ def _bad_cases():
     grad_out, q, k, v, out, lse = _backward_args(2, 3, 5, 7, 8, 4)
     return {
         "grad_out shape": ((grad_out[..., :3], q, k, v, out, lse),
-                           "attnx::attention_backward: expected grad_out of shape (B, H, L, Dv) = [2, 3, 5, 4], "
-                           "got [2, 3, 5, 3]"),
+                           "attnx::attention_backward: expected grad_out of shape (B, H, L, Dv) = "
+                           "[2, 3, 5, 4], got [2, 3, 5, 3]"),
         "grad_out dtype": ((grad_out.double(), q, k, v, out, lse),
                            "attnx::attention_backward: expected grad_out of dtype Float, got Double"),
         "out shape": ((grad_out, q, k, v, out[:, :, :4], lse),
-                      "attnx::attention_backward: expected out of shape (B, H, L, Dv) = [2, 3, 5, 4], got [2, 3, 4, 4]"),
+                      "attnx::attention_backward: expected out of shape (B, H, L, Dv) = [2, 3, 5, 4], "
+                      "got [2, 3, 4, 4]"),
         "lse dtype": ((grad_out, q, k, v, out, lse.half()),
                       "attnx::attention_backward: expected lse of dtype Float, got Half"),
         "lse shape": ((grad_out, q, k, v, out, lse[:, :1]),
-                      "attnx::attention_backward: expected lse of shape (B, H, L) = [2, 3, 5], got [2, 1, 5]"),
+                      "attnx::attention_backward: expected lse of shape (B, H, L) = [2, 3, 5], "
+                      "got [2, 1, 5]"),
         "key shape": ((grad_out, q, k[:, :, :, :4], v, out, lse),
                       "attnx::attention: expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
     }
@@ -472,7 +481,8 @@ def test_no_attention_sized_allocation():
         q, k, v = (t.requires_grad_() for t in make_leaves(B, H, L, S, D, D, layout="blhd"))
         out, _ = impl(*views((q, k, v), "blhd"), attn_mask=mask, key_padding_mask=kpm, is_causal=True)
         grad_out = torch.randn_like(out)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=cpu, profile_memory=True) as p:
             out.backward(grad_out)
         largest = max(e.cpu_memory_usage for e in p.events())
         if impl is reference.attention:  # the control: autograd through the reference does allocate them
@@ -492,7 +502,8 @@ _MEMORY_SCRIPT = textwrap.dedent(
     kpm[:, -100:] = True
     out, lse = attnx.attention(q, k, v, mask, kpm, is_causal=True)
     go = torch.randn_like(out)
-    attnx.attention_backward(go[:, :, :8], q[:, :, :8], k, v, out[:, :, :8], lse[:, :, :8], mask[:8], kpm)  # warm up
+    # Warm up (threads, JIT kernels) on the first 8 queries.
+    attnx.attention_backward(go[:, :, :8], q[:, :, :8], k, v, out[:, :, :8], lse[:, :, :8], mask[:8], kpm)
     _reset_peak_rss()
     before = _rss_bytes()
     grads = attnx.attention_backward(go, q, k, v, out, lse, mask, kpm, True)
@@ -522,8 +533,8 @@ _ISA_SCRIPT = textwrap.dedent(
     assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         leaves = make_leaves(2, 3, 150, 140, 24, 20, dtype=dtype, layout="strided_last")
-        check(leaves, "strided_last", attn_mask=torch.randn(150, 140), key_padding_mask=torch.rand(2, 140) < 0.3,
-              is_causal=True)
+        check(leaves, "strided_last", attn_mask=torch.randn(150, 140),
+              key_padding_mask=torch.rand(2, 140) < 0.3, is_causal=True)
         check(make_leaves(1, 2, 37, 53, 24, 24, dtype=dtype, layout="blhd"), "blhd")
     """
 )

@@ -58,8 +58,8 @@ def attention(
 
     Differentiable in query, key and value through :func:`attention_backward`, which recomputes the
     probabilities from the saved ``lse`` (autograd saves q, k, v, out, lse and the masks, nothing of size
-    ``(B, H, L, S)``). ``lse`` is not differentiable (as SDPA's logsumexp), masks get no gradient (a float mask
-    that requires grad makes the backward raise), and there is no double backward.
+    ``(B, H, L, S)``). ``lse`` is not differentiable (as SDPA's logsumexp), masks get no gradient (a float
+    mask that requires grad makes the backward raise), and there is no double backward.
     """
     return torch.ops.attnx.attention.default(query, key, value, attn_mask, key_padding_mask, is_causal, scale)
 
@@ -78,8 +78,8 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`attention`'s out with respect to query, key and value.
 
-    grad_out and out ``(B, H, L, Dv)`` in query's dtype and ``lse`` ``(B, H, L)`` as :func:`attention` returned
-    them; the other arguments are those of the forward call. Any strides. FlashAttention-2 style: the
+    grad_out and out ``(B, H, L, Dv)`` in query's dtype and ``lse`` ``(B, H, L)`` as :func:`attention`
+    returned them; the other arguments are those of the forward call. Any strides. FlashAttention-2 style: the
     probabilities are recomputed tile by tile as ``exp(score - lse)`` and never stored; extra memory is
     O(B*H*L) plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in float32 (float64 for float64).
     Returns grad_query ``(B, H, L, D)``, grad_key ``(B, H, S, D)`` and grad_value ``(B, H, S, Dv)`` in query's
@@ -356,10 +356,14 @@ def _no_backward(op: str):
     return backward
 
 
-def _check_attention_backward_tensor(t: Tensor, name: str, shape: list, shape_name: str, dtype, query: Tensor):
+def _check_attention_backward_tensor(
+    t: Tensor, name: str, shape: list, shape_name: str, dtype: torch.dtype, query: Tensor
+) -> None:
+    """The checks of ``check_backward_tensor`` in csrc/common/attention.cpp, for fake tensors."""
     torch._check(
         list(t.shape) == shape,
-        lambda: f"attnx::attention_backward: expected {name} of shape {shape_name} = {shape}, got {list(t.shape)}",
+        lambda: f"attnx::attention_backward: expected {name} of shape {shape_name} = {shape}, "
+        f"got {list(t.shape)}",
     )
     torch._check(
         t.dtype == dtype,
@@ -368,7 +372,8 @@ def _check_attention_backward_tensor(t: Tensor, name: str, shape: list, shape_na
     )
     torch._check(
         t.device == query.device,
-        lambda: f"attnx::attention_backward: expected {name} on query's device {query.device}, got {t.device}",
+        lambda: f"attnx::attention_backward: expected {name} on query's device {query.device}, "
+        f"got {t.device}",
     )
 
 
@@ -419,8 +424,9 @@ def _attention_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
     if ctx.masks_requiring_grad:
         names = " and ".join(ctx.masks_requiring_grad)
         raise RuntimeError(
-            f"attnx.attention: no gradient for float masks; {names} requires grad. Detach the mask, or compute "
-            "its gradient through attnx.reference.attention (which materialises the (B, H, L, S) scores)."
+            f"attnx.attention: no gradient for float masks; {names} requires grad. Detach the mask, or "
+            "compute its gradient through attnx.reference.attention (which materialises the (B, H, L, S) "
+            "scores)."
         )
     query, key, value, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
     needs = ctx.needs_input_grad
@@ -429,17 +435,20 @@ def _attention_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
         grads = torch.ops.attnx.attention_backward.default(
             grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale
         )
-    return (*(g if need else None for g, need in zip(grads, needs[:3])), None, None, None, None)
+    return (*(g if need else None for g, need in zip(grads, needs[:3], strict=True)), None, None, None, None)
 
 
 def _no_double_backward(ctx, *grads):
     raise RuntimeError(
-        "attnx.attention: double backward is not implemented (attnx::attention_backward is not differentiable)"
+        "attnx.attention: double backward is not implemented (attnx::attention_backward is not "
+        "differentiable)"
     )
 
 
-torch.library.register_autograd("attnx::attention", _attention_backward, setup_context=_attention_setup_context)
-# Fails loudly where a double backward (create_graph=True, then a second backward) would reach the backward op.
+torch.library.register_autograd(
+    "attnx::attention", _attention_backward, setup_context=_attention_setup_context
+)
+# Fails loudly where a double backward (create_graph=True, then a second backward) reaches the backward op.
 torch.library.register_autograd("attnx::attention_backward", _no_double_backward)
 
 
