@@ -182,10 +182,10 @@ at::Tensor empty_bnhe(int64_t B, int64_t H, int64_t N, int64_t E, const at::Tens
   return at::empty({B, N, H, E}, options).transpose(1, 2);
 }
 
-void check_backward_tensor(const at::Tensor& t, const char* name, at::IntArrayRef shape, const char* shape_name,
-                           at::ScalarType dtype, const at::Tensor& query) {
-  TORCH_CHECK(t.sizes() == shape, "attnx::attention_backward: expected ", name, " of shape ", shape_name, " = ",
-              shape, ", got ", t.sizes());
+void check_backward_tensor(const at::Tensor& t, const char* name, at::IntArrayRef shape,
+                           const char* shape_name, at::ScalarType dtype, const at::Tensor& query) {
+  TORCH_CHECK(t.sizes() == shape, "attnx::attention_backward: expected ", name, " of shape ", shape_name,
+              " = ", shape, ", got ", t.sizes());
   TORCH_CHECK(t.scalar_type() == dtype, "attnx::attention_backward: expected ", name, " of dtype ", dtype,
               ", got ", t.scalar_type());
   TORCH_CHECK(t.device() == query.device(), "attnx::attention_backward: expected ", name,
@@ -200,8 +200,8 @@ AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& ke
                                    std::optional<double> scale) {
   check_attention_args(query, key, value, attn_mask, key_padding_mask);
   AttentionProblem pb{};
-  pb.params = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, &pb.attn_mask,
-                               &pb.key_padding_mask);
+  pb.params = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                               &pb.attn_mask, &pb.key_padding_mask);
   AttentionParams& p = pb.params;
 
   // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.

@@ -1,9 +1,10 @@
 // attnx: the interface of attnx::attention_backward's CPU kernel, compiled once per x86 ISA level.
 //
 // The kernel (attention_backward_cpu_kernel_impl.h) is built from the forward kernel's tile helpers (mask
-// reading, packing and transposes, tile GEMMs, vectorised exp), so it is compiled in the same translation units
-// as the forward, right after it: attention_cpu.cpp (DEFAULT), attention_cpu_avx2.cpp and
-// attention_cpu_avx512.cpp. attention_backward_cpu.cpp picks a variant at run time, as attention_cpu.cpp does.
+// reading, packing and transposes, tile GEMMs, vectorised exp), so it is compiled in the same translation
+// units as the forward, right after it: attention_cpu.cpp (DEFAULT), attention_cpu_avx2.cpp and
+// attention_cpu_avx512.cpp. attention_backward_cpu.cpp picks a variant at run time, as attention_cpu.cpp
+// does.
 #pragma once
 
 #include "cpu/attention_cpu_kernel.h"

@@ -1,27 +1,29 @@
 // attnx: attnx::attention_backward's CPU kernel: FlashAttention-2's backward on the forward's tile helpers.
 //
-// Included once per ISA level, right after attention_cpu_kernel_impl.h and in the same translation unit: it uses
-// that file's helpers (masks read in place, packing and transposes, tile GEMMs on brgemm, vectorised exp), which
-// live in the same CPU_CAPABILITY namespace. Defines attnx::cpu::CPU_CAPABILITY::attention_backward_kernel.
+// Included once per ISA level, right after attention_cpu_kernel_impl.h and in the same translation unit: it
+// uses that file's helpers (masks read in place, packing and transposes, tile GEMMs on brgemm, vectorised
+// exp), which live in the same CPU_CAPABILITY namespace. Defines
+// attnx::cpu::CPU_CAPABILITY::attention_backward_kernel.
 //
 // The math. The probabilities are recomputed tile by tile from the forward's logsumexp and never stored:
 //   P = exp(scale Q K^T + bias - lse),  delta = rowsum(dO * O),
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,  dK = scale dS^T Q.
 // A fully masked row has lse = +inf: its P is exp(-inf) = 0, so it contributes nothing and its dQ is 0.
 //
-// Work item = (b, h, a chunk of consecutive key tiles). The item owns dK and dV of its keys: for each key tile it
-// runs over every query tile, accumulates the tile's dK and dV in (bk, D) scratch and writes them once. Every key
-// tile also adds to dQ of the whole head. With one chunk per head (the default, when B*H items keep the threads
-// busy) the item accumulates dQ in per-thread scratch and writes it at the end; with several (B*H small) each
-// item accumulates into its own slot of a (B*H*chunks, D, L) buffer and a second pass sums the slots. No two
-// threads ever write the same memory, so there are no atomics and results do not depend on scheduling.
+// Work item = (b, h, a chunk of consecutive key tiles). The item owns dK and dV of its keys: for each key
+// tile it runs over every query tile, accumulates the tile's dK and dV in (bk, D) scratch and writes them
+// once. Every key tile also adds to dQ of the whole head. With one chunk per head (the default, when B*H
+// items keep the threads busy) the item accumulates dQ in per-thread scratch and writes it at the end; with
+// several (B*H small) each item accumulates into its own slot of a (B*H*chunks, D, L) buffer and a second
+// pass sums the slots. No two threads ever write the same memory, so there are no atomics and results do not
+// depend on scheduling.
 //
-// Orientation. Tiles are key-major: S^T (bk, bq) = K (bk, D) @ (scale Q)^T (D, bq). P^T and dS^T are then the A
-// operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq) takes
-// dS^T as its B operand: all five GEMMs run on brgemm (which takes no transposes) without transposing anything
-// per tile pair. The transposes are paid once per item instead: (scale Q)^T and dO^T of the head are packed
-// (D, L) and (Dv, L), and dQ is accumulated transposed. The softmax's per-query quantities (lse, delta, a mask row)
-// run along a tile row, so the vectorised pass loads them as vectors.
+// Orientation. Tiles are key-major: S^T (bk, bq) = K (bk, D) @ (scale Q)^T (D, bq). P^T and dS^T are then the
+// A operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq)
+// takes dS^T as its B operand: all five GEMMs run on brgemm (which takes no transposes) without transposing
+// anything per tile pair. The transposes are paid once per item instead: (scale Q)^T and dO^T of the head are
+// packed (D, L) and (Dv, L), and dQ is accumulated transposed. The softmax's per-query quantities (lse,
+// delta, a mask row) run along a tile row, so the vectorised pass loads them as vectors.
 //
 // Memory beyond the inputs and the gradients: per thread, (D + Dv) x L packed queries and output gradients,
 // D x L of dQ^T (plus L x (D + Dv) when Q or dO cannot be read in place: another dtype, or rows that are not
@@ -40,8 +42,8 @@ namespace {
 constexpr int64_t kBackwardKeysPerTile = 128;
 constexpr int64_t kBackwardQueriesPerTile = 128;
 
-// A leading dimension for rows of n accumulators: whole 64-byte lines, an odd number of them, so that the rows of
-// a tile do not all map onto the same cache sets (as the forward's score tile).
+// A leading dimension for rows of n accumulators: whole 64-byte lines, an odd number of them, so that the
+// rows of a tile do not all map onto the same cache sets (as the forward's score tile).
 inline int64_t padded_ld(int64_t n, size_t acc_size) {
   const int64_t line = 64 / static_cast<int64_t>(acc_size);
   int64_t lines = round_up(std::max<int64_t>(n, 1), line) / line;
@@ -49,8 +51,9 @@ inline int64_t padded_ld(int64_t n, size_t acc_size) {
   return lines * line;
 }
 
-// True when a (rows, cols) block of scalar_t with these strides can be a GEMM operand as it is: already in the
-// accumulator type, contiguous rows that do not overlap, a leading dimension brgemm takes (b_operand's rule).
+// True when a (rows, cols) block of scalar_t with these strides can be a GEMM operand as it is: already in
+// the accumulator type, contiguous rows that do not overlap, a leading dimension brgemm takes (b_operand's
+// rule).
 template <typename scalar_t, typename acc_t>
 bool operand_in_place(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
   if constexpr (!std::is_same_v<scalar_t, acc_t>) {
@@ -64,9 +67,9 @@ bool operand_in_place(int64_t row_stride, int64_t col_stride, int64_t rows, int6
 }
 
 // One key row of a (bk, bq) tile pair, in place and vectorised: s[j], a scaled score, becomes
-// p = exp(s[j] + bias - lse[j]) and dp[j] becomes dS = p * (dp[j] - delta[j]), for lo <= j < n; both are 0 for
-// j < lo (causally masked). The bias is the mask row `bias` (key padding included) when not null, else the
-// scalar row_bias (key padding plus a mask that is the same for every query; 0 without masks).
+// p = exp(s[j] + bias - lse[j]) and dp[j] becomes dS = p * (dp[j] - delta[j]), for lo <= j < n; both are 0
+// for j < lo (causally masked). The bias is the mask row `bias` (key padding included) when not null, else
+// the scalar row_bias (key padding plus a mask that is the same for every query; 0 without masks).
 template <typename acc_t>
 void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias, const acc_t* lse,
                           const acc_t* delta, int64_t lo, int64_t n) {
@@ -209,13 +212,15 @@ struct BackwardScratch {
     int64_t total = line + round_up(tmp_size, line);  // slack to align the first region
     for (int64_t n : sizes) total += round_up(n, line);
     storage = at::empty({total}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    acc_t* next = reinterpret_cast<acc_t*>(round_up(reinterpret_cast<intptr_t>(storage.mutable_data_ptr<acc_t>()), 64));
+    acc_t* next =
+        reinterpret_cast<acc_t*>(round_up(reinterpret_cast<intptr_t>(storage.mutable_data_ptr<acc_t>()), 64));
     acc_t* regions[kRegions];
     for (int i = 0; i < kRegions; ++i) {
       regions[i] = next;
       next += round_up(sizes[i], line);
     }
-    qt = regions[0], dot = regions[1], q = regions[2], dout = regions[3], lse = regions[4], delta = regions[5];
+    qt = regions[0], dot = regions[1], q = regions[2], dout = regions[3], lse = regions[4],
+    delta = regions[5];
     dqt = regions[6], k = regions[7], kt = regions[8], v = regions[9], s = regions[10], dp = regions[11];
     bias = regions[12], rows = regions[13], key_bias = regions[14], dk = regions[15], dv = regions[16];
     tmp = next;
@@ -250,7 +255,8 @@ class AttentionBackwardCpu {
     const int64_t chunks = plan_.chunks, items = BH * chunks;
     const int64_t slot = D * plan_.ld_q;
     if (chunks > 1) {
-      slots_storage_ = at::empty({items * slot}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      slots_storage_ =
+          at::empty({items * slot}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
     }
     acc_t* slots = chunks > 1 ? slots_storage_.mutable_data_ptr<acc_t>() : nullptr;
 
@@ -293,7 +299,8 @@ class AttentionBackwardCpu {
   }
 
   // mask_masked_[((bh_m * q_tiles) + qt) * k_tiles + kt]: attn_mask (or is_causal) removes every (query, key)
-  // pair of the tile pair for the mask's (b, h) slice bh_m. Computed once per distinct slice, like the forward's.
+  // pair of the tile pair for the mask's (b, h) slice bh_m. Computed once per distinct slice, like the
+  // forward's.
   void compute_mask_flags() {
     if (p_.attn_mask_kind == kMaskNone) return;
     const int64_t L = p_.q_len, S = p_.kv_len, bq = plan_.bq, bk = plan_.bk;
@@ -328,7 +335,8 @@ class AttentionBackwardCpu {
     return mask_masked_[(bh_m * plan_.q_tiles + qt) * plan_.k_tiles + kt];
   }
 
-  // Key tiles [c * chunk_tiles, ...) of head (b, h): their dK and dV, and their contribution to the head's dQ^T
+  // Key tiles [c * chunk_tiles, ...) of head (b, h): their dK and dV, and their contribution to the head's
+  // dQ^T
   // (/ scale) in dqt (D, ld_q), which this zeroes first.
   void run_item(int64_t b, int64_t h, int64_t c, acc_t* dqt, BackwardScratch<acc_t>& ws) {
     const int64_t L = p_.q_len, D = p_.head_dim;
@@ -385,8 +393,8 @@ class AttentionBackwardCpu {
     return {pack, dense_ld};
   }
 
-  // The key padding bias of keys [k0, k0 + nk) of batch b into ws.key_bias, plus attn_mask's value when that is
-  // the same for every query. Returns ws.key_bias, or null when there is neither.
+  // The key padding bias of keys [k0, k0 + nk) of batch b into ws.key_bias, plus attn_mask's value when that
+  // is the same for every query. Returns ws.key_bias, or null when there is neither.
   const acc_t* key_bias(int64_t b, int64_t h, int64_t k0, int64_t nk, BackwardScratch<acc_t>& ws) const {
     const bool padding = p_.key_padding_mask_kind != kMaskNone;
     const bool mask_shared = p_.attn_mask_kind != kMaskNone && !plan_.mask_rows;
@@ -401,8 +409,8 @@ class AttentionBackwardCpu {
       // attn_mask + key padding, in the reference's order.
       const int64_t* st = p_.attn_mask_stride;
       visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
-        mask_to_bias<acc_t>(m + b * st[0] + h * st[1] + k0 * st[3], st[3], nk, padding ? ws.key_bias : nullptr,
-                            ws.key_bias);
+        mask_to_bias<acc_t>(m + b * st[0] + h * st[1] + k0 * st[3], st[3], nk,
+                            padding ? ws.key_bias : nullptr, ws.key_bias);
       });
     }
     return ws.key_bias;
@@ -426,7 +434,8 @@ class AttentionBackwardCpu {
       }
       if (Dv > 0) va = b_operand(v, vs[2], vs[3], nk, Dv, ws.v);
       const acc_t* kb = key_bias(b, h, k0, nk, ws);
-      // Under is_causal, query l sees key s only when l >= s: tiles that end before k0 see none of these keys.
+      // Under is_causal, query l sees key s only when l >= s: tiles that end before k0 see none of these
+      // keys.
       const int64_t qt_first = p_.is_causal ? k0 / plan_.bq : 0;
       for (int64_t qt = qt_first; qt < plan_.q_tiles; ++qt) {
         if (mask_skips(b, h, qt, kt)) continue;
@@ -438,8 +447,9 @@ class AttentionBackwardCpu {
   }
 
   // Queries [q0, q0 + nq) against keys [k0, k0 + nk): recompute P^T, form dS^T, accumulate dV, dK, dQ^T.
-  void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk, const Operand<acc_t>& ka,
-                const Operand<acc_t>& va, const acc_t* kb, acc_t* dqt, BackwardScratch<acc_t>& ws) {
+  void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
+                const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb, acc_t* dqt,
+                BackwardScratch<acc_t>& ws) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, ld_t = plan_.ld_t;
     // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T.
     if (D > 0) {
@@ -478,7 +488,8 @@ class AttentionBackwardCpu {
 
     // dV (nk, Dv) += P^T dO;  dK (nk, D) += dS^T Q;  dQ^T (D, nq) += K^T dS^T. (scale: applied when written.)
     if (Dv > 0) {
-      tile_gemm(nk, Dv, nq, ws.s, ld_t, ws.do_op.ptr + q0 * ws.do_op.ld, ws.do_op.ld, ws.dv, Dv, /*add_c=*/true);
+      tile_gemm(nk, Dv, nq, ws.s, ld_t, ws.do_op.ptr + q0 * ws.do_op.ld, ws.do_op.ld, ws.dv, Dv,
+                /*add_c=*/true);
     }
     if (D > 0) {
       tile_gemm(nk, D, nq, ws.dp, ld_t, ws.q_op.ptr + q0 * ws.q_op.ld, ws.q_op.ld, ws.dk, D, /*add_c=*/true);
@@ -492,7 +503,8 @@ class AttentionBackwardCpu {
     auto* dk = static_cast<scalar_t*>(d_.grad_key) + b * gk[0] + h * gk[1] + k0 * gk[2];
     auto* dv = static_cast<scalar_t*>(d_.grad_value) + b * gv[0] + h * gv[1] + k0 * gv[2];
     for (int64_t r = 0; r < nk; ++r) {
-      for (int64_t j = 0; j < D; ++j) dk[r * gk[2] + j * gk[3]] = static_cast<scalar_t>(ws.dk[r * D + j] * scale_);
+      for (int64_t j = 0; j < D; ++j)
+        dk[r * gk[2] + j * gk[3]] = static_cast<scalar_t>(ws.dk[r * D + j] * scale_);
       for (int64_t j = 0; j < Dv; ++j) dv[r * gv[2] + j * gv[3]] = static_cast<scalar_t>(ws.dv[r * Dv + j]);
     }
   }
@@ -506,7 +518,8 @@ class AttentionBackwardCpu {
     auto* dq = static_cast<scalar_t*>(d_.grad_query) + b * gq[0] + h * gq[1] + q0 * gq[2];
     transpose(dqt + q0, plan_.ld_q, tmp, D, D, nq);
     for (int64_t i = 0; i < nq; ++i) {
-      for (int64_t j = 0; j < D; ++j) dq[i * gq[2] + j * gq[3]] = static_cast<scalar_t>(tmp[i * D + j] * scale_);
+      for (int64_t j = 0; j < D; ++j)
+        dq[i * gq[2] + j * gq[3]] = static_cast<scalar_t>(tmp[i * D + j] * scale_);
     }
   }
 
@@ -523,7 +536,8 @@ class AttentionBackwardCpu {
         const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, p_.q_len - q0);
         acc_t* first = slots + bh * chunks * slot;
         for (int64_t c = 1; c < chunks; ++c) {
-          for (int64_t d = 0; d < D; ++d) add_row(first + d * ld_q + q0, first + c * slot + d * ld_q + q0, nq);
+          for (int64_t d = 0; d < D; ++d)
+            add_row(first + d * ld_q + q0, first + c * slot + d * ld_q + q0, nq);
         }
         write_dq_tile(bh / H, bh % H, qt, first, tmp);
       }
