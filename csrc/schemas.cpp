@@ -22,6 +22,16 @@ TORCH_LIBRARY(attnx, m) {
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> (Tensor out, Tensor lse)");
+  // The gradients of attention's out with respect to query, key and value, FlashAttention-2 style: the
+  // probabilities are recomputed tile by tile from the saved lse and never stored. Same arguments and mask
+  // semantics as attention; grad_out and out (B, H, L, Dv), lse (B, H, L) as attention returned them, any
+  // strides. Returns grad_query (B, H, L, D), grad_key (B, H, S, D) and grad_value (B, H, S, Dv) in query's
+  // dtype, each in memory order (B, N, H, E) like out. A fully masked row contributes 0. No gradient flows to
+  // masks or through lse.
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> "
+      "(Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // The whole nn.MultiheadAttention forward in one dispatch, sequence-first: query (L, B, E), key (S, B, kdim),
   // value (S, B, vdim), any strides. Packed in_proj_weight or separate q/k/v weights, bias_k/bias_v,
   // add_zero_attn, static_k/static_v (B*H, S, E/H), both masks as attention reads them (never merged),

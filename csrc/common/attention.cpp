@@ -134,54 +134,129 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& key, const 
   }
 }
 
-AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                   const std::optional<at::Tensor>& attn_mask,
-                                   const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                                   std::optional<double> scale) {
-  check_attention_args(query, key, value, attn_mask, key_padding_mask);
-  AttentionProblem pb{};
-  AttentionParams& p = pb.params;
+namespace {
+
+// Sizes, the strides of query, key, value and masks, the masks' data pointers, is_causal and the scale: what
+// the forward and the backward read alike. Arguments must have passed check_attention_args.
+AttentionParams attention_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 const std::optional<at::Tensor>& attn_mask,
+                                 const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                                 std::optional<double> scale, const void** attn_mask_ptr,
+                                 const void** key_padding_mask_ptr) {
+  AttentionParams p{};
   p.batch = query.size(0);
   p.heads = query.size(1);
   p.q_len = query.size(2);
   p.kv_len = key.size(2);
   p.head_dim = query.size(3);
   p.v_head_dim = value.size(3);
-
-  // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
-  pb.out = at::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, query.options()).transpose(1, 2);
-  pb.lse =
-      at::empty({p.batch, p.heads, p.q_len}, query.options().dtype(attention_acc_dtype(query.scalar_type())));
-
   for (int d = 0; d < 4; ++d) {
     p.q_stride[d] = query.stride(d);
     p.k_stride[d] = key.stride(d);
     p.v_stride[d] = value.stride(d);
-    p.out_stride[d] = pb.out.stride(d);
   }
-  for (int d = 0; d < 3; ++d) p.lse_stride[d] = pb.lse.stride(d);
 
   p.attn_mask_kind = mask_kind(attn_mask);
   p.key_padding_mask_kind = mask_kind(key_padding_mask);
+  *attn_mask_ptr = nullptr;
+  *key_padding_mask_ptr = nullptr;
   if (attn_mask) {
     attn_mask_strides(*attn_mask, p.batch, p.heads, p.q_len, p.kv_len, p.attn_mask_stride);
-    pb.attn_mask = attn_mask->const_data_ptr();
+    *attn_mask_ptr = attn_mask->const_data_ptr();
   }
   if (key_padding_mask) {
     for (int d = 0; d < 2; ++d) {
       p.key_padding_mask_stride[d] = key_padding_mask->size(d) == 1 ? 0 : key_padding_mask->stride(d);
     }
-    pb.key_padding_mask = key_padding_mask->const_data_ptr();
+    *key_padding_mask_ptr = key_padding_mask->const_data_ptr();
   }
   p.is_causal = is_causal ? 1 : 0;
   // D == 0: every score is an empty sum, 0 whatever the scale; 1 keeps 0 * scale finite.
   const double s = scale ? *scale : (p.head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(p.head_dim)) : 1.0);
   split_scale(s, &p.scale, &p.scale_lo);
+  return p;
+}
+
+// A (B, H, N, E) tensor laid out in memory as (B, N, H, E), the layout of out and of the gradients.
+at::Tensor empty_bnhe(int64_t B, int64_t H, int64_t N, int64_t E, const at::TensorOptions& options) {
+  return at::empty({B, N, H, E}, options).transpose(1, 2);
+}
+
+void check_backward_tensor(const at::Tensor& t, const char* name, at::IntArrayRef shape,
+                           const char* shape_name, at::ScalarType dtype, const at::Tensor& query) {
+  TORCH_CHECK(t.sizes() == shape, "attnx::attention_backward: expected ", name, " of shape ", shape_name,
+              " = ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, "attnx::attention_backward: expected ", name, " of dtype ", dtype,
+              ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == query.device(), "attnx::attention_backward: expected ", name,
+              " on query's device ", query.device(), ", got ", t.device());
+}
+
+}  // namespace
+
+AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                                   std::optional<double> scale) {
+  check_attention_args(query, key, value, attn_mask, key_padding_mask);
+  AttentionProblem pb{};
+  pb.params = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                               &pb.attn_mask, &pb.key_padding_mask);
+  AttentionParams& p = pb.params;
+
+  // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
+  pb.out = empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, query.options());
+  pb.lse =
+      at::empty({p.batch, p.heads, p.q_len}, query.options().dtype(attention_acc_dtype(query.scalar_type())));
+  for (int d = 0; d < 4; ++d) p.out_stride[d] = pb.out.stride(d);
+  for (int d = 0; d < 3; ++d) p.lse_stride[d] = pb.lse.stride(d);
 
   pb.dtype = query.scalar_type();
   pb.query = query.const_data_ptr();
   pb.key = key.const_data_ptr();
   pb.value = value.const_data_ptr();
+  return pb;
+}
+
+AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, const at::Tensor& query,
+                                                    const at::Tensor& key, const at::Tensor& value,
+                                                    const at::Tensor& out, const at::Tensor& lse,
+                                                    const std::optional<at::Tensor>& attn_mask,
+                                                    const std::optional<at::Tensor>& key_padding_mask,
+                                                    bool is_causal, std::optional<double> scale) {
+  check_attention_args(query, key, value, attn_mask, key_padding_mask);
+  const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
+  const int64_t S = key.size(2), Dv = value.size(3);
+  const at::ScalarType dtype = query.scalar_type();
+  check_backward_tensor(grad_out, "grad_out", {B, H, L, Dv}, "(B, H, L, Dv)", dtype, query);
+  check_backward_tensor(out, "out", {B, H, L, Dv}, "(B, H, L, Dv)", dtype, query);
+  check_backward_tensor(lse, "lse", {B, H, L}, "(B, H, L)", attention_acc_dtype(dtype), query);
+
+  AttentionBackwardProblem pb{};
+  AttentionBackwardParams& bp = pb.params;
+  bp.fwd = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, &pb.attn_mask,
+                            &pb.key_padding_mask);
+  // The gradients take out's layout, (B, N, H, E) in memory: a multi-head caller's in-projection gradient
+  // reads them as (B, N, H*E) views.
+  pb.grad_query = empty_bnhe(B, H, L, D, query.options());
+  pb.grad_key = empty_bnhe(B, H, S, D, query.options());
+  pb.grad_value = empty_bnhe(B, H, S, Dv, query.options());
+  for (int d = 0; d < 4; ++d) {
+    bp.fwd.out_stride[d] = out.stride(d);
+    bp.grad_out_stride[d] = grad_out.stride(d);
+    bp.grad_query_stride[d] = pb.grad_query.stride(d);
+    bp.grad_key_stride[d] = pb.grad_key.stride(d);
+    bp.grad_value_stride[d] = pb.grad_value.stride(d);
+  }
+  for (int d = 0; d < 3; ++d) bp.fwd.lse_stride[d] = lse.stride(d);
+
+  pb.dtype = dtype;
+  pb.grad_out = grad_out.const_data_ptr();
+  pb.query = query.const_data_ptr();
+  pb.key = key.const_data_ptr();
+  pb.value = value.const_data_ptr();
+  pb.out = out.const_data_ptr();
+  pb.lse = lse.const_data_ptr();
   return pb;
 }
 

@@ -37,6 +37,35 @@ AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& ke
                                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                                    std::optional<double> scale);
 
+// One call of attnx::attention_backward, ready for a kernel. The gradients are allocated in out's layout,
+// (B, H, N, E) with memory order (B, N, H, E).
+struct AttentionBackwardProblem {
+  AttentionBackwardParams params;
+  at::ScalarType dtype;  // of grad_out, query, key, value, out and the gradients
+  const void* grad_out;
+  const void* query;
+  const void* key;
+  const void* value;
+  const void* out;
+  const void* lse;               // float32 (float64 for float64 inputs)
+  const void* attn_mask;         // nullptr when absent
+  const void* key_padding_mask;  // nullptr when absent
+  at::Tensor grad_query;         // (B, H, L, D)
+  at::Tensor grad_key;           // (B, H, S, D)
+  at::Tensor grad_value;         // (B, H, S, Dv)
+};
+
+// attnx::attention's checks on query, key, value and the masks (errors name attnx::attention), then
+// grad_out and out of shape (B, H, L, Dv) in query's dtype and lse (B, H, L) in the accumulator dtype, any
+// strides (errors name attnx::attention_backward). Reads every layout without copying and allocates the
+// gradients.
+AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, const at::Tensor& query,
+                                                    const at::Tensor& key, const at::Tensor& value,
+                                                    const at::Tensor& out, const at::Tensor& lse,
+                                                    const std::optional<at::Tensor>& attn_mask,
+                                                    const std::optional<at::Tensor>& key_padding_mask,
+                                                    bool is_causal, std::optional<double> scale);
+
 // The accumulator dtype of an input dtype, which is also lse's dtype: float64 for float64, float32 otherwise.
 at::ScalarType attention_acc_dtype(at::ScalarType dtype);
 

@@ -8,11 +8,14 @@
 #include <tuple>
 
 #include "common/attention.h"
+#include "cpu/attention_backward_cpu_kernel.h"
 #include "cpu/attention_cpu_kernel.h"
 
 #define CPU_CAPABILITY DEFAULT
 #define CPU_CAPABILITY_DEFAULT
 #include "cpu/attention_cpu_kernel_impl.h"
+// The backward kernel is built from the forward kernel's helpers, so it is compiled here, after them.
+#include "cpu/attention_backward_cpu_kernel_impl.h"
 
 namespace attnx {
 

@@ -1,5 +1,6 @@
 // attnx: attnx::attention's CPU kernel compiled for AVX2 + FMA (torch's AVX2 capability level). See
 // attention_cpu_kernel.h for why the target is raised here, after every non-vector header.
+#include "cpu/attention_backward_cpu_kernel.h"
 #include "cpu/attention_cpu_kernel.h"
 
 #if ATTNX_CPU_X86_VARIANTS
@@ -13,5 +14,6 @@
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include "cpu/attention_cpu_kernel_impl.h"
+#include "cpu/attention_backward_cpu_kernel_impl.h"
 #pragma GCC pop_options
 #endif

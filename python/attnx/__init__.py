@@ -12,7 +12,7 @@ import torch  # noqa: F401  (loads libtorch, which attnx._C links against)
 from attnx import _C  # noqa: F401  (loads the library: registers torch.ops.attnx.*)
 from attnx import functional, nn, reference  # after _C: importing them registers fakes for its ops
 from attnx.convert import convert, revert
-from attnx.ops import attention, linear
+from attnx.ops import attention, attention_backward, linear
 
 __version__ = "0.1.0"
-__all__ = ["attention", "convert", "functional", "linear", "nn", "reference", "revert"]
+__all__ = ["attention", "attention_backward", "convert", "functional", "linear", "nn", "reference", "revert"]

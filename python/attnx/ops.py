@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["attention", "linear", "mha"]
+__all__ = ["attention", "attention_backward", "linear", "mha"]
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -54,10 +54,41 @@ def attention(
     ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is a view, and ``lse`` ``(B, H, L)``, the natural-log
     logsumexp of the scaled, masked scores in float32 (float64 for float64 inputs). A row whose keys are all
     masked (or S == 0) gives out 0 and ``lse = +inf``. The semantics are those of
-    :func:`attnx.reference.attention`. Not differentiable yet: a backward through it raises
-    NotImplementedError.
+    :func:`attnx.reference.attention`.
+
+    Differentiable in query, key and value through :func:`attention_backward`, which recomputes the
+    probabilities from the saved ``lse`` (autograd saves q, k, v, out, lse and the masks, nothing of size
+    ``(B, H, L, S)``). ``lse`` is not differentiable (as SDPA's logsumexp), masks get no gradient (a float
+    mask that requires grad makes the backward raise), and there is no double backward.
     """
     return torch.ops.attnx.attention.default(query, key, value, attn_mask, key_padding_mask, is_causal, scale)
+
+
+def attention_backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of :func:`attention`'s out with respect to query, key and value.
+
+    grad_out and out ``(B, H, L, Dv)`` in query's dtype and ``lse`` ``(B, H, L)`` as :func:`attention`
+    returned them; the other arguments are those of the forward call. Any strides. FlashAttention-2 style: the
+    probabilities are recomputed tile by tile as ``exp(score - lse)`` and never stored; extra memory is
+    O(B*H*L) plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in float32 (float64 for float64).
+    Returns grad_query ``(B, H, L, D)``, grad_key ``(B, H, S, D)`` and grad_value ``(B, H, S, Dv)`` in query's
+    dtype, each laid out in memory as ``(B, N, H, E)``, like out. A fully masked row (``lse = +inf``)
+    contributes 0.
+    """
+    return torch.ops.attnx.attention_backward.default(
+        grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale
+    )
 
 
 def mha(
@@ -216,7 +247,7 @@ def _linear_fake(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention: argument checks (mirror csrc/common/attention.cpp) and fake kernel
+# attention: argument checks (mirror csrc/common/attention.cpp), fake kernels and autograd
 
 _ATTENTION_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -325,9 +356,100 @@ def _no_backward(op: str):
     return backward
 
 
-# Registered so that a backward fails loudly: without any autograd kernel torch only warns and leaves the
-# inputs without gradients. attnx.functional and attnx.nn train through a differentiable composition instead.
-torch.library.register_autograd("attnx::attention", _no_backward("attnx.attention"))
+def _check_attention_backward_tensor(
+    t: Tensor, name: str, shape: list, shape_name: str, dtype: torch.dtype, query: Tensor
+) -> None:
+    """The checks of ``check_backward_tensor`` in csrc/common/attention.cpp, for fake tensors."""
+    torch._check(
+        list(t.shape) == shape,
+        lambda: f"attnx::attention_backward: expected {name} of shape {shape_name} = {shape}, "
+        f"got {list(t.shape)}",
+    )
+    torch._check(
+        t.dtype == dtype,
+        lambda: f"attnx::attention_backward: expected {name} of dtype {_scalar_name(dtype)}, "
+        f"got {_scalar_name(t.dtype)}",
+    )
+    torch._check(
+        t.device == query.device,
+        lambda: f"attnx::attention_backward: expected {name} on query's device {query.device}, "
+        f"got {t.device}",
+    )
+
+
+@torch.library.register_fake("attnx::attention_backward")
+def _attention_backward_fake(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_attention_args(query, key, value, attn_mask, key_padding_mask)
+    B, H, L, D = query.shape
+    S, Dv = key.shape[2], value.shape[3]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    _check_attention_backward_tensor(grad_out, "grad_out", [B, H, L, Dv], "(B, H, L, Dv)", query.dtype, query)
+    _check_attention_backward_tensor(out, "out", [B, H, L, Dv], "(B, H, L, Dv)", query.dtype, query)
+    _check_attention_backward_tensor(lse, "lse", [B, H, L], "(B, H, L)", acc, query)
+    # The kernel's layout: out's, memory order (B, N, H, E).
+    return (
+        query.new_empty((B, L, H, D)).transpose(1, 2),
+        query.new_empty((B, S, H, D)).transpose(1, 2),
+        query.new_empty((B, S, H, Dv)).transpose(1, 2),
+    )
+
+
+def _attention_setup_context(ctx, inputs, output) -> None:
+    query, key, value, attn_mask, key_padding_mask, is_causal, scale = inputs
+    out, lse = output
+    # Like SDPA's logsumexp: an output for the backward (and for combining partial attentions), not a path for
+    # gradients; marking it keeps a loss that uses it from silently missing that term.
+    ctx.mark_non_differentiable(lse)
+    ctx.masks_requiring_grad = [
+        name for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
+        if mask is not None and mask.requires_grad
+    ]
+    ctx.is_causal, ctx.scale = is_causal, scale
+    # Everything the backward recomputes the probabilities from; nothing of size (B, H, L, S).
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask)
+
+
+def _attention_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
+    if ctx.masks_requiring_grad:
+        names = " and ".join(ctx.masks_requiring_grad)
+        raise RuntimeError(
+            f"attnx.attention: no gradient for float masks; {names} requires grad. Detach the mask, or "
+            "compute its gradient through attnx.reference.attention (which materialises the (B, H, L, S) "
+            "scores)."
+        )
+    query, key, value, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grads = (None, None, None)
+    if any(needs[:3]):
+        grads = torch.ops.attnx.attention_backward.default(
+            grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale
+        )
+    return (*(g if need else None for g, need in zip(grads, needs[:3], strict=True)), None, None, None, None)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "attnx.attention: double backward is not implemented (attnx::attention_backward is not "
+        "differentiable)"
+    )
+
+
+torch.library.register_autograd(
+    "attnx::attention", _attention_backward, setup_context=_attention_setup_context
+)
+# Fails loudly where a double backward (create_graph=True, then a second backward) reaches the backward op.
+torch.library.register_autograd("attnx::attention_backward", _no_double_backward)
 
 
 # ---------------------------------------------------------------------------------------------------------------

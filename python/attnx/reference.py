@@ -51,12 +51,16 @@ def attention(
         if mask is not None:
             bias = bias + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
     scores = scores + bias
-    lse = torch.logsumexp(scores, dim=-1)  # -inf for a fully masked row
-    # Fully masked rows would give -inf - -inf = nan: zero exactly those. A NaN anywhere else in a row (a NaN
-    # input or mask value) propagates to its output.
-    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)
+    # A fully masked row (every score -inf, or S == 0) would give lse = -inf and probabilities
+    # -inf - -inf = nan. Its scores are replaced by 0 for the logsumexp only: its probabilities are then
+    # exp(-inf - finite) = 0, and autograd through this function gives it zero gradients instead of NaN (the
+    # spec of the backward). A NaN anywhere else in a row (a NaN input or mask value) propagates to its
+    # output.
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
     out = torch.matmul(probs, value.to(acc)).to(query.dtype)
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    lse = lse.masked_fill(empty.squeeze(-1), float("inf"))
     return out, lse.to(acc)
 
 

@@ -63,4 +63,19 @@ struct AttentionParams {
 static_assert(sizeof(AttentionParams) == 272, "AttentionParams layout changed: update the Metal side too");
 #endif
 
+// attnx::attention_backward: the forward's problem plus the layouts of the incoming gradient and of the three
+// gradients it returns. In `fwd`, out_stride and lse_stride describe the saved out and lse (inputs here).
+struct AttentionBackwardParams {
+  AttentionParams fwd;
+  int64_t grad_out_stride[4];    // (B, H, L, Dv)
+  int64_t grad_query_stride[4];  // (B, H, L, D)
+  int64_t grad_key_stride[4];    // (B, H, S, D)
+  int64_t grad_value_stride[4];  // (B, H, S, Dv)
+};
+
+#if !defined(__METAL_VERSION__)
+static_assert(sizeof(AttentionBackwardParams) == 272 + 16 * 8,
+              "AttentionBackwardParams layout changed: update the Metal side too");
+#endif
+
 }  // namespace attnx

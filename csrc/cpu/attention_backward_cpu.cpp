@@ -1,0 +1,56 @@
+// attnx: attnx::attention_backward on CPU. The checks and layouts are common/attention.cpp; the kernel is
+// attention_backward_cpu_kernel_impl.h, compiled with the forward kernel for each ISA level (see
+// attention_backward_cpu_kernel.h) and picked at run time like the forward.
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+#include "common/attention.h"
+#include "cpu/attention_backward_cpu_kernel.h"
+
+namespace attnx {
+
+namespace {
+
+// The variant for the ISA level torch itself runs at (see attention_cpu.cpp).
+cpu::AttentionBackwardKernel select_backward_kernel() {
+#if ATTNX_CPU_X86_VARIANTS
+  const std::string isa = at::get_cpu_capability();
+  if (isa == "AVX512") return &cpu::AVX512::attention_backward_kernel;
+  if (isa == "AVX2") return &cpu::AVX2::attention_backward_kernel;
+#endif
+  return &cpu::DEFAULT::attention_backward_kernel;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale) {
+  AttentionBackwardProblem pb = prepare_attention_backward(grad_out, query, key, value, out, lse, attn_mask,
+                                                           key_padding_mask, is_causal, scale);
+  const cpu::AttentionBackwardData data{pb.dtype,
+                                        pb.grad_out,
+                                        pb.query,
+                                        pb.key,
+                                        pb.value,
+                                        pb.out,
+                                        pb.lse,
+                                        pb.attn_mask,
+                                        pb.key_padding_mask,
+                                        pb.grad_query.data_ptr(),
+                                        pb.grad_key.data_ptr(),
+                                        pb.grad_value.data_ptr()};
+  static const cpu::AttentionBackwardKernel kernel = select_backward_kernel();
+  kernel(pb.params, data);
+  return {pb.grad_query, pb.grad_key, pb.grad_value};
+}
+
+}  // namespace attnx
+
+TORCH_LIBRARY_IMPL(attnx, CPU, m) {
+  m.impl("attention_backward", &attnx::attention_backward_cpu);
+}

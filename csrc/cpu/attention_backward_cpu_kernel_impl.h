@@ -1,0 +1,581 @@
+// attnx: attnx::attention_backward's CPU kernel: FlashAttention-2's backward on the forward's tile helpers.
+//
+// Included once per ISA level, right after attention_cpu_kernel_impl.h and in the same translation unit: it
+// uses that file's helpers (masks read in place, packing and transposes, tile GEMMs on brgemm, vectorised
+// exp), which live in the same CPU_CAPABILITY namespace. Defines
+// attnx::cpu::CPU_CAPABILITY::attention_backward_kernel.
+//
+// The math. The probabilities are recomputed tile by tile from the forward's logsumexp and never stored:
+//   P = exp(scale Q K^T + bias - lse),  delta = rowsum(dO * O),
+//   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,  dK = scale dS^T Q.
+// A fully masked row has lse = +inf: its P is exp(-inf) = 0, so it contributes nothing and its dQ is 0.
+//
+// Work item = (b, h, a chunk of consecutive key tiles). The item owns dK and dV of its keys: for each key
+// tile it runs over every query tile, accumulates the tile's dK and dV in (bk, D) scratch and writes them
+// once. Every key tile also adds to dQ of the whole head. With one chunk per head (the default, when B*H
+// items keep the threads busy) the item accumulates dQ in per-thread scratch and writes it at the end; with
+// several (B*H small) each item accumulates into its own slot of a (B*H*chunks, D, L) buffer and a second
+// pass sums the slots. No two threads ever write the same memory, so there are no atomics and results do not
+// depend on scheduling.
+//
+// Orientation. Tiles are key-major: S^T (bk, bq) = K (bk, D) @ (scale Q)^T (D, bq). P^T and dS^T are then the
+// A operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq)
+// takes dS^T as its B operand: all five GEMMs run on brgemm (which takes no transposes) without transposing
+// anything per tile pair. The transposes are paid once per item instead: (scale Q)^T and dO^T of the head are
+// packed (D, L) and (Dv, L), and dQ is accumulated transposed. The softmax's per-query quantities (lse,
+// delta, a mask row) run along a tile row, so the vectorised pass loads them as vectors.
+//
+// Memory beyond the inputs and the gradients: per thread, (D + Dv) x L packed queries and output gradients,
+// D x L of dQ^T (plus L x (D + Dv) when Q or dO cannot be read in place: another dtype, or rows that are not
+// contiguous) and (bk, bq) tiles; O(B*S/bk + mask tiles) skip flags; with several chunks per head, the
+// (B*H*chunks, D, L) dQ slots, chunks being chosen only when B*H < 2 * threads.
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+namespace attnx::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+// Keys and queries per tile pair. 128 x 128 keeps the two (bk, bq) tiles (P^T and dS^T, 64 KiB each in fp32)
+// and the key tile in L2 next to the packed queries they are multiplied with.
+constexpr int64_t kBackwardKeysPerTile = 128;
+constexpr int64_t kBackwardQueriesPerTile = 128;
+
+// A leading dimension for rows of n accumulators: whole 64-byte lines, an odd number of them, so that the
+// rows of a tile do not all map onto the same cache sets (as the forward's score tile).
+inline int64_t padded_ld(int64_t n, size_t acc_size) {
+  const int64_t line = 64 / static_cast<int64_t>(acc_size);
+  int64_t lines = round_up(std::max<int64_t>(n, 1), line) / line;
+  if (lines % 2 == 0) ++lines;
+  return lines * line;
+}
+
+// True when a (rows, cols) block of scalar_t with these strides can be a GEMM operand as it is: already in
+// the accumulator type, contiguous rows that do not overlap, a leading dimension brgemm takes (b_operand's
+// rule).
+template <typename scalar_t, typename acc_t>
+bool operand_in_place(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
+  if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+    return false;
+  } else {
+    const int64_t dense_ld = std::max<int64_t>(cols, 1);
+    const bool rows_ok =
+        rows <= 1 || (row_stride >= dense_ld && row_stride <= std::numeric_limits<int>::max());
+    return (cols <= 1 || col_stride == 1) && rows_ok;
+  }
+}
+
+// One key row of a (bk, bq) tile pair, in place and vectorised: s[j], a scaled score, becomes
+// p = exp(s[j] + bias - lse[j]) and dp[j] becomes dS = p * (dp[j] - delta[j]), for lo <= j < n; both are 0
+// for j < lo (causally masked). The bias is the mask row `bias` (key padding included) when not null, else
+// the scalar row_bias (key padding plus a mask that is the same for every query; 0 without masks).
+template <typename acc_t>
+void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias, const acc_t* lse,
+                          const acc_t* delta, int64_t lo, int64_t n) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  std::fill_n(s, lo, acc_t(0));
+  std::fill_n(dp, lo, acc_t(0));
+  int64_t j = lo;
+  if (bias) {
+    for (; j + W <= n; j += W) {
+      const Vec p = vexp(Vec::loadu(s + j) + Vec::loadu(bias + j) - Vec::loadu(lse + j));
+      p.store(s + j);
+      (p * (Vec::loadu(dp + j) - Vec::loadu(delta + j))).store(dp + j);
+    }
+  } else {
+    const Vec vb(row_bias);
+    for (; j + W <= n; j += W) {
+      const Vec p = vexp(Vec::loadu(s + j) + vb - Vec::loadu(lse + j));
+      p.store(s + j);
+      (p * (Vec::loadu(dp + j) - Vec::loadu(delta + j))).store(dp + j);
+    }
+  }
+  for (; j < n; ++j) {
+    const acc_t p = std::exp(s[j] + (bias ? bias[j] : row_bias) - lse[j]);
+    s[j] = p;
+    dp[j] = p * (dp[j] - delta[j]);
+  }
+}
+
+// dst[i] += src[i] for i < n.
+template <typename acc_t>
+void add_row(acc_t* dst, const acc_t* src, int64_t n) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  int64_t j = 0;
+  for (; j + W <= n; j += W) (Vec::loadu(dst + j) + Vec::loadu(src + j)).store(dst + j);
+  for (; j < n; ++j) dst[j] += src[j];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The tiling plan and the per-thread scratch.
+
+struct BackwardPlan {
+  int64_t bq;           // queries per tile
+  int64_t bk;           // keys per tile
+  int64_t q_tiles;      // ceil(L / bq)
+  int64_t k_tiles;      // ceil(S / bk)
+  int64_t chunks;       // work items per (b, h), each a run of chunk_tiles key tiles
+  int64_t chunk_tiles;  // key tiles per chunk
+  int64_t ld_q;         // leading dimension of the whole-head transposed buffers (Q^T, dO^T, dQ^T)
+  int64_t ld_t;         // leading dimension of the (bk, bq) tiles
+  int64_t ld_k;         // leading dimension of the transposed key tile and of mask rows
+  int64_t bh_m;         // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
+  int64_t heads_m;      // attn_mask's distinct heads: H, or 1 when broadcast over heads
+  bool mask_rows;       // attn_mask differs between queries: each tile pair builds a bias tile
+  bool q_in_place;      // Q's rows are read in place as GEMM operands (else packed once per item)
+  bool do_in_place;     // likewise for dO
+};
+
+BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, size_t acc_size, bool q_in_place,
+                                bool do_in_place) {
+  const AttentionParams& p = bp.fwd;
+  BackwardPlan plan{};
+  const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
+  plan.bk = std::clamp<int64_t>(S, 1, kBackwardKeysPerTile);
+  plan.bq = std::clamp<int64_t>(L, 1, kBackwardQueriesPerTile);
+  plan.q_tiles = (L + plan.bq - 1) / plan.bq;
+  plan.k_tiles = (S + plan.bk - 1) / plan.bk;
+  // One item per head unless that leaves threads idle: then split the keys of each head, so that there are
+  // about two items per thread (keys are what an item owns; queries are shared through the dQ slots).
+  const int64_t threads = at::get_num_threads();
+  plan.chunks = 1;
+  if (B * H > 0 && B * H < 2 * threads && plan.k_tiles > 1) {
+    plan.chunks = std::min(plan.k_tiles, (2 * threads + B * H - 1) / (B * H));
+  }
+  plan.chunk_tiles = plan.k_tiles == 0 ? 0 : (plan.k_tiles + plan.chunks - 1) / plan.chunks;
+  if (plan.chunk_tiles > 0) plan.chunks = (plan.k_tiles + plan.chunk_tiles - 1) / plan.chunk_tiles;
+  plan.ld_q = padded_ld(L, acc_size);
+  plan.ld_t = padded_ld(plan.bq, acc_size);
+  plan.ld_k = padded_ld(plan.bk, acc_size);
+  plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
+  plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
+  plan.mask_rows = p.attn_mask_kind != kMaskNone && p.attn_mask_stride[2] != 0;
+  plan.q_in_place = q_in_place;
+  plan.do_in_place = do_in_place;
+  return plan;
+}
+
+template <typename acc_t>
+struct BackwardScratch {
+  at::Tensor storage;
+  // Whole head (rows are queries l < L).
+  acc_t* qt;     // (D, ld_q) (scale Q)^T
+  acc_t* dot;    // (Dv, ld_q) dO^T
+  acc_t* q;      // (L, D) Q, when it is not read in place
+  acc_t* dout;   // (L, Dv) dO, when it is not read in place
+  acc_t* lse;    // (L,)
+  acc_t* delta;  // (L,) rowsum(dO * O)
+  acc_t* dqt;    // (D, ld_q) dQ^T / scale, with one chunk per head
+  // One key tile, one tile pair.
+  acc_t* k;         // (bk, D) key tile converted, when it cannot be read in place
+  acc_t* kt;        // (D, ld_k) K^T
+  acc_t* v;         // (bk, Dv) value tile converted, when it cannot be read in place
+  acc_t* s;         // (bk, ld_t) S^T, then P^T
+  acc_t* dp;        // (bk, ld_t) dP^T, then dS^T
+  acc_t* bias;      // (bk, ld_t) attn_mask (+ key padding) of the pair, transposed; with mask_rows only
+  acc_t* rows;      // (bq, ld_k) the same, one query per row, before the transpose; with mask_rows only
+  acc_t* key_bias;  // (bk,) key padding, plus attn_mask when it is the same for every query
+  acc_t* dk;        // (bk, D) dK / scale of the key tile
+  acc_t* dv;        // (bk, Dv) dV of the key tile
+  acc_t* tmp;       // (bq, max(D, Dv)) a query tile being packed or written
+  // Operands over the whole head: row l at ptr + l * ld.
+  Operand<acc_t> q_op{};
+  Operand<acc_t> do_op{};
+
+  BackwardScratch(const AttentionParams& p, const BackwardPlan& plan) {
+    const int64_t L = p.q_len, D = p.head_dim, Dv = p.v_head_dim, bq = plan.bq, bk = plan.bk;
+    const int64_t line = kLine<acc_t>;
+    constexpr int kRegions = 17;
+    const int64_t sizes[kRegions] = {
+        D * plan.ld_q,
+        Dv * plan.ld_q,
+        plan.q_in_place ? 0 : L * D,
+        plan.do_in_place ? 0 : L * Dv,
+        L,
+        L,
+        plan.chunks == 1 ? D * plan.ld_q : 0,
+        bk * D,
+        D * plan.ld_k,
+        bk * Dv,
+        bk * plan.ld_t,
+        bk * plan.ld_t,
+        plan.mask_rows ? bk * plan.ld_t : 0,
+        plan.mask_rows ? bq * plan.ld_k : 0,
+        bk,
+        bk * D,
+        bk * Dv,
+    };
+    const int64_t tmp_size = bq * std::max(D, Dv);
+    int64_t total = line + round_up(tmp_size, line);  // slack to align the first region
+    for (int64_t n : sizes) total += round_up(n, line);
+    storage = at::empty({total}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    acc_t* next =
+        reinterpret_cast<acc_t*>(round_up(reinterpret_cast<intptr_t>(storage.mutable_data_ptr<acc_t>()), 64));
+    acc_t* regions[kRegions];
+    for (int i = 0; i < kRegions; ++i) {
+      regions[i] = next;
+      next += round_up(sizes[i], line);
+    }
+    qt = regions[0], dot = regions[1], q = regions[2], dout = regions[3], lse = regions[4],
+    delta = regions[5];
+    dqt = regions[6], k = regions[7], kt = regions[8], v = regions[9], s = regions[10], dp = regions[11];
+    bias = regions[12], rows = regions[13], key_bias = regions[14], dk = regions[15], dv = regions[16];
+    tmp = next;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernel.
+
+template <typename scalar_t>
+class AttentionBackwardCpu {
+ public:
+  using acc_t = typename AccType<scalar_t>::type;
+
+  AttentionBackwardCpu(const AttentionBackwardParams& bp, const AttentionBackwardData& d)
+      : bp_(bp),
+        p_(bp.fwd),
+        d_(d),
+        plan_(make_backward_plan(
+            bp, sizeof(acc_t),
+            operand_in_place<scalar_t, acc_t>(p_.q_stride[2], p_.q_stride[3], p_.q_len, p_.head_dim),
+            operand_in_place<scalar_t, acc_t>(bp.grad_out_stride[2], bp.grad_out_stride[3], p_.q_len,
+                                              p_.v_head_dim))),
+        scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p_.scale) + p_.scale_lo)
+                                             : static_cast<acc_t>(p_.scale)) {}
+
+  void run() {
+    const int64_t BH = p_.batch * p_.heads, H = p_.heads, D = p_.head_dim;
+    if (BH == 0) return;
+    compute_padding_flags();
+    compute_mask_flags();
+    const int64_t chunks = plan_.chunks, items = BH * chunks;
+    const int64_t slot = D * plan_.ld_q;
+    if (chunks > 1) {
+      slots_storage_ =
+          at::empty({items * slot}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    }
+    acc_t* slots = chunks > 1 ? slots_storage_.mutable_data_ptr<acc_t>() : nullptr;
+
+    // Items are handed out one at a time from a shared counter, chunk by chunk: under is_causal the first key
+    // chunk of a head sees the most queries, so the heavy items start first and the short ones fill in.
+    std::atomic<int64_t> next{0};
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      BackwardScratch<acc_t> ws(p_, plan_);
+      for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+        const int64_t c = i / BH, bh = i % BH;
+        acc_t* dqt = chunks == 1 ? ws.dqt : slots + (bh * chunks + c) * slot;
+        run_item(bh / H, bh % H, c, dqt, ws);
+        if (chunks == 1) {
+          for (int64_t qt = 0; qt < plan_.q_tiles; ++qt) write_dq_tile(bh / H, bh % H, qt, dqt, ws.tmp);
+        }
+      }
+    });
+    if (chunks > 1) reduce_dq_slots(slots);
+  }
+
+ private:
+  // padding_masked_[b * k_tiles + kt]: key_padding_mask removes every key of tile kt in batch b.
+  void compute_padding_flags() {
+    if (p_.key_padding_mask_kind == kMaskNone) return;
+    const int64_t S = p_.kv_len, bk = plan_.bk, kt_n = plan_.k_tiles;
+    padding_flags_storage_ = at::empty({p_.batch * kt_n}, at::kBool);
+    bool* flags = padding_flags_storage_.mutable_data_ptr<bool>();
+    const int64_t* st = p_.key_padding_mask_stride;
+    visit_mask(p_.key_padding_mask_kind, d_.key_padding_mask, [&](auto m) {
+      for (int64_t b = 0; b < p_.batch; ++b) {
+        for (int64_t kt = 0; kt < kt_n; ++kt) {
+          const int64_t k0 = kt * bk;
+          flags[b * kt_n + kt] =
+              block_masked<acc_t>(m + b * st[0] + k0 * st[1], 0, st[1], 1, std::min(bk, S - k0));
+        }
+      }
+    });
+    padding_masked_ = flags;
+  }
+
+  // mask_masked_[((bh_m * q_tiles) + qt) * k_tiles + kt]: attn_mask (or is_causal) removes every (query, key)
+  // pair of the tile pair for the mask's (b, h) slice bh_m. Computed once per distinct slice, like the
+  // forward's.
+  void compute_mask_flags() {
+    if (p_.attn_mask_kind == kMaskNone) return;
+    const int64_t L = p_.q_len, S = p_.kv_len, bq = plan_.bq, bk = plan_.bk;
+    const int64_t qt_n = plan_.q_tiles, kt_n = plan_.k_tiles;
+    mask_flags_storage_ = at::empty({plan_.bh_m * qt_n * kt_n}, at::kBool);
+    bool* flags = mask_flags_storage_.mutable_data_ptr<bool>();
+    const int64_t* st = p_.attn_mask_stride;
+    visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+      at::parallel_for(0, plan_.bh_m * qt_n, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t bh = i / qt_n, qt = i % qt_n;
+          const int64_t b = bh / plan_.heads_m, h = bh % plan_.heads_m;
+          const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
+          for (int64_t kt = 0; kt < kt_n; ++kt) {
+            const int64_t k0 = kt * bk;
+            bool masked = p_.is_causal && k0 > q0 + nq - 1;
+            if (!masked) {
+              masked = block_masked<acc_t>(m + b * st[0] + h * st[1] + q0 * st[2] + k0 * st[3], st[2], st[3],
+                                           nq, std::min(bk, S - k0));
+            }
+            flags[i * kt_n + kt] = masked;
+          }
+        }
+      });
+    });
+    mask_masked_ = flags;
+  }
+
+  bool mask_skips(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
+    if (!mask_masked_) return false;
+    const int64_t bh_m = (p_.attn_mask_stride[0] == 0 ? 0 : b) * plan_.heads_m + (plan_.heads_m == 1 ? 0 : h);
+    return mask_masked_[(bh_m * plan_.q_tiles + qt) * plan_.k_tiles + kt];
+  }
+
+  // Key tiles [c * chunk_tiles, ...) of head (b, h): their dK and dV, and their contribution to the head's
+  // dQ^T
+  // (/ scale) in dqt (D, ld_q), which this zeroes first.
+  void run_item(int64_t b, int64_t h, int64_t c, acc_t* dqt, BackwardScratch<acc_t>& ws) {
+    const int64_t L = p_.q_len, D = p_.head_dim;
+    const int64_t kt_begin = c * plan_.chunk_tiles;
+    const int64_t kt_end = std::min(plan_.k_tiles, kt_begin + plan_.chunk_tiles);
+    for (int64_t d = 0; d < D; ++d) std::fill_n(dqt + d * plan_.ld_q, L, acc_t(0));
+    // Under is_causal, queries before the chunk's first key see none of its keys.
+    const int64_t qt_first = p_.is_causal ? std::min(plan_.q_tiles, kt_begin * plan_.bk / plan_.bq) : 0;
+    const int64_t r0 = std::min(L, qt_first * plan_.bq);
+    if (kt_begin < kt_end && r0 < L) pack_head(b, h, r0, ws);
+    for (int64_t kt = kt_begin; kt < kt_end; ++kt) run_key_tile(b, h, kt, dqt, ws);
+  }
+
+  // Queries [r0, L) of head (b, h) into the scratch: (scale Q)^T and dO^T transposed, Q and dO as row-major
+  // operands (in place when possible), lse and delta = rowsum(dO * O).
+  void pack_head(int64_t b, int64_t h, int64_t r0, BackwardScratch<acc_t>& ws) {
+    const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q;
+    const int64_t *qs = p_.q_stride, *gs = bp_.grad_out_stride, *os = p_.out_stride, *ls = p_.lse_stride;
+    const auto* q = static_cast<const scalar_t*>(d_.query) + b * qs[0] + h * qs[1];
+    const auto* dout = static_cast<const scalar_t*>(d_.grad_out) + b * gs[0] + h * gs[1];
+    const auto* out = static_cast<const scalar_t*>(d_.out) + b * os[0] + h * os[1];
+    const auto* lse = static_cast<const acc_t*>(d_.lse) + b * ls[0] + h * ls[1];
+
+    for (int64_t l0 = r0; l0 < L; l0 += plan_.bq) {
+      const int64_t nl = std::min(plan_.bq, L - l0);
+      if (D > 0) transpose_keys(q + l0 * qs[2], qs[2], qs[3], nl, D, ws.tmp, ws.qt + l0, ld_q);
+      if (Dv > 0) transpose_keys(dout + l0 * gs[2], gs[2], gs[3], nl, Dv, ws.tmp, ws.dot + l0, ld_q);
+    }
+    // The forward's scores are (scale Q) K^T: the same products here, so P matches the forward's lse.
+    for (int64_t d = 0; d < D; ++d) scale_row(ws.qt + d * ld_q + r0, L - r0, scale_);
+    ws.q_op = head_operand(q, qs[2], qs[3], r0, D, plan_.q_in_place, ws.q);
+    ws.do_op = head_operand(dout, gs[2], gs[3], r0, Dv, plan_.do_in_place, ws.dout);
+
+    for (int64_t l = r0; l < L; ++l) {
+      ws.lse[l] = lse[l * ls[2]];
+      const acc_t* g = ws.do_op.ptr + l * ws.do_op.ld;
+      const scalar_t* o = out + l * os[2];
+      acc_t sum = 0;
+      for (int64_t j = 0; j < Dv; ++j) sum += g[j] * static_cast<acc_t>(o[j * os[3]]);
+      ws.delta[l] = sum;
+    }
+  }
+
+  // Rows [r0, L) of a (L, cols) block of the head as a GEMM operand whose row l is at ptr + l * ld: the input
+  // itself, or its rows converted into `pack`.
+  Operand<acc_t> head_operand(const scalar_t* src, int64_t row_stride, int64_t col_stride, int64_t r0,
+                              int64_t cols, bool in_place, acc_t* pack) const {
+    const int64_t L = p_.q_len, dense_ld = std::max<int64_t>(cols, 1);
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      if (in_place) return {src, L <= 1 ? dense_ld : row_stride};
+    }
+    pack_block(src + r0 * row_stride, row_stride, col_stride, L - r0, cols, acc_t(1), pack + r0 * dense_ld,
+               dense_ld);
+    return {pack, dense_ld};
+  }
+
+  // The key padding bias of keys [k0, k0 + nk) of batch b into ws.key_bias, plus attn_mask's value when that
+  // is the same for every query. Returns ws.key_bias, or null when there is neither.
+  const acc_t* key_bias(int64_t b, int64_t h, int64_t k0, int64_t nk, BackwardScratch<acc_t>& ws) const {
+    const bool padding = p_.key_padding_mask_kind != kMaskNone;
+    const bool mask_shared = p_.attn_mask_kind != kMaskNone && !plan_.mask_rows;
+    if (!padding && !mask_shared) return nullptr;
+    if (padding) {
+      const int64_t* st = p_.key_padding_mask_stride;
+      visit_mask(p_.key_padding_mask_kind, d_.key_padding_mask, [&](auto m) {
+        mask_to_bias<acc_t>(m + b * st[0] + k0 * st[1], st[1], nk, nullptr, ws.key_bias);
+      });
+    }
+    if (mask_shared) {
+      // attn_mask + key padding, in the reference's order.
+      const int64_t* st = p_.attn_mask_stride;
+      visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+        mask_to_bias<acc_t>(m + b * st[0] + h * st[1] + k0 * st[3], st[3], nk,
+                            padding ? ws.key_bias : nullptr, ws.key_bias);
+      });
+    }
+    return ws.key_bias;
+  }
+
+  // Key tile kt of head (b, h) against every query tile that sees it; writes the tile's dK and dV.
+  void run_key_tile(int64_t b, int64_t h, int64_t kt, acc_t* dqt, BackwardScratch<acc_t>& ws) {
+    const int64_t L = p_.q_len, S = p_.kv_len, D = p_.head_dim, Dv = p_.v_head_dim;
+    const int64_t k0 = kt * plan_.bk, nk = std::min(plan_.bk, S - k0);
+    const int64_t *ks = p_.k_stride, *vs = p_.v_stride;
+    std::fill_n(ws.dk, nk * D, acc_t(0));
+    std::fill_n(ws.dv, nk * Dv, acc_t(0));
+    const bool padded = padding_masked_ && padding_masked_[b * plan_.k_tiles + kt];
+    if (!padded) {
+      const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + h * ks[1] + k0 * ks[2];
+      const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + h * vs[1] + k0 * vs[2];
+      Operand<acc_t> ka{}, va{};
+      if (D > 0) {
+        ka = b_operand(k, ks[2], ks[3], nk, D, ws.k);
+        transpose(ka.ptr, ka.ld, ws.kt, plan_.ld_k, nk, D);
+      }
+      if (Dv > 0) va = b_operand(v, vs[2], vs[3], nk, Dv, ws.v);
+      const acc_t* kb = key_bias(b, h, k0, nk, ws);
+      // Under is_causal, query l sees key s only when l >= s: tiles that end before k0 see none of these
+      // keys.
+      const int64_t qt_first = p_.is_causal ? k0 / plan_.bq : 0;
+      for (int64_t qt = qt_first; qt < plan_.q_tiles; ++qt) {
+        if (mask_skips(b, h, qt, kt)) continue;
+        const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
+        run_pair(b, h, q0, nq, k0, nk, ka, va, kb, dqt, ws);
+      }
+    }
+    write_key_tile(b, h, k0, nk, ws);
+  }
+
+  // Queries [q0, q0 + nq) against keys [k0, k0 + nk): recompute P^T, form dS^T, accumulate dV, dK, dQ^T.
+  void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
+                const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb, acc_t* dqt,
+                BackwardScratch<acc_t>& ws) {
+    const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, ld_t = plan_.ld_t;
+    // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T.
+    if (D > 0) {
+      tile_gemm(nk, nq, D, ka.ptr, ka.ld, ws.qt + q0, ld_q, ws.s, ld_t, /*add_c=*/false);
+    } else {
+      for (int64_t r = 0; r < nk; ++r) std::fill_n(ws.s + r * ld_t, nq, acc_t(0));
+    }
+    if (Dv > 0) {
+      tile_gemm(nk, nq, Dv, va.ptr, va.ld, ws.dot + q0, ld_q, ws.dp, ld_t, /*add_c=*/false);
+    } else {
+      for (int64_t r = 0; r < nk; ++r) std::fill_n(ws.dp + r * ld_t, nq, acc_t(0));
+    }
+
+    // A mask that differs between queries: its (nq, nk) block (key padding added) is read one query row at a
+    // time, in its own layout, then transposed to the tile's key-major layout.
+    const acc_t* bias = nullptr;
+    if (plan_.mask_rows) {
+      const int64_t* st = p_.attn_mask_stride;
+      visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+        const auto* base = m + b * st[0] + h * st[1] + k0 * st[3];
+        for (int64_t i = 0; i < nq; ++i) {
+          mask_to_bias<acc_t>(base + (q0 + i) * st[2], st[3], nk, kb, ws.rows + i * plan_.ld_k);
+        }
+      });
+      transpose(ws.rows, plan_.ld_k, ws.bias, ld_t, nq, nk);
+      bias = ws.bias;
+    }
+
+    const bool causal = p_.is_causal != 0;
+    for (int64_t r = 0; r < nk; ++r) {
+      // Under is_causal, key k0 + r is masked for queries before it.
+      const int64_t lo = causal ? std::clamp<int64_t>(k0 + r - q0, 0, nq) : 0;
+      softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, bias ? bias + r * ld_t : nullptr,
+                           (kb && !bias) ? kb[r] : acc_t(0), ws.lse + q0, ws.delta + q0, lo, nq);
+    }
+
+    // dV (nk, Dv) += P^T dO;  dK (nk, D) += dS^T Q;  dQ^T (D, nq) += K^T dS^T. (scale: applied when written.)
+    if (Dv > 0) {
+      tile_gemm(nk, Dv, nq, ws.s, ld_t, ws.do_op.ptr + q0 * ws.do_op.ld, ws.do_op.ld, ws.dv, Dv,
+                /*add_c=*/true);
+    }
+    if (D > 0) {
+      tile_gemm(nk, D, nq, ws.dp, ld_t, ws.q_op.ptr + q0 * ws.q_op.ld, ws.q_op.ld, ws.dk, D, /*add_c=*/true);
+      tile_gemm(D, nq, nk, ws.kt, plan_.ld_k, ws.dp, ld_t, dqt + q0, ld_q, /*add_c=*/true);
+    }
+  }
+
+  void write_key_tile(int64_t b, int64_t h, int64_t k0, int64_t nk, const BackwardScratch<acc_t>& ws) const {
+    const int64_t D = p_.head_dim, Dv = p_.v_head_dim;
+    const int64_t *gk = bp_.grad_key_stride, *gv = bp_.grad_value_stride;
+    auto* dk = static_cast<scalar_t*>(d_.grad_key) + b * gk[0] + h * gk[1] + k0 * gk[2];
+    auto* dv = static_cast<scalar_t*>(d_.grad_value) + b * gv[0] + h * gv[1] + k0 * gv[2];
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int64_t j = 0; j < D; ++j)
+        dk[r * gk[2] + j * gk[3]] = static_cast<scalar_t>(ws.dk[r * D + j] * scale_);
+      for (int64_t j = 0; j < Dv; ++j) dv[r * gv[2] + j * gv[3]] = static_cast<scalar_t>(ws.dv[r * Dv + j]);
+    }
+  }
+
+  // Rows of query tile qt of dQ for head (b, h) from dqt (D, ld_q) = dQ^T / scale; tmp holds (bq, D).
+  void write_dq_tile(int64_t b, int64_t h, int64_t qt, const acc_t* dqt, acc_t* tmp) const {
+    const int64_t L = p_.q_len, D = p_.head_dim;
+    if (D == 0) return;
+    const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
+    const int64_t* gq = bp_.grad_query_stride;
+    auto* dq = static_cast<scalar_t*>(d_.grad_query) + b * gq[0] + h * gq[1] + q0 * gq[2];
+    transpose(dqt + q0, plan_.ld_q, tmp, D, D, nq);
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t j = 0; j < D; ++j)
+        dq[i * gq[2] + j * gq[3]] = static_cast<scalar_t>(tmp[i * D + j] * scale_);
+    }
+  }
+
+  // With several chunks per head: dQ^T of each head is the sum of its chunks' slots.
+  void reduce_dq_slots(acc_t* slots) const {
+    const int64_t BH = p_.batch * p_.heads, H = p_.heads, D = p_.head_dim, ld_q = plan_.ld_q;
+    const int64_t chunks = plan_.chunks, slot = D * ld_q, qt_n = plan_.q_tiles;
+    at::parallel_for(0, BH * qt_n, 1, [&](int64_t begin, int64_t end) {
+      at::Tensor tmp_storage =
+          at::empty({plan_.bq * D}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      acc_t* tmp = tmp_storage.mutable_data_ptr<acc_t>();
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t bh = i / qt_n, qt = i % qt_n;
+        const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, p_.q_len - q0);
+        acc_t* first = slots + bh * chunks * slot;
+        for (int64_t c = 1; c < chunks; ++c) {
+          for (int64_t d = 0; d < D; ++d)
+            add_row(first + d * ld_q + q0, first + c * slot + d * ld_q + q0, nq);
+        }
+        write_dq_tile(bh / H, bh % H, qt, first, tmp);
+      }
+    });
+  }
+
+  const AttentionBackwardParams& bp_;
+  const AttentionParams& p_;
+  const AttentionBackwardData& d_;
+  BackwardPlan plan_;
+  const acc_t scale_;
+  at::Tensor padding_flags_storage_;
+  at::Tensor mask_flags_storage_;
+  at::Tensor slots_storage_;
+  const bool* padding_masked_ = nullptr;  // see compute_padding_flags; null without key_padding_mask
+  const bool* mask_masked_ = nullptr;     // see compute_mask_flags; null without attn_mask
+};
+
+}  // namespace
+
+void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardData& d) {
+  switch (d.dtype) {
+    case at::kFloat:
+      AttentionBackwardCpu<float>(p, d).run();
+      break;
+    case at::kDouble:
+      AttentionBackwardCpu<double>(p, d).run();
+      break;
+    case at::kBFloat16:
+      AttentionBackwardCpu<at::BFloat16>(p, d).run();
+      break;
+    case at::kHalf:
+      AttentionBackwardCpu<at::Half>(p, d).run();
+      break;
+    default:
+      TORCH_CHECK(false, "attnx::attention_backward: no CPU kernel for dtype ", d.dtype);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace attnx::cpu

@@ -1,0 +1,550 @@
+"""The gradients of attnx.attention (attnx::attention_backward) against autograd through reference.attention.
+
+Accuracy bound (flash-attention style), per gradient: with g64 autograd through the reference on float64
+copies of the same inputs and g_same autograd through the reference in the inputs' own dtype,
+
+    max |g - g64| <= K * max |g_same - g64| + atol[dtype]
+
+float64 has g_same = g64, so its bound is atol alone: tight. atol covers what the relative bound cannot:
+float32 recomputes the probabilities with an exp accurate to ~20 ulp where the reference's is ~1 ulp;
+bfloat16/float16 round the saved out, which enters delta = rowsum(dO * O), where the reference differentiates
+its unrounded output. Expanded (stride-0) inputs are compared through the gradient of their un-expanded base.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import attnx
+from attnx import reference
+from test_attention import _mask, _padding
+
+K_BOUND = 4
+ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 4e-3, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs: leaves (what gradients are compared on) and the (B, H, N, E) views attention reads.
+
+LAYOUTS = ["contiguous", "blhd", "lbhd", "sliced", "expanded_kv", "strided_last"]
+
+
+def make_leaves(B, H, L, S, D, Dv, dtype=torch.float32, layout="contiguous", seed=0):
+    """Leaf tensors for layout; `views(leaves)` turns them into the (B, H, N, E) query, key and value."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(dtype)
+
+    if layout == "contiguous":
+        return [randn(B, H, L, D), randn(B, H, S, D), randn(B, H, S, Dv)]
+    if layout == "blhd":  # nn.MultiheadAttention(batch_first=True) after its in-projection
+        return [randn(B, L, H, D), randn(B, S, H, D), randn(B, S, H, Dv)]
+    if layout == "lbhd":  # sequence-first; at B == 1 the batch stride is the transposed B=1 layout's
+        return [randn(L, B, H, D), randn(S, B, H, D), randn(S, B, H, Dv)]
+    if layout == "sliced":  # a window of a larger buffer: storage offset, row stride > row
+        return [randn(B, H, L + 3, D + 5), randn(B, H, S + 2, D + 1), randn(B, H, S + 1, Dv + 7)]
+    if layout == "expanded_kv":  # keys and values shared by all heads through stride 0
+        return [randn(B, H, L, D), randn(B, 1, S, D), randn(B, 1, S, Dv)]
+    if layout == "strided_last":  # last-dim stride 2
+        return [randn(B, H, L, 2 * D), randn(B, H, S, 2 * D), randn(B, H, S, 2 * Dv)]
+    raise ValueError(layout)
+
+
+def views(leaves, layout):
+    q, k, v = leaves
+    if layout == "contiguous":
+        return q, k, v
+    if layout == "blhd":
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if layout == "lbhd":
+        return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+    if layout == "sliced":
+        L, D = q.shape[2] - 3, q.shape[3] - 5
+        S, Dv = k.shape[2] - 2, v.shape[3] - 7
+        return q[:, :, 2 : 2 + L, 1 : 1 + D], k[:, :, 1 : 1 + S, :D], v[:, :, :S, 3 : 3 + Dv]
+    if layout == "expanded_kv":
+        B, H = q.shape[:2]
+        return q, k.expand(B, H, *k.shape[2:]), v.expand(B, H, *v.shape[2:])
+    if layout == "strided_last":
+        return q[..., ::2], k[..., ::2], v[..., ::2]
+    raise ValueError(layout)
+
+
+def _upcast(x):
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _grads(fn, leaves, layout, grad_out, kwargs):
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    out, _ = fn(*views(leaves, layout), **kwargs)
+    return out, torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+
+
+def _assert_bounded(actual, ref64, ref_same, atol, what):
+    actual, ref64, ref_same = actual.double(), ref64.double(), ref_same.double()
+    assert actual.shape == ref64.shape
+    assert torch.isfinite(ref64).all(), f"{what}: the reference gradient is not finite"
+    assert torch.isfinite(actual).all(), f"{what}: {int((~torch.isfinite(actual)).sum())} non-finite entries"
+    if actual.numel() == 0:
+        return
+    err = (actual - ref64).abs().max().item()
+    ref_err = (ref_same - ref64).abs().max().item()
+    bound = K_BOUND * ref_err + atol
+    assert err <= bound, f"{what}: max error {err:.3e} > {K_BOUND} * {ref_err:.3e} + {atol:.0e}"
+
+
+def check(leaves, layout="contiguous", grad_out=None, **kwargs):
+    """Gradients of attnx.attention w.r.t. the leaves against the reference's; returns them."""
+    dtype = leaves[0].dtype
+    if grad_out is None:
+        q, _, v = views(leaves, layout)
+        B, H, L, _ = q.shape
+        grad_out = torch.randn(B, H, L, v.shape[3], generator=torch.Generator().manual_seed(7)).to(dtype)
+    _, grads = _grads(attnx.attention, leaves, layout, grad_out, kwargs)
+    _, g64 = _grads(reference.attention, [_upcast(t) for t in leaves], layout, _upcast(grad_out),
+                    {n: _upcast(a) for n, a in kwargs.items()})
+    _, g_same = _grads(reference.attention, leaves, layout, grad_out, kwargs)
+    for name, g, r64, rs, leaf in zip("qkv", grads, g64, g_same, leaves, strict=True):
+        assert g.dtype == dtype and g.shape == leaf.shape
+        _assert_bounded(g, r64, rs, ATOL[dtype], f"grad {name}")
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shapes, dtypes, layouts.
+
+# (B, H, L, S, D, Dv)
+SHAPES = [
+    (2, 3, 37, 53, 24, 24),  # odd sizes, L != S
+    (1, 2, 16, 16, 32, 8),  # Dv < D
+    (2, 1, 9, 70, 8, 40),  # Dv > D, L < S
+    (1, 1, 1, 1, 4, 4),  # single query and key
+    (3, 2, 1, 33, 16, 16),  # one query
+    (1, 1, 45, 1, 16, 16),  # one key
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_shapes_dtypes_layouts(shape, dtype, layout):
+    check(make_leaves(*shape, dtype=dtype, layout=layout), layout)
+
+
+# The backward tiles 128 queries by 128 keys; a head's keys are split into chunks when B*H is small next to
+# the thread count, whose dQ contributions are summed in a second pass. These shapes cross the tile boundaries
+# with partial tiles, and run with one thread and with all of them, so that both plans (one chunk per head,
+# several) are exercised.
+BIG_SHAPES = [
+    (1, 1, 300, 270, 32, 32),  # one head: chunked keys
+    (2, 3, 130, 390, 16, 24),  # six heads
+]
+
+
+@pytest.mark.parametrize("threads", ["one", "all"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", BIG_SHAPES, ids=str)
+def test_tile_boundaries_and_plans(shape, dtype, is_causal, threads):
+    saved = torch.get_num_threads()
+    try:
+        if threads == "one":
+            torch.set_num_threads(1)
+        check(make_leaves(*shape, dtype=dtype, layout="blhd"), "blhd", is_causal=is_causal)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_custom_scale():
+    leaves = make_leaves(2, 2, 20, 30, 16, 12, dtype=torch.float64)
+    check(leaves, scale=0.37)
+    check(leaves, scale=0.0)  # uniform probabilities: dq = dk = 0 exactly
+    check(leaves, scale=3.0, is_causal=True)
+
+
+def test_b1_transposed_layout():
+    leaves = make_leaves(1, 4, 12, 12, 8, 8, dtype=torch.float64, layout="lbhd")
+    q = views(leaves, "lbhd")[0]
+    assert q.stride(0) == 4 * 8  # the size-1 batch dim carries a stride that is not the contiguous one
+    check(leaves, "lbhd")
+
+
+def test_expanded_grad_out():
+    # out.sum().backward() hands the backward a grad_out of stride 0 everywhere.
+    leaves = make_leaves(2, 2, 20, 30, 16, 16, dtype=torch.float64, layout="blhd")
+    ones = torch.ones(1, 1, 1, 1, dtype=torch.float64).expand(2, 2, 20, 16)
+    check(leaves, "blhd", grad_out=ones, is_causal=True)
+    q, k, v = (t.detach().requires_grad_() for t in leaves)
+    attnx.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0].sum().backward()
+    q64, k64, v64 = (t.detach().requires_grad_() for t in leaves)
+    reference.attention(q64.transpose(1, 2), k64.transpose(1, 2), v64.transpose(1, 2))[0].sum().backward()
+    for a, b in ((q, q64), (k, k64), (v, v64)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-11)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks (test_attention's factories: (B, H, L, S) = (2, 3, 19, 41)), in float64 against the float64 reference.
+
+ATTN_MASKS = [
+    None, "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
+    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
+    "float_bhls_sliced",
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
+def test_attn_mask(attn_mask, is_causal):
+    gen = torch.Generator().manual_seed(1)
+    mask = None if attn_mask is None else _mask(attn_mask, gen)
+    check(make_leaves(2, 3, 19, 41, 16, 16, dtype=torch.float64, layout="blhd"), "blhd", attn_mask=mask,
+          is_causal=is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(
+    "padding", [None, "bool", "float", "float_neginf", "bool_transposed", "float16_expanded"], ids=str
+)
+@pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
+def test_padding_and_attn_mask(attn_mask, padding, is_causal):
+    gen = torch.Generator().manual_seed(2)
+    mask = None if attn_mask is None else _mask(attn_mask, gen)
+    kpm = None if padding is None else _padding(padding, gen)
+    check(make_leaves(2, 3, 19, 41, 16, 16, dtype=torch.float64), attn_mask=mask, key_padding_mask=kpm,
+          is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_masks_low_precision_and_strided(dtype):
+    gen = torch.Generator().manual_seed(3)
+    leaves = make_leaves(2, 3, 19, 41, 16, 8, dtype=dtype, layout="strided_last")
+    check(leaves, "strided_last", attn_mask=_mask("float_ls", gen).to(dtype),
+          key_padding_mask=_padding("bool", gen), is_causal=True, scale=0.2)
+
+
+def test_masked_tiles_are_skipped_correctly():
+    # Masks that remove whole (128, 128) tile pairs, which the kernel skips, next to pairs they cut in part.
+    leaves = make_leaves(2, 2, 300, 400, 16, 16)
+    mask = torch.zeros(300, 400, dtype=torch.bool)
+    mask[:128, 128:256] = True  # a whole pair for the first query tile, part of one for the second
+    mask[:200, 300:] = True
+    kpm = torch.zeros(2, 400, dtype=torch.bool)
+    kpm[0, :128] = True  # batch 0: the whole first key tile
+    kpm[1, 384:] = True  # batch 1: the last, partial key tile
+    check(leaves, attn_mask=mask, key_padding_mask=kpm)
+    additive = torch.zeros(300, 400).masked_fill(mask, float("-inf"))
+    check(leaves, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fully masked rows, empty sizes.
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_fully_masked_rows(dtype):
+    leaves = make_leaves(2, 2, 6, 9, 8, 8, dtype=dtype)
+    mask = torch.zeros(6, 9, dtype=torch.bool)
+    mask[2] = True  # query 2 sees no key
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True  # batch 1 sees no key at all
+    dq, dk, dv = check(leaves, attn_mask=mask, key_padding_mask=kpm)
+    assert (dq[:, :, 2] == 0).all()
+    assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+    assert (dq[0, :, [0, 1, 3, 4, 5]] != 0).any()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
+     (2, 2, 3, 4, 8, 0)],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_empty_sizes(sizes, dtype):
+    kpm = torch.zeros(sizes[0], sizes[3], dtype=torch.bool)
+    dq, dk, dv = check(make_leaves(*sizes, dtype=dtype), key_padding_mask=kpm)
+    if sizes[2] == 0:  # no queries: no gradient reaches the keys
+        assert (dk == 0).all() and (dv == 0).all()
+    if sizes[3] == 0:  # no keys: every row is fully masked
+        assert (dq == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gradcheck (float64, finite differences) on small cases.
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "causal_scale", "bool_and_padding", "float_masks_strided", "expanded_kv"]
+)
+def test_gradcheck(case):
+    gen = torch.Generator().manual_seed(4)
+    B, H, L, S, D = 2, 2, 5, 7, 4
+    layout, kwargs = "contiguous", {}
+    if case == "causal_scale":
+        kwargs = {"is_causal": True, "scale": 0.7}
+    elif case == "bool_and_padding":
+        mask = torch.rand(L, S, generator=gen) < 0.3
+        mask[1] = True  # one fully masked row
+        kwargs = {"attn_mask": mask, "key_padding_mask": torch.rand(B, S, generator=gen) < 0.2}
+    elif case == "float_masks_strided":
+        layout = "blhd"
+        kwargs = {"attn_mask": torch.randn(B * H, L, S, generator=gen, dtype=torch.float64),
+                  "key_padding_mask": torch.randn(B, S, generator=gen), "is_causal": True}
+    elif case == "expanded_kv":
+        layout = "expanded_kv"
+    leaves = [t.requires_grad_() for t in make_leaves(B, H, L, S, D, 3, dtype=torch.float64, layout=layout)]
+    assert torch.autograd.gradcheck(lambda *ls: attnx.attention(*views(ls, layout), **kwargs)[0], leaves)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd behaviour: what is saved, what is not differentiable, errors.
+
+
+def test_float_mask_requiring_grad_is_an_error():
+    q, k, v = (t.requires_grad_() for t in make_leaves(1, 2, 4, 5, 8, 8))
+    mask = torch.randn(4, 5, requires_grad=True)
+    out, _ = attnx.attention(q, k, v, attn_mask=mask)
+    with pytest.raises(RuntimeError, match=r"attnx.attention: no gradient for float masks; attn_mask req"):
+        out.sum().backward()
+    kpm = torch.randn(1, 5, requires_grad=True)
+    # Only the mask requires grad.
+    out, _ = attnx.attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm)
+    with pytest.raises(RuntimeError, match=r"no gradient for float masks; key_padding_mask requires grad"):
+        out.sum().backward()
+    # A mask that does not require grad is fine, float or bool.
+    attnx.attention(q, k, v, attn_mask=mask.detach(), key_padding_mask=kpm.detach() > 0)[0].sum().backward()
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = (t.requires_grad_() for t in make_leaves(1, 2, 4, 5, 8, 8))
+    out, lse = attnx.attention(q, k, v)
+    assert out.requires_grad and not lse.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        lse.sum().backward()
+
+
+def test_double_backward_is_an_error():
+    q, k, v = (t.requires_grad_() for t in make_leaves(1, 2, 4, 5, 8, 8, dtype=torch.float64))
+    out, _ = attnx.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="attnx.attention: double backward is not implemented"):
+        dq.sum().backward()
+
+
+def test_only_requested_gradients():
+    q, k, v = make_leaves(1, 2, 4, 5, 8, 8)
+    k.requires_grad_()
+    attnx.attention(q, k, v)[0].sum().backward()
+    assert k.grad is not None and q.grad is None and v.grad is None
+
+
+def test_saves_no_attention_sized_tensor():
+    B, H, L, S, D = 2, 2, 64, 96, 8
+    q, k, v = (t.requires_grad_() for t in make_leaves(B, H, L, S, D, D))
+    mask, kpm = torch.randn(L, S), torch.rand(B, S) < 0.2
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        attnx.attention(q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    # The inputs, out, lse and the masks as given (an (L, S) mask is an input): nothing (B, H, L, S).
+    assert {tuple(t.shape) for t in saved} == {(B, H, L, D), (B, H, S, D), (B, H, L), (L, S), (B, S)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout of the gradients, fake kernel, opcheck, errors.
+
+
+def _backward_args(B=2, H=3, L=5, S=7, D=8, Dv=4, dtype=torch.float32, layout="blhd", seed=0):
+    leaves = make_leaves(B, H, L, S, D, Dv, dtype=dtype, layout=layout, seed=seed)
+    q, k, v = views(leaves, layout)
+    out, lse = attnx.attention(q, k, v)
+    grad_out = torch.randn(B, L, H, 2 * Dv, generator=torch.Generator().manual_seed(9)).to(dtype)
+    return grad_out.transpose(1, 2)[..., ::2], q, k, v, out, lse  # a strided grad_out
+
+
+def test_gradient_layout():
+    grads = attnx.attention_backward(*_backward_args(2, 3, 5, 7, 8, 4))
+    assert [g.shape for g in grads] == [(2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 4)]
+    for g in grads:  # memory order (B, N, H, E), like out
+        assert g.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "sizes", [(2, 3, 5, 7, 8, 4), (1, 1, 1, 1, 1, 1), (2, 0, 3, 4, 8, 8), (1, 2, 3, 4, 8, 0)], ids=str
+)
+def test_fake_matches_kernel(sizes, dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _backward_args(*sizes, dtype=dtype)
+    real = attnx.attention_backward(*args)
+    with FakeTensorMode() as mode:
+        fake = attnx.attention_backward(*[mode.from_tensor(a) for a in args])
+    for r, f in zip(real, fake, strict=True):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
+def _opcheck_cases():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = views(make_leaves(2, 2, 5, 7, 8, 4, layout="blhd"), "blhd")
+    kpm = torch.rand(2, 7, generator=gen) < 0.3
+    mask = torch.randn(5, 7, generator=gen)
+    return [
+        (q, k, v, None, None, False, None),
+        (q, k, v, mask, kpm, True, 0.5),
+        (q.double(), k.double(), v.double(), torch.rand(4, 5, 7, generator=gen) < 0.2, None, False, None),
+        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_opcheck_attention_with_grad(case):
+    pytest.importorskip("expecttest")
+    q, k, v, *rest = _opcheck_cases()[case]
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.attnx.attention.default, (q, k, v, *rest))
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_opcheck_attention_backward(case):
+    pytest.importorskip("expecttest")
+    q, k, v, mask, kpm, is_causal, scale = _opcheck_cases()[case]
+    out, lse = attnx.attention(q, k, v, mask, kpm, is_causal, scale)
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.attnx.attention_backward.default,
+                          (grad_out, q, k, v, out, lse, mask, kpm, is_causal, scale))
+
+
+def test_compile_backward():
+    q, k, v = (t.requires_grad_() for t in make_leaves(2, 2, 5, 7, 8, 8))
+    def loss(q, k, v):
+        return attnx.attention(q, k, v, is_causal=True)[0].square().sum()
+
+    grads = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def _bad_cases():
+    grad_out, q, k, v, out, lse = _backward_args(2, 3, 5, 7, 8, 4)
+    return {
+        "grad_out shape": ((grad_out[..., :3], q, k, v, out, lse),
+                           "attnx::attention_backward: expected grad_out of shape (B, H, L, Dv) = "
+                           "[2, 3, 5, 4], got [2, 3, 5, 3]"),
+        "grad_out dtype": ((grad_out.double(), q, k, v, out, lse),
+                           "attnx::attention_backward: expected grad_out of dtype Float, got Double"),
+        "out shape": ((grad_out, q, k, v, out[:, :, :4], lse),
+                      "attnx::attention_backward: expected out of shape (B, H, L, Dv) = [2, 3, 5, 4], "
+                      "got [2, 3, 4, 4]"),
+        "lse dtype": ((grad_out, q, k, v, out, lse.half()),
+                      "attnx::attention_backward: expected lse of dtype Float, got Half"),
+        "lse shape": ((grad_out, q, k, v, out, lse[:, :1]),
+                      "attnx::attention_backward: expected lse of shape (B, H, L) = [2, 3, 5], "
+                      "got [2, 1, 5]"),
+        "key shape": ((grad_out, q, k[:, :, :, :4], v, out, lse),
+                      "attnx::attention: expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
+    }
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_inputs(case, fake):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, message = _bad_cases()[case]
+    if fake:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with pytest.raises(RuntimeError, match=re.escape(message)):
+                attnx.attention_backward(*args)
+    else:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            attnx.attention_backward(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory: the backward allocates nothing of size (B, H, L, S).
+
+
+def test_no_attention_sized_allocation():
+    B, H, L, S, D = 2, 4, 256, 256, 16
+    attention_bytes = B * H * L * S * 4
+    gen = torch.Generator().manual_seed(6)
+    mask, kpm = torch.randn(L, S, generator=gen), torch.randn(B, S, generator=gen)
+    for impl in (attnx.attention, reference.attention):
+        q, k, v = (t.requires_grad_() for t in make_leaves(B, H, L, S, D, D, layout="blhd"))
+        out, _ = impl(*views((q, k, v), "blhd"), attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+        grad_out = torch.randn_like(out)
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=cpu, profile_memory=True) as p:
+            out.backward(grad_out)
+        largest = max(e.cpu_memory_usage for e in p.events())
+        if impl is reference.attention:  # the control: autograd through the reference does allocate them
+            assert largest >= attention_bytes
+        else:
+            assert largest < attention_bytes / 4, largest
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import torch, attnx
+    from benchmarks.memory import _peak_rss_bytes, _reset_peak_rss, _rss_bytes
+    B, H, L, S, D = 2, 4, 2048, 2048, 16
+    q, k, v = (torch.randn(B, H, n, D) for n in (L, S, S))
+    mask = torch.rand(L, S) < 0.1
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[:, -100:] = True
+    out, lse = attnx.attention(q, k, v, mask, kpm, is_causal=True)
+    go = torch.randn_like(out)
+    # Warm up (threads, JIT kernels) on the first 8 queries.
+    attnx.attention_backward(go[:, :, :8], q[:, :, :8], k, v, out[:, :, :8], lse[:, :, :8], mask[:8], kpm)
+    _reset_peak_rss()
+    before = _rss_bytes()
+    grads = attnx.attention_backward(go, q, k, v, out, lse, mask, kpm, True)
+    print(_peak_rss_bytes() - before)
+    """
+)
+
+
+def test_no_quadratic_memory():
+    # Peak RSS of a fresh process around one backward: (B, H, L, S) probabilities would be 128 MiB. The call
+    # returns 3 MiB of gradients and may add per-thread buffers (3 * L * D floats and tiles, ~1 MiB each).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, cwd=root)
+    assert result.returncode == 0, result.stderr
+    grown = int(result.stdout.strip().splitlines()[-1])
+    assert grown < 16 * 2**20, f"peak RSS grew by {grown / 2**20:.1f} MiB during the backward"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every ISA variant of the CPU kernel.
+
+_ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_attention_backward import check, make_leaves
+    assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        leaves = make_leaves(2, 3, 150, 140, 24, 20, dtype=dtype, layout="strided_last")
+        check(leaves, "strided_last", attn_mask=torch.randn(150, 140),
+              key_padding_mask=torch.rand(2, 140) < 0.3, is_causal=True)
+        check(make_leaves(1, 2, 37, 53, 24, 24, dtype=dtype, layout="blhd"), "blhd")
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
+def test_isa_variants(isa):
+    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    script = _ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), isa=isa)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower())
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
