@@ -29,6 +29,8 @@ IMPLS = ("attnx", "sdpa")
 FACTORY = "benchmarks.bench_backward:backward_case"
 
 
+DEVICES = ("cpu",)  # the backward has no CUDA kernel yet
+
 def _inputs(L: int, masks: str, device: str, requires_grad: bool = True):
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
