@@ -144,8 +144,18 @@ _write_build_info(backends)
 
 from torch.utils.cpp_extension import BuildExtension  # noqa: E402  (after CUDA_HOME is settled)
 
+
+class _BuildExtension(BuildExtension.with_options(use_ninja=True)):
+    """Object files in build/temp.<backends>, kept between builds: pip's editable build would otherwise use a
+    fresh temporary directory and recompile every source each time."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp-" + "-".join(backends))
+
+
 setup(
     ext_modules=[_extension(backends)],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -43,4 +43,27 @@ TORCH_LIBRARY(attnx, m) {
       "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "
       "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "
       "bool average_attn_weights) -> (Tensor out, Tensor lse, Tensor weights)");
+  // mha for autograd (what attnx::mha's autograd kernel runs when gradients are needed): mha's outputs plus
+  // what its backward reads, nothing of size (B, H, L, S): attention's inputs q (B, H, L, Dh), k and v
+  // (B, H, S', Dh) with the appended keys, and its output attn (B, H, L, Dh). k (v) is empty where static_k
+  // (static_v) is attention's key as it is (no add_zero_attn): outputs never alias inputs.
+  m.def(
+      "mha_forward(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, "
+      "Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, "
+      "Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, "
+      "bool need_weights, bool average_attn_weights) -> (Tensor out, Tensor lse, Tensor weights, Tensor q, "
+      "Tensor k, Tensor v, Tensor attn)");
+  // mha's backward in one dispatch: grad_out (L, B, E) and, when the weights were asked for and used,
+  // grad_weights; mha's arguments; mha_forward's lse, q, k, v and attn. Returns the gradients of query, key,
+  // value, in_proj_weight, in_proj_bias, q/k/v_proj_weight, bias_k, bias_v, out_proj_weight, out_proj_bias,
+  // static_k and static_v, in that order, each where output_mask asks for it and an empty tensor elsewhere.
+  // When query, key and value are one tensor, grad_query is the gradient of all three.
+  m.def(
+      "mha_backward(Tensor grad_out, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, int num_heads, "
+      "Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, "
+      "Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, "
+      "Tensor? out_proj_bias, Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, "
+      "Tensor? static_v, bool need_weights, bool average_attn_weights, Tensor q, Tensor k, Tensor v, "
+      "Tensor attn, Tensor lse, int[] output_mask) -> Tensor[]");
 }

@@ -172,14 +172,6 @@ def test_opcheck(extras):
     torch.library.opcheck(torch.ops.attnx.mha.default, args)
 
 
-def test_backward_is_a_clear_error():
-    query, key, value, w = _inputs("self", "seq_first", torch.float32)
-    w["out_proj_weight"].requires_grad_()
-    out, _, _ = ops.mha(*_args(query, key, value, w))
-    with pytest.raises(NotImplementedError, match="attnx.mha has no backward yet"):
-        out.sum().backward()
-
-
 @pytest.mark.parametrize(
     "change,message",
     [

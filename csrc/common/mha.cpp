@@ -35,6 +35,18 @@ std::tuple<at::Tensor, at::Tensor> attnx_attention(const at::Tensor& q, const at
   return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attnx_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("attnx::attention_backward", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, bool,
+                                 std::optional<double>)>();
+  return op.call(grad_out, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, std::nullopt);
+}
+
 OptTensor rows(const OptTensor& t, int64_t start, int64_t length) {
   return t ? OptTensor(t->narrow(0, start, length)) : std::nullopt;
 }
@@ -43,11 +55,6 @@ OptTensor rows(const OptTensor& t, int64_t start, int64_t length) {
 bool same_view(const at::Tensor& a, const at::Tensor& b) {
   return a.is_same(b) || (a.data_ptr() == b.data_ptr() && a.sizes().equals(b.sizes()) &&
                           a.strides().equals(b.strides()) && a.dtype() == b.dtype());
-}
-
-// One more key column that is never masked: False for a bool mask, 0 for a float one.
-OptTensor pad_key(const OptTensor& mask) {
-  return mask ? OptTensor(at::constant_pad_nd(*mask, {0, 1}, 0)) : std::nullopt;
 }
 
 // (N, B, E) -> (B, H, N, E / H), a view.
@@ -115,17 +122,32 @@ void check_mha_args(const at::Tensor& query, const at::Tensor& key, const at::Te
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mha(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-    const OptTensor& in_proj_weight, const OptTensor& in_proj_bias, const OptTensor& q_proj_weight,
-    const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
-    const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
-    const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in, bool is_causal, const OptTensor& static_k,
-    const OptTensor& static_v, bool need_weights, bool average_attn_weights) {
+// Appends `extra` never-masked key columns to a mask: False for a bool mask, 0 for a float one.
+OptTensor pad_keys(const OptTensor& mask, int64_t extra) {
+  return mask && extra > 0 ? OptTensor(at::constant_pad_nd(*mask, {0, extra}, 0)) : mask;
+}
+
+// What the forward hands to the backward: the attention problem as attnx::attention saw it.
+struct MhaState {
+  at::Tensor out, lse, weights;
+  at::Tensor q, k, v;  // (B, H, L, Dh), (B, H, S', Dh), (B, H, S', Dh): attention's inputs, appended keys included
+  at::Tensor attn;     // (B, H, L, Dh) in memory order (B, L, H, Dh): attention's output
+};
+
+MhaState mha_forward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          int64_t num_heads, const OptTensor& in_proj_weight, const OptTensor& in_proj_bias,
+                          const OptTensor& q_proj_weight, const OptTensor& k_proj_weight,
+                          const OptTensor& v_proj_weight, const OptTensor& bias_k, const OptTensor& bias_v,
+                          bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
+                          const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in, bool is_causal,
+                          const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
+                          bool average_attn_weights, bool keep_for_backward) {
   check_mha_args(query, key, value, num_heads, in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
                  bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v);
   const int64_t B = query.size(1), E = query.size(2), H = num_heads;
-  OptTensor key_padding_mask = key_padding_mask_in, attn_mask = attn_mask_in;
+  const int64_t appended = int64_t(bias_k.has_value()) + int64_t(add_zero_attn);
+  const OptTensor key_padding_mask = pad_keys(key_padding_mask_in, appended);
+  const OptTensor attn_mask = pad_keys(attn_mask_in, appended);
 
   // In-projections. Packed self-attention is one GEMM whose (L, B, 3E) output q, k and v are strided views of;
   // projections that static_k / static_v replace are not computed at all.
@@ -155,11 +177,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha(
   if (bias_k) {
     k = at::cat({k, bias_k->reshape({1, 1, E}).expand({1, B, E})}, 0);
     v = at::cat({v, bias_v->reshape({1, 1, E}).expand({1, B, E})}, 0);
-    attn_mask = pad_key(attn_mask);
-    key_padding_mask = pad_key(key_padding_mask);
   }
 
   // (B, H, N, head_dim) views; static_k / static_v arrive as (B*H, S, head_dim).
+  MhaState state;
   at::Tensor q4 = split_heads(q, H);
   at::Tensor k4 = static_k ? static_k->unflatten(0, {B, H}) : split_heads(k, H);
   at::Tensor v4 = static_v ? static_v->unflatten(0, {B, H}) : split_heads(v, H);
@@ -168,31 +189,234 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha(
   if (add_zero_attn) {
     k4 = at::constant_pad_nd(k4, {0, 0, 0, 1}, 0);
     v4 = at::constant_pad_nd(v4, {0, 0, 0, 1}, 0);
-    attn_mask = pad_key(attn_mask);
-    key_padding_mask = pad_key(key_padding_mask);
   }
 
   auto [attn, lse] = attnx_attention(q4, k4, v4, attn_mask, key_padding_mask, is_causal);
+  if (keep_for_backward) {
+    // An op's outputs may not alias its inputs: static_k / static_v used as they are stay with the caller, and
+    // the backward reads them from there (empty here).
+    state.q = q4;
+    state.k = static_k && !add_zero_attn ? at::empty({0}, q4.options()) : k4;
+    state.v = static_v && !add_zero_attn ? at::empty({0}, q4.options()) : v4;
+    state.attn = attn;
+  }
   // Release the projections before the out projection allocates its output, so that peak memory is the
   // projections plus the attention output, never the projections plus two outputs.
   q = k = v = v4 = at::Tensor();
   if (!need_weights) q4 = k4 = at::Tensor();
 
   // attn is (B, H, L, head_dim) laid out as (B, L, H, head_dim), so its (L, B, E) form is a view.
-  at::Tensor out = attnx_linear(attn.permute({2, 0, 1, 3}).flatten(2), out_proj_weight, out_proj_bias);
+  state.out = attnx_linear(attn.permute({2, 0, 1, 3}).flatten(2), out_proj_weight, out_proj_bias);
+  state.lse = lse;
 
-  at::Tensor weights;
   if (need_weights) {
-    weights = attention_weights(q4, k4, lse, attn_mask, key_padding_mask, is_causal);
+    at::Tensor weights = attention_weights(q4, k4, lse, attn_mask, key_padding_mask, is_causal);
     if (average_attn_weights) weights = weights.mean(1);
-    weights = weights.to(query.scalar_type());
+    state.weights = weights.to(query.scalar_type());
   } else {
-    weights = at::empty({0}, query.options());
+    state.weights = at::empty({0}, query.options());
   }
-  return {out, lse, weights};
+  return state;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const OptTensor& in_proj_weight, const OptTensor& in_proj_bias, const OptTensor& q_proj_weight,
+    const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
+    const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
+    const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
+    const OptTensor& static_v, bool need_weights, bool average_attn_weights) {
+  MhaState s = mha_forward_impl(query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
+                                k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight,
+                                out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
+                                need_weights, average_attn_weights, /*keep_for_backward=*/false);
+  return {s.out, s.lse, s.weights};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_forward(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const OptTensor& in_proj_weight, const OptTensor& in_proj_bias, const OptTensor& q_proj_weight,
+    const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
+    const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
+    const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
+    const OptTensor& static_v, bool need_weights, bool average_attn_weights) {
+  MhaState s = mha_forward_impl(query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
+                                k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight,
+                                out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
+                                need_weights, average_attn_weights, /*keep_for_backward=*/true);
+  return {s.out, s.lse, s.weights, s.q, s.k, s.v, s.attn};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward. Gradients flow out -> out projection -> attention (attnx::attention_backward, which recomputes the
+// probabilities from lse) -> appended keys -> in-projections. Every GEMM takes rows in (batch, position) order:
+// the memory order of attention's outputs and gradients, so those are read without copies; an input or a
+// grad_out laid out sequence-first is copied once into that order (as torch's linear backward reshapes).
+
+// Positions of the gradients mha_backward returns (and of the bools in its output_mask).
+enum MhaGrad : int64_t {
+  kGradQuery, kGradKey, kGradValue, kGradInProjWeight, kGradInProjBias, kGradQProjWeight, kGradKProjWeight,
+  kGradVProjWeight, kGradBiasK, kGradBiasV, kGradOutProjWeight, kGradOutProjBias, kGradStaticK, kGradStaticV,
+  kNumMhaGrads
+};
+
+// (N, B, F) -> (B*N, F) rows in (batch, position) order: a view when the memory allows it, else one copy.
+at::Tensor batch_major_rows(const at::Tensor& t) { return t.transpose(0, 1).reshape({-1, t.size(2)}); }
+
+// (B, H, N, Dh) -> (B*N, H*Dh) rows in (batch, position) order; a view for attention's (B, N, H, Dh) layouts.
+at::Tensor head_rows(const at::Tensor& t) { return t.permute({0, 2, 1, 3}).reshape({-1, t.size(1) * t.size(3)}); }
+
+// The gradient of the attention weights output flowed back into grad_q and grad_k (in place): the softmax
+// backward dS = P * (dP - rowsum(dP * P)) on P recomputed from lse. Only reached when the caller asked for the
+// weights and used them, so the (B, H, L, S') tensors it builds are the size of what it asked for.
+void add_weights_grad(const at::Tensor& grad_weights, bool average_attn_weights, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& lse, const OptTensor& attn_mask,
+                      const OptTensor& key_padding_mask, bool is_causal, at::Tensor& grad_q, at::Tensor& grad_k) {
+  const auto acc = lse.scalar_type();
+  const at::Tensor p = attention_weights(q, k, lse, attn_mask, key_padding_mask, is_causal);
+  at::Tensor dp = grad_weights.to(acc);
+  if (average_attn_weights) dp = dp.unsqueeze(1).div(double(q.size(1)));  // mean over heads
+  // A fully masked row's weights are NaN whatever q and k are: no gradient flows from them.
+  at::Tensor ds = (p * (dp - (dp * p).sum(-1, /*keepdim=*/true))).masked_fill_(lse.isposinf().unsqueeze(-1), 0);
+  const double scale = 1.0 / std::sqrt(double(q.size(3)));
+  grad_q.add_(at::matmul(ds, k.to(acc)).mul_(scale).to(grad_q.scalar_type()));
+  grad_k.add_(at::matmul(ds.transpose(-2, -1), q.to(acc)).mul_(scale).to(grad_k.scalar_type()));
+}
+
+std::vector<at::Tensor> mha_backward(
+    const at::Tensor& grad_out, const OptTensor& grad_weights, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, int64_t num_heads, const OptTensor& in_proj_weight, const OptTensor& in_proj_bias,
+    const OptTensor& q_proj_weight, const OptTensor& k_proj_weight, const OptTensor& v_proj_weight,
+    const OptTensor& bias_k, const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight,
+    const OptTensor& out_proj_bias, const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in,
+    bool is_causal, const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
+    bool average_attn_weights, const at::Tensor& q, const at::Tensor& k_saved, const at::Tensor& v_saved,
+    const at::Tensor& attn, const at::Tensor& lse, at::IntArrayRef output_mask_in) {
+  // static_k / static_v used without an appended zero key are attention's k / v themselves.
+  const at::Tensor k = static_k && !add_zero_attn ? static_k->unflatten(0, {query.size(1), num_heads}) : k_saved;
+  const at::Tensor v = static_v && !add_zero_attn ? static_v->unflatten(0, {query.size(1), num_heads}) : v_saved;
+  check_mha_args(query, key, value, num_heads, in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
+                 bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v);
+  TORCH_CHECK(output_mask_in.size() == kNumMhaGrads, "attnx::mha_backward: expected output_mask of ", kNumMhaGrads,
+              " entries, got ", output_mask_in.size());
+  const auto wanted = [&](MhaGrad g) { return output_mask_in[g] != 0; };
+  const int64_t L = query.size(0), B = query.size(1), E = query.size(2), H = num_heads, Dh = E / H;
+  const int64_t S = static_k ? static_k->size(1) : key.size(0);
+  const int64_t appended = int64_t(bias_k.has_value()) + int64_t(add_zero_attn);
+  const OptTensor key_padding_mask = pad_keys(key_padding_mask_in, appended);
+  const OptTensor attn_mask = pad_keys(attn_mask_in, appended);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && attn.dim() == 4 && q.size(0) == B && q.size(1) == H &&
+                  q.size(2) == L && k.size(2) == S + appended,
+              "attnx::mha_backward: expected q, k, v and attn as attnx::mha_forward returned them");
+  std::vector<at::Tensor> grads(kNumMhaGrads);
+
+  // Out projection: out = attn @ out_proj_weight^T + out_proj_bias, rows in (batch, position) order.
+  const at::Tensor grad_out_rows = batch_major_rows(grad_out);  // (B*L, E)
+  if (wanted(kGradOutProjWeight)) grads[kGradOutProjWeight] = grad_out_rows.t().mm(head_rows(attn));
+  if (out_proj_bias && wanted(kGradOutProjBias)) grads[kGradOutProjBias] = grad_out_rows.sum(0);
+  at::Tensor grad_attn = grad_out_rows.mm(out_proj_weight).view({B, L, H, Dh}).permute({0, 2, 1, 3});
+
+  // Attention, probabilities recomputed from lse.
+  auto [grad_q, grad_k, grad_v] =
+      attnx_attention_backward(grad_attn, q, k, v, attn, lse, attn_mask, key_padding_mask, is_causal);
+  if (grad_weights && grad_weights->defined() && grad_weights->numel() > 0) {
+    TORCH_CHECK(need_weights, "attnx::mha_backward: got grad_weights for a call without need_weights");
+    add_weights_grad(*grad_weights, average_attn_weights, q, k, lse, attn_mask, key_padding_mask, is_causal, grad_q,
+                     grad_k);
+  }
+  grad_attn.reset();
+
+  // Appended keys: the zero key has no parameter; bias_k / bias_v sit at position S of every sequence.
+  if (bias_k) {
+    if (wanted(kGradBiasK)) grads[kGradBiasK] = grad_k.select(2, S).sum(0).reshape({1, 1, E});
+    if (wanted(kGradBiasV)) grads[kGradBiasV] = grad_v.select(2, S).sum(0).reshape({1, 1, E});
+  }
+  grad_k = grad_k.narrow(2, 0, S);
+  grad_v = grad_v.narrow(2, 0, S);
+  if (static_k && wanted(kGradStaticK)) grads[kGradStaticK] = grad_k.reshape({B * H, S, Dh}).contiguous();
+  if (static_v && wanted(kGradStaticV)) grads[kGradStaticV] = grad_v.reshape({B * H, S, Dh}).contiguous();
+
+  // In-projections: proj = input @ weight^T + bias for each of q, k, v that was projected.
+  const at::Tensor grad_proj[3] = {head_rows(grad_q), static_k ? at::Tensor() : head_rows(grad_k),
+                                   static_v ? at::Tensor() : head_rows(grad_v)};
+  grad_q = grad_k = grad_v = at::Tensor();
+  const at::Tensor* inputs[3] = {&query, &key, &value};
+  const OptTensor* separate[3] = {&q_proj_weight, &k_proj_weight, &v_proj_weight};
+  const auto proj_weight = [&](int64_t i) {
+    return in_proj_weight ? in_proj_weight->narrow(0, i * E, E) : separate[i]->value();
+  };
+  // Called with one tensor as query, key and value (self-attention), its whole gradient goes to grad_query
+  // and grad_key / grad_value stay empty: autograd would only add the three up.
+  const bool one_input = query.is_same(key) && key.is_same(value);
+  const bool wanted_input[3] = {
+      wanted(kGradQuery) || (one_input && (wanted(kGradKey) || wanted(kGradValue))),
+      !one_input && wanted(kGradKey), !one_input && wanted(kGradValue)};
+  at::Tensor input_rows[3];  // each distinct input's rows, gathered once
+  const auto rows_of = [&](int64_t i) -> const at::Tensor& {
+    int64_t first = i;
+    while (first > 0 && inputs[first - 1]->is_same(*inputs[i])) --first;
+    if (!input_rows[first].defined()) input_rows[first] = batch_major_rows(*inputs[first]);
+    return input_rows[first];
+  };
+  for (int64_t i = 0; i < 3; ++i) {
+    if (!grad_proj[i].defined()) continue;
+    const at::Tensor w = proj_weight(i);
+    const int64_t slot = one_input ? kGradQuery : kGradQuery + i;
+    if (wanted_input[slot]) {
+      at::Tensor& g = grads[slot];
+      if (!g.defined()) {
+        // (N, B, F) in memory order (B, N, F): the GEMM writes it directly.
+        g = at::empty({B, inputs[i]->size(0), inputs[i]->size(2)}, grad_proj[i].options()).transpose(0, 1);
+        at::Tensor g_rows = batch_major_rows(g);
+        at::mm_out(g_rows, grad_proj[i], w);
+      } else {
+        batch_major_rows(g).addmm_(grad_proj[i], w);
+      }
+    }
+    if (in_proj_weight) {
+      if (wanted(kGradInProjWeight)) {
+        at::Tensor& grad_weight = grads[kGradInProjWeight];
+        if (!grad_weight.defined()) grad_weight = at::zeros(in_proj_weight->sizes(), in_proj_weight->options());
+        at::Tensor rows_i = grad_weight.narrow(0, i * E, E);
+        at::mm_out(rows_i, grad_proj[i].t(), rows_of(i));
+      }
+    } else if (wanted(MhaGrad(kGradQProjWeight + i))) {
+      grads[kGradQProjWeight + i] = grad_proj[i].t().mm(rows_of(i));
+    }
+    if (in_proj_bias && wanted(kGradInProjBias)) {
+      at::Tensor& grad_bias = grads[kGradInProjBias];
+      if (!grad_bias.defined()) grad_bias = at::zeros(in_proj_bias->sizes(), in_proj_bias->options());
+      at::Tensor rows_i = grad_bias.narrow(0, i * E, E);
+      at::sum_out(rows_i, grad_proj[i], 0);
+    }
+  }
+  // Requested gradients of inputs that no projection read (a key replaced by static_k) are zero.
+  for (int64_t i = 0; i < 3; ++i) {
+    if (wanted_input[i] && !grads[kGradQuery + i].defined()) {
+      grads[kGradQuery + i] =
+          at::zeros({B, inputs[i]->size(0), inputs[i]->size(2)}, inputs[i]->options()).transpose(0, 1);
+    }
+  }
+  if (in_proj_weight && wanted(kGradInProjWeight) && !grads[kGradInProjWeight].defined()) {
+    grads[kGradInProjWeight] = at::zeros(in_proj_weight->sizes(), in_proj_weight->options());
+  }
+  for (int64_t i = 0; i < 3; ++i) {
+    if (!in_proj_weight && wanted(MhaGrad(kGradQProjWeight + i)) && !grads[kGradQProjWeight + i].defined()) {
+      grads[kGradQProjWeight + i] = at::zeros(separate[i]->value().sizes(), separate[i]->value().options());
+    }
+  }
+  // Gradients not asked for (or of absent arguments) are returned as empty tensors.
+  for (auto& g : grads) {
+    if (!g.defined()) g = at::empty({0}, query.options());
+  }
+  return grads;
 }
 
 }  // namespace
 }  // namespace attnx
 
-TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) { m.impl("mha", &attnx::mha); }
+TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
+  m.impl("mha", &attnx::mha);
+  m.impl("mha_forward", &attnx::mha_forward);
+  m.impl("mha_backward", &attnx::mha_backward);
+}

@@ -7,7 +7,6 @@ and runs a chain of ops; here the masks are only validated and go, as they are (
 own shape), to ONE call of :func:`attnx.ops.mha`, which reads them in place.
 """
 
-import functools
 import warnings
 from typing import Optional
 
@@ -66,11 +65,10 @@ def multi_head_attention_forward(
     a causal mask instead of attn_mask only when there is no key_padding_mask and ``need_weights=False``;
     otherwise it applies attn_mask. This function applies the same mask in each case.
 
-    Until the fused backward and dropout land, two cases run a differentiable composition instead of the one
-    fused op: dropout (``training`` and ``dropout_p > 0``: :mod:`attnx.reference` plus ``F.dropout`` on the
-    attention probabilities) and any input requiring grad under grad mode (:func:`attnx.reference.mha`).
-    Both project through :func:`attnx.linear`, and both materialise the ``(B, H, L, S')`` probabilities, as
-    torch's own training path does.
+    Forward and backward are each one fused op (:func:`attnx.ops.mha`, differentiable in every tensor
+    argument but the masks), except with dropout (``training`` and ``dropout_p > 0``), which until it is fused
+    runs :mod:`attnx.reference` projected through :func:`attnx.linear` with ``F.dropout`` on the attention
+    probabilities, materialising the ``(B, H, L, S')`` probabilities as torch's own training path does.
     """
     tens_ops = (
         query,
@@ -304,12 +302,7 @@ def _forward(
     if training and dropout_p > 0.0:
         attn_output, fully_masked, attn_weights = _mha_with_dropout(*args, dropout_p=dropout_p)
     else:
-        # attnx::mha has no backward yet: with grads to compute, take the composition it is tested against.
-        needs_grad = torch.is_grad_enabled() and any(
-            isinstance(t, Tensor) and t.requires_grad for t in args
-        )
-        mha = functools.partial(reference.mha, project=ops.linear) if needs_grad else ops.mha
-        attn_output, lse, attn_weights = mha(*args)
+        attn_output, lse, attn_weights = ops.mha(*args)
         fully_masked = torch.isposinf(lse).any(dim=1) if need_weights else None  # (B, L)
 
     if need_weights:

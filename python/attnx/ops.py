@@ -349,13 +349,6 @@ def _attention_fake(
     return out, lse
 
 
-def _no_backward(op: str):
-    def backward(ctx, *grads):
-        raise NotImplementedError(f"{op} has no backward yet (the fused backward is not implemented)")
-
-    return backward
-
-
 def _check_attention_backward_tensor(
     t: Tensor, name: str, shape: list, shape_name: str, dtype: torch.dtype, query: Tensor
 ) -> None:
@@ -456,17 +449,10 @@ torch.library.register_autograd("attnx::attention_backward", _no_double_backward
 # mha: fake kernel (the checks that shape the outputs; the kernel checks the rest) and the missing backward
 
 
-@torch.library.register_fake("attnx::mha")
-def _mha_fake(
-    query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
-    bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
-    static_k, static_v, need_weights, average_attn_weights,
-):
-    torch._check(query.dim() == 3, lambda: f"attnx::mha: expected query of shape (L, B, E), got {list(query.shape)}")
+def _mha_out_fake(query, num_heads, key_len, need_weights, average_attn_weights):
+    """mha's (out, lse, weights) for fake tensors; ``key_len`` counts the appended keys."""
     L, B, E = query.shape
     H = num_heads
-    torch._check(H > 0 and E % H == 0, lambda: f"attnx::mha: expected embed_dim ({E}) divisible by num_heads ({H})")
-    S = (key.shape[0] if static_k is None else static_k.shape[1]) + (bias_k is not None) + bool(add_zero_attn)
     # The out projection reads the attention output, laid out (B, L, H, D), through its (L, B, E) view: the
     # output's strides follow linear's layout rule for that view.
     out_sizes = (L, B, E)
@@ -475,8 +461,129 @@ def _mha_fake(
     if not need_weights:
         weights = query.new_empty(0)
     else:
-        weights = query.new_empty((B, L, S) if average_attn_weights else (B, H, L, S))
+        weights = query.new_empty((B, L, key_len) if average_attn_weights else (B, H, L, key_len))
     return out, lse, weights
 
 
-torch.library.register_autograd("attnx::mha", _no_backward("attnx.mha"))
+def _check_mha_fake_args(query, num_heads):
+    torch._check(query.dim() == 3, lambda: f"attnx::mha: expected query of shape (L, B, E), got {list(query.shape)}")
+    E = query.shape[2]
+    torch._check(
+        num_heads > 0 and E % num_heads == 0,
+        lambda: f"attnx::mha: expected embed_dim ({E}) divisible by num_heads ({num_heads})",
+    )
+
+
+@torch.library.register_fake("attnx::mha")
+def _mha_fake(
+    query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
+    bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
+    static_k, static_v, need_weights, average_attn_weights,
+):
+    _check_mha_fake_args(query, num_heads)
+    S = (key.shape[0] if static_k is None else static_k.shape[1]) + (bias_k is not None) + bool(add_zero_attn)
+    return _mha_out_fake(query, num_heads, S, need_weights, average_attn_weights)
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """``same_view`` in csrc/common/mha.cpp: the same memory seen the same way."""
+    return a is b or (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    )
+
+
+@torch.library.register_fake("attnx::mha_forward")
+def _mha_forward_fake(
+    query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
+    bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
+    static_k, static_v, need_weights, average_attn_weights,
+):
+    # The layouts of mha_forward_impl in csrc/common/mha.cpp: the same projections (run as linear's fake), the
+    # same views and appended keys.
+    _check_mha_fake_args(query, num_heads)
+    L, B, E = query.shape
+    H = num_heads
+
+    def project(x, rows):
+        w = x.new_empty((rows, x.shape[2]))
+        return _linear_fake(x, w, None)
+
+    packed = in_proj_weight is not None and static_k is None and static_v is None
+    if packed and _same_view(query, key) and _same_view(key, value):
+        q, k, v = project(query, 3 * E).split(E, dim=2)
+    else:
+        q = project(query, E)
+        if packed and _same_view(key, value):
+            k, v = project(key, 2 * E).split(E, dim=2)
+        else:
+            k = project(key, E) if static_k is None else None
+            v = project(value, E) if static_v is None else None
+    if bias_k is not None:
+        k = torch.cat([k, k.new_empty((1, B, E))])
+        v = torch.cat([v, v.new_empty((1, B, E))])
+
+    def split_heads(t):
+        return t.unflatten(2, (H, E // H)).permute(1, 2, 0, 3)
+
+    q4 = split_heads(q)
+    k4 = static_k.unflatten(0, (B, H)) if static_k is not None else split_heads(k)
+    v4 = static_v.unflatten(0, (B, H)) if static_v is not None else split_heads(v)
+    if add_zero_attn:
+        k4 = torch.constant_pad_nd(k4, (0, 0, 0, 1))
+        v4 = torch.constant_pad_nd(v4, (0, 0, 0, 1))
+    else:  # static_k / static_v used as they are: not returned (outputs never alias inputs)
+        k4 = query.new_empty(0) if static_k is not None else k4
+        v4 = query.new_empty(0) if static_v is not None else v4
+    attn = query.new_empty((B, L, H, E // H)).transpose(1, 2)
+    S = (key.shape[0] if static_k is None else static_k.shape[1]) + (bias_k is not None) + bool(add_zero_attn)
+    out, lse, weights = _mha_out_fake(query, H, S, need_weights, average_attn_weights)
+    return out, lse, weights, q4, k4, v4, attn
+
+
+# Positions of mha_backward's gradients (and of its output_mask entries); mirrors MhaGrad in csrc/common/mha.cpp.
+_MHA_GRADS = (
+    "query", "key", "value", "in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+    "bias_k", "bias_v", "out_proj_weight", "out_proj_bias", "static_k", "static_v",
+)
+
+
+@torch.library.register_fake("attnx::mha_backward")
+def _mha_backward_fake(
+    grad_out, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
+    k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias,
+    key_padding_mask, attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights, q, k, v,
+    attn, lse, output_mask,
+):
+    _check_mha_fake_args(query, num_heads)
+    torch._check(
+        len(output_mask) == len(_MHA_GRADS),
+        lambda: f"attnx::mha_backward: expected output_mask of {len(_MHA_GRADS)} entries, got {len(output_mask)}",
+    )
+    args = dict(query=query, key=key, value=value, in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias,
+                q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight,
+                bias_k=bias_k, bias_v=bias_v, out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias,
+                static_k=static_k, static_v=static_v)
+    one_input = query is key and key is value
+    wanted = dict(zip(_MHA_GRADS, output_mask))
+    if one_input:
+        wanted["query"] = wanted["query"] or wanted["key"] or wanted["value"]
+        wanted["key"] = wanted["value"] = False
+    grads = []
+    for name in _MHA_GRADS:
+        t = args[name]
+        if t is None or not wanted[name]:
+            grads.append(query.new_empty(0))
+        elif name in ("query", "key", "value"):  # memory order (B, N, F), as the GEMM writes it
+            grads.append(t.new_empty((t.shape[1], t.shape[0], t.shape[2])).transpose(0, 1))
+        else:
+            grads.append(t.new_empty(t.shape))
+    return grads
+
+
+def _no_mha_double_backward(ctx, *grads):
+    raise RuntimeError("attnx.mha: double backward is not implemented (attnx::mha_backward is not differentiable)")
+
+
+torch.library.register_autograd("attnx::mha_backward", _no_mha_double_backward)

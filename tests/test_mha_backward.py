@@ -1,0 +1,219 @@
+"""attnx::mha's autograd (mha_forward + mha_backward) against autograd through its spec, reference.mha: every
+differentiable argument, strided inputs, appended keys, masks, the attention weights output, gradcheck,
+dispatch counts and memory."""
+
+import collections
+
+import pytest
+import torch
+from mha_helpers import MASK_CASES, make_masks
+from test_mha_op import B, E, H, L, S, _args, _inputs
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnx import ops, reference
+
+# mha's argument positions that can require grad (masks excepted): query .. static_v.
+DIFFERENTIABLE = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 17, 18)
+
+
+def _leaves(args):
+    """args with every floating tensor argument but the masks a fresh leaf requiring grad (one tensor passed
+    several times stays one leaf)."""
+    args, leaves = list(args), {}
+    for i in DIFFERENTIABLE:
+        t = args[i]
+        if isinstance(t, torch.Tensor):
+            if id(t) not in leaves:
+                leaves[id(t)] = t.detach().clone().requires_grad_()
+            args[i] = leaves[id(t)]
+    return args, list(leaves.values())
+
+
+def _grads(fn, args, seed=0):
+    """The gradients of a random linear function of fn's out (and weights, when asked for) w.r.t. the leaves."""
+    args, leaves = _leaves(args)
+    out, _, weights = fn(*args)
+    g = torch.Generator().manual_seed(seed)
+    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
+    if weights.numel():
+        w = torch.randn(weights.shape, generator=g, dtype=weights.dtype)
+        loss = loss + (weights.nan_to_num(0.0) * w).sum()
+    return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+def _check_grads(args):
+    got = _grads(ops.mha, args)
+    want = _grads(reference.mha, args)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if b is None:
+            assert a is None or not a.any(), i
+            continue
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "sliced"])
+@pytest.mark.parametrize("projection", ["self", "kv_shared", "distinct", "separate"])
+@pytest.mark.parametrize("extras", ["none", "bias_kv", "zero_attn", "bias_kv+zero_attn", "static_kv"])
+def test_gradients_of_every_argument(projection, layout, extras):
+    query, key, value, w = _inputs(projection, layout, torch.float64)
+    s = 5 if extras == "static_kv" else (L if projection == "self" else S)
+    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float64)
+    for bias in (True, False):
+        _check_grads(_args(query, key, value, w, bias=bias, extras=extras, kpm=kpm, am=am))
+
+
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("masks", MASK_CASES)
+def test_masks_and_weights(masks, need_weights, average):
+    """Including gradients that flow back through the attention weights output."""
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    kpm, am, is_causal = make_masks(masks, B, H, L, S, torch.float64)
+    _check_grads(_args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights,
+                       average=average))
+
+
+def test_fully_masked_rows_get_no_gradient():
+    query, key, value, w = _inputs("kv_shared", "seq_first", torch.float64)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1] = True  # every key of batch 1
+    args, leaves = _leaves(_args(query, key, value, w, kpm=kpm))
+    out, _, _ = ops.mha(*args)
+    out.sum().backward()
+    query_grad, key_grad = args[0].grad, args[1].grad
+    assert query_grad[:, 1].eq(0).all() and key_grad[:, 1].eq(0).all()
+    assert all(leaf.grad.isfinite().all() for leaf in leaves)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_low_precision(dtype):
+    """Within a few times the error of the reference's own gradients in that dtype (both against float64)."""
+    query, key, value, w = _inputs("self", "batch_first", torch.float64)
+    kpm, am, _ = make_masks("both_float", B, H, L, L, torch.float64)
+    args64 = _args(query, key, value, w, kpm=kpm, am=am)
+    converted = {id(a): a.to(dtype) for a in args64 if isinstance(a, torch.Tensor) and a.is_floating_point()}
+    args = [converted.get(id(a), a) for a in args64]  # one tensor passed three times stays one
+    want64 = _grads(reference.mha, args64)
+    for got, want, ref64 in zip(_grads(ops.mha, args), _grads(reference.mha, args), want64):
+        err = (got.double() - ref64).abs().max().item()
+        ref_err = (want.double() - ref64).abs().max().item()
+        assert err <= 4 * ref_err + 1e-5, (err, ref_err)
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_gradcheck(extras, need_weights):
+    b, n = 2, 3
+    query, key, value, w = _inputs("distinct", "batch_first", torch.float64, b, n, 4)
+    s = 5 if extras == "static_kv" else 4
+    # Finite float masks: no row is fully masked, so every output is finite for the finite differences.
+    kpm, am = (m.nan_to_num(neginf=-3.0) for m in make_masks("both_float", b, H, n, s, torch.float64)[:2])
+    args, leaves = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=need_weights,
+                                 average=False))
+    positions = [i for i, a in enumerate(args) if any(a is leaf for leaf in leaves)]
+
+    def fn(*xs):
+        full = list(args)
+        for i, x in zip(positions, xs):
+            full[i] = x
+        out, _, weights = ops.mha(*full)
+        return (out, weights) if need_weights else out
+
+    assert torch.autograd.gradcheck(fn, [args[i] for i in positions])
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Every op that reaches the dispatcher, as the counter of the flex-attention seed report counts them."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_layer_forward_and_backward_in_two_dispatches():
+    query, key, value, w = _inputs("self", "batch_first", torch.float32)
+    args, leaves = _leaves(_args(query, key, value, w))
+    grad = torch.randn(L, B, E)
+    with DispatchCounter() as counter:
+        out, _, _ = ops.mha(*args)
+        out.backward(grad)
+    # Besides the two ops, autograd's AccumulateGrad detaches each leaf's new .grad: one dispatch per leaf.
+    assert dict(counter.counts) == {"attnx::mha_forward": 1, "attnx::mha_backward": 1, "aten::detach": len(leaves)}
+    assert all(leaf.grad is not None for leaf in leaves)
+
+
+def test_no_grad_runs_mha_and_keeps_nothing():
+    query, key, value, w = _inputs("self", "batch_first", torch.float32)
+    args, _ = _leaves(_args(query, key, value, w))
+    with DispatchCounter() as counter, torch.no_grad():
+        out, _, _ = ops.mha(*args)
+    assert dict(counter.counts) == {"attnx::mha": 1} and out.grad_fn is None
+
+
+def test_backward_has_no_attention_sized_memory():
+    """Nothing near [B, H, L, S] is allocated in the forward or the backward (no weights asked for); the
+    kernels' per-thread tile buffers are a fixed size, small against it at this length."""
+    b, h, n = 2, 4, 512
+    query, key, value, w = _inputs("self", "batch_first", torch.float32, b, n, n)
+    kpm, am, _ = make_masks("both_float", b, h, n, n, torch.float32)
+    args, _ = _leaves(_args(query, key, value, w, kpm=kpm, am=am))
+    attention_bytes = b * h * n * n * 4
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+        out, _, _ = ops.mha(*args)
+        out.sum().backward()
+    largest = max(p.events(), key=lambda e: e.cpu_memory_usage)
+    assert largest.cpu_memory_usage < attention_bytes / 4, (largest.name, largest.cpu_memory_usage)
+
+
+@pytest.mark.parametrize("projection,layout", [("self", "batch_first"), ("separate", "seq_first")])
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_fake_kernels_match(projection, layout, extras):
+    query, key, value, w = _inputs(projection, layout, torch.float32)
+    s = 5 if extras == "static_kv" else (L if projection == "self" else S)
+    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
+    args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True)
+    real = torch.ops.attnx.mha_forward(*args)
+    grad_out = torch.randn(L, B, E)
+    mask = [1] * 14
+    real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, *real[3:], real[1], mask)
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = torch.ops.attnx.mha_forward(*fake_args)
+        fake_grads = torch.ops.attnx.mha_backward(mode.from_tensor(grad_out), None, *fake_args, *fake[3:], fake[1],
+                                                  mask)
+    for r, f in zip([*real, *real_grads], [*fake, *fake_grads]):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_opcheck(extras):
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float32)
+    s = 5 if extras == "static_kv" else S
+    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
+    args, _ = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am))
+    torch.library.opcheck(torch.ops.attnx.mha.default, args)
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(torch.ops.attnx.mha_forward.default, detached)
+
+
+def test_float_mask_requiring_grad_is_a_clear_error():
+    query, key, value, w = _inputs("kv_shared", "seq_first", torch.float64)
+    kpm, am, _ = make_masks("am2_float", B, H, L, S, torch.float64)
+    args, _ = _leaves(_args(query, key, value, w, am=am.requires_grad_()))
+    out, _, _ = ops.mha(*args)
+    with pytest.raises(RuntimeError, match="attnx.mha: no gradient for float masks; attn_mask requires grad"):
+        out.sum().backward()
+
+
+def test_double_backward_is_a_clear_error():
+    query, key, value, w = _inputs("self", "seq_first", torch.float64)
+    args, leaves = _leaves(_args(query, key, value, w))
+    out, _, _ = ops.mha(*args)
+    (grad,) = torch.autograd.grad(out.sum(), [args[0]], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not implemented"):
+        grad.sum().backward()
