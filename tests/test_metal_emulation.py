@@ -304,6 +304,10 @@ def test_linear_input_layouts_without_copy(emu):
     x = torch.randn(2, 3, 4, 5)
     p = emu.linear_input_layout(x.shape, x.stride())
     assert (p.rows, p.rows_inner, p.input_stride[0]) == (24, 1, 5)
+    # Weight and bias through their strides (a size-1 bias broadcasts); out contiguous.
+    x, w, b = torch.randn(4, 16), torch.randn(30, 16)[::3], torch.randn(1)
+    p = emu.pack_linear_params(x, w, b)
+    assert (list(p.weight_stride), p.bias_stride, p.has_bias, list(p.out_stride)) == ([48, 1], 0, 1, [10, 1])
     # Three groups that do not merge: the glue copies once.
     x = torch.randn(2, 6, 4, 10, 5)[:, ::2, :, ::3]
     assert emu.linear_input_layout(x.shape, x.stride()) is None

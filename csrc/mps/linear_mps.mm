@@ -17,24 +17,21 @@ at::Tensor linear_mps(const at::Tensor& input, const at::Tensor& weight, const s
   check_linear_args(input, weight, bias);
   const mps::DType dtype = mps::metal_dtype(input.scalar_type(), "attnx::linear");
 
+  const int64_t N = weight.size(0);
+  const auto pack = [&](const at::Tensor& x, LinearParams* p) {
+    return mps::pack_linear_params(x.dim(), x.sizes().data(), x.strides().data(), N, weight.strides().data(),
+                                   bias.has_value(), bias ? bias->size(0) : 0, bias ? bias->stride(0) : 0, p);
+  };
   LinearParams params{};
   at::Tensor x = input;
-  if (!mps::linear_input_layout(x.dim(), x.sizes().data(), x.strides().data(), &params)) {
+  if (!pack(x, &params)) {
     // No (outer, inner) row indexing exists (e.g. a 4-D input with two gaps): one copy, then one kernel.
     x = input.clone(at::MemoryFormat::Contiguous);
-    mps::linear_input_layout(x.dim(), x.sizes().data(), x.strides().data(), &params);
+    pack(x, &params);
   }
-  const int64_t N = weight.size(0);
   std::vector<int64_t> out_sizes(input.sizes().begin(), input.sizes().end());
   out_sizes.back() = N;
-  at::Tensor out = at::empty(out_sizes, input.options());  // contiguous: rows in logical order
-  params.out_features = N;
-  params.weight_stride[0] = weight.stride(0);
-  params.weight_stride[1] = weight.stride(1);
-  params.out_stride[0] = N;
-  params.out_stride[1] = 1;
-  params.has_bias = bias ? 1 : 0;
-  params.bias_stride = bias && bias->size(0) != 1 ? bias->stride(0) : 0;
+  at::Tensor out = at::empty(out_sizes, input.options());  // contiguous (params.out_stride): logical order
 
   const mps::LinearPlan plan = mps::plan_linear(params, dtype);
   if (mps::launch_empty(plan.launch)) return out;

@@ -147,6 +147,24 @@ inline bool linear_input_layout(int ndim, const int64_t* sizes, const int64_t* s
   return true;
 }
 
+// Everything attnx::linear's kernels read about the layouts: the input's rows (linear_input_layout), the
+// weight (N, K) and an optional bias of size N or 1 through their strides, and a contiguous (M, N) output.
+// Returns false when the input needs its one copy (see linear_input_layout).
+inline bool pack_linear_params(int ndim, const int64_t* sizes, const int64_t* strides, int64_t out_features,
+                               const int64_t* weight_strides, bool has_bias, int64_t bias_size,
+                               int64_t bias_stride, LinearParams* p) {
+  *p = LinearParams{};
+  if (!linear_input_layout(ndim, sizes, strides, p)) return false;
+  p->out_features = out_features;
+  p->weight_stride[0] = weight_strides[0];
+  p->weight_stride[1] = weight_strides[1];
+  p->has_bias = has_bias ? 1 : 0;
+  p->bias_stride = has_bias && bias_size != 1 ? bias_stride : 0;  // a size-1 bias broadcasts
+  p->out_stride[0] = out_features;
+  p->out_stride[1] = 1;
+  return true;
+}
+
 struct LinearPlan {
   LinearKernel kernel;
   Launch launch;

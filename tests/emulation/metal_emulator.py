@@ -164,6 +164,10 @@ class MetalEmulator:
                                                *[ctypes.c_void_p] * 4]
         lib.attnx_metal_emu_linear_input_layout.argtypes = [ctypes.c_int, ctypes.POINTER(i64),
                                                             ctypes.POINTER(i64), ctypes.POINTER(LinearParams)]
+        lib.attnx_metal_emu_pack_linear_params.argtypes = [
+            ctypes.c_int, ctypes.POINTER(i64), ctypes.POINTER(i64), i64, ctypes.POINTER(i64), ctypes.c_int,
+            i64, i64, ctypes.POINTER(LinearParams),
+        ]
         self.last_plan = None
 
     def kernel_names(self):
@@ -223,22 +227,26 @@ class MetalEmulator:
             raise RuntimeError(f"emulated Metal launch failed: {ERRORS.get(err, err)}")
         return out, lse
 
+    def pack_linear_params(self, input, weight, bias=None):
+        """metal_plan.h's pack_linear_params: every layout the kernels read, or None (input copy needed)."""
+        n = input.dim()
+        p = LinearParams()
+        bias_size, bias_stride = (0, 0) if bias is None else (bias.shape[0], bias.stride(0))
+        ok = self.lib.attnx_metal_emu_pack_linear_params(
+            n, (i64 * n)(*input.shape), (i64 * n)(*input.stride()), weight.shape[0],
+            (i64 * 2)(*weight.stride()), int(bias is not None), bias_size, bias_stride, ctypes.byref(p))
+        return p if ok else None
+
     def linear(self, input, weight, bias=None):
         """attnx.linear on the emulated Metal kernels, as linear_mps.mm runs it: the input read in place
-        when linear_input_layout accepts its layout, else copied once; a contiguous (..., N) output."""
+        when pack_linear_params accepts its layout, else copied once; a contiguous (..., N) output."""
         if input.dtype not in DTYPES:
             raise TypeError(f"attnx::linear: no Metal kernel for dtype {input.dtype}")
-        p = self.linear_input_layout(input.shape, input.stride())
+        p = self.pack_linear_params(input, weight, bias)
         if p is None:
             input = input.contiguous()
-            p = self.linear_input_layout(input.shape, input.stride())
-        N = weight.shape[0]
-        out = torch.empty(*input.shape[:-1], N, dtype=input.dtype)
-        p.out_features = N
-        p.weight_stride[:] = weight.stride()
-        p.out_stride[:] = [N, 1]
-        p.has_bias = int(bias is not None)
-        p.bias_stride = 0 if bias is None or bias.shape[0] == 1 else bias.stride(0)
+            p = self.pack_linear_params(input, weight, bias)
+        out = torch.empty(*input.shape[:-1], weight.shape[0], dtype=input.dtype)
         self.last_plan = self.plan_linear(p, input.dtype)
         err = self.lib.attnx_metal_emu_linear(ctypes.byref(p), DTYPES[input.dtype], input.data_ptr(),
                                               weight.data_ptr(), None if bias is None else bias.data_ptr(),

@@ -47,6 +47,15 @@ int attnx_metal_emu_linear_input_layout(int ndim, const int64_t* sizes, const in
   return mps::linear_input_layout(ndim, sizes, strides, p) ? 1 : 0;
 }
 
+int attnx_metal_emu_pack_linear_params(int ndim, const int64_t* sizes, const int64_t* strides,
+                                       int64_t out_features, const int64_t* weight_strides, int has_bias,
+                                       int64_t bias_size, int64_t bias_stride, LinearParams* p) {
+  return mps::pack_linear_params(ndim, sizes, strides, out_features, weight_strides, has_bias != 0, bias_size,
+                                 bias_stride, p)
+             ? 1
+             : 0;
+}
+
 // 0 on success; 1 unknown kernel name, 2 bad threadgroup size (from the launch), 3 no kernel in the plan.
 int attnx_metal_emu_attention(const AttentionParams* p, int dtype, void* query, void* key, void* value,
                               void* attn_mask, void* key_padding_mask, void* out, void* lse) {
