@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch
 BENCH_ARGS ?=
 
-SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
 .PHONY: test test-cpu-torch bench build clean tools
 

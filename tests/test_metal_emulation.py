@@ -405,6 +405,49 @@ def test_embedded_source_is_self_contained():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The shim itself: each rule it enforces, broken on purpose (tests/emulation/metal/shim_check.metal).
+
+SHIM_CHECK = """
+import sys, torch
+from emulation import metal_emulator
+emu = metal_emulator.MetalEmulator(metal_emulator.build(metal_sources=[sys.argv[1]]))
+out = torch.zeros(128)
+emu.launch(sys.argv[2], (1, 1, 1), 128, [out])
+print(out.tolist())
+"""
+
+
+@pytest.mark.parametrize("kernel, message", [
+    # Whichever thread checks first names its own site and the other's: both sites appear, in either order.
+    ("divergent_simd_sum", r"(?s)(shim_check.metal:\d+.*<the end of the kernel>|<the end of the kernel>.*"
+                           r"shim_check.metal:\d+).*reached by every lane of the simdgroup"),
+    ("divergent_barrier", r"(?s)threadgroup_barrier at .*(shim_check.metal:\d+.*<the end of the kernel>|"
+                          r"<the end of the kernel>.*shim_check.metal:\d+).*every thread of the threadgroup"),
+    ("too_much_threadgroup_memory", r"threadgroup memory: 36000 bytes declared, more than the 32768"),
+], ids=lambda x: x if x.isidentifier() else "")
+def test_shim_reports(emu, kernel, message):
+    source = os.path.join(metal_emulator.SHIM, "shim_check.metal")
+    result = subprocess.run([sys.executable, "-c", SHIM_CHECK, source, kernel], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
+    assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-3000:]
+
+
+def test_shim_poisons_threadgroup_memory(emu):
+    # Thread 0 runs ahead of thread 1 up to its first barrier: without one, it reads thread 1's element before
+    # thread 1 has written it, and threadgroup memory starts as NaN, not as a lucky value.
+    source = os.path.join(metal_emulator.SHIM, "shim_check.metal")
+    results = {}
+    for kernel in ("missing_barrier", "with_barrier"):
+        result = subprocess.run([sys.executable, "-c", SHIM_CHECK, source, kernel], capture_output=True,
+                                text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed = result.stdout.strip().splitlines()[-1]
+        results[kernel] = torch.tensor(eval(printed, {"nan": float("nan")}))
+    assert results["with_barrier"].tolist() == [float((t + 1) % 128) for t in range(128)]
+    assert results["missing_barrier"].isnan().any()
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Races: the kernels under ThreadSanitizer (tests/emulation/metal/race_check.cpp). The emulated barriers and
 # simd exchanges are atomics TSan follows, so a threadgroup-memory access that no barrier orders is reported
 # whatever the interleaving.

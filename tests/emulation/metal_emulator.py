@@ -170,6 +170,13 @@ class MetalEmulator:
         ]
         self.last_plan = None
 
+    def launch(self, name, grid, threads, buffers):
+        """Any instantiated kernel by host name; ``buffers``: tensors in [[buffer(i)]] order."""
+        ptrs = (ctypes.c_void_p * len(buffers))(*[t.data_ptr() for t in buffers])
+        err = self.lib.attnx_metal_emu_launch(name.encode(), (i64 * 3)(*grid), threads, ptrs)
+        if err != 0:
+            raise RuntimeError(f"emulated Metal launch failed: {ERRORS.get(err, err)}")
+
     def kernel_names(self):
         return sorted(self.lib.attnx_metal_emu_kernel_name(i).decode()
                       for i in range(self.lib.attnx_metal_emu_kernel_count()))

@@ -56,6 +56,11 @@ int attnx_metal_emu_pack_linear_params(int ndim, const int64_t* sizes, const int
              : 0;
 }
 
+// Any kernel by host name, with its buffers in [[buffer(i)]] order (the shim's own tests use this).
+int attnx_metal_emu_launch(const char* name, const int64_t* grid, int threads, void* const* buffers) {
+  return attnx_emu_metal::launch(name, grid, threads, buffers);
+}
+
 // 0 on success; 1 unknown kernel name, 2 bad threadgroup size (from the launch), 3 no kernel in the plan.
 int attnx_metal_emu_attention(const AttentionParams* p, int dtype, void* query, void* key, void* value,
                               void* attn_mask, void* key_padding_mask, void* out, void* lse) {
