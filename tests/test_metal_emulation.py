@@ -427,8 +427,8 @@ print(out.tolist())
 ], ids=lambda x: x if x.isidentifier() else "")
 def test_shim_reports(emu, kernel, message):
     source = os.path.join(metal_emulator.SHIM, "shim_check.metal")
-    result = subprocess.run([sys.executable, "-c", SHIM_CHECK, source, kernel], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
+    result = subprocess.run([sys.executable, "-c", SHIM_CHECK, source, kernel], capture_output=True,
+                            text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
     assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-3000:]
 
 
