@@ -37,8 +37,9 @@ kernel void attention_vector(const device T* query [[buffer(0)]], const device T
                              device float* lse [[buffer(6)]], const constant AttentionParams& p [[buffer(7)]],
                              ATTNX_THREAD_POSITIONS) {
   constexpr int kCols = kBucket / kSimdWidth;  // query and output elements per lane
-  ATTNX_THREADGROUP_ARRAY(float, o_s, kVectorSimdgroups * kBucket);  // each simdgroup's output accumulator
-  ATTNX_THREADGROUP_ARRAY(float, stats_s, 2 * kVectorSimdgroups);    // each simdgroup's (max, sum)
+  // Each simdgroup's output accumulator and (max, sum), merged at the end.
+  ATTNX_THREADGROUP_ARRAY(float, o_s, (kVectorSimdgroups * kBucket));
+  ATTNX_THREADGROUP_ARRAY(float, stats_s, (2 * kVectorSimdgroups));
 
   const int64_t l = tgid.x, bh = tgid.y;
   const int64_t b = bh / p.heads, h = bh % p.heads;
@@ -65,7 +66,8 @@ kernel void attention_vector(const device T* query [[buffer(0)]], const device T
     // branch below is uniform across its lanes.
     float bias = 0.0f;
     if (p.key_padding_mask_kind != kMaskNone) {
-      bias = mask_value(p.key_padding_mask_kind, key_padding_mask, kpm_row + s * p.key_padding_mask_stride[1]);
+      bias =
+          mask_value(p.key_padding_mask_kind, key_padding_mask, kpm_row + s * p.key_padding_mask_stride[1]);
       if (bias == -INFINITY) continue;  // a padded key: masked for every query, never scored
     }
     if (p.attn_mask_kind != kMaskNone) {
@@ -128,10 +130,12 @@ kernel void attention_tiled(const device T* query [[buffer(0)]], const device T*
   constexpr int ld = kBucket + 4;      // row stride of the staged tiles (padding against bank conflicts)
   static_assert(kTiledRows == kTiledKeys, "kv_s also stages the query and output rows");
   static_assert(kTiledKeys == kSimdWidth, "the softmax runs one key per lane");
-  ATTNX_THREADGROUP_ARRAY(float, kv_s, kTiledKeys * ld);              // Q, then each K and V tile, then O
-  ATTNX_THREADGROUP_ARRAY(float, s_s, kTiledRows * kTiledKeys);       // scores, then probabilities
-  ATTNX_THREADGROUP_ARRAY(float, x_s, kTiledSimdgroups * 64);         // per-simdgroup 8x8 scratch
-  ATTNX_THREADGROUP_ARRAY(float, alpha_s, kTiledRows);                // per-row rescale factor of a tile
+  // kv_s: Q, then each K and V tile, then O. s_s: scores, then probabilities. x_s: each simdgroup's 8x8
+  // scratch. alpha_s: each row's rescale factor in the current tile.
+  ATTNX_THREADGROUP_ARRAY(float, kv_s, (kTiledKeys * ld));
+  ATTNX_THREADGROUP_ARRAY(float, s_s, (kTiledRows * kTiledKeys));
+  ATTNX_THREADGROUP_ARRAY(float, x_s, (kTiledSimdgroups * 64));
+  ATTNX_THREADGROUP_ARRAY(float, alpha_s, kTiledRows);
 
   const int64_t q0 = int64_t(tgid.x) * kTiledRows, bh = tgid.y;
   const int64_t b = bh / p.heads, h = bh % p.heads;
@@ -285,10 +289,12 @@ kernel void attention_tiled(const device T* query [[buffer(0)]], const device T*
 
 // Host names: attention_<kernel>_d<bucket>_<dtype>, bucket = max(D, Dv) rounded up (metal_plan.h).
 // clang-format off
-#define ATTNX_INSTANTIATE_ATTENTION(variant, bucket)                                               \
-  ATTNX_INSTANTIATE_KERNEL("attention_" #variant "_d" #bucket "_float32", attention_##variant, float, bucket) \
-  ATTNX_INSTANTIATE_KERNEL("attention_" #variant "_d" #bucket "_float16", attention_##variant, half, bucket)  \
-  ATTNX_INSTANTIATE_KERNEL("attention_" #variant "_d" #bucket "_bfloat16", attention_##variant, bfloat, bucket)
+#define ATTNX_INSTANTIATE_ATTENTION_TYPE(variant, bucket, type, name) \
+  ATTNX_INSTANTIATE_KERNEL("attention_" #variant "_d" #bucket "_" name, attention_##variant, type, bucket)
+#define ATTNX_INSTANTIATE_ATTENTION(variant, bucket)                     \
+  ATTNX_INSTANTIATE_ATTENTION_TYPE(variant, bucket, float, "float32")   \
+  ATTNX_INSTANTIATE_ATTENTION_TYPE(variant, bucket, half, "float16")    \
+  ATTNX_INSTANTIATE_ATTENTION_TYPE(variant, bucket, bfloat, "bfloat16")
 
 ATTNX_INSTANTIATE_ATTENTION(vector, 32)
 ATTNX_INSTANTIATE_ATTENTION(vector, 64)

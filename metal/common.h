@@ -19,7 +19,7 @@ namespace attnx {
 // Every kernel's parameter list is its buffers, in [[buffer(i)]] order starting at 0, then these positions.
 // One convention for all kernels lets the emulation bind arguments by position exactly as the host binds
 // buffer indices.
-#define ATTNX_THREAD_POSITIONS                                                         \
+#define ATTNX_THREAD_POSITIONS                                                           \
   uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]], \
       uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]
 
@@ -53,8 +53,8 @@ inline void store_float(device T* base, int64_t index, float x) {
 }
 
 // A mask element as the additive term it stands for: bool true = -inf (masked out), false = 0; a float mask
-// as it is. Read in place through the caller's index (broadcast dims have stride 0). float64 masks never reach
-// Metal (MPS has no float64; the host refuses them).
+// as it is. Read in place through the caller's index (broadcast dims have stride 0). float64 masks never
+// reach Metal (MPS has no float64; the host refuses them).
 inline float mask_value(int32_t kind, const device uchar* mask, int64_t index) {
   switch (kind) {
     case kMaskBool:

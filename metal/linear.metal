@@ -58,8 +58,9 @@ kernel void linear_gemm(const device T* input [[buffer(0)]], const device T* wei
   // Row stride of the staged tiles: 4 floats of padding keep the transposed weight loads off one bank.
   constexpr int ld = kGemmTile + 4;
   constexpr int kPerThread = kGemmTile * kGemmTile / kGemmThreads;  // staged elements per thread per tile
-  ATTNX_THREADGROUP_ARRAY(float, a_s, kGemmTile * ld);  // (m, k): the input tile; the output tile at the end
-  ATTNX_THREADGROUP_ARRAY(float, w_s, kGemmTile * ld);  // (n, k): the weight tile
+  // a_s (m, k): the input tile, and the output tile at the end. w_s (n, k): the weight tile.
+  ATTNX_THREADGROUP_ARRAY(float, a_s, (kGemmTile * ld));
+  ATTNX_THREADGROUP_ARRAY(float, w_s, (kGemmTile * ld));
 
   const int64_t M = p.rows, N = p.out_features, K = p.in_features;
   const int64_t m0 = int64_t(tgid.y) * kGemmTile, n0 = int64_t(tgid.x) * kGemmTile;

@@ -25,8 +25,9 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
   AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   const AttentionParams params = pb.params;
   const mps::AttentionPlan plan = mps::plan_attention(params, dtype);
-  TORCH_CHECK(plan.kernel != mps::AttentionKernel::kNone, "attnx::attention: expected head dims D and Dv up to ",
-              metal_config::kMaxHeadDim, " on MPS, got D=", params.head_dim, ", Dv=", params.v_head_dim,
+  TORCH_CHECK(plan.kernel != mps::AttentionKernel::kNone,
+              "attnx::attention: expected head dims D and Dv up to ", metal_config::kMaxHeadDim,
+              " on MPS, got D=", params.head_dim, ", Dv=", params.v_head_dim,
               " (B*H=", params.batch * params.heads, ", L=", params.q_len, ")");
   if (mps::launch_empty(plan.launch)) return {pb.out, pb.lse};
 

@@ -12,7 +12,8 @@
 
 namespace attnx {
 
-at::Tensor linear_mps(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_mps(const at::Tensor& input, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias) {
   // Every check happens here, before dispatch_sync: an exception inside the block would end the process.
   check_linear_args(input, weight, bias);
   const mps::DType dtype = mps::metal_dtype(input.scalar_type(), "attnx::linear");

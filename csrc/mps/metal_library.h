@@ -10,8 +10,8 @@
 
 namespace attnx::mps {
 
-// The compute pipeline of the kernel instantiated under `name` (metal_plan.h builds the names). The library is
-// compiled from the embedded sources at the first call in the process; pipelines are cached by name.
+// The compute pipeline of the kernel instantiated under `name` (metal_plan.h builds the names). The library
+// is compiled from the embedded sources at the first call in the process; pipelines are cached by name.
 id<MTLComputePipelineState> pipeline(const char* name);
 
 // The kernels' element type for `dtype`; a clear error for the others (float64 above all: Metal has no

@@ -1,5 +1,5 @@
-// attnx: the Metal library of attnx's kernels (see metal_library.h), compiled once per process from the source
-// that metal/embed.py embeds at build time.
+// attnx: the Metal library of attnx's kernels (see metal_library.h), compiled once per process from the
+// source that metal/embed.py embeds at build time.
 #include "mps/metal_library.h"
 
 #include <ATen/mps/MPSDevice.h>
@@ -58,15 +58,16 @@ id<MTLComputePipelineState> pipeline(const char* name) {
 #if !__has_feature(objc_arc)
     [function release];
 #endif
-    TORCH_CHECK(pso != nil, "attnx: creating the Metal pipeline ", name, " failed: ",
-                error != nil ? error.localizedDescription.UTF8String : "unknown error");
+    TORCH_CHECK(pso != nil, "attnx: creating the Metal pipeline ", name,
+                " failed: ", error != nil ? error.localizedDescription.UTF8String : "unknown error");
     cache.emplace(name, pso);  // kept for the life of the process
     return pso;
   }
 }
 
 DType metal_dtype(at::ScalarType dtype, const char* op) {
-  TORCH_CHECK(dtype != at::kDouble, op, ": float64 is not supported on MPS (Metal has no double); got float64 inputs");
+  TORCH_CHECK(dtype != at::kDouble, op,
+              ": float64 is not supported on MPS (Metal has no double); got float64 inputs");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": expected float32, float16 or bfloat16 on MPS, got ", dtype);
   return dtype == at::kFloat ? DType::kFloat32 : dtype == at::kHalf ? DType::kFloat16 : DType::kBFloat16;
@@ -80,13 +81,14 @@ BufferRef buffer_ref(const at::Tensor& t) {
 }
 
 void check_launch(id<MTLComputePipelineState> pso, const Launch& launch, const char* op) {
-  TORCH_CHECK(static_cast<NSUInteger>(launch.threads) <= pso.maxTotalThreadsPerThreadgroup, op, ": the Metal kernel ",
-              launch.name, " runs at most ", pso.maxTotalThreadsPerThreadgroup,
+  TORCH_CHECK(static_cast<NSUInteger>(launch.threads) <= pso.maxTotalThreadsPerThreadgroup, op,
+              ": the Metal kernel ", launch.name, " runs at most ", pso.maxTotalThreadsPerThreadgroup,
               " threads per threadgroup on this GPU, its plan needs ", launch.threads);
-  TORCH_CHECK(launch.threadgroup_bytes <= metal_config::kMaxThreadgroupMemory &&
-                  pso.staticThreadgroupMemoryLength <= static_cast<NSUInteger>(metal_config::kMaxThreadgroupMemory),
-              op, ": the Metal kernel ", launch.name, " declares ", pso.staticThreadgroupMemoryLength,
-              " bytes of threadgroup memory, more than 32 KiB");
+  TORCH_CHECK(
+      launch.threadgroup_bytes <= metal_config::kMaxThreadgroupMemory &&
+          pso.staticThreadgroupMemoryLength <= static_cast<NSUInteger>(metal_config::kMaxThreadgroupMemory),
+      op, ": the Metal kernel ", launch.name, " declares ", pso.staticThreadgroupMemoryLength,
+      " bytes of threadgroup memory, more than 32 KiB");
 }
 
 }  // namespace attnx::mps

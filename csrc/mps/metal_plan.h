@@ -57,8 +57,8 @@ enum LinearBuffer : int {
 // means there is nothing to compute.
 struct Launch {
   char name[48];
-  int64_t grid[3];  // threadgroups along x, y, z
-  int32_t threads;  // threads per threadgroup
+  int64_t grid[3];            // threadgroups along x, y, z
+  int32_t threads;            // threads per threadgroup
   int32_t threadgroup_bytes;  // static threadgroup memory the kernel declares (checked against 32 KiB)
 };
 
@@ -69,7 +69,7 @@ inline bool launch_empty(const Launch& launch) {
   return launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
+// ---------------------------------------------------------------------------------------------------------
 // attention
 
 enum class AttentionKernel : int32_t { kNone = 0, kVector = 1, kTiled = 2 };
@@ -112,7 +112,7 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
   return plan;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
+// ---------------------------------------------------------------------------------------------------------
 // linear
 
 enum class LinearKernel : int32_t { kGemv = 0, kGemm = 1 };

@@ -78,11 +78,12 @@ static_assert(sizeof(AttentionBackwardParams) == 272 + 16 * 8,
               "AttentionBackwardParams layout changed: update the Metal side too");
 #endif
 
-// attnx::linear on a backend that runs its own GEMM kernel (Metal): out (M, N) = input (M, K) @ weight.T + bias.
+// attnx::linear on a backend that runs its own GEMM kernel (Metal): out (M, N) = input (M, K) @ weight.T +
+// bias.
 //
 // The M rows of input are indexed as (outer, inner) = (r / rows_inner, r % rows_inner), each with its own
-// element stride, so an (L, B, E) view of batch-first data of any strides (the B=1 transpose included) is read
-// in place; leading dims that fold into one row stride (see common/linear.h) come with rows_inner = 1.
+// element stride, so an (L, B, E) view of batch-first data of any strides (the B=1 transpose included) is
+// read in place; leading dims that merge into one row stride come with rows_inner = 1.
 struct LinearParams {
   int64_t rows;          // M
   int64_t rows_inner;    // M = rows_outer * rows_inner

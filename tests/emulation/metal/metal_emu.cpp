@@ -80,7 +80,8 @@ int attnx_metal_emu_attention(const AttentionParams* p, int dtype, void* query, 
   return attnx_emu_metal::launch(plan.launch.name, plan.launch.grid, plan.launch.threads, buffers);
 }
 
-int attnx_metal_emu_linear(const LinearParams* p, int dtype, void* input, void* weight, void* bias, void* out) {
+int attnx_metal_emu_linear(const LinearParams* p, int dtype, void* input, void* weight, void* bias,
+                           void* out) {
   const mps::LinearPlan plan = mps::plan_linear(*p, static_cast<mps::DType>(dtype));
   if (mps::launch_empty(plan.launch)) return 0;
   LinearParams params = *p;

@@ -82,9 +82,10 @@ class Watchdog {
         seen = now;
         last = std::chrono::steady_clock::now();
       } else if (std::chrono::steady_clock::now() - last > kWatchdogSeconds) {
-        fail("no barrier completed for %lld s: a threadgroup_barrier or simd collective that not every "
-             "thread reaches?",
-             static_cast<long long>(kWatchdogSeconds.count()));
+        fail(
+            "no barrier completed for %lld s: a threadgroup_barrier or simd collective that not every "
+            "thread reaches?",
+            static_cast<long long>(kWatchdogSeconds.count()));
       }
     }
   }
@@ -119,7 +120,10 @@ struct Simdgroup {
 
 struct Threadgroup {
   explicit Threadgroup(int threads)
-      : threads(threads), barrier(threads), sites(2 * threads), simdgroups(new Simdgroup[threads / kSimdWidth]) {}
+      : threads(threads),
+        barrier(threads),
+        sites(2 * threads),
+        simdgroups(new Simdgroup[threads / kSimdWidth]) {}
   const int threads;
   Barrier barrier;
   std::vector<Site> sites;  // [phase % 2][tid]: where each thread met the threadgroup barrier
@@ -166,9 +170,11 @@ const Slot* exchange(const Site& site, const void* value, size_t bytes, const ch
   ++state().simd_phase;
   for (int lane = 0; lane < kSimdWidth; ++lane) {
     if (!same_site(slots[lane].site, site)) {
-      fail("%s at %s:%d: lane %u is there, lane %d is at %s:%d (simd collectives and simdgroup barriers must be "
-           "reached by every lane of the simdgroup)",
-           what, site.file, site.line, state().lane, lane, slots[lane].site.file, slots[lane].site.line);
+      fail(
+          "%s at %s:%d: lane %u is there, lane %d is at %s:%d (simd collectives and simdgroup barriers must "
+          "be "
+          "reached by every lane of the simdgroup)",
+          what, site.file, site.line, state().lane, lane, slots[lane].site.file, slots[lane].site.line);
     }
   }
   return slots;
@@ -181,9 +187,10 @@ void group_barrier(const Site& site) {
   ++state().group_phase;
   for (int t = 0; t < state().group->threads; ++t) {
     if (!same_site(sites[t], site)) {
-      fail("threadgroup_barrier at %s:%d: thread %d is there, thread %d is at %s:%d (every thread of the "
-           "threadgroup must reach the same barrier)",
-           site.file, site.line, state().tid, t, sites[t].file, sites[t].line);
+      fail(
+          "threadgroup_barrier at %s:%d: thread %d is there, thread %d is at %s:%d (every thread of the "
+          "threadgroup must reach the same barrier)",
+          site.file, site.line, state().tid, t, sites[t].file, sites[t].line);
     }
   }
 }
@@ -295,7 +302,8 @@ void run_all(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* 
   const Watchdog watchdog;
   std::vector<std::thread> pool;
   pool.reserve(threads);
-  for (int tid = 0; tid < threads; ++tid) pool.emplace_back(run_thread, thunk, std::ref(group), grid, buffers, tid);
+  for (int tid = 0; tid < threads; ++tid)
+    pool.emplace_back(run_thread, thunk, std::ref(group), grid, buffers, tid);
   for (auto& t : pool) t.join();
 }
 
@@ -338,7 +346,8 @@ void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen) {
 
 void fiber_main(unsigned hi, unsigned lo) {
   const uintptr_t index = (static_cast<uintptr_t>(hi) << 32) | lo;
-  run_thread(scheduler->thunk, *scheduler->group, scheduler->grid, scheduler->buffers, static_cast<int>(index));
+  run_thread(scheduler->thunk, *scheduler->group, scheduler->grid, scheduler->buffers,
+             static_cast<int>(index));
   scheduler->current->done = true;
   // Returning resumes uc_link, the scheduler.
 }
@@ -373,9 +382,10 @@ void run_all(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* 
       if (f.done) --remaining;
     }
     if (!progressed) {
-      fail("every thread waits at a barrier that will never complete: a threadgroup_barrier or simd "
-           "collective that not every thread reaches (%d of %d threads have finished)",
-           threads - remaining, threads);
+      fail(
+          "every thread waits at a barrier that will never complete: a threadgroup_barrier or simd "
+          "collective that not every thread reaches (%d of %d threads have finished)",
+          threads - remaining, threads);
     }
   }
   scheduler = nullptr;

@@ -60,7 +60,8 @@ int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, 
   contiguous(p.v_stride, H, S, D);
   contiguous(p.out_stride, H, L, D);
   p.lse_stride[0] = H * L, p.lse_stride[1] = L, p.lse_stride[2] = 1;
-  auto q = randn(B * H * L * D, dtype, gen), k = randn(B * H * S * D, dtype, gen), v = randn(B * H * S * D, dtype, gen);
+  auto q = randn(B * H * L * D, dtype, gen), k = randn(B * H * S * D, dtype, gen),
+       v = randn(B * H * S * D, dtype, gen);
   auto out = randn(B * H * L * D, dtype, gen);
   std::vector<float> lse(B * H * L);
   // A random (L, S) bool mask and a float key_padding_mask that removes the first tile of batch 0.
