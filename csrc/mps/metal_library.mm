@@ -24,8 +24,9 @@ id<MTLDevice> device() {
 id<MTLLibrary> compile_library() {
   @autoreleasepool {
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    // Metal 3.1 (macOS 14): the bfloat type. Precise math: the accuracy bounds of the tests assume an exp and
-    // a log as accurate as the CPU's, not fast-math's.
+    // Metal 3.1 (macOS 14): the bfloat type. No fast math: the kernels test for NaN as x != x (softmax.h),
+    // which fast math may fold to false, and the tests' accuracy bounds assume an exp and a log as accurate
+    // as the CPU's.
     options.languageVersion = MTLLanguageVersion3_1;
     options.fastMathEnabled = NO;
     NSError* error = nil;
