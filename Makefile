@@ -12,17 +12,28 @@ PY := $(VENV)/bin/python
 TORCH ?= torch
 BENCH_ARGS ?=
 
-SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test test-cpu-torch bench build clean
+.PHONY: test test-cpu-torch bench build clean tools
 
-test: build
+test: build tools
 	$(PY) -m pytest
+
+# The Metal emulation tier (tests/test_metal_emulation.py) compiles metal/*.metal with clang++. Installed here
+# when missing and this is a root shell with apt-get (CI's fresh machine); otherwise those tests skip, saying so.
+tools:
+	@command -v clang++ >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing clang (Metal emulation tests)"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null; \
+		else \
+			echo "note: no clang++: the Metal emulation tests will be skipped (apt-get install clang)"; \
+		fi; }
 
 # The same suite against the CPU-only torch 2.13.0, built in a copy of the tree so the two builds share no file.
 test-cpu-torch:
 	rm -rf build/cpu-torch && mkdir -p build/cpu-torch
-	cp -r csrc python tests benchmarks setup.py pyproject.toml README.md Makefile build/cpu-torch/
+	cp -r csrc metal python tests benchmarks setup.py pyproject.toml README.md Makefile build/cpu-torch/
 	rm -f build/cpu-torch/python/attnx/_C*.so build/cpu-torch/python/attnx/_build_info.py
 	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0
 

@@ -1,4 +1,5 @@
-"""Build attnx._C: CPU sources always, CUDA when torch is a CUDA build and nvcc is found, MPS on macOS.
+"""Build attnx._C: CPU sources always, CUDA when torch is a CUDA build and nvcc is found, MPS on macOS
+(with the Metal kernels of metal/*.metal embedded as source, compiled at first use).
 
 Environment:
   ATTNX_WITH_CUDA / ATTNX_WITH_MPS   auto (default) | 0 | 1 (1 fails the build when the backend is impossible)
@@ -106,6 +107,15 @@ def _openmp():
     return torch.backends.openmp.is_available() and sys.platform.startswith("linux")
 
 
+def _embed_metal_sources():
+    """Writes build/generated/attnx_metal_sources.h (metal/*.metal as one string, see metal/embed.py);
+    returns its directory. csrc/mps/metal_library.mm compiles it at run time: no Xcode needed to build."""
+    out_dir = os.path.join(ROOT, "build", "generated")
+    subprocess.run([sys.executable, os.path.join(ROOT, "metal", "embed.py"),
+                    os.path.join(out_dir, "attnx_metal_sources.h")], check=True)
+    return out_dir
+
+
 def _extension(backends):
     from torch.utils import cpp_extension
 
@@ -135,6 +145,7 @@ def _extension(backends):
     if "MPS" in backends:
         srcs += sources("mps/*.mm")
         cxx.append("-DATTNX_WITH_MPS")
+        kwargs["include_dirs"].append(_embed_metal_sources())
         kwargs["extra_link_args"] = ["-framework", "Metal", "-framework", "Foundation"]
     return cpp_extension.CppExtension("attnx._C", srcs, extra_compile_args={"cxx": cxx}, **kwargs)
 

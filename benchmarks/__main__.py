@@ -4,12 +4,13 @@ import argparse
 
 import torch
 
-from . import bench_backward, bench_cuda, bench_linear, bench_mha
+from . import bench_backward, bench_cuda, bench_linear, bench_mha, bench_mps
 from .common import write_results
 
 # name -> module with run(device, quick) and DEVICES, the devices it has cases for.
 BENCHMARKS = {
     "linear": bench_linear, "mha": bench_mha, "backward": bench_backward, "cuda": bench_cuda,
+    "mps": bench_mps,
 }
 
 

@@ -1,0 +1,71 @@
+// attnx: attnx::attention on MPS. The checks and layouts are common/attention.cpp; the kernels are
+// metal/attention.metal, chosen and sized by metal_plan.h, encoded on torch's current MPS stream.
+#include <ATen/ATen.h>
+#include <ATen/mps/MPSStream.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "common/attention.h"
+#include "mps/metal_library.h"
+
+namespace attnx {
+
+std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value,
+                                                 const std::optional<at::Tensor>& attn_mask,
+                                                 const std::optional<at::Tensor>& key_padding_mask,
+                                                 bool is_causal, std::optional<double> scale) {
+  // Every check happens here, before dispatch_sync: an exception inside the block would end the process.
+  const mps::DType dtype = mps::metal_dtype(query.scalar_type(), "attnx::attention");
+  for (const auto* mask : {&attn_mask, &key_padding_mask}) {
+    TORCH_CHECK(!*mask || (*mask)->scalar_type() != at::kDouble,
+                "attnx::attention: float64 masks are not supported on MPS (Metal has no double)");
+  }
+  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  const AttentionParams params = pb.params;
+  const mps::AttentionPlan plan = mps::plan_attention(params, dtype);
+  TORCH_CHECK(plan.kernel != mps::AttentionKernel::kNone,
+              "attnx::attention: expected head dims D and Dv up to ", metal_config::kMaxHeadDim,
+              " on MPS, got D=", params.head_dim, ", Dv=", params.v_head_dim,
+              " (B*H=", params.batch * params.heads, ", L=", params.q_len, ")");
+  if (mps::launch_empty(plan.launch)) return {pb.out, pb.lse};
+
+  const id<MTLComputePipelineState> pso = mps::pipeline(plan.launch.name);
+  mps::check_launch(pso, plan.launch, "attnx::attention");
+  // Absent masks are bound to query's buffer: never read (their kind is kMaskNone), but every buffer argument
+  // of the kernel is bound.
+  struct Buffers {
+    mps::BufferRef ref[mps::kAttentionBuffers];
+  } buffers{};
+  buffers.ref[mps::kAttentionQuery] = mps::buffer_ref(query);
+  buffers.ref[mps::kAttentionKey] = mps::buffer_ref(key);
+  buffers.ref[mps::kAttentionValue] = mps::buffer_ref(value);
+  buffers.ref[mps::kAttentionMask] = mps::buffer_ref(attn_mask ? *attn_mask : query);
+  buffers.ref[mps::kAttentionKeyPaddingMask] = mps::buffer_ref(key_padding_mask ? *key_padding_mask : query);
+  buffers.ref[mps::kAttentionOut] = mps::buffer_ref(pb.out);
+  buffers.ref[mps::kAttentionLse] = mps::buffer_ref(pb.lse);
+  const mps::Launch launch = plan.launch;
+
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  dispatch_sync(stream->queue(), ^() {
+    @autoreleasepool {
+      // torch's live encoder, coalesced with its own kernels; never created or ended here.
+      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+      [encoder setComputePipelineState:pso];
+      for (int i = 0; i < mps::kAttentionParams; ++i) {
+        [encoder setBuffer:buffers.ref[i].buffer offset:buffers.ref[i].offset atIndex:i];
+      }
+      [encoder setBytes:&params length:sizeof(params) atIndex:mps::kAttentionParams];
+      [encoder dispatchThreadgroups:MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2])
+              threadsPerThreadgroup:MTLSizeMake(launch.threads, 1, 1)];
+    }
+  });
+  return {pb.out, pb.lse};
+}
+
+}  // namespace attnx
+
+TORCH_LIBRARY_IMPL(attnx, MPS, m) {
+  m.impl("attention", &attnx::attention_mps);
+}

@@ -1,0 +1,414 @@
+// attnx: the runtime of the Metal emulation (see metal_runtime.h).
+#include "metal_runtime.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if !defined(ATTNX_METAL_EMU_THREADS)
+#include <ucontext.h>
+#endif
+
+namespace attnx_emu_metal {
+
+namespace {
+
+constexpr auto kWatchdogSeconds = std::chrono::seconds(120);
+
+std::atomic<uint64_t>& progress() {
+  static std::atomic<uint64_t> counter{0};
+  return counter;
+}
+
+void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen);
+
+// An arrival counter and a generation word the waiters wait on. With std::threads (ATTNX_METAL_EMU_THREADS,
+// the ThreadSanitizer build) they sleep on it (std::atomic::wait: a futex on Linux), and ThreadSanitizer
+// follows the acquire/release pairs, so memory written before a barrier and read after it by another thread
+// is ordered while an access that no barrier orders is a reported race. With fibers (the default) a waiter
+// yields to the scheduler until the generation moves.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+
+  void arrive_and_wait() {
+    const uint32_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      progress().fetch_add(1, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      generation_.notify_all();
+      return;
+    }
+    wait_for_change(generation_, generation);
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0};
+  std::atomic<uint32_t> generation_{0};
+};
+
+class Watchdog {
+ public:
+  Watchdog() : thread_([this] { run(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    uint64_t seen = progress().load();
+    auto last = std::chrono::steady_clock::now();
+    while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; })) {
+      const uint64_t now = progress().load();
+      if (now != seen) {
+        seen = now;
+        last = std::chrono::steady_clock::now();
+      } else if (std::chrono::steady_clock::now() - last > kWatchdogSeconds) {
+        fail(
+            "no barrier completed for %lld s: a threadgroup_barrier or simd collective that not every "
+            "thread reaches?",
+            static_cast<long long>(kWatchdogSeconds.count()));
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+struct Site {
+  const char* file;
+  int line;
+};
+
+bool same_site(const Site& a, const Site& b) {
+  return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0);
+}
+
+struct Slot {
+  Site site;
+  alignas(16) unsigned char value[kSlotBytes];
+};
+
+// The exchange slots of one simdgroup, double-buffered: the slots of phase k are rewritten at phase k + 2,
+// after every lane has passed phase k + 1 and so finished reading them.
+struct Simdgroup {
+  Simdgroup() : barrier(kSimdWidth) {}
+  Barrier barrier;
+  Slot slots[2][kSimdWidth];
+};
+
+struct Threadgroup {
+  explicit Threadgroup(int threads)
+      : threads(threads),
+        barrier(threads),
+        sites(2 * threads),
+        simdgroups(new Simdgroup[threads / kSimdWidth]) {}
+  const int threads;
+  Barrier barrier;
+  std::vector<Site> sites;  // [phase % 2][tid]: where each thread met the threadgroup barrier
+  std::unique_ptr<Simdgroup[]> simdgroups;
+  alignas(64) unsigned char memory[kThreadgroupMemoryBytes];
+};
+
+struct ThreadState {
+  Threadgroup* group = nullptr;
+  Simdgroup* simd = nullptr;
+  int tid = 0;
+  uint32_t lane = 0;
+  unsigned simd_phase = 0;
+  unsigned group_phase = 0;
+  size_t memory_used = 0;
+};
+
+#if defined(ATTNX_METAL_EMU_THREADS)
+thread_local ThreadState tl_state;
+ThreadState& state() {
+  return tl_state;
+}
+#else
+ThreadState* current_state = nullptr;  // the running fiber's
+ThreadState& state() {
+  return *current_state;
+}
+#endif
+
+const Site kKernelEnd{"<the end of the kernel>", 0};
+
+std::map<std::string, Thunk>& registry() {
+  static std::map<std::string, Thunk> kernels;
+  return kernels;
+}
+
+std::atomic<size_t> threadgroup_bytes_seen{0};
+
+const Slot* exchange(const Site& site, const void* value, size_t bytes, const char* what) {
+  Slot* slots = state().simd->slots[state().simd_phase % 2];
+  slots[state().lane].site = site;
+  if (bytes) std::memcpy(slots[state().lane].value, value, bytes);
+  state().simd->barrier.arrive_and_wait();
+  ++state().simd_phase;
+  for (int lane = 0; lane < kSimdWidth; ++lane) {
+    if (!same_site(slots[lane].site, site)) {
+      fail(
+          "%s at %s:%d: lane %u is there, lane %d is at %s:%d (simd collectives and simdgroup barriers must "
+          "be "
+          "reached by every lane of the simdgroup)",
+          what, site.file, site.line, state().lane, lane, slots[lane].site.file, slots[lane].site.line);
+    }
+  }
+  return slots;
+}
+
+void group_barrier(const Site& site) {
+  Site* sites = state().group->sites.data() + (state().group_phase % 2) * state().group->threads;
+  sites[state().tid] = site;
+  state().group->barrier.arrive_and_wait();
+  ++state().group_phase;
+  for (int t = 0; t < state().group->threads; ++t) {
+    if (!same_site(sites[t], site)) {
+      fail(
+          "threadgroup_barrier at %s:%d: thread %d is there, thread %d is at %s:%d (every thread of the "
+          "threadgroup must reach the same barrier)",
+          site.file, site.line, state().tid, t, sites[t].file, sites[t].line);
+    }
+  }
+}
+
+}  // namespace
+
+void fail(const char* format, ...) {
+  std::fprintf(stderr, "attnx Metal emulation: ");
+  va_list args;
+  va_start(args, format);
+  std::vfprintf(stderr, format, args);
+  va_end(args);
+  std::fprintf(stderr, "\n");
+  std::fflush(stderr);
+  std::abort();
+}
+
+void register_kernel(const char* name, Thunk thunk) {
+  if (!registry().emplace(name, thunk).second) fail("kernel %s instantiated twice", name);
+}
+
+Thunk find_kernel(const char* name) {
+  const auto it = registry().find(name);
+  return it == registry().end() ? nullptr : it->second;
+}
+
+int kernel_count() {
+  return static_cast<int>(registry().size());
+}
+
+const char* kernel_name(int index) {
+  auto it = registry().begin();
+  std::advance(it, index);
+  return it->first.c_str();
+}
+
+unsigned char* threadgroup_alloc(size_t bytes) {
+  const size_t offset = (state().memory_used + 15) / 16 * 16;
+  if (offset + bytes > kThreadgroupMemoryBytes) {
+    fail("threadgroup memory: %zu bytes declared, more than the %zu every Apple GPU has", offset + bytes,
+         kThreadgroupMemoryBytes);
+  }
+  state().memory_used = offset + bytes;
+  return state().group->memory + offset;
+}
+
+void threadgroup_barrier_at(const char* file, int line) {
+  group_barrier(Site{file, line});
+}
+
+void simdgroup_barrier_at(const char* file, int line) {
+  exchange(Site{file, line}, nullptr, 0, "simdgroup_barrier");
+}
+
+const unsigned char* simd_exchange(const void* value, size_t bytes, const char* file, int line) {
+  if (bytes > static_cast<size_t>(kSlotBytes)) fail("simd exchange of %zu bytes", bytes);
+  const Slot* slots = exchange(Site{file, line}, value, bytes, "simd collective");
+  // Slot i's value is at slots[i].value: hand back the first, with the Slot stride known to the shim.
+  static_assert(sizeof(Slot) == 16 + kSlotBytes, "the shim reads values 80 bytes apart");
+  return slots[0].value;
+}
+
+uint32_t simd_lane() {
+  return state().lane;
+}
+
+namespace {
+
+// One thread's whole share of a launch: every threadgroup of the grid in turn.
+void run_thread(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* buffers, int tid) {
+  ThreadState& me = state();
+  me = ThreadState{};
+  me.group = &group;
+  me.simd = &group.simdgroups[tid / kSimdWidth];
+  me.tid = tid;
+  me.lane = static_cast<uint32_t>(tid % kSimdWidth);
+  for (int64_t z = 0; z < grid[2]; ++z) {
+    for (int64_t y = 0; y < grid[1]; ++y) {
+      for (int64_t x = 0; x < grid[0]; ++x) {
+        if (tid == 0) std::memset(group.memory, 0xff, sizeof group.memory);
+        group.barrier.arrive_and_wait();
+        me.memory_used = 0;
+        const Invocation inv{buffers,
+                             {static_cast<uint32_t>(x), static_cast<uint32_t>(y), static_cast<uint32_t>(z)},
+                             static_cast<uint32_t>(tid),
+                             me.lane,
+                             static_cast<uint32_t>(tid / kSimdWidth)};
+        thunk(inv);
+        // Every lane and every thread must get here, not stop in a collective or a barrier.
+        exchange(kKernelEnd, nullptr, 0, "the end of the kernel");
+        group_barrier(kKernelEnd);
+        size_t seen = threadgroup_bytes_seen.load();
+        while (me.memory_used > seen && !threadgroup_bytes_seen.compare_exchange_weak(seen, me.memory_used)) {
+        }
+      }
+    }
+  }
+}
+
+#if defined(ATTNX_METAL_EMU_THREADS)
+
+void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen) {
+  for (uint32_t g = seen; g == seen; g = word.load(std::memory_order_acquire)) {
+    word.wait(seen, std::memory_order_acquire);
+  }
+}
+
+void run_all(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* buffers, int threads) {
+  const Watchdog watchdog;
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (int tid = 0; tid < threads; ++tid)
+    pool.emplace_back(run_thread, thunk, std::ref(group), grid, buffers, tid);
+  for (auto& t : pool) t.join();
+}
+
+#else
+
+// Fibers (ucontext) on the calling thread: a fiber runs until it waits at a barrier, then the scheduler
+// resumes the next one that can go on, round-robin. Context switches cost nanoseconds where 128 OS threads
+// meeting at a futex cost microseconds each on a busy machine, and a barrier that not every thread reaches is
+// reported at once (no runnable fiber left) instead of after a timeout. The order is deterministic: thread
+// 0 runs as far as it can before thread 1 starts, so a missing barrier reads poisoned or stale memory.
+constexpr size_t kFiberStackBytes = 256 * 1024;
+
+struct Fiber {
+  ucontext_t context;
+  std::unique_ptr<char[]> stack;
+  ThreadState state;
+  const std::atomic<uint32_t>* waiting_on = nullptr;  // the barrier generation it waits to change
+  uint32_t waiting_seen = 0;
+  bool done = false;
+};
+
+struct Scheduler {
+  ucontext_t context;
+  Fiber* current = nullptr;
+  Thunk thunk;
+  Threadgroup* group;
+  const int64_t* grid;
+  void* const* buffers;
+  std::vector<Fiber> fibers;
+};
+
+Scheduler* scheduler = nullptr;
+
+void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen) {
+  Fiber* self = scheduler->current;
+  self->waiting_on = &word;
+  self->waiting_seen = seen;
+  swapcontext(&self->context, &scheduler->context);
+}
+
+void fiber_main(unsigned hi, unsigned lo) {
+  const uintptr_t index = (static_cast<uintptr_t>(hi) << 32) | lo;
+  run_thread(scheduler->thunk, *scheduler->group, scheduler->grid, scheduler->buffers,
+             static_cast<int>(index));
+  scheduler->current->done = true;
+  // Returning resumes uc_link, the scheduler.
+}
+
+void run_all(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* buffers, int threads) {
+  Scheduler sched;
+  sched.thunk = thunk, sched.group = &group, sched.grid = grid, sched.buffers = buffers;
+  sched.fibers = std::vector<Fiber>(threads);
+  scheduler = &sched;
+  for (int tid = 0; tid < threads; ++tid) {
+    Fiber& f = sched.fibers[tid];
+    f.stack.reset(new char[kFiberStackBytes]);  // uninitialised: committed page by page as it is used
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_size = kFiberStackBytes;
+    f.context.uc_link = &sched.context;
+    makecontext(&f.context, reinterpret_cast<void (*)()>(fiber_main), 2,
+                static_cast<unsigned>(static_cast<uintptr_t>(tid) >> 32), static_cast<unsigned>(tid));
+  }
+  for (int remaining = threads; remaining > 0;) {
+    bool progressed = false;
+    for (Fiber& f : sched.fibers) {
+      if (f.done) continue;
+      if (f.waiting_on != nullptr) {
+        if (f.waiting_on->load(std::memory_order_acquire) == f.waiting_seen) continue;
+        f.waiting_on = nullptr;
+      }
+      sched.current = &f;
+      current_state = &f.state;
+      swapcontext(&sched.context, &f.context);
+      progressed = true;
+      if (f.done) --remaining;
+    }
+    if (!progressed) {
+      fail(
+          "every thread waits at a barrier that will never complete: a threadgroup_barrier or simd "
+          "collective that not every thread reaches (%d of %d threads have finished)",
+          threads - remaining, threads);
+    }
+  }
+  scheduler = nullptr;
+  current_state = nullptr;
+}
+
+#endif
+
+}  // namespace
+
+int launch(const char* name, const int64_t grid[3], int threads, void* const* buffers) {
+  const Thunk thunk = find_kernel(name);
+  if (thunk == nullptr) return 1;
+  if (threads <= 0 || threads > 1024 || threads % kSimdWidth != 0) return 2;
+  threadgroup_bytes_seen = 0;
+  if (grid[0] <= 0 || grid[1] <= 0 || grid[2] <= 0) return 0;
+  auto group = std::make_unique<Threadgroup>(threads);
+  run_all(thunk, *group, grid, buffers, threads);
+  return 0;
+}
+
+size_t last_threadgroup_bytes() {
+  return threadgroup_bytes_seen.load();
+}
+
+}  // namespace attnx_emu_metal

@@ -1,0 +1,110 @@
+// attnx: the emulated Metal kernels under ThreadSanitizer (see test_metal_emulation.py).
+//
+// The emulation's barriers and simd exchanges are atomics that TSan understands, so a threadgroup-memory
+// access that no threadgroup_barrier / simdgroup_barrier orders against another thread's write is reported as
+// a data race, whether or not the OS happened to interleave the threads badly. Values do not matter here (the
+// pytest suite checks them): each launch covers several key tiles, both masks, causal, partial tiles, and
+// every kernel (vector and tiled attention, gemv and gemm linear).
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "attnx/params.h"
+
+extern "C" {
+int attnx_metal_emu_attention(const attnx::AttentionParams* p, int dtype, void* query, void* key, void* value,
+                              void* attn_mask, void* key_padding_mask, void* out, void* lse);
+int attnx_metal_emu_linear(const attnx::LinearParams* p, int dtype, void* input, void* weight, void* bias,
+                           void* out);
+}
+
+namespace {
+
+constexpr int kFloat32 = 0, kBFloat16 = 2;
+
+// Random data in float32 (4 bytes per element) or bfloat16 (the top half of a float32).
+std::vector<unsigned char> randn(size_t n, int dtype, std::mt19937& gen) {
+  std::normal_distribution<float> dist;
+  std::vector<unsigned char> out(n * (dtype == kFloat32 ? 4 : 2));
+  for (size_t i = 0; i < n; ++i) {
+    const float x = dist(gen);
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if (dtype == kFloat32) {
+      std::memcpy(&out[4 * i], &bits, 4);
+    } else {
+      const uint16_t top = static_cast<uint16_t>(bits >> 16);
+      std::memcpy(&out[2 * i], &top, 2);
+    }
+  }
+  return out;
+}
+
+// Contiguous (B, H, N, E) strides.
+void contiguous(int64_t* st, int64_t H, int64_t N, int64_t E) {
+  st[3] = 1;
+  st[2] = E;
+  st[1] = N * E;
+  st[0] = H * N * E;
+}
+
+int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal) {
+  std::mt19937 gen(0);
+  attnx::AttentionParams p{};
+  p.batch = B, p.heads = H, p.q_len = L, p.kv_len = S, p.head_dim = D, p.v_head_dim = D;
+  contiguous(p.q_stride, H, L, D);
+  contiguous(p.k_stride, H, S, D);
+  contiguous(p.v_stride, H, S, D);
+  contiguous(p.out_stride, H, L, D);
+  p.lse_stride[0] = H * L, p.lse_stride[1] = L, p.lse_stride[2] = 1;
+  auto q = randn(B * H * L * D, dtype, gen), k = randn(B * H * S * D, dtype, gen),
+       v = randn(B * H * S * D, dtype, gen);
+  auto out = randn(B * H * L * D, dtype, gen);
+  std::vector<float> lse(B * H * L);
+  // A random (L, S) bool mask and a float key_padding_mask that removes the first tile of batch 0.
+  std::vector<unsigned char> attn_mask(L * S);
+  for (auto& m : attn_mask) m = gen() % 10 == 0;
+  std::vector<float> padding(B * S, 0.0f);
+  for (int64_t s = 0; s < S && s < 32; ++s) padding[s] = -INFINITY;
+  p.attn_mask_kind = attnx::kMaskBool, p.attn_mask_stride[2] = S, p.attn_mask_stride[3] = 1;
+  p.key_padding_mask_kind = attnx::kMaskFloat32, p.key_padding_mask_stride[0] = S;
+  p.key_padding_mask_stride[1] = 1;
+  p.is_causal = causal;
+  p.scale = 0.25f;
+  const int err = attnx_metal_emu_attention(&p, dtype, q.data(), k.data(), v.data(), attn_mask.data(),
+                                            padding.data(), out.data(), lse.data());
+  if (err != 0) std::fprintf(stderr, "attention launch failed: %d\n", err);
+  return err != 0;
+}
+
+int linear(int dtype, int64_t M, int64_t K, int64_t N) {
+  std::mt19937 gen(1);
+  attnx::LinearParams p{};
+  p.rows = M, p.rows_inner = 1, p.in_features = K, p.out_features = N;
+  p.input_stride[0] = K, p.input_stride[2] = 1;
+  p.weight_stride[0] = K, p.weight_stride[1] = 1;
+  p.bias_stride = 1, p.has_bias = 1;
+  p.out_stride[0] = N, p.out_stride[1] = 1;
+  auto x = randn(M * K, dtype, gen), w = randn(N * K, dtype, gen), b = randn(N, dtype, gen);
+  auto out = randn(M * N, dtype, gen);
+  const int err = attnx_metal_emu_linear(&p, dtype, x.data(), w.data(), b.data(), out.data());
+  if (err != 0) std::fprintf(stderr, "linear launch failed: %d\n", err);
+  return err != 0;
+}
+
+}  // namespace
+
+int main() {
+  int failures = 0;
+  failures += attention(kFloat32, 2, 1, 3, 70, 24, false);   // vector
+  failures += attention(kBFloat16, 1, 1, 2, 40, 200, true);  // vector, bucket 256
+  failures += attention(kFloat32, 2, 1, 40, 70, 24, false);  // tiled: 2 threadgroups, 3 key tiles
+  failures += attention(kBFloat16, 1, 1, 33, 50, 64, true);  // tiled, causal
+  failures += linear(kFloat32, 5, 70, 9);                    // gemv
+  failures += linear(kBFloat16, 40, 45, 33);                 // gemm: partial tiles in M, N and K
+  std::printf("%d failed launches\n", failures);
+  return failures;
+}

@@ -1,0 +1,469 @@
+"""attnx's Metal kernels (metal/*.metal) compiled for the CPU with clang and run there, vs the reference.
+
+Every .metal file is compiled as C++ against tests/emulation/metal/metal_stdlib (threadgroup memory poisoned
+per threadgroup, threadgroup_barrier as a barrier of the group's threads, simd collectives that check every
+lane arrives at the same call site, 8x8 simdgroup matrices; the threads are fibers here, std::threads in the
+ThreadSanitizer build) and launched from csrc/mps/metal_plan.h, the launch plan the MPS glue uses. This checks
+algorithm and indexing: strides (the B=1 transpose, slices, stride 0), every mask kind, causal, fully masked
+rows, NaN, every dtype, both attention kernels and both linear kernels. It cannot check that Apple's compiler
+accepts the files, nor speed: tests/test_mps.py does that on a Mac.
+
+Shapes are small: every emulated threadgroup is 128 threads, and every lane of a simdgroup matrix product
+computes all 64 elements."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from attnx import reference
+from emulation import metal_emulator
+from layouts import LAYOUTS as LINEAR_LAYOUTS
+from layouts import make
+from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metal"))
+import embed  # noqa: E402  (metal/embed.py, the build step that embeds the sources)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+KERNELS = {"vector": 5, "tiled": 40}  # a query length that selects each attention kernel
+
+
+# CI sets this: there, a missing clang++ or libtsan is a failure, not a skip.
+REQUIRED = os.environ.get("ATTNX_REQUIRE_METAL_EMULATION") == "1"
+
+
+def _unavailable(reason):
+    if REQUIRED:
+        pytest.fail(f"{reason} (ATTNX_REQUIRE_METAL_EMULATION=1)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    try:
+        path = metal_emulator.build()
+    except metal_emulator.Unavailable as e:
+        _unavailable(f"Metal emulation unavailable: {e}")
+    return metal_emulator.MetalEmulator(path)
+
+
+def check(emu, q, k, v, out_layout="blhd", kernel=None, **kwargs):
+    """Runs the emulated kernel and compares out and lse with the reference, as test_attention.check does."""
+    out, lse = emu.attention(q, k, v, out_layout=out_layout, **kwargs)
+    if kernel is not None:
+        assert metal_emulator.ATTENTION_KERNELS[emu.last_plan.kernel] == kernel
+    ref64_out, ref64_lse = reference.attention(
+        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
+    )
+    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
+    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
+    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Attention: dtypes, layouts, head-dim buckets, tile and threadgroup boundaries.
+
+ATTENTION_LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
+
+
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_dtypes_layouts(emu, kernel, dtype, layout):
+    # tiled: L = 40 is two threadgroups of 32 rows, the second partial; S = 37 is two key tiles, the second
+    # partial. vector: one threadgroup per row, keys spread over the 4 simdgroups unevenly.
+    check(emu, *make_qkv(2, 2, KERNELS[kernel], 37, 24, 20, dtype=dtype, layout=layout), kernel=kernel)
+
+
+# (kernel, L, S, D, Dv): every instantiated bucket; D != Dv; sizes that are not multiples of 8 or 32.
+BUCKETS = [("vector", 3, 40, 8, 32), ("vector", 1, 33, 64, 40), ("vector", 2, 35, 100, 128),
+           ("vector", 2, 20, 256, 200), ("vector", 33, 9, 129, 3), ("tiled", 9, 40, 30, 12),
+           ("tiled", 12, 33, 64, 40), ("tiled", 10, 20, 100, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", BUCKETS, ids=str)
+def test_attention_head_dim_buckets(emu, sizes, dtype):
+    kernel, L, S, D, Dv = sizes
+    check(emu, *make_qkv(1, 1, L, S, D, Dv, dtype=dtype, layout="blhd"), is_causal=True, kernel=kernel)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_many_threadgroups_and_tiles(emu, is_causal):
+    # 3 threadgroups of 32 rows and 3 key tiles; causal stops each threadgroup at its last row's diagonal.
+    check(emu, *make_qkv(1, 1, 70, 90, 16, 16), is_causal=is_causal, kernel="tiled")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_b1_transposed_and_out_strides(emu, kernel):
+    # nn.MultiheadAttention(batch_first=True) at B=1: the size-1 batch dim carries a non-contiguous stride.
+    q, k, v = make_qkv(1, 4, KERNELS[kernel], 12, 8, 8, layout="lbhd")
+    assert q.stride(0) == 4 * 8
+    check(emu, q, k, v)
+    check(emu, q, k, v, out_layout="bhld")  # the kernels write through out's strides, whatever they are
+
+
+def test_attention_sliced_with_storage_offset(emu):
+    big = torch.randn(3, 2, 50, 40)
+    for L in KERNELS.values():
+        q, k, v = big[1:2, :, 3 : 3 + L, 5:21], big[2:, :, 1:30, 2:18], big[:1, :, :29, 20:36]
+        assert q.storage_offset() > 0 and k.storage_offset() > 0
+        check(emu, q, k, v)
+
+
+def test_attention_custom_scale(emu):
+    for L in KERNELS.values():
+        q, k, v = make_qkv(1, 2, L, 30, 16, 16)
+        check(emu, q, k, v, scale=0.37)
+        check(emu, q, k, v, scale=0.0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Masks (the factories of test_attention: B, H, L, S, D = 2, 3, 19, 41, 16; L = 19 takes the tiled kernel).
+
+B, H, L, S, D = 2, 3, 19, 41, 16
+ATTN_MASKS = [
+    "bool_ls", "float_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls", "float_1h1s",
+    "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
+    "float_bhls_sliced",
+]
+PADDINGS = ["bool", "float", "float_neginf", "bool_transposed", "float16_expanded"]
+
+
+def _rows(q, k, v, kernel):
+    """q, k, v with L cut to the vector kernel's query length when asked (masks keep their L rows)."""
+    return (q[:, :, :KERNELS["vector"]], k, v) if kernel == "vector" else (q, k, v)
+
+
+def _cut_mask(mask, kernel):
+    if mask is None or kernel != "vector" or mask.dim() < 2 or mask.size(-2) == 1:
+        return mask
+    return mask[..., : KERNELS["vector"], :]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_attn_mask(emu, kernel, attn_mask, is_causal):
+    mask = _cut_mask(_mask(attn_mask, torch.Generator().manual_seed(1)), kernel)
+    q, k, v = _rows(*make_qkv(B, H, L, S, D, D, layout="blhd"), kernel)
+    check(emu, q, k, v, attn_mask=mask, is_causal=is_causal, kernel=kernel)
+
+
+@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+@pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls"], ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_padding_and_attn_mask(emu, kernel, attn_mask, padding):
+    gen = torch.Generator().manual_seed(2)
+    mask = None if attn_mask is None else _cut_mask(_mask(attn_mask, gen), kernel)
+    q, k, v = _rows(*make_qkv(B, H, L, S, D, D), kernel)
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=_padding(padding, gen), is_causal=padding == "bool",
+          kernel=kernel)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_masks_low_precision_and_strided(emu, kernel, dtype):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _rows(*make_qkv(B, H, L, S, D, 8, dtype=dtype, layout="strided_last"), kernel)
+    mask = _cut_mask(_mask("float_ls", gen).to(dtype), kernel)
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=_padding("bool", gen), is_causal=True, scale=0.2,
+          kernel=kernel)
+
+
+def test_attention_padding_skips_whole_tiles(emu):
+    # Batch 0: key_padding_mask removes the whole first key tile (skipped by the threadgroup) and part of the
+    # third; batch 1: the whole last, partial tile. attn_mask removes a whole tile for some rows only.
+    q, k, v = make_qkv(2, 2, 20, 70, 16, 16)
+    kpm = torch.zeros(2, 70, dtype=torch.bool)
+    kpm[0, :32] = True
+    kpm[0, 66:] = True
+    kpm[1, 64:] = True
+    mask = torch.zeros(20, 70, dtype=torch.bool)
+    mask[:10, 32:64] = True
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, kernel="tiled")
+    check(emu, q, k, v, attn_mask=torch.zeros(20, 70).masked_fill(mask, float("-inf")), key_padding_mask=kpm,
+          is_causal=True, kernel="tiled")
+
+
+def test_attention_float64_masks_are_refused(emu):
+    q, k, v = make_qkv(1, 1, 3, 4, 8, 8)
+    with pytest.raises(TypeError, match="float64"):
+        emu.attention(q, k, v, attn_mask=torch.zeros(3, 4, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fully masked rows, NaN, infinities, empty sizes.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_fully_masked_rows(emu, kernel, dtype):
+    Lq = KERNELS[kernel]
+    q, k, v = make_qkv(2, 2, Lq, 9, 8, 8, dtype=dtype)
+    mask = torch.zeros(Lq, 9, dtype=torch.bool)
+    mask[2] = True  # query 2 sees no key
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True  # batch 1 sees no key at all (skipped key by key, or tile by tile)
+    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_fully_masked_row_with_infinite_values(emu, kernel):
+    # A masked key whose value is inf gives 0 * inf = NaN in the accumulator; the row is written as 0 anyway.
+    q, k, v = make_qkv(1, 1, KERNELS[kernel], 5, 8, 8)
+    v[0, 0, 3] = float("inf")
+    mask = torch.zeros(KERNELS[kernel], 5, dtype=torch.bool)
+    mask[1] = True
+    out, lse = emu.attention(q, k, v, attn_mask=mask)
+    assert (out[0, 0, 1] == 0).all() and torch.isposinf(lse[0, 0, 1])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_nan_propagates_per_row(emu, kernel):
+    Lq = KERNELS[kernel]
+    q, k, v = make_qkv(1, 2, Lq, 6, 4, 4)
+    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
+    mask = torch.zeros(Lq, 6)
+    mask[4, 3] = float("nan")  # row l=4 of every head
+    out, lse = check(emu, q, k, v, attn_mask=mask)
+    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
+    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
+    assert not out[0, 0, :4].isnan().any()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
+     (2, 2, 3, 4, 8, 0), (1, 1, 12, 0, 8, 8)],
+    ids=str,
+)
+def test_attention_empty_sizes(emu, sizes):
+    q, k, v = make_qkv(*sizes)
+    out, lse = check(emu, q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
+    if sizes[3] == 0:
+        assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# linear: both kernels, every input layout of tests/layouts.py, weight and bias layouts.
+
+LINEAR_ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def check_linear(emu, x, w, b=None, kernel=None):
+    out = emu.linear(x, w, b)
+    if kernel is not None:
+        assert metal_emulator.LINEAR_KERNELS[emu.last_plan.kernel] == kernel
+    ref64 = reference.linear(x.double(), w.double(), None if b is None else b.double())
+    ref = reference.linear(x, w, b)
+    assert out.shape == ref64.shape and out.dtype == x.dtype
+    if out.numel():
+        err = (out.double() - ref64).abs().max().item()
+        ref_err = (ref.double() - ref64).abs().max().item()
+        assert err <= 2 * ref_err + LINEAR_ATOL[x.dtype], f"error {err:.3g} vs torch's {ref_err:.3g}"
+    return out
+
+
+# (batch dims, K, N): gemv for up to 8 rows, gemm beyond; tiles of 32 with partial tails in M, N and K.
+LINEAR_SHAPES = [("gemv", (5, 1), 40, 37), ("gemv", (1, 8), 70, 9), ("gemm", (9, 4), 45, 70),
+                 ("gemm", (40, 1), 33, 20)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LINEAR_LAYOUTS)
+@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=str)
+def test_linear_layouts(emu, shape, layout, dtype):
+    kernel, batch, K, N = shape
+    x = make((*batch, K), layout, dtype)
+    check_linear(emu, x, torch.randn(N, K).to(dtype), torch.randn(N).to(dtype), kernel=kernel)
+
+
+def test_linear_b1_transposed_is_read_in_place(emu):
+    # The seed report's layout: (B, L, E).transpose(0, 1) at B = 1, strides (E, E * L... ) on a size-1 dim.
+    x = torch.randn(1, 32, 24).transpose(0, 1)
+    assert x.stride() == (24, 768, 1)
+    p = emu.linear_input_layout(x.shape, x.stride())
+    assert p is not None and p.rows == 32 and p.rows_inner == 1 and list(p.input_stride) == [24, 0, 1]
+    check_linear(emu, x, torch.randn(16, 24), torch.randn(16), kernel="gemm")
+    check_linear(emu, x[:5], torch.randn(16, 24), kernel="gemv")
+
+
+def test_linear_input_layouts_without_copy(emu):
+    # (L, B, E) views of batch-first data: two row groups, read in place.
+    x = torch.randn(3, 7, 16).transpose(0, 1)
+    p = emu.linear_input_layout(x.shape, x.stride())
+    assert (p.rows, p.rows_inner, *p.input_stride) == (21, 3, 16, 112, 1)
+    # Dims that merge: a contiguous 4-D input is one group.
+    x = torch.randn(2, 3, 4, 5)
+    p = emu.linear_input_layout(x.shape, x.stride())
+    assert (p.rows, p.rows_inner, p.input_stride[0]) == (24, 1, 5)
+    # Weight and bias through their strides (a size-1 bias broadcasts); out contiguous.
+    x, w, b = torch.randn(4, 16), torch.randn(30, 16)[::3], torch.randn(1)
+    p = emu.pack_linear_params(x, w, b)
+    assert (list(p.weight_stride), p.bias_stride, p.has_bias, list(p.out_stride)) == ([48, 1], 0, 1, [10, 1])
+    # Three groups that do not merge: the glue copies once.
+    x = torch.randn(2, 6, 4, 10, 5)[:, ::2, :, ::3]
+    assert emu.linear_input_layout(x.shape, x.stride()) is None
+    check_linear(emu, x, torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("weight_layout", ["transposed_storage", "sliced_rows", "expanded"])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_linear_weight_and_bias_layouts(emu, rows, weight_layout):
+    K, N = 12, 10
+    x = torch.randn(rows, K)
+    w = {
+        "transposed_storage": lambda: torch.randn(K, N).t(),
+        "sliced_rows": lambda: torch.randn(3 * N, K)[N : 2 * N],
+        "expanded": lambda: torch.randn(1, K).expand(N, K),
+    }[weight_layout]()
+    check_linear(emu, x, w, torch.randn(3 * N)[1::3])  # a strided bias
+    check_linear(emu, x, w, torch.randn(1))  # a size-1 bias broadcasts
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (5,), (40, 0)], ids=str)
+def test_linear_edge_sizes(emu, shape):
+    x = torch.randn(shape)
+    K = shape[-1]
+    check_linear(emu, x, torch.randn(6, K), torch.randn(6))
+    check_linear(emu, x, torch.randn(0, K))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The launch plan and the library: what the glue asks for exists, and is what the kernels declare.
+
+
+def test_plans_name_instantiated_kernels(emu):
+    names = set(emu.kernel_names())
+    planned = set()
+    for dtype in DTYPES:
+        for d in (1, 32, 33, 64, 65, 128, 129, 256):
+            for Lq in (1, 8, 9, 100):
+                p = metal_emulator.make_params(*make_qkv(1, 1, Lq, 1, d, d))
+                plan = emu.plan_attention(p, dtype)
+                name = plan.launch.name.decode()
+                planned.add(name)
+                expected = "vector" if Lq <= 8 or d > 128 else "tiled"
+                assert re.fullmatch(rf"attention_{expected}_d{plan.bucket}_{str(dtype)[6:]}", name), name
+                assert plan.launch.threadgroup_bytes <= 32768 and plan.launch.threads == 128
+        for rows in (1, 8, 9):
+            p = metal_emulator.LinearParams(rows=rows, rows_inner=1, in_features=4, out_features=4)
+            planned.add(emu.plan_linear(p, dtype).launch.name.decode())
+    assert planned == names  # every instantiation is reachable, every planned name instantiated
+
+
+def test_plan_grids_and_limits(emu):
+    p = metal_emulator.make_params(*make_qkv(1, 1, 70, 5, 8, 8))
+    p.batch, p.heads = 300, 300
+    plan = emu.plan_attention(p, torch.float32)
+    assert list(plan.launch.grid) == [3, 90000, 1]  # (query blocks of 32, B * H): no 65535 limit on either
+    p.q_len = 5
+    assert list(emu.plan_attention(p, torch.float32).launch.grid) == [5, 90000, 1]  # one per query row
+    for D, Dv in [(257, 8), (8, 300)]:
+        plan = emu.plan_attention(metal_emulator.make_params(*make_qkv(1, 1, 3, 5, D, Dv)), torch.float32)
+        assert metal_emulator.ATTENTION_KERNELS[plan.kernel] == "none"
+    with pytest.raises(RuntimeError, match="no kernel"):
+        emu.attention(*make_qkv(1, 1, 3, 5, 264, 8))
+    lp = metal_emulator.LinearParams(rows=100, rows_inner=1, in_features=4, out_features=70)
+    assert list(emu.plan_linear(lp, torch.float16).launch.grid) == [3, 4, 1]
+    lp.rows = 8
+    assert list(emu.plan_linear(lp, torch.float16).launch.grid) == [18, 1, 1]
+
+
+@pytest.mark.parametrize("kernel, d", [("vector", 32), ("vector", 256), ("tiled", 32), ("tiled", 128)])
+def test_threadgroup_memory_is_what_the_plan_says(emu, kernel, d):
+    emu.attention(*make_qkv(1, 1, KERNELS[kernel], 3, d, d))
+    assert emu.last_threadgroup_bytes() == emu.last_plan.launch.threadgroup_bytes <= 32768
+    emu.linear(torch.randn(40, 8), torch.randn(8, 8))
+    assert emu.last_threadgroup_bytes() == emu.last_plan.launch.threadgroup_bytes
+
+
+def test_embedded_source_is_self_contained():
+    # What the MPS build embeds: every .metal file and the project headers they include, each header once,
+    # no quoted #include left for Apple's compiler to resolve; and it compiles as one file under the shim.
+    source = embed.metal_source()
+    assert not re.search(r'^\s*#\s*include\s+"', source, re.MULTILINE)
+    for name in ("params.h", "softmax.h", "metal_config.h", "common.h", "attention.metal", "linear.metal"):
+        assert len(re.findall(rf"^// ---- .*\b{re.escape(name)}$", source, re.MULTILINE)) == 1, name
+    header = embed.header(source)
+    assert header.count('R"attnx_metal(') == 1 and header.rstrip().endswith("}  // namespace attnx::mps")
+    cxx = metal_emulator.compiler()
+    if cxx is None:
+        _unavailable("no clang++")
+    result = subprocess.run(
+        [cxx, *metal_emulator.FLAGS, "-fsyntax-only", "-I" + metal_emulator.SHIM, "-x", "c++", "-"],
+        input=source, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The shim itself: each rule it enforces, broken on purpose (tests/emulation/metal/shim_check.metal).
+
+SHIM_CHECK = """
+import sys, torch
+from emulation import metal_emulator
+emu = metal_emulator.MetalEmulator(metal_emulator.build(metal_sources=[sys.argv[1]]))
+out = torch.zeros(128)
+emu.launch(sys.argv[2], (1, 1, 1), 128, [out])
+print(out.tolist())
+"""
+
+
+@pytest.mark.parametrize("kernel, message", [
+    # Whichever thread checks first names its own site and the other's: both sites appear, in either order.
+    ("divergent_simd_sum", r"(?s)(shim_check.metal:\d+.*<the end of the kernel>|<the end of the kernel>.*"
+                           r"shim_check.metal:\d+).*reached by every lane of the simdgroup"),
+    ("divergent_barrier", r"(?s)threadgroup_barrier at .*(shim_check.metal:\d+.*<the end of the kernel>|"
+                          r"<the end of the kernel>.*shim_check.metal:\d+).*every thread of the threadgroup"),
+    ("too_much_threadgroup_memory", r"threadgroup memory: 36000 bytes declared, more than the 32768"),
+], ids=lambda x: x if x.isidentifier() else "")
+def test_shim_reports(emu, kernel, message):
+    source = os.path.join(metal_emulator.SHIM, "shim_check.metal")
+    result = subprocess.run([sys.executable, "-c", SHIM_CHECK, source, kernel], capture_output=True,
+                            text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
+    assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-3000:]
+
+
+def test_shim_poisons_threadgroup_memory(emu):
+    # Thread 0 runs ahead of thread 1 up to its first barrier: without one, it reads thread 1's element before
+    # thread 1 has written it, and threadgroup memory starts as NaN, not as a lucky value.
+    source = os.path.join(metal_emulator.SHIM, "shim_check.metal")
+    results = {}
+    for kernel in ("missing_barrier", "with_barrier"):
+        result = subprocess.run([sys.executable, "-c", SHIM_CHECK, source, kernel], capture_output=True,
+                                text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed = result.stdout.strip().splitlines()[-1]
+        results[kernel] = torch.tensor(eval(printed, {"nan": float("nan")}))
+    assert results["with_barrier"].tolist() == [float((t + 1) % 128) for t in range(128)]
+    assert results["missing_barrier"].isnan().any()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Races: the kernels under ThreadSanitizer (tests/emulation/metal/race_check.cpp). The emulated barriers and
+# simd exchanges are atomics TSan follows, so a threadgroup-memory access that no barrier orders is reported
+# whatever the interleaving.
+
+
+def test_no_data_races_under_thread_sanitizer():
+    if not metal_emulator.has_thread_sanitizer():
+        _unavailable("clang++ cannot build -fsanitize=thread programs (no clang++ or no libtsan)")
+    try:
+        # std::threads, not fibers: ThreadSanitizer sees each emulated thread as a thread.
+        exe = metal_emulator.build(extra_flags=["-fsanitize=thread", "-g", "-DATTNX_METAL_EMU_THREADS"],
+                                   sources=metal_emulator.RACE_CHECK_SOURCES, shared=False)
+    except metal_emulator.Unavailable as e:
+        _unavailable(f"Metal emulation unavailable: {e}")
+    result = subprocess.run([exe], capture_output=True, text=True, timeout=900)
+    if "FATAL: ThreadSanitizer" in result.stderr:
+        pytest.skip(f"ThreadSanitizer cannot run here: {result.stderr.strip().splitlines()[0]}")
+    assert "WARNING: ThreadSanitizer" not in result.stderr, result.stderr[-8000:]
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]

@@ -1,0 +1,116 @@
+"""attnx's Metal kernels on a real MPS device: the checks the CPU emulation cannot make.
+
+That Apple's compiler accepts metal/*.metal (the library is compiled at the first call), that the glue
+(csrc/mps/*.mm) binds buffers and offsets right on torch's MPS stream, and that results match the reference
+on the GPU's own arithmetic. Every test takes the device as a parameter and is skipped, visibly, where there
+is no MPS device or no MPS kernel in the build. tests/test_metal_emulation.py covers the kernels' logic on
+Linux.
+"""
+
+import attnx
+import pytest
+import torch
+import torch.nn as nn
+from attnx import reference
+from conftest import DEVICES, require_kernel
+from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv
+
+MPS = [d for d in DEVICES if d.id == "mps"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+QUERY_LENGTHS = {"vector": 5, "tiled": 70}
+
+
+def _to(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def check(device, q, k, v, attn_mask=None, key_padding_mask=None, **kwargs):
+    """attnx.attention on `device` vs the reference on CPU copies (float64 and the inputs' dtype)."""
+    require_kernel("attnx::attention", device)
+    masks = {"attn_mask": attn_mask, "key_padding_mask": key_padding_mask}
+    dq, dk, dv, dm, dp = _to(device, q, k, v, attn_mask, key_padding_mask)
+    out, lse = attnx.attention(dq, dk, dv, attn_mask=dm, key_padding_mask=dp, **kwargs)
+    masks64 = {n: _upcast(m) for n, m in masks.items()}
+    ref64 = reference.attention(_upcast(q), _upcast(k), _upcast(v), **masks64, **kwargs)
+    ref = reference.attention(q, k, v, **masks, **kwargs)
+    _assert_bounded(out.cpu(), ref64[0], ref[0], ATOL[q.dtype], "out")
+    _assert_bounded(lse.cpu(), ref64[1], ref[1], LSE_ATOL[q.dtype], "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("layout", ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", QUERY_LENGTHS)
+def test_attention(device, kernel, dtype, layout):
+    q, k, v = make_qkv(2, 3, QUERY_LENGTHS[kernel], 77, 64, 64, dtype=dtype, layout=layout)
+    check(device, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 200, 256])
+@pytest.mark.parametrize("kernel", QUERY_LENGTHS)
+def test_attention_head_dims(device, kernel, d):
+    check(device, *make_qkv(1, 2, QUERY_LENGTHS[kernel], 50, d, d, layout="blhd"))
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("attn_mask", ["bool_ls", "float_bhls", "bf16_ls", "float_1h1s",
+                                       "float_ls_transposed", "float_bhls_sliced"])
+@pytest.mark.parametrize("padding", [None, "bool", "float16_expanded"])
+def test_attention_masks(device, attn_mask, padding):
+    gen = torch.Generator().manual_seed(1)
+    mask = _mask(attn_mask, gen)
+    kpm = None if padding is None else _padding(padding, gen)
+    check(device, *make_qkv(2, 3, 19, 41, 16, 16, layout="blhd"), attn_mask=mask, key_padding_mask=kpm)
+
+
+@pytest.mark.parametrize("device", MPS)
+def test_attention_fully_masked_rows(device):
+    q, k, v = make_qkv(2, 2, 6, 9, 8, 8)
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True
+    out, lse = check(device, q, k, v, key_padding_mask=kpm)
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+@pytest.mark.parametrize("device", MPS)
+def test_attention_refuses_what_metal_cannot_do(device):
+    require_kernel("attnx::attention", device)
+    q, k, v = make_qkv(1, 1, 3, 4, 8, 8)
+    with pytest.raises(RuntimeError, match="float64"):
+        attnx.attention(*_to(device, q, k, v), attn_mask=torch.zeros(3, 4, dtype=torch.float64).to("cpu"))
+    q, k, v = make_qkv(1, 1, 3, 4, 264, 8)
+    with pytest.raises(RuntimeError, match="up to 256"):
+        attnx.attention(*_to(device, q, k, v))
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 8, 32, 100])
+def test_linear_b1_transposed(device, rows, dtype):
+    # The seed report's input: (B, L, E).transpose(0, 1) at B = 1, read in place.
+    require_kernel("attnx::linear", device)
+    x = torch.randn(1, rows, 512).to(dtype)
+    w, b = torch.randn(256, 512).to(dtype), torch.randn(256).to(dtype)
+    out = attnx.linear(*_to(device, x.transpose(0, 1), w, b)).cpu()
+    ref64 = reference.linear(x.transpose(0, 1).double(), w.double(), b.double())
+    ref = reference.linear(x.transpose(0, 1), w, b)
+    err, ref_err = (out.double() - ref64).abs().max().item(), (ref.double() - ref64).abs().max().item()
+    assert err <= 2 * ref_err + {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-1}[dtype]
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("lq, lkv", [(32, 256), (1, 64)])
+def test_mha_b1_batch_first_matches_torch(device, lq, lkv):
+    require_kernel("attnx::linear", device)
+    require_kernel("attnx::attention", device)
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(512, 8, batch_first=True).eval()
+    mod = attnx.nn.MultiheadAttention(512, 8, batch_first=True).eval()
+    mod.load_state_dict(ref.state_dict())
+    q, mem = torch.randn(1, lq, 512), torch.randn(1, lkv, 512)
+    with torch.no_grad():
+        expected = ref(q, mem, mem, need_weights=False)[0]
+        out = mod.to(device)(q.to(device), mem.to(device), mem.to(device), need_weights=False)[0].cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
