@@ -7,8 +7,10 @@
 // once for the whole block, and each query tile that the masks leave anything of: one GEMM computes the
 // (BQ, BK) scores, vectorised passes over each row add the masks read in place, take the row max and the
 // exp and row sum of the online softmax, and a second GEMM adds P V into the block's fp32 (fp64 for fp64)
-// accumulators. Scores never exist beyond one (BQ, BK) tile per thread, so extra memory is the per-thread
-// scratch plus O(B * S / BK) and O(mask tiles) skip flags; out and lse are written once per row at the end.
+// accumulators. With dropout, each row's probabilities are dropped after the softmax's row sum (the Philox
+// stream of attnx/philox.h, regenerated per element), before the P V GEMM. Scores never exist beyond one
+// (BQ, BK) tile per thread, so extra memory is the per-thread scratch plus O(B * S / BK) and O(mask tiles)
+// skip flags; out and lse are written once per row at the end.
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -294,6 +296,42 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
   return sum;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Dropout (attnx/philox.h): one Philox block serves four consecutive keys of a row.
+
+// The factor 1 / (1 - p) of kept probabilities, in the accumulator type (split like the softmax scale).
+template <typename acc_t>
+acc_t dropout_scale(const AttentionParams& p) {
+  return std::is_same_v<acc_t, double>
+             ? static_cast<acc_t>(static_cast<double>(p.dropout_scale) + p.dropout_scale_lo)
+             : static_cast<acc_t>(p.dropout_scale);
+}
+
+// Calls f(j, kept) for keys s0 + j, j < n, of the (B, H, L, S) row `row` = (b * H + h) * L + l, in order.
+template <typename F>
+inline void for_each_dropout_keep(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, F&& f) {
+  uint64_t e = static_cast<uint64_t>(row) * static_cast<uint64_t>(p.kv_len) + static_cast<uint64_t>(s0);
+  for (int64_t j = 0; j < n;) {
+    const Philox4x32 r =
+        dropout_block(e >> 2, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0], p.dropout_offset[1]);
+    for (uint32_t w = static_cast<uint32_t>(e & 3); w < 4 && j < n; ++w, ++j, ++e) {
+      f(j, philox_word(r, w) < p.dropout_threshold);
+    }
+  }
+}
+
+// x[j] = kept ? x[j] * scale : 0 for the probabilities of keys [s0, s0 + n) of row `row`.
+template <typename acc_t>
+void dropout_row(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, acc_t scale, acc_t* x) {
+  for_each_dropout_keep(p, row, s0, n, [&](int64_t j, bool kept) { x[j] = kept ? x[j] * scale : acc_t(0); });
+}
+
+// f[j] = kept ? scale : 0 for keys [s0, s0 + n) of row `row`.
+template <typename acc_t>
+void dropout_factors(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, acc_t scale, acc_t* f) {
+  for_each_dropout_keep(p, row, s0, n, [&](int64_t j, bool kept) { f[j] = kept ? scale : acc_t(0); });
+}
+
 template <typename acc_t>
 void scale_row(acc_t* x, int64_t n, acc_t factor) {
   using Vec = Vectorized<acc_t>;
@@ -405,7 +443,8 @@ class AttentionCpu {
         d_(d),
         plan_(make_plan(p, sizeof(acc_t))),
         scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p.scale) + p.scale_lo)
-                                             : static_cast<acc_t>(p.scale)) {}
+                                             : static_cast<acc_t>(p.scale)),
+        dropout_scale_(dropout_scale<acc_t>(p)) {}
 
   void run() {
     const int64_t B = p_.batch, H = p_.heads;
@@ -603,6 +642,9 @@ class AttentionCpu {
       const acc_t tile_sum = exp_and_sum(row, nk, step.base);
       state = softmax_advance(state, step, tile_sum);
       if (step.alpha != acc_t(1)) scale_row(ws.o + (i0 + i) * Dv, Dv, step.alpha);
+      // Dropout after the row sum: the softmax normalises by the undropped mass (lse is undropped), and only
+      // the probabilities that multiply V are dropped and rescaled.
+      if (p_.dropout) dropout_row(p_, (b * p_.heads + h) * p_.q_len + q0 + i, k0, nk, dropout_scale_, row);
     }
 
     // O (nq, Dv) += P V.
@@ -635,6 +677,7 @@ class AttentionCpu {
   const AttentionData& d_;
   Plan plan_;
   const acc_t scale_;
+  const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
   at::Tensor padding_flags_storage_;
   at::Tensor mask_flags_storage_;
   const bool* padding_masked_ = nullptr;  // see compute_padding_flags; null without key_padding_mask
