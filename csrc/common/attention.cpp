@@ -88,13 +88,14 @@ void check_dropout_args(double dropout_p, const std::optional<at::Tensor>& dropo
   if (dropout_seed) {
     const at::Tensor& t = *dropout_seed;
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == 2,
-                "attnx::attention: expected dropout_seed to be a CPU int64 tensor (seed, offset) of shape (2,), "
-                "got a ",
+                "attnx::attention: expected dropout_seed to be a CPU int64 tensor (seed, offset) of shape "
+                "(2,), got a ",
                 t.device(), " ", t.scalar_type(), " tensor of shape ", t.sizes());
   } else {
     TORCH_CHECK(dropout_p == 0.0,
-                "attnx::attention: expected dropout_seed, a CPU int64 tensor (seed, offset) of shape (2,), when "
-                "dropout_p > 0 (attnx.attention draws one from torch's generator), got None with dropout_p = ",
+                "attnx::attention: expected dropout_seed, a CPU int64 tensor (seed, offset) of shape (2,), "
+                "when dropout_p > 0 (attnx.attention draws one from torch's generator), got None with "
+                "dropout_p = ",
                 dropout_p);
   }
 }

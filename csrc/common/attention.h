@@ -70,7 +70,8 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
                                                     const std::optional<at::Tensor>& key_padding_mask,
                                                     bool is_causal, std::optional<double> scale,
                                                     double dropout_p = 0.0,
-                                                    const std::optional<at::Tensor>& dropout_seed = std::nullopt);
+                                                    const std::optional<at::Tensor>& dropout_seed =
+                                                        std::nullopt);
 
 // The accumulator dtype of an input dtype, which is also lse's dtype: float64 for float64, float32 otherwise.
 at::ScalarType attention_acc_dtype(at::ScalarType dtype);

@@ -532,8 +532,8 @@ class AttentionBackwardCpu {
         softmax_backward_row_dropout(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
                                      ws.delta + q0, ws.drop + r * ld_t, lo, nq);
       } else {
-        softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0, ws.delta + q0,
-                             lo, nq);
+        softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
+                             ws.delta + q0, lo, nq);
       }
     }
 

@@ -60,8 +60,8 @@ ATTNX_PHILOX_INLINE uint32_t philox_word(Philox4x32 r, uint32_t i) {
 }
 
 // The dropout stream's block g: the draws of elements 4g .. 4g + 3. seed and offset are (low, high) pairs.
-ATTNX_PHILOX_INLINE Philox4x32 dropout_block(uint64_t g, uint32_t seed_lo, uint32_t seed_hi, uint32_t offset_lo,
-                                            uint32_t offset_hi) {
+ATTNX_PHILOX_INLINE Philox4x32 dropout_block(uint64_t g, uint32_t seed_lo, uint32_t seed_hi,
+                                             uint32_t offset_lo, uint32_t offset_hi) {
   Philox4x32 c;
   c.x = static_cast<uint32_t>(g);
   c.y = static_cast<uint32_t>(g >> 32);
