@@ -297,7 +297,9 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Dropout (attnx/philox.h): one Philox block serves four consecutive keys of a row.
+// Dropout (attnx/philox.h): one Philox block serves four consecutive keys of a row, and a row's blocks are
+// generated together, round by round over arrays, so that the compiler vectorises them (32x32->64-bit
+// multiplies are vpmuludq); a scalar loop over attnx::philox4x32_10 costs more than the attention itself.
 
 // The factor 1 / (1 - p) of kept probabilities, in the accumulator type (split like the softmax scale).
 template <typename acc_t>
@@ -307,29 +309,81 @@ acc_t dropout_scale(const AttentionParams& p) {
              : static_cast<acc_t>(p.dropout_scale);
 }
 
-// Calls f(j, kept) for keys s0 + j, j < n, of the (B, H, L, S) row `row` = (b * H + h) * L + l, in order.
-template <typename F>
-inline void for_each_dropout_keep(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, F&& f) {
-  uint64_t e = static_cast<uint64_t>(row) * static_cast<uint64_t>(p.kv_len) + static_cast<uint64_t>(s0);
-  for (int64_t j = 0; j < n;) {
-    const Philox4x32 r =
-        dropout_block(e >> 2, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0], p.dropout_offset[1]);
-    for (uint32_t w = static_cast<uint32_t>(e & 3); w < 4 && j < n; ++w, ++j, ++e) {
-      f(j, philox_word(r, w) < p.dropout_threshold);
+// Elements per call of dropout_draws, and the Philox blocks that cover them at any alignment.
+constexpr int64_t kDropoutChunk = 64;
+constexpr int kDropoutBlocks = kDropoutChunk / 4 + 1;
+
+// The dropout stream's draws of elements [e, e + n), n <= kDropoutChunk: returns u with u[j] the draw of
+// element e + j, pointing into buf. attnx::dropout_block's Philox4x32-10 over the covering blocks, written
+// out as structure-of-arrays rounds (tests check it bit for bit against the reference's Philox).
+inline const uint32_t* dropout_draws(const AttentionParams& p, uint64_t e, int64_t n,
+                                     uint32_t (&buf)[4 * kDropoutBlocks]) {
+  uint32_t x[kDropoutBlocks], y[kDropoutBlocks], z[kDropoutBlocks], w[kDropoutBlocks];
+  const uint64_t g0 = e >> 2;
+  const int nb = static_cast<int>(((e + static_cast<uint64_t>(n) - 1) >> 2) - g0 + 1);
+  for (int i = 0; i < nb; ++i) {
+    const uint64_t g = g0 + static_cast<uint64_t>(i);
+    x[i] = static_cast<uint32_t>(g);
+    y[i] = static_cast<uint32_t>(g >> 32);
+    z[i] = p.dropout_offset[0];
+    w[i] = p.dropout_offset[1];
+  }
+  uint32_t k0 = p.dropout_seed[0], k1 = p.dropout_seed[1];
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
     }
+    for (int i = 0; i < nb; ++i) {
+      const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * x[i];
+      const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * z[i];
+      const uint32_t nx = static_cast<uint32_t>(p1 >> 32) ^ y[i] ^ k0;
+      const uint32_t nz = static_cast<uint32_t>(p0 >> 32) ^ w[i] ^ k1;
+      y[i] = static_cast<uint32_t>(p1);
+      w[i] = static_cast<uint32_t>(p0);
+      x[i] = nx;
+      z[i] = nz;
+    }
+  }
+  for (int i = 0; i < nb; ++i) {
+    buf[4 * i] = x[i];
+    buf[4 * i + 1] = y[i];
+    buf[4 * i + 2] = z[i];
+    buf[4 * i + 3] = w[i];
+  }
+  return buf + (e & 3);
+}
+
+// Calls f(j0, m, u) for consecutive chunks [j0, j0 + m) of keys s0 .. s0 + n - 1 of the (B, H, L, S) row
+// `row` = (b * H + h) * L + l, u[j] being the draw of key s0 + j0 + j.
+template <typename F>
+inline void for_each_dropout_chunk(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, F&& f) {
+  const uint64_t e = static_cast<uint64_t>(row) * static_cast<uint64_t>(p.kv_len) + static_cast<uint64_t>(s0);
+  uint32_t buf[4 * kDropoutBlocks];
+  for (int64_t j0 = 0; j0 < n; j0 += kDropoutChunk) {
+    const int64_t m = std::min(kDropoutChunk, n - j0);
+    f(j0, m, dropout_draws(p, e + static_cast<uint64_t>(j0), m, buf));
   }
 }
 
 // x[j] = kept ? x[j] * scale : 0 for the probabilities of keys [s0, s0 + n) of row `row`.
 template <typename acc_t>
 void dropout_row(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, acc_t scale, acc_t* x) {
-  for_each_dropout_keep(p, row, s0, n, [&](int64_t j, bool kept) { x[j] = kept ? x[j] * scale : acc_t(0); });
+  const uint32_t threshold = p.dropout_threshold;
+  for_each_dropout_chunk(p, row, s0, n, [&](int64_t j0, int64_t m, const uint32_t* u) {
+    acc_t* xs = x + j0;
+    for (int64_t j = 0; j < m; ++j) xs[j] = u[j] < threshold ? xs[j] * scale : acc_t(0);
+  });
 }
 
 // f[j] = kept ? scale : 0 for keys [s0, s0 + n) of row `row`.
 template <typename acc_t>
 void dropout_factors(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, acc_t scale, acc_t* f) {
-  for_each_dropout_keep(p, row, s0, n, [&](int64_t j, bool kept) { f[j] = kept ? scale : acc_t(0); });
+  const uint32_t threshold = p.dropout_threshold;
+  for_each_dropout_chunk(p, row, s0, n, [&](int64_t j0, int64_t m, const uint32_t* u) {
+    acc_t* fs = f + j0;
+    for (int64_t j = 0; j < m; ++j) fs[j] = u[j] < threshold ? scale : acc_t(0);
+  });
 }
 
 template <typename acc_t>

@@ -33,10 +33,17 @@ struct Philox4x32 {
   uint32_t x, y, z, w;
 };
 
+// Philox4x32's constants (an enum: namespace-scope variables would need an address space in Metal).
+enum PhiloxConstant : uint32_t {
+  kPhiloxM0 = 0xD2511F53u,  // round multipliers
+  kPhiloxM1 = 0xCD9E8D57u,
+  kPhiloxW0 = 0x9E3779B9u,  // Weyl key increments: the golden ratio and sqrt(3) - 1, in 32-bit fixed point
+  kPhiloxW1 = 0xBB67AE85u,
+};
+
 // Philox4x32-10 of counter c under key (k0, k1).
 ATTNX_PHILOX_INLINE Philox4x32 philox4x32_10(Philox4x32 c, uint32_t k0, uint32_t k1) {
-  const uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
-  const uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments: golden ratio, sqrt(3) - 1
+  const uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
   for (int round = 0; round < 10; ++round) {
     if (round > 0) {
       k0 += kW0;
