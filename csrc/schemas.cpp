@@ -18,19 +18,25 @@ TORCH_LIBRARY(attnx, m) {
   // with nn.MultiheadAttention's masks (bool True = masked out, float added; (L, S), (B*H, L, S) or 4-D
   // broadcastable attn_mask, (B, S) key_padding_mask), read in place. Returns out (B, H, L, Dv) in memory
   // order (B, L, H, Dv) and the logsumexp lse (B, H, L) (+inf on fully masked rows) that the backward
-  // recomputes from.
+  // recomputes from. dropout_p > 0 drops each probability with probability dropout_p (and scales the kept
+  // ones by 1 / (1 - dropout_p)) before P V; the mask is a pure function of dropout_seed, a CPU int64 tensor
+  // (seed, offset) of shape (2,) (a tensor, so that torch.compile does not specialise on its value), and of
+  // the element's (b, h, l, s), never stored (include/attnx/philox.h). lse is that of the undropped scores.
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
-      "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> (Tensor out, Tensor lse)");
+      "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, float dropout_p=0.0, "
+      "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)");
   // The gradients of attention's out with respect to query, key and value, FlashAttention-2 style: the
   // probabilities are recomputed tile by tile from the saved lse and never stored. Same arguments and mask
   // semantics as attention; grad_out and out (B, H, L, Dv), lse (B, H, L) as attention returned them, any
   // strides. Returns grad_query (B, H, L, D), grad_key (B, H, S, D) and grad_value (B, H, S, Dv) in query's
   // dtype, each in memory order (B, N, H, E) like out. A fully masked row contributes 0. No gradient flows to
-  // masks or through lse.
+  // masks or through lse. With the forward's dropout_p and dropout_seed, the dropout mask is regenerated, not
+  // read.
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
-      "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> "
+      "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, "
+      "float dropout_p=0.0, Tensor? dropout_seed=None) -> "
       "(Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // The whole nn.MultiheadAttention forward in one dispatch, sequence-first: query (L, B, E), key (S, B, kdim),
   // value (S, B, vdim), any strides. Packed in_proj_weight or separate q/k/v weights, bias_k/bias_v,

@@ -254,6 +254,36 @@ def test_attention_mma_opt_in(device):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# attnx.attention with dropout: the SIMT kernel draws the CPU kernels' mask (the same Philox stream).
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_dropout(device, dtype):
+    seed = torch.tensor([17, 3])
+    q, k, v = make_qkv(2, 3, 37, 53, 24, 24, dtype=dtype, layout="blhd")
+    check(*to_device((q, k, v), device), is_causal=True, dropout_p=0.3, dropout_seed=seed)
+    if dtype == torch.float64:
+        cpu, _ = attnx.attention(q, k, v, is_causal=True, dropout_p=0.3, dropout_seed=seed)
+        q, k, v = to_device((q, k, v), device)
+        gpu, _ = attnx.attention(q, k, v, is_causal=True, dropout_p=0.3, dropout_seed=seed)
+        torch.testing.assert_close(gpu.cpu(), cpu, rtol=0, atol=1e-12)
+
+
+def test_attention_dropout_seeding_and_errors(device):
+    q, k, v = qkv(device, 1, 2, 16, 24, 8, 8)
+    torch.manual_seed(1)
+    a, _ = attnx.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(1)
+    b, _ = attnx.attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="expected dropout_seed to be a CPU int64 tensor"):
+        attnx.attention(q, k, v, dropout_p=0.5, dropout_seed=torch.tensor([1, 2], device=device))
+    q, k, v = qkv(device, 1, 1, 3, 5, 264, 8)  # above the kernel's head dims: the composite has no dropout
+    with pytest.raises(RuntimeError, match="expected head dims up to 256 on CUDA with dropout_p > 0"):
+        attnx.attention(q, k, v, dropout_p=0.5)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # attnx.linear (test_linear.py also runs its parametrised tests on the cuda param)
 
 

@@ -305,6 +305,53 @@ def test_mma_refuses_what_it_does_not_cover(emu):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Dropout (SIMT kernel): the element's Philox draw is a pure function of (seed, offset, b, h, l, s), so the
+# emulated kernel must drop exactly the reference's mask, and the CPU kernel's.
+
+
+def _seed(seed, offset=0):
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "blhd", "expanded_kv", "strided_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dropout_matches_reference(emu, dtype, layout):
+    # Two query blocks and two key tiles, both partial.
+    check(emu, *make_qkv(2, 2, 20, 37, 24, 24, dtype=dtype, layout=layout), dropout_p=0.3,
+          dropout_seed=_seed(17, 3))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dropout_masks_and_tiles(emu, is_causal):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.float64, layout="blhd")
+    check(emu, q, k, v, attn_mask=_mask("float_bhls", gen), key_padding_mask=_padding("bool", gen),
+          is_causal=is_causal, dropout_p=0.5, dropout_seed=_seed(-3, 2**33))
+    check(emu, *make_qkv(1, 1, 50, 70, 16, 16, dtype=torch.float64), is_causal=is_causal, dropout_p=0.2,
+          dropout_seed=_seed(5))
+
+
+def test_dropout_same_mask_as_the_cpu_kernel(emu):
+    import attnx
+
+    q, k, v = make_qkv(2, 3, 21, 45, 16, 16, dtype=torch.float64, layout="blhd")
+    for p in (0.1, 0.6, 1.0):
+        kwargs = {"is_causal": True, "dropout_p": p, "dropout_seed": _seed(2024, 1)}
+        emu_out, emu_lse = emu.attention(q, k, v, **kwargs)
+        cpu_out, cpu_lse = attnx.attention(q, k, v, **kwargs)
+        torch.testing.assert_close(emu_out, cpu_out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(emu_lse, cpu_lse, rtol=0, atol=1e-12)
+
+
+def test_dropout_is_not_on_the_mma_kernel(emu):
+    # The glue runs the SIMT kernel when dropout_p > 0; the mma launcher refuses it.
+    q, k, v = make_qkv(1, 1, 3, 5, 16, 16, dtype=torch.float16)
+    assert emu.plan(emulator.make_params(q, k, v, dropout_p=0.1, dropout_seed=_seed(1)), torch.float16).bucket
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+        emu.attention(q, k, v, dropout_p=0.1, dropout_seed=_seed(1), kernel="mma")
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Races: both kernels under ThreadSanitizer (tests/emulation/race_check.cpp). The emulated barriers and warp
 # exchanges are atomics TSan follows, so a shared-memory access that no __syncthreads/__syncwarp orders is
 # reported whatever the interleaving.

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace attnx {
@@ -80,6 +81,25 @@ void attn_mask_strides(const at::Tensor& mask, int64_t B, int64_t H, int64_t L, 
   }
 }
 
+void check_dropout_args(double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+  // Written so that NaN fails too. p == 1 is allowed, as in F.dropout: every probability is dropped.
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "attnx::attention: expected dropout_p in [0, 1], got ",
+              dropout_p);
+  if (dropout_seed) {
+    const at::Tensor& t = *dropout_seed;
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == 2,
+                "attnx::attention: expected dropout_seed to be a CPU int64 tensor (seed, offset) of shape "
+                "(2,), got a ",
+                t.device(), " ", t.scalar_type(), " tensor of shape ", t.sizes());
+  } else {
+    TORCH_CHECK(dropout_p == 0.0,
+                "attnx::attention: expected dropout_seed, a CPU int64 tensor (seed, offset) of shape (2,), "
+                "when dropout_p > 0 (attnx.attention draws one from torch's generator), got None with "
+                "dropout_p = ",
+                dropout_p);
+  }
+}
+
 // The unevaluated float sum hi + lo closest to `scale` (see AttentionParams::scale).
 void split_scale(double scale, float* hi, float* lo) {
   *hi = static_cast<float>(scale);
@@ -94,7 +114,8 @@ at::ScalarType attention_acc_dtype(at::ScalarType dtype) {
 
 void check_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const std::optional<at::Tensor>& attn_mask,
-                          const std::optional<at::Tensor>& key_padding_mask) {
+                          const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
+                          const std::optional<at::Tensor>& dropout_seed) {
   TORCH_CHECK(query.dim() == 4, "attnx::attention: expected query of shape (B, H, L, D), got a ", query.dim(),
               "-D tensor of shape ", query.sizes());
   TORCH_CHECK(key.dim() == 4, "attnx::attention: expected key of shape (B, H, S, D), got a ", key.dim(),
@@ -132,6 +153,7 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& key, const 
         "attnx::attention: expected key_padding_mask of shape (B, S) = (", B, ", ", S, "), got ",
         key_padding_mask->sizes());
   }
+  check_dropout_args(dropout_p, dropout_seed);
 }
 
 namespace {
@@ -141,7 +163,8 @@ namespace {
 AttentionParams attention_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                  const std::optional<at::Tensor>& attn_mask,
                                  const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                                 std::optional<double> scale, const void** attn_mask_ptr,
+                                 std::optional<double> scale, double dropout_p,
+                                 const std::optional<at::Tensor>& dropout_seed, const void** attn_mask_ptr,
                                  const void** key_padding_mask_ptr) {
   AttentionParams p{};
   p.batch = query.size(0);
@@ -174,6 +197,24 @@ AttentionParams attention_params(const at::Tensor& query, const at::Tensor& key,
   // D == 0: every score is an empty sum, 0 whatever the scale; 1 keeps 0 * scale finite.
   const double s = scale ? *scale : (p.head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(p.head_dim)) : 1.0);
   split_scale(s, &p.scale, &p.scale_lo);
+
+  if (dropout_p > 0.0) {
+    // Read on the host: the seed is a CPU tensor, so a CUDA launch needs no device sync for it.
+    const at::Tensor& t = *dropout_seed;
+    const int64_t* v = t.const_data_ptr<int64_t>();
+    const uint64_t seed = static_cast<uint64_t>(v[0]), offset = static_cast<uint64_t>(v[t.stride(0)]);
+    p.dropout = 1;
+    p.dropout_seed[0] = static_cast<uint32_t>(seed);
+    p.dropout_seed[1] = static_cast<uint32_t>(seed >> 32);
+    p.dropout_offset[0] = static_cast<uint32_t>(offset);
+    p.dropout_offset[1] = static_cast<uint32_t>(offset >> 32);
+    // floor((1 - p) * 2^32), computed in double as the reference does (the product by 2^32 is exact), so
+    // every backend keeps the same elements. A p so small that 1 - p rounds to 1 keeps all but 2^-32.
+    const double keep = (1.0 - dropout_p) * 4294967296.0;
+    p.dropout_threshold = static_cast<uint32_t>(std::min(keep, 4294967295.0));
+    p.dropout_p = static_cast<float>(dropout_p);
+    split_scale(dropout_p < 1.0 ? 1.0 / (1.0 - dropout_p) : 0.0, &p.dropout_scale, &p.dropout_scale_lo);
+  }
   return p;
 }
 
@@ -197,11 +238,12 @@ void check_backward_tensor(const at::Tensor& t, const char* name, at::IntArrayRe
 AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                    const std::optional<at::Tensor>& attn_mask,
                                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                                   std::optional<double> scale) {
-  check_attention_args(query, key, value, attn_mask, key_padding_mask);
+                                   std::optional<double> scale, double dropout_p,
+                                   const std::optional<at::Tensor>& dropout_seed) {
+  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed);
   AttentionProblem pb{};
-  pb.params = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                               &pb.attn_mask, &pb.key_padding_mask);
+  pb.params = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                               dropout_seed, &pb.attn_mask, &pb.key_padding_mask);
   AttentionParams& p = pb.params;
 
   // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
@@ -223,8 +265,10 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
                                                     const at::Tensor& out, const at::Tensor& lse,
                                                     const std::optional<at::Tensor>& attn_mask,
                                                     const std::optional<at::Tensor>& key_padding_mask,
-                                                    bool is_causal, std::optional<double> scale) {
-  check_attention_args(query, key, value, attn_mask, key_padding_mask);
+                                                    bool is_causal, std::optional<double> scale,
+                                                    double dropout_p,
+                                                    const std::optional<at::Tensor>& dropout_seed) {
+  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed);
   const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
   const int64_t S = key.size(2), Dv = value.size(3);
   const at::ScalarType dtype = query.scalar_type();
@@ -234,8 +278,8 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
 
   AttentionBackwardProblem pb{};
   AttentionBackwardParams& bp = pb.params;
-  bp.fwd = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, &pb.attn_mask,
-                            &pb.key_padding_mask);
+  bp.fwd = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                            dropout_seed, &pb.attn_mask, &pb.key_padding_mask);
   // The gradients take out's layout, (B, N, H, E) in memory: a multi-head caller's in-projection gradient
   // reads them as (B, N, H*E) views.
   pb.grad_query = empty_bnhe(B, H, L, D, query.options());

@@ -27,15 +27,19 @@ struct AttentionProblem {
 // The argument checks of attnx::attention. Errors read "attnx::attention: expected ..., got ...".
 void check_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const std::optional<at::Tensor>& attn_mask,
-                          const std::optional<at::Tensor>& key_padding_mask);
+                          const std::optional<at::Tensor>& key_padding_mask, double dropout_p = 0.0,
+                          const std::optional<at::Tensor>& dropout_seed = std::nullopt);
 
 // Checks the arguments, reads every tensor's layout into AttentionParams without copying any of them, and
 // allocates out and lse. Masks are canonicalised as views: (L, S) and 4-D masks broadcast to (B, H, L, S)
 // with stride 0 on broadcast dims, and a (B*H, L, S) mask is split into (B, H).
+// dropout_p in [0, 1]; when it is > 0, dropout_seed is a CPU int64 tensor (seed, offset) of shape (2,) whose
+// values go into the params (read on the host: no device sync for CUDA kernels).
 AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                    const std::optional<at::Tensor>& attn_mask,
                                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                                   std::optional<double> scale);
+                                   std::optional<double> scale, double dropout_p = 0.0,
+                                   const std::optional<at::Tensor>& dropout_seed = std::nullopt);
 
 // One call of attnx::attention_backward, ready for a kernel. The gradients are allocated in out's layout,
 // (B, H, N, E) with memory order (B, N, H, E).
@@ -64,7 +68,10 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
                                                     const at::Tensor& out, const at::Tensor& lse,
                                                     const std::optional<at::Tensor>& attn_mask,
                                                     const std::optional<at::Tensor>& key_padding_mask,
-                                                    bool is_causal, std::optional<double> scale);
+                                                    bool is_causal, std::optional<double> scale,
+                                                    double dropout_p = 0.0,
+                                                    const std::optional<at::Tensor>& dropout_seed =
+                                                        std::nullopt);
 
 // The accumulator dtype of an input dtype, which is also lse's dtype: float64 for float64, float32 otherwise.
 at::ScalarType attention_acc_dtype(at::ScalarType dtype);

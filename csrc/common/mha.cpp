@@ -31,8 +31,8 @@ std::tuple<at::Tensor, at::Tensor> attnx_attention(const at::Tensor& q, const at
           .findSchemaOrThrow("attnx::attention", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptTensor&, const OptTensor&, bool,
-                                                    std::optional<double>)>();
-  return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt);
+                                                    std::optional<double>, double, const OptTensor&)>();
+  return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt, 0.0, std::nullopt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attnx_attention_backward(

@@ -29,9 +29,11 @@ cpu::AttentionBackwardKernel select_backward_kernel() {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale) {
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   AttentionBackwardProblem pb = prepare_attention_backward(grad_out, query, key, value, out, lse, attn_mask,
-                                                           key_padding_mask, is_causal, scale);
+                                                           key_padding_mask, is_causal, scale, dropout_p,
+                                                           dropout_seed);
   const cpu::AttentionBackwardData data{pb.dtype,
                                         pb.grad_out,
                                         pb.query,

@@ -9,6 +9,9 @@
 //   P = exp(scale Q K^T + bias - lse),  delta = rowsum(dO * O),
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,  dK = scale dS^T Q.
 // A fully masked row has lse = +inf: its P is exp(-inf) = 0, so it contributes nothing and its dQ is 0.
+// With dropout, Z = keep / (1 - p) is regenerated per tile pair from the forward's Philox stream (out is the
+// dropped output, so delta = rowsum(dO * O) already is rowsum(dP * Z * P)):
+//   dV = (Z * P)^T dO,  dS = P * (Z * dP - delta).
 //
 // Work item = (b, h, a chunk of consecutive key tiles). The item owns dK and dV of its keys: for each key
 // tile it runs over every query tile, accumulates the tile's dK and dV in (bk, D) scratch and writes them
@@ -100,6 +103,31 @@ void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias
 }
 
 // dst[i] += src[i] for i < n.
+// softmax_backward_row with dropout: z[j] is the element's dropout factor (0, or 1 / (1 - p) when kept);
+// s[j] becomes the dropped probability z p, which dV sees, and dp[j] becomes dS = p * (z * dp[j] - delta[j]).
+template <typename acc_t>
+void softmax_backward_row_dropout(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias, const acc_t* lse,
+                                  const acc_t* delta, const acc_t* z, int64_t lo, int64_t n) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  std::fill_n(s, lo, acc_t(0));
+  std::fill_n(dp, lo, acc_t(0));
+  const Vec vb(row_bias);
+  int64_t j = lo;
+  for (; j + W <= n; j += W) {
+    const Vec vbias = bias ? Vec::loadu(bias + j) : vb;
+    const Vec p = vexp(Vec::loadu(s + j) + vbias - Vec::loadu(lse + j));
+    const Vec vz = Vec::loadu(z + j);
+    (p * vz).store(s + j);
+    (p * (vz * Vec::loadu(dp + j) - Vec::loadu(delta + j))).store(dp + j);
+  }
+  for (; j < n; ++j) {
+    const acc_t p = std::exp(s[j] + (bias ? bias[j] : row_bias) - lse[j]);
+    s[j] = p * z[j];
+    dp[j] = p * (z[j] * dp[j] - delta[j]);
+  }
+}
+
 template <typename acc_t>
 void add_row(acc_t* dst, const acc_t* src, int64_t n) {
   using Vec = Vectorized<acc_t>;
@@ -180,6 +208,8 @@ struct BackwardScratch {
   acc_t* key_bias;  // (bk,) key padding, plus attn_mask when it is the same for every query
   acc_t* dk;        // (bk, D) dK / scale of the key tile
   acc_t* dv;        // (bk, Dv) dV of the key tile
+  acc_t* drop_rows;  // (bq, ld_k) dropout factors of a tile pair, one query per row; with dropout only
+  acc_t* drop;       // (bk, ld_t) the same, transposed to the tile's key-major layout; with dropout only
   acc_t* tmp;       // (bq, max(D, Dv)) a query tile being packed or written
   // Operands over the whole head: row l at ptr + l * ld.
   Operand<acc_t> q_op{};
@@ -188,7 +218,7 @@ struct BackwardScratch {
   BackwardScratch(const AttentionParams& p, const BackwardPlan& plan) {
     const int64_t L = p.q_len, D = p.head_dim, Dv = p.v_head_dim, bq = plan.bq, bk = plan.bk;
     const int64_t line = kLine<acc_t>;
-    constexpr int kRegions = 17;
+    constexpr int kRegions = 19;
     const int64_t sizes[kRegions] = {
         D * plan.ld_q,
         Dv * plan.ld_q,
@@ -207,6 +237,8 @@ struct BackwardScratch {
         bk,
         bk * D,
         bk * Dv,
+        p.dropout ? bq * plan.ld_k : 0,
+        p.dropout ? bk * plan.ld_t : 0,
     };
     const int64_t tmp_size = bq * std::max(D, Dv);
     int64_t total = line + round_up(tmp_size, line);  // slack to align the first region
@@ -223,6 +255,7 @@ struct BackwardScratch {
     delta = regions[5];
     dqt = regions[6], k = regions[7], kt = regions[8], v = regions[9], s = regions[10], dp = regions[11];
     bias = regions[12], rows = regions[13], key_bias = regions[14], dk = regions[15], dv = regions[16];
+    drop_rows = regions[17], drop = regions[18];
     tmp = next;
   }
 };
@@ -245,7 +278,8 @@ class AttentionBackwardCpu {
             operand_in_place<scalar_t, acc_t>(bp.grad_out_stride[2], bp.grad_out_stride[3], p_.q_len,
                                               p_.v_head_dim))),
         scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p_.scale) + p_.scale_lo)
-                                             : static_cast<acc_t>(p_.scale)) {}
+                                             : static_cast<acc_t>(p_.scale)),
+        dropout_scale_(dropout_scale<acc_t>(p_)) {}
 
   void run() {
     const int64_t BH = p_.batch * p_.heads, H = p_.heads, D = p_.head_dim;
@@ -478,12 +512,29 @@ class AttentionBackwardCpu {
       bias = ws.bias;
     }
 
+    // Dropout: the pair's factors, generated along query rows (where four keys share a Philox block), then
+    // transposed to the key-major layout.
+    if (p_.dropout) {
+      const int64_t row0 = (b * p_.heads + h) * p_.q_len + q0;
+      for (int64_t i = 0; i < nq; ++i) {
+        dropout_factors(p_, row0 + i, k0, nk, dropout_scale_, ws.drop_rows + i * plan_.ld_k);
+      }
+      transpose(ws.drop_rows, plan_.ld_k, ws.drop, ld_t, nq, nk);
+    }
+
     const bool causal = p_.is_causal != 0;
     for (int64_t r = 0; r < nk; ++r) {
       // Under is_causal, key k0 + r is masked for queries before it.
       const int64_t lo = causal ? std::clamp<int64_t>(k0 + r - q0, 0, nq) : 0;
-      softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, bias ? bias + r * ld_t : nullptr,
-                           (kb && !bias) ? kb[r] : acc_t(0), ws.lse + q0, ws.delta + q0, lo, nq);
+      const acc_t* row_mask = bias ? bias + r * ld_t : nullptr;
+      const acc_t row_bias = (kb && !bias) ? kb[r] : acc_t(0);
+      if (p_.dropout) {
+        softmax_backward_row_dropout(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
+                                     ws.delta + q0, ws.drop + r * ld_t, lo, nq);
+      } else {
+        softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
+                             ws.delta + q0, lo, nq);
+      }
     }
 
     // dV (nk, Dv) += P^T dO;  dK (nk, D) += dS^T Q;  dQ^T (D, nq) += K^T dS^T. (scale: applied when written.)
@@ -549,6 +600,7 @@ class AttentionBackwardCpu {
   const AttentionBackwardData& d_;
   BackwardPlan plan_;
   const acc_t scale_;
+  const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
   at::Tensor padding_flags_storage_;
   at::Tensor mask_flags_storage_;
   at::Tensor slots_storage_;

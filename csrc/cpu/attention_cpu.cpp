@@ -38,8 +38,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
                                                  const at::Tensor& value,
                                                  const std::optional<at::Tensor>& attn_mask,
                                                  const std::optional<at::Tensor>& key_padding_mask,
-                                                 bool is_causal, std::optional<double> scale) {
-  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+                                                 bool is_causal, std::optional<double> scale,
+                                                 double dropout_p,
+                                                 const std::optional<at::Tensor>& dropout_seed) {
+  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                                          dropout_p, dropout_seed);
   const cpu::AttentionData data{pb.dtype,          pb.query,         pb.key,
                                 pb.value,          pb.attn_mask,     pb.key_padding_mask,
                                 pb.out.data_ptr(), pb.lse.data_ptr()};

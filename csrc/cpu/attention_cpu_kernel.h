@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "attnx/params.h"
+#include "attnx/philox.h"
 #include "attnx/softmax.h"
 
 // GCC on x86-64 builds the AVX2 and AVX-512 variants through `#pragma GCC target`; elsewhere only DEFAULT.

@@ -7,8 +7,10 @@
 // once for the whole block, and each query tile that the masks leave anything of: one GEMM computes the
 // (BQ, BK) scores, vectorised passes over each row add the masks read in place, take the row max and the
 // exp and row sum of the online softmax, and a second GEMM adds P V into the block's fp32 (fp64 for fp64)
-// accumulators. Scores never exist beyond one (BQ, BK) tile per thread, so extra memory is the per-thread
-// scratch plus O(B * S / BK) and O(mask tiles) skip flags; out and lse are written once per row at the end.
+// accumulators. With dropout, each row's probabilities are dropped after the softmax's row sum (the Philox
+// stream of attnx/philox.h, regenerated per element), before the P V GEMM. Scores never exist beyond one
+// (BQ, BK) tile per thread, so extra memory is the per-thread scratch plus O(B * S / BK) and O(mask tiles)
+// skip flags; out and lse are written once per row at the end.
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -294,6 +296,96 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
   return sum;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Dropout (attnx/philox.h): one Philox block serves four consecutive keys of a row, and a row's blocks are
+// generated together, round by round over arrays, so that the compiler vectorises them (32x32->64-bit
+// multiplies are vpmuludq); a scalar loop over attnx::philox4x32_10 costs more than the attention itself.
+
+// The factor 1 / (1 - p) of kept probabilities, in the accumulator type (split like the softmax scale).
+template <typename acc_t>
+acc_t dropout_scale(const AttentionParams& p) {
+  return std::is_same_v<acc_t, double>
+             ? static_cast<acc_t>(static_cast<double>(p.dropout_scale) + p.dropout_scale_lo)
+             : static_cast<acc_t>(p.dropout_scale);
+}
+
+// Elements per call of dropout_draws, and the Philox blocks that cover them at any alignment.
+constexpr int64_t kDropoutChunk = 64;
+constexpr int kDropoutBlocks = kDropoutChunk / 4 + 1;
+
+// The dropout stream's draws of elements [e, e + n), n <= kDropoutChunk: returns u with u[j] the draw of
+// element e + j, pointing into buf. attnx::dropout_block's Philox4x32-10 over the covering blocks, written
+// out as structure-of-arrays rounds (tests check it bit for bit against the reference's Philox).
+inline const uint32_t* dropout_draws(const AttentionParams& p, uint64_t e, int64_t n,
+                                     uint32_t (&buf)[4 * kDropoutBlocks]) {
+  uint32_t x[kDropoutBlocks], y[kDropoutBlocks], z[kDropoutBlocks], w[kDropoutBlocks];
+  const uint64_t g0 = e >> 2;
+  const int nb = static_cast<int>(((e + static_cast<uint64_t>(n) - 1) >> 2) - g0 + 1);
+  for (int i = 0; i < nb; ++i) {
+    const uint64_t g = g0 + static_cast<uint64_t>(i);
+    x[i] = static_cast<uint32_t>(g);
+    y[i] = static_cast<uint32_t>(g >> 32);
+    z[i] = p.dropout_offset[0];
+    w[i] = p.dropout_offset[1];
+  }
+  uint32_t k0 = p.dropout_seed[0], k1 = p.dropout_seed[1];
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
+    }
+    for (int i = 0; i < nb; ++i) {
+      const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * x[i];
+      const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * z[i];
+      const uint32_t nx = static_cast<uint32_t>(p1 >> 32) ^ y[i] ^ k0;
+      const uint32_t nz = static_cast<uint32_t>(p0 >> 32) ^ w[i] ^ k1;
+      y[i] = static_cast<uint32_t>(p1);
+      w[i] = static_cast<uint32_t>(p0);
+      x[i] = nx;
+      z[i] = nz;
+    }
+  }
+  for (int i = 0; i < nb; ++i) {
+    buf[4 * i] = x[i];
+    buf[4 * i + 1] = y[i];
+    buf[4 * i + 2] = z[i];
+    buf[4 * i + 3] = w[i];
+  }
+  return buf + (e & 3);
+}
+
+// Calls f(j0, m, u) for consecutive chunks [j0, j0 + m) of keys s0 .. s0 + n - 1 of the (B, H, L, S) row
+// `row` = (b * H + h) * L + l, u[j] being the draw of key s0 + j0 + j.
+template <typename F>
+inline void for_each_dropout_chunk(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, F&& f) {
+  const uint64_t e = static_cast<uint64_t>(row) * static_cast<uint64_t>(p.kv_len) + static_cast<uint64_t>(s0);
+  uint32_t buf[4 * kDropoutBlocks];
+  for (int64_t j0 = 0; j0 < n; j0 += kDropoutChunk) {
+    const int64_t m = std::min(kDropoutChunk, n - j0);
+    f(j0, m, dropout_draws(p, e + static_cast<uint64_t>(j0), m, buf));
+  }
+}
+
+// x[j] = kept ? x[j] * scale : 0 for the probabilities of keys [s0, s0 + n) of row `row`.
+template <typename acc_t>
+void dropout_row(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, acc_t scale, acc_t* x) {
+  const uint32_t threshold = p.dropout_threshold;
+  for_each_dropout_chunk(p, row, s0, n, [&](int64_t j0, int64_t m, const uint32_t* u) {
+    acc_t* xs = x + j0;
+    for (int64_t j = 0; j < m; ++j) xs[j] = u[j] < threshold ? xs[j] * scale : acc_t(0);
+  });
+}
+
+// f[j] = kept ? scale : 0 for keys [s0, s0 + n) of row `row`.
+template <typename acc_t>
+void dropout_factors(const AttentionParams& p, int64_t row, int64_t s0, int64_t n, acc_t scale, acc_t* f) {
+  const uint32_t threshold = p.dropout_threshold;
+  for_each_dropout_chunk(p, row, s0, n, [&](int64_t j0, int64_t m, const uint32_t* u) {
+    acc_t* fs = f + j0;
+    for (int64_t j = 0; j < m; ++j) fs[j] = u[j] < threshold ? scale : acc_t(0);
+  });
+}
+
 template <typename acc_t>
 void scale_row(acc_t* x, int64_t n, acc_t factor) {
   using Vec = Vectorized<acc_t>;
@@ -405,7 +497,8 @@ class AttentionCpu {
         d_(d),
         plan_(make_plan(p, sizeof(acc_t))),
         scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p.scale) + p.scale_lo)
-                                             : static_cast<acc_t>(p.scale)) {}
+                                             : static_cast<acc_t>(p.scale)),
+        dropout_scale_(dropout_scale<acc_t>(p)) {}
 
   void run() {
     const int64_t B = p_.batch, H = p_.heads;
@@ -603,6 +696,9 @@ class AttentionCpu {
       const acc_t tile_sum = exp_and_sum(row, nk, step.base);
       state = softmax_advance(state, step, tile_sum);
       if (step.alpha != acc_t(1)) scale_row(ws.o + (i0 + i) * Dv, Dv, step.alpha);
+      // Dropout after the row sum: the softmax normalises by the undropped mass (lse is undropped), and only
+      // the probabilities that multiply V are dropped and rescaled.
+      if (p_.dropout) dropout_row(p_, (b * p_.heads + h) * p_.q_len + q0 + i, k0, nk, dropout_scale_, row);
     }
 
     // O (nq, Dv) += P V.
@@ -635,6 +731,7 @@ class AttentionCpu {
   const AttentionData& d_;
   Plan plan_;
   const acc_t scale_;
+  const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
   at::Tensor padding_flags_storage_;
   at::Tensor mask_flags_storage_;
   const bool* padding_masked_ = nullptr;  // see compute_padding_flags; null without key_padding_mask

@@ -16,7 +16,12 @@
 // removes entirely (every warp reads the same 32 mask elements, so the decision is the block's). Masks
 // change nothing else: a masked score is -inf and contributes exp(-inf) = 0.
 //
+// Dropout: after the warp's row sum (the softmax normalises by the undropped mass), lane j drops its key's
+// probability by the element's Philox draw (attnx/philox.h, one block per element: the draws are a pure
+// function of (seed, offset, b, h, l, s), so they match the CPU kernels and the reference bit for bit).
+//
 // Head dims up to kMaxHeadDim; the glue falls back to a chunked composition of ATen ops above that.
+#include "attnx/philox.h"
 #include "cuda/attention.h"
 #include "cuda/common.cuh"
 
@@ -71,6 +76,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int64_t am_base = b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1];
   const int64_t kpm_base = b * p.key_padding_mask_stride[0];
   const acc_t scale = sizeof(acc_t) == 8 ? acc_t(double(p.scale) + double(p.scale_lo)) : acc_t(p.scale);
+  const acc_t dropout_scale = sizeof(acc_t) == 8 ? acc_t(double(p.dropout_scale) + double(p.dropout_scale_lo))
+                                                 : acc_t(p.dropout_scale);
+  const uint64_t dropout_row0 = static_cast<uint64_t>(bh) * static_cast<uint64_t>(L);  // row of query 0
 
   // The block's queries, one row per warp at a time, lanes along D (coalesced when the last stride is 1).
   for (int r = warp; r < plan.rows_per_block; r += kWarps) {
@@ -173,6 +181,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
         for (int c = 0; c < kCols; ++c) o[r][c] *= step.alpha;
         any = any || tile_max != kNegInf;
+        if (p.dropout && lane < nk) {
+          const uint64_t e = (dropout_row0 + static_cast<uint64_t>(l[r])) * static_cast<uint64_t>(S) +
+                             static_cast<uint64_t>(key);
+          const bool kept = dropout_keep(e, p.dropout_threshold, p.dropout_seed[0], p.dropout_seed[1],
+                                         p.dropout_offset[0], p.dropout_offset[1]);
+          pr = kept ? pr * dropout_scale : acc_t(0);
+        }
       }
       p_s[(warp * R + r) * kTileKeys + lane] = pr;
     }

@@ -113,13 +113,19 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
                                                   const at::Tensor& value,
                                                   const std::optional<at::Tensor>& attn_mask,
                                                   const std::optional<at::Tensor>& key_padding_mask,
-                                                  bool is_causal, std::optional<double> scale) {
+                                                  bool is_causal, std::optional<double> scale,
+                                                  double dropout_p,
+                                                  const std::optional<at::Tensor>& dropout_seed) {
   // Only a CUDA query sets the device; any other mix of devices fails prepare_attention's device checks.
   c10::cuda::OptionalCUDAGuard guard;
   if (query.is_cuda()) guard.set_device(query.device());
-  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                                          dropout_p, dropout_seed);
   const cuda::DType dtype = kernel_dtype(pb.dtype);
   if (cuda::plan_attention(pb.params, dtype).bucket == 0) {
+    TORCH_CHECK(!pb.params.dropout, "attnx::attention: expected head dims up to ", cuda::kMaxHeadDim,
+                " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
+                pb.params.head_dim, ", Dv=", pb.params.v_head_dim);
     attention_composite(query, key, value, attn_mask, key_padding_mask, is_causal, scale, pb);
     return {pb.out, pb.lse};
   }

@@ -107,9 +107,10 @@ constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
 constexpr int kMmaTileKeys = 64;
 constexpr int kMmaMaxHeadDim = 128;  // its Q, S and O fragments stay in registers up to here
 
-// True when the mma kernel covers the problem: float16/bfloat16 and max(D, Dv) <= kMmaMaxHeadDim.
+// True when the mma kernel covers the problem: float16/bfloat16, max(D, Dv) <= kMmaMaxHeadDim and no dropout
+// (the SIMT kernel applies dropout).
 constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
-  return (dtype == DType::kFloat16 || dtype == DType::kBFloat16) &&
+  return p.dropout == 0 && (dtype == DType::kFloat16 || dtype == DType::kBFloat16) &&
          head_dim_bucket(p.head_dim, p.v_head_dim) != 0 &&
          head_dim_bucket(p.head_dim, p.v_head_dim) <= kMmaMaxHeadDim;
 }

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["attention", "attention_backward", "linear", "mha"]
+__all__ = ["attention", "attention_backward", "draw_dropout_seed", "linear", "mha"]
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -37,6 +37,8 @@ def attention(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused scaled dot-product attention with ``nn.MultiheadAttention``'s masks; returns ``(out, lse)``.
 
@@ -50,18 +52,44 @@ def attention(
     into a ``(B, H, L, S)`` tensor. ``is_causal`` masks key ``s > l`` (top-left aligned, as SDPA).
     ``scale`` defaults to ``1/sqrt(D)``.
 
+    ``dropout_p`` in ``[0, 1]``: dropout on the attention probabilities, fused (each is zeroed with
+    probability ``dropout_p`` and the kept ones scaled by ``1 / (1 - dropout_p)`` before they multiply value;
+    ``1`` drops everything, as ``F.dropout``). The mask is never stored: it is a pure function of
+    ``dropout_seed``, an int64 CPU tensor ``(seed, offset)``, and of each element's ``(b, h, l, s)``
+    (Philox4x32-10, see :func:`attnx.reference.dropout_keep_mask`), identical on every backend, and the
+    backward regenerates it. When ``dropout_seed`` is None it is drawn by :func:`draw_dropout_seed` from
+    torch's default generator of query's device type, so ``torch.manual_seed`` makes runs reproducible. The
+    caller applies dropout only in training (pass ``dropout_p=0.0`` in eval, as
+    ``F.scaled_dot_product_attention``).
+
     Returns out ``(B, H, L, Dv)`` in query's dtype, laid out in memory as ``(B, L, H, Dv)`` so that
     ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is a view, and ``lse`` ``(B, H, L)``, the natural-log
-    logsumexp of the scaled, masked scores in float32 (float64 for float64 inputs). A row whose keys are all
-    masked (or S == 0) gives out 0 and ``lse = +inf``. The semantics are those of
+    logsumexp of the scaled, masked scores in float32 (float64 for float64 inputs), before dropout. A row
+    whose keys are all masked (or S == 0) gives out 0 and ``lse = +inf``. The semantics are those of
     :func:`attnx.reference.attention`.
 
     Differentiable in query, key and value through :func:`attention_backward`, which recomputes the
-    probabilities from the saved ``lse`` (autograd saves q, k, v, out, lse and the masks, nothing of size
-    ``(B, H, L, S)``). ``lse`` is not differentiable (as SDPA's logsumexp), masks get no gradient (a float
-    mask that requires grad makes the backward raise), and there is no double backward.
+    probabilities from the saved ``lse`` and the dropout mask from the saved seed (autograd saves q, k, v,
+    out, lse, the masks and the seed, nothing of size ``(B, H, L, S)``). ``lse`` is not differentiable (as
+    SDPA's logsumexp), masks get no gradient (a float mask that requires grad makes the backward raise), and
+    there is no double backward.
     """
-    return torch.ops.attnx.attention.default(query, key, value, attn_mask, key_padding_mask, is_causal, scale)
+    if dropout_p > 0 and dropout_seed is None:
+        dropout_seed = draw_dropout_seed(query.device)
+    return torch.ops.attnx.attention.default(
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed
+    )
+
+
+def draw_dropout_seed(device: torch.device) -> Tensor:
+    """A fresh dropout seed for :func:`attention`: an int64 CPU tensor ``(seed, offset)`` drawn from torch's
+    default generator of ``device``'s type, so that ``torch.manual_seed`` (or ``torch.cuda.manual_seed``)
+    makes it reproducible.
+
+    It lives on the CPU so that kernels read it on the host when they launch; for an accelerator the two
+    numbers are drawn there and copied back, which waits for the device's queue."""
+    seed = torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
+    return seed if seed.device.type == "cpu" else seed.cpu()
 
 
 def attention_backward(
@@ -75,6 +103,8 @@ def attention_backward(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`attention`'s out with respect to query, key and value.
 
@@ -84,10 +114,13 @@ def attention_backward(
     O(B*H*L) plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in float32 (float64 for float64).
     Returns grad_query ``(B, H, L, D)``, grad_key ``(B, H, S, D)`` and grad_value ``(B, H, S, Dv)`` in query's
     dtype, each laid out in memory as ``(B, N, H, E)``, like out. A fully masked row (``lse = +inf``)
-    contributes 0.
+    contributes 0. With the forward's ``dropout_p`` and ``dropout_seed``, the forward's dropout mask is
+    regenerated (never read from memory): ``dV = (Z P)^T dO`` and ``dS = P (Z dP - rowsum(dO O))``, ``Z`` the
+    mask scaled by ``1 / (1 - dropout_p)``.
     """
     return torch.ops.attnx.attention_backward.default(
-        grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale
+        grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+        dropout_seed,
     )
 
 
@@ -264,12 +297,36 @@ def _check_attention_mask(mask: Tensor, name: str, query: Tensor) -> None:
     )
 
 
+def _check_dropout_args(dropout_p: float, dropout_seed: Optional[Tensor]) -> None:
+    """The checks of ``check_dropout_args`` in csrc/common/attention.cpp, for fake tensors."""
+    torch._check(
+        0.0 <= dropout_p <= 1.0, lambda: f"attnx::attention: expected dropout_p in [0, 1], got {dropout_p}"
+    )
+    if dropout_seed is not None:
+        torch._check(
+            dropout_seed.device.type == "cpu" and dropout_seed.dtype == torch.int64
+            and list(dropout_seed.shape) == [2],
+            lambda: "attnx::attention: expected dropout_seed to be a CPU int64 tensor (seed, offset) of "
+            f"shape (2,), got a {dropout_seed.device} {_scalar_name(dropout_seed.dtype)} tensor of shape "
+            f"{list(dropout_seed.shape)}",
+        )
+    else:
+        torch._check(
+            dropout_p == 0.0,
+            lambda: "attnx::attention: expected dropout_seed, a CPU int64 tensor (seed, offset) of shape "
+            "(2,), when dropout_p > 0 (attnx.attention draws one from torch's generator), got None with "
+            f"dropout_p = {dropout_p}",
+        )
+
+
 def _check_attention_args(
     query: Tensor,
     key: Tensor,
     value: Tensor,
     attn_mask: Optional[Tensor],
     key_padding_mask: Optional[Tensor],
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> None:
     """The checks of ``check_attention_args`` in csrc/common/attention.cpp, for fake tensors."""
     for t, name, shape in ((query, "query", "(B, H, L, D)"), (key, "key", "(B, H, S, D)"),
@@ -328,6 +385,7 @@ def _check_attention_args(
             lambda: f"attnx::attention: expected key_padding_mask of shape (B, S) = ({B}, {S}), "
             f"got {list(key_padding_mask.shape)}",
         )
+    _check_dropout_args(dropout_p, dropout_seed)
 
 
 @torch.library.register_fake("attnx::attention")
@@ -339,8 +397,10 @@ def _attention_fake(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_attention_args(query, key, value, attn_mask, key_padding_mask)
+    _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed)
     B, H, L, _ = query.shape
     Dv = value.shape[3]
     # The kernel's layout: out in memory order (B, L, H, Dv), lse contiguous.
@@ -382,8 +442,10 @@ def _attention_backward_fake(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_attention_args(query, key, value, attn_mask, key_padding_mask)
+    _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed)
     B, H, L, D = query.shape
     S, Dv = key.shape[2], value.shape[3]
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -399,7 +461,7 @@ def _attention_backward_fake(
 
 
 def _attention_setup_context(ctx, inputs, output) -> None:
-    query, key, value, attn_mask, key_padding_mask, is_causal, scale = inputs
+    query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed = inputs
     out, lse = output
     # Like SDPA's logsumexp: an output for the backward (and for combining partial attentions), not a path for
     # gradients; marking it keeps a loss that uses it from silently missing that term.
@@ -408,9 +470,10 @@ def _attention_setup_context(ctx, inputs, output) -> None:
         name for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
         if mask is not None and mask.requires_grad
     ]
-    ctx.is_causal, ctx.scale = is_causal, scale
-    # Everything the backward recomputes the probabilities from; nothing of size (B, H, L, S).
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask)
+    ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
+    # Everything the backward recomputes the probabilities and the dropout mask from; nothing of size
+    # (B, H, L, S).
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed)
 
 
 def _attention_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
@@ -421,14 +484,15 @@ def _attention_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
             "compute its gradient through attnx.reference.attention (which materialises the (B, H, L, S) "
             "scores)."
         )
-    query, key, value, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed = ctx.saved_tensors
     needs = ctx.needs_input_grad
     grads = (None, None, None)
     if any(needs[:3]):
         grads = torch.ops.attnx.attention_backward.default(
-            grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale
+            grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale,
+            ctx.dropout_p, dropout_seed,
         )
-    return (*(g if need else None for g, need in zip(grads, needs[:3], strict=True)), None, None, None, None)
+    return (*(g if need else None for g, need in zip(grads, needs[:3], strict=True)), *(None,) * 6)
 
 
 def _no_double_backward(ctx, *grads):

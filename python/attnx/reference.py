@@ -4,6 +4,7 @@ This module is the spec: tests compare the kernels against it (in float64 where 
 benchmarks check outputs against it before timing, and fallbacks call it. Clarity beats speed here.
 """
 
+from collections.abc import Sequence
 from typing import Callable, Optional
 
 import torch
@@ -24,6 +25,8 @@ def attention(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention with nn.MultiheadAttention's mask semantics; returns ``(out, lse)``.
 
@@ -32,6 +35,11 @@ def attention(
     ``(B, H, L, S)``. key_padding_mask: ``(B, S)``. For both, bool ``True`` means *masked out* (the opposite
     of SDPA's bool mask) and a float mask is added to the scores; the two combine. ``is_causal`` masks key
     ``s > l`` (top-left aligned, as SDPA). ``scale`` defaults to ``1 / sqrt(D)``.
+
+    ``dropout_p`` in ``[0, 1]``: each probability is kept where :func:`dropout_keep_mask` of ``dropout_seed``
+    (an int64 tensor ``(seed, offset)``) says so and scaled by ``1 / (1 - dropout_p)``, dropped (0) elsewhere,
+    before it multiplies value; ``dropout_p == 1`` drops everything (out 0), as ``F.dropout``. ``lse`` is that
+    of the undropped scores.
 
     Returns out ``(B, H, L, Dv)`` in query's dtype and the logsumexp of the scaled, masked scores, ``lse``
     ``(B, H, L)``, in float32 (float64 for float64 inputs). A row whose keys are all masked (or S == 0) gives
@@ -59,9 +67,68 @@ def attention(
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
+    if dropout_p > 0:
+        if dropout_seed is None:
+            raise ValueError("attnx.reference.attention: dropout_p > 0 needs a dropout_seed (seed, offset)")
+        keep = dropout_keep_mask(dropout_seed, B, H, L, S, dropout_p).to(query.device)
+        probs = probs * keep / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(probs)
     out = torch.matmul(probs, value.to(acc)).to(query.dtype)
     lse = lse.masked_fill(empty.squeeze(-1), float("inf"))
     return out, lse.to(acc)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dropout: Philox4x32-10 in plain PyTorch, uint32 arithmetic carried in int64 tensors (the spec of
+# csrc/include/attnx/philox.h).
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
+
+
+def _mulhilo32(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit halves of ``a * b`` for a constant ``a`` and int64 ``b``, both in [0, 2^32).
+
+    The 64-bit product would overflow int64, so b is split into 16-bit halves: every partial product stays
+    below 2^48."""
+    p_lo = a * (b & 0xFFFF)  # < 2^48
+    p_hi = a * (b >> 16)  # < 2^48, weight 2^16
+    t = (p_lo & _MASK32) + ((p_hi & 0xFFFF) << 16)  # < 2^33
+    return (p_lo >> 32) + (p_hi >> 16) + (t >> 32), t & _MASK32
+
+
+def philox4x32_10(counter: Sequence[Tensor], key: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-10 (Salmon et al., SC 2011; Random123) of the counters ``(x, y, z, w)`` (int64 tensors of
+    values in [0, 2^32), broadcastable) under the key ``(k0, k1)``; returns the four output words likewise."""
+    x, y, z, w = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = key
+    for round_ in range(10):
+        if round_ > 0:
+            k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+        hi0, lo0 = _mulhilo32(_PHILOX_M0, x)
+        hi1, lo1 = _mulhilo32(_PHILOX_M1, z)
+        x, y, z, w = hi1 ^ y ^ k0, lo1, hi0 ^ w ^ k1, lo0
+    return x, y, z, w
+
+
+def dropout_keep_mask(dropout_seed: Tensor, B: int, H: int, L: int, S: int, p: float) -> Tensor:
+    """The keep mask ``(B, H, L, S)`` (bool, on the CPU) of attention dropout with probability ``p``.
+
+    ``dropout_seed`` is an int64 tensor ``(seed, offset)``. Element ``(b, h, l, s)`` has the row-major index
+    ``e = ((b * H + h) * L + l) * S + s``; its draw is word ``e % 4`` of Philox4x32-10 at counter
+    ``(e // 4 mod 2^32, e // 4 >> 32, offset mod 2^32, offset >> 32)`` under key
+    ``(seed mod 2^32, seed >> 32)`` (both taken as uint64), and it is kept when the draw is below
+    ``floor((1 - p) * 2^32)`` (capped at 2^32 - 1), a keep rate of ``1 - p`` to within 2^-32."""
+    seed, offset = (int(v) & 0xFFFFFFFFFFFFFFFF for v in dropout_seed.tolist())
+    n = B * H * L * S
+    g = torch.arange((n + 3) // 4, dtype=torch.int64)
+    words = philox4x32_10(
+        (g & _MASK32, g >> 32, torch.tensor(offset & _MASK32), torch.tensor(offset >> 32)),
+        (seed & _MASK32, seed >> 32),
+    )
+    draws = torch.stack(words, dim=-1).flatten()[:n]
+    threshold = min(int((1.0 - p) * 4294967296.0), _MASK32)
+    return (draws < threshold).view(B, H, L, S)
 
 
 def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

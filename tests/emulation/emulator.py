@@ -132,7 +132,7 @@ def build(extra_flags=(), sources=SOURCES, shared=True):
 # ------------------------------------------------------------------------------------------------------------
 # ctypes mirrors of csrc/include/attnx/params.h and csrc/cuda/attention_plan.h.
 
-i64, i32 = ctypes.c_int64, ctypes.c_int32
+i64, i32, u32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32
 
 
 class AttentionParams(ctypes.Structure):
@@ -143,6 +143,9 @@ class AttentionParams(ctypes.Structure):
         ("lse_stride", i64 * 3), ("attn_mask_stride", i64 * 4), ("key_padding_mask_stride", i64 * 2),
         ("attn_mask_kind", i32), ("key_padding_mask_kind", i32), ("is_causal", i32),
         ("scale", ctypes.c_float), ("scale_lo", ctypes.c_float),
+        ("dropout_seed", u32 * 2), ("dropout_offset", u32 * 2), ("dropout_threshold", u32), ("dropout", i32),
+        ("dropout_p", ctypes.c_float), ("dropout_scale", ctypes.c_float),
+        ("dropout_scale_lo", ctypes.c_float),
     ]
 
 
@@ -182,7 +185,7 @@ def split_scale(scale):
 
 
 def make_params(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None, out=None,
-                lse=None):
+                lse=None, dropout_p=0.0, dropout_seed=None):
     B, H, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
     p = AttentionParams(batch=B, heads=H, q_len=L, kv_len=S, head_dim=D, v_head_dim=Dv)
@@ -202,6 +205,14 @@ def make_params(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False,
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     p.scale, p.scale_lo = split_scale(scale)
+    if dropout_p > 0:  # common/attention.cpp's attention_params
+        seed, offset = (int(x) & 0xFFFFFFFFFFFFFFFF for x in dropout_seed.tolist())
+        p.dropout = 1
+        p.dropout_seed[:] = [seed & 0xFFFFFFFF, seed >> 32]
+        p.dropout_offset[:] = [offset & 0xFFFFFFFF, offset >> 32]
+        p.dropout_threshold = min(int((1.0 - dropout_p) * 4294967296.0), 0xFFFFFFFF)
+        p.dropout_p = dropout_p
+        p.dropout_scale, p.dropout_scale_lo = split_scale(1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
     return p
 
 
@@ -224,7 +235,7 @@ class Emulator:
         return plan
 
     def attention(self, q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                  out_layout="blhd", kernel="simt"):
+                  dropout_p=0.0, dropout_seed=None, out_layout="blhd", kernel="simt"):
         """attnx.attention on the emulated CUDA kernel: (out, lse) as the CUDA op returns them.
 
         ``kernel``: "simt" (attention.cu) or "mma" (attention_mma.cu, with mma.sync emulated).
@@ -239,7 +250,8 @@ class Emulator:
         else:
             out = torch.empty(B, H, L, Dv, dtype=q.dtype)
         lse = torch.empty(B, H, L, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-        p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse)
+        p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout_p,
+                        dropout_seed)
 
         def ptr(t):
             return None if t is None else t.data_ptr()

@@ -56,11 +56,25 @@ struct AttentionParams {
   // passed without a double field, which Metal lacks.
   float scale;
   float scale_lo;
+
+  // Dropout on the probabilities (see attnx/philox.h): with `dropout` set, element (b, h, l, s) is kept when
+  // the Philox4x32-10 draw for it, under key dropout_seed and counter offset dropout_offset, is below
+  // dropout_threshold = floor((1 - p) * 2^32), and a kept probability is scaled by 1 / (1 - p) =
+  // dropout_scale + dropout_scale_lo (split like `scale`; 0 when p == 1, where nothing is kept). 64-bit
+  // values travel as (low, high) uint32 pairs.
+  uint32_t dropout_seed[2];
+  uint32_t dropout_offset[2];
+  uint32_t dropout_threshold;
+  int32_t dropout;  // 0: no dropout (p == 0), and the other dropout fields are unused
+  float dropout_p;
+  float dropout_scale;
+  float dropout_scale_lo;
 };
 
 #if !defined(__METAL_VERSION__)
-// The layout Metal sees: 31 int64 fields, then 5 four-byte fields, padded to the 8-byte alignment.
-static_assert(sizeof(AttentionParams) == 272, "AttentionParams layout changed: update the Metal side too");
+// The layout Metal sees: 31 int64 fields, then 14 four-byte fields (the dropout fields appended last, so that
+// every earlier offset is unchanged), padded to the 8-byte alignment.
+static_assert(sizeof(AttentionParams) == 304, "AttentionParams layout changed: update the Metal side too");
 #endif
 
 // attnx::attention_backward: the forward's problem plus the layouts of the incoming gradient and of the three
@@ -74,7 +88,7 @@ struct AttentionBackwardParams {
 };
 
 #if !defined(__METAL_VERSION__)
-static_assert(sizeof(AttentionBackwardParams) == 272 + 16 * 8,
+static_assert(sizeof(AttentionBackwardParams) == 304 + 16 * 8,
               "AttentionBackwardParams layout changed: update the Metal side too");
 #endif
 

@@ -1,0 +1,488 @@
+"""Fused dropout in attnx.attention and its backward.
+
+The RNG is checked on its own first: reference.philox4x32_10 against Random123's known-answer vectors, and
+reference.dropout_keep_mask against the element -> (counter, word) mapping that csrc/include/attnx/philox.h
+documents. With the mask pinned down, the kernels are compared exactly (float64) against the reference run
+with the same dropout_seed, forward and backward, over layouts, masks, causality and tile boundaries. The
+statistical tests then read the mask back out of the kernel (uniform probabilities times an identity value
+matrix make out the mask itself) and check its keep rate and the expectation of out over many seeds.
+"""
+
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import attnx
+from attnx import reference
+from test_attention import check as check_forward
+from test_attention import make_qkv
+from test_attention_backward import check as check_backward
+from test_attention_backward import make_leaves, views
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def seed_of(seed, offset=0):
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The RNG.
+
+# Random123's known-answer vectors for Philox4x32-10 (kat_vectors): counter, key, output.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", PHILOX_KAT)
+def test_philox_known_answers(counter, key, expected):
+    words = reference.philox4x32_10([torch.tensor(c) for c in counter], key)
+    assert tuple(int(w) for w in words) == expected
+
+
+def test_philox_is_vectorised_over_counters():
+    # A batch of counters gives what each counter gives alone.
+    xs = torch.tensor([0, 1, 0xFFFFFFFF, 12345])
+    batch = reference.philox4x32_10((xs, xs * 3 & 0xFFFFFFFF, torch.tensor(7), torch.tensor(0)), (11, 13))
+    for i, x in enumerate(xs.tolist()):
+        alone = reference.philox4x32_10(
+            (torch.tensor(x), torch.tensor(x * 3 & 0xFFFFFFFF), torch.tensor(7), torch.tensor(0)), (11, 13)
+        )
+        assert [int(w[i]) for w in batch] == [int(w) for w in alone]
+
+
+@pytest.mark.parametrize("seed,offset", [(0, 0), (123456789123, 5), (-1, 2**40 + 3), (-(2**63), 2**63 - 1)])
+def test_keep_mask_element_mapping(seed, offset):
+    """Element (b, h, l, s) is word e % 4 of the block at counter (e // 4, offset), key seed (philox.h)."""
+    B, H, L, S, p = 2, 3, 5, 7, 0.4
+    mask = reference.dropout_keep_mask(seed_of(seed, offset), B, H, L, S, p)
+    assert mask.shape == (B, H, L, S) and mask.dtype == torch.bool
+    seed_u, offset_u = seed & (2**64 - 1), offset & (2**64 - 1)
+    threshold = int((1 - p) * 2**32)
+    for b, h, i, j in [(0, 0, 0, 0), (0, 0, 0, 3), (0, 0, 1, 0), (1, 2, 4, 6), (1, 0, 3, 5), (0, 1, 2, 2)]:
+        e = ((b * H + h) * L + i) * S + j
+        g = e // 4
+        counter = [torch.tensor(x) for x in (g % 2**32, g >> 32, offset_u % 2**32, offset_u >> 32)]
+        words = reference.philox4x32_10(counter, (seed_u % 2**32, seed_u >> 32))
+        assert bool(mask[b, h, i, j]) == (int(words[e % 4]) < threshold)
+
+
+def test_keep_mask_depends_on_seed_and_offset():
+    seeds = [seed_of(1, 0), seed_of(2, 0), seed_of(1, 1)]
+    masks = [reference.dropout_keep_mask(s, 1, 2, 16, 16, 0.5) for s in seeds]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+    assert torch.equal(masks[0], reference.dropout_keep_mask(seed_of(1, 0), 1, 2, 16, 16, 0.5))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The forward against the reference with the same seed.
+
+LAYOUTS = ["contiguous", "blhd", "packed", "expanded_kv", "strided_last"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_matches_reference(dtype, layout):
+    q, k, v = make_qkv(2, 3, 37, 53, 24, 20, dtype=dtype, layout=layout)
+    check_forward(q, k, v, dropout_p=0.3, dropout_seed=seed_of(17, 3))
+
+
+@pytest.mark.parametrize("p", [1e-9, 0.1, 0.5, 0.9, 0.999])
+def test_forward_probabilities(p):
+    q, k, v = make_qkv(2, 2, 19, 41, 16, 16, dtype=torch.float64)
+    check_forward(q, k, v, dropout_p=p, dropout_seed=seed_of(5))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 300, 600, 32, 32), (2, 1, 520, 1030, 16, 24)], ids=str)
+def test_forward_tile_boundaries(shape, is_causal):
+    q, k, v = make_qkv(*shape, dtype=torch.float64, layout="blhd")
+    check_forward(q, k, v, is_causal=is_causal, dropout_p=0.25, dropout_seed=seed_of(99, 1))
+
+
+def test_forward_masks():
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, S = 2, 3, 19, 41
+    q, k, v = make_qkv(B, H, L, S, 16, 16, dtype=torch.float64, layout="blhd")
+    mask = torch.randn(B * H, L + 5, S, generator=gen, dtype=torch.float64)[:, 5:]
+    mask[:, 2] = float("-inf")  # fully masked rows: out 0, lse +inf, whatever is dropped
+    kpm = torch.rand(B, S, generator=gen) < 0.3
+    for kwargs in ({"attn_mask": mask}, {"key_padding_mask": kpm, "is_causal": True},
+                   {"attn_mask": mask, "key_padding_mask": kpm, "is_causal": True}):
+        check_forward(q, k, v, dropout_p=0.4, dropout_seed=seed_of(8), **kwargs)
+
+
+def test_forward_single_thread_plan():
+    # One thread plans larger query blocks: the mask of each element must not move.
+    q, k, v = make_qkv(1, 2, 700, 600, 16, 16, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = attnx.attention(q, k, v, is_causal=True, dropout_p=0.3, dropout_seed=seed_of(4))
+    finally:
+        torch.set_num_threads(threads)
+    many, _ = attnx.attention(q, k, v, is_causal=True, dropout_p=0.3, dropout_seed=seed_of(4))
+    torch.testing.assert_close(one, many, rtol=0, atol=1e-12)
+    check_forward(q, k, v, is_causal=True, dropout_p=0.3, dropout_seed=seed_of(4))
+
+
+def test_lse_is_undropped():
+    q, k, v = make_qkv(2, 2, 9, 13, 8, 8)
+    _, lse = attnx.attention(q, k, v)
+    _, lse_dropped = attnx.attention(q, k, v, dropout_p=0.5, dropout_seed=seed_of(1))
+    assert torch.equal(lse, lse_dropped)
+
+
+def test_p_zero_ignores_the_seed():
+    q, k, v = make_qkv(2, 2, 9, 13, 8, 8)
+    out, lse = attnx.attention(q, k, v)
+    out0, lse0 = attnx.attention(q, k, v, dropout_p=0.0, dropout_seed=seed_of(1))
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+def test_p_one_drops_everything():
+    # As F.dropout(p=1): every probability is dropped, out is 0 and so are the gradients.
+    leaves = [t.requires_grad_() for t in make_leaves(2, 2, 9, 13, 8, 8, dtype=torch.float64)]
+    out, lse = attnx.attention(*leaves, dropout_p=1.0)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, attnx.attention(*leaves)[1])
+    out.backward(torch.randn_like(out))
+    for leaf in leaves:
+        assert torch.equal(leaf.grad, torch.zeros_like(leaf))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Statistics: the mask read back from the kernel.
+
+
+def _kernel_mask(B, H, L, S, p, dropout_seed, dtype=torch.float64):
+    """The kernel's keep mask (B, H, L, S): zero queries make every probability 1/S, and value = I (S, S)
+    makes out[b, h, l, s] = keep / (S (1 - p))."""
+    q, k = torch.zeros(B, H, L, 4, dtype=dtype), torch.randn(B, H, S, 4).to(dtype)
+    v = torch.eye(S, dtype=dtype).expand(B, H, S, S)
+    out, _ = attnx.attention(q, k, v, dropout_p=p, dropout_seed=dropout_seed)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / (S * (1 - p))), rtol=1e-12, atol=0)
+    return kept
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate(p):
+    B, H, L, S = 2, 4, 64, 128
+    kept = _kernel_mask(B, H, L, S, p, seed_of(2024, 7))
+    assert torch.equal(kept, reference.dropout_keep_mask(seed_of(2024, 7), B, H, L, S, p))
+    n = kept.numel()
+    rate, sigma = 1 - p, math.sqrt(p * (1 - p) / n)
+    assert abs(kept.double().mean().item() - rate) < 6 * sigma
+    # No visible structure: the rate holds per row, per key and per head too (each with its own bound).
+    for dims in ((0, 1, 2), (0, 1, 3), (0, 2, 3)):
+        m = kept.double().mean(dims)
+        per = n // m.numel()
+        assert (m - rate).abs().max().item() < 6 * math.sqrt(p * (1 - p) / per)
+
+
+def test_expectation_over_seeds():
+    # E[out] over the mask is the undropped out: each element's mean over n seeds stays within 6 sigma,
+    # sigma^2 = p / (1 - p) * sum_s P_ls^2 V_sd^2 / n.
+    B, H, L, S, D, p, n = 1, 2, 6, 40, 8, 0.3, 400
+    q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.float64)
+    exact, lse = attnx.attention(q, k, v)
+    mean = sum(attnx.attention(q, k, v, dropout_p=p, dropout_seed=seed_of(i, i))[0] for i in range(n)) / n
+    probs = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(D) - lse.unsqueeze(-1))
+    sigma = torch.sqrt(p / (1 - p) * (probs**2) @ (v**2) / n)
+    assert ((mean - exact).abs() <= 6 * sigma + 1e-12).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Seeding: torch.manual_seed makes runs reproducible; different seeds differ.
+
+
+def test_deterministic_under_manual_seed():
+    q, k, v = make_qkv(2, 2, 16, 24, 8, 8)
+    torch.manual_seed(123)
+    a, _ = attnx.attention(q, k, v, dropout_p=0.5)
+    b, _ = attnx.attention(q, k, v, dropout_p=0.5)  # the generator moved on: another mask
+    torch.manual_seed(123)
+    a2, _ = attnx.attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, a2) and not torch.equal(a, b)
+    # The seed drawn is the generator's: the same as an explicit draw after the same manual_seed.
+    torch.manual_seed(123)
+    explicit, _ = attnx.attention(q, k, v, dropout_p=0.5, dropout_seed=attnx.ops.draw_dropout_seed(q.device))
+    assert torch.equal(a, explicit)
+
+
+def test_different_seeds_differ():
+    q, k, v = make_qkv(1, 2, 16, 24, 8, 8)
+    outs = [attnx.attention(q, k, v, dropout_p=0.2, dropout_seed=s)[0]
+            for s in (seed_of(1), seed_of(2), seed_of(1, 1))]
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+def test_draw_dropout_seed():
+    torch.manual_seed(0)
+    s = attnx.ops.draw_dropout_seed(torch.device("cpu"))
+    assert s.dtype == torch.int64 and s.shape == (2,) and s.device.type == "cpu"
+    torch.manual_seed(0)
+    assert torch.equal(s, attnx.ops.draw_dropout_seed(torch.device("cpu")))
+    assert not torch.equal(s, attnx.ops.draw_dropout_seed(torch.device("cpu")))
+
+
+def test_no_seed_drawn_without_dropout():
+    torch.manual_seed(5)
+    q, k, v = make_qkv(1, 1, 4, 4, 4, 4)
+    attnx.attention(q, k, v)
+    attnx.attention(q, k, v, dropout_p=0.0)
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The backward: gradients of the forward's mask.
+
+BACKWARD_LAYOUTS = ["contiguous", "blhd", "sliced", "expanded_kv", "strided_last"]
+
+
+@pytest.mark.parametrize("layout", BACKWARD_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_matches_reference(dtype, layout):
+    check_backward(make_leaves(2, 3, 37, 53, 24, 20, dtype=dtype, layout=layout), layout, dropout_p=0.3,
+                   dropout_seed=seed_of(17, 3))
+
+
+@pytest.mark.parametrize("threads", [1, None])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_backward_tile_boundaries(is_causal, threads):
+    # 130 x 300: partial 128-wide tiles both ways; with several threads the keys of a head split in chunks.
+    saved = torch.get_num_threads()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        check_backward(make_leaves(1, 2, 130, 300, 16, 16, dtype=torch.float64, layout="blhd"), "blhd",
+                       is_causal=is_causal, dropout_p=0.2, dropout_seed=seed_of(3, 9))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_backward_masks():
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, S = 2, 3, 19, 41
+    mask = torch.randn(B * H, L, S, generator=gen, dtype=torch.float64)
+    mask[:, 2] = float("-inf")
+    kpm = torch.rand(B, S, generator=gen) < 0.3
+    leaves = make_leaves(B, H, L, S, 16, 16, dtype=torch.float64, layout="blhd")
+    for kwargs in ({"attn_mask": mask}, {"key_padding_mask": kpm, "is_causal": True},
+                   {"attn_mask": mask[:1].expand(B * H, L, S), "key_padding_mask": kpm}):
+        check_backward(leaves, "blhd", dropout_p=0.4, dropout_seed=seed_of(8), **kwargs)
+
+
+def test_backward_uses_the_forwards_drawn_seed():
+    # attnx.attention draws the seed itself; autograd hands it to the backward, which regenerates the mask.
+    leaves = [t.requires_grad_() for t in make_leaves(2, 2, 20, 30, 8, 8, dtype=torch.float64)]
+    grad_out = torch.randn(2, 2, 20, 8, dtype=torch.float64)
+    torch.manual_seed(77)
+    out, _ = attnx.attention(*leaves, dropout_p=0.5)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    torch.manual_seed(77)
+    dropout_seed = attnx.ops.draw_dropout_seed(torch.device("cpu"))
+    ref_out, _ = reference.attention(*leaves, dropout_p=0.5, dropout_seed=dropout_seed)
+    ref_grads = torch.autograd.grad(ref_out, leaves, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal_masks", "strided"])
+def test_gradcheck(case):
+    # Given its seed, the function is deterministic: finite differences see the same mask every time.
+    gen = torch.Generator().manual_seed(4)
+    B, H, L, S, D = 2, 2, 5, 7, 4
+    layout = "blhd" if case == "strided" else "contiguous"
+    kwargs = {"dropout_p": 0.35, "dropout_seed": seed_of(11, 2)}
+    if case == "causal_masks":
+        kwargs.update(is_causal=True, attn_mask=torch.randn(L, S, generator=gen, dtype=torch.float64),
+                      key_padding_mask=torch.rand(B, S, generator=gen) < 0.2)
+    leaves = [t.requires_grad_() for t in make_leaves(B, H, L, S, D, 3, dtype=torch.float64, layout=layout)]
+    assert torch.autograd.gradcheck(lambda *ls: attnx.attention(*views(ls, layout), **kwargs)[0], leaves)
+
+
+def test_saves_no_attention_sized_tensor():
+    B, H, L, S, D = 2, 2, 64, 96, 8
+    q, k, v = (t.requires_grad_() for t in make_leaves(B, H, L, S, D, D))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        attnx.attention(q, k, v, dropout_p=0.3)
+    # The inputs, out, lse and the (seed, offset) pair: no mask.
+    assert {tuple(t.shape) for t in saved} == {(B, H, L, D), (B, H, S, D), (B, H, L), (2,)}
+
+
+def test_no_attention_sized_allocation():
+    B, H, L, S, D = 2, 4, 512, 512, 16
+    # Even a bool mask of (B, H, L, S) would show; per-thread buffers are O(L).
+    attention_bytes = B * H * L * S
+    q, k, v = (t.requires_grad_() for t in make_leaves(B, H, L, S, D, D, layout="blhd"))
+    dropout_seed = seed_of(1)
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        out, _ = attnx.attention(*views((q, k, v), "blhd"), is_causal=True, dropout_p=0.3,
+                                 dropout_seed=dropout_seed)
+        out.backward(torch.randn_like(out))
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest < attention_bytes / 2, largest
+    # The control: the reference materialises the mask.
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        reference.attention(*views((q, k, v), "blhd"), dropout_p=0.3, dropout_seed=dropout_seed)
+    assert max(e.cpu_memory_usage for e in prof.events()) >= attention_bytes
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fakes, opcheck, torch.compile.
+
+
+def _opcheck_cases():
+    q, k, v = make_qkv(2, 2, 5, 7, 8, 4, layout="blhd")
+    gen = torch.Generator().manual_seed(5)
+    kpm = torch.rand(2, 7, generator=gen) < 0.3
+    mask = torch.randn(5, 7, generator=gen)
+    return [
+        (q, k, v, None, None, False, None, 0.3, seed_of(1, 2)),
+        (q, k, v, mask, kpm, True, 0.5, 0.6, seed_of(-5, 2**40)),
+        (q.double(), k.double(), v.double(), None, None, False, None, 1.0, seed_of(3)),
+        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None, 0.1, seed_of(4)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_opcheck_attention(case):
+    pytest.importorskip("expecttest")
+    q, k, v, *rest = _opcheck_cases()[case]
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.attnx.attention.default, (q, k, v, *rest))
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_opcheck_attention_backward(case):
+    pytest.importorskip("expecttest")
+    q, k, v, mask, kpm, is_causal, scale, p, dropout_seed = _opcheck_cases()[case]
+    out, lse = attnx.attention(q, k, v, mask, kpm, is_causal, scale, p, dropout_seed)
+    args = (torch.randn_like(out), q, k, v, out, lse, mask, kpm, is_causal, scale, p, dropout_seed)
+    torch.library.opcheck(torch.ops.attnx.attention_backward.default, args)
+
+
+def test_fake_matches_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = make_qkv(2, 3, 5, 7, 8, 4, layout="blhd")
+    real = attnx.attention(q, k, v, dropout_p=0.3, dropout_seed=seed_of(1))
+    with FakeTensorMode() as mode:
+        fake = attnx.attention(*(mode.from_tensor(t) for t in (q, k, v)), dropout_p=0.3,
+                               dropout_seed=mode.from_tensor(seed_of(1)))
+    for r, f in zip(real, fake, strict=True):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
+def test_compile_fullgraph():
+    q, k, v = (t.requires_grad_() for t in make_leaves(2, 2, 5, 7, 8, 8))
+
+    def loss(q, k, v, dropout_seed):
+        out, _ = attnx.attention(q, k, v, is_causal=True, dropout_p=0.4, dropout_seed=dropout_seed)
+        return out.square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for s in (seed_of(1), seed_of(2)):  # a new seed value is a new input, not a recompile
+        got = torch.autograd.grad(compiled(q, k, v, s), (q, k, v))
+        expected = torch.autograd.grad(loss(q, k, v, s), (q, k, v))
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e)
+
+
+def test_compile_draws_the_seed_in_graph():
+    q, k, v = make_qkv(2, 2, 5, 7, 8, 8)
+    fn = torch.compile(lambda q, k, v: attnx.attention(q, k, v, dropout_p=0.5)[0], fullgraph=True)
+    torch.manual_seed(3)
+    a = fn(q, k, v)
+    torch.manual_seed(3)
+    assert torch.equal(a, fn(q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Errors, from the kernel and from the fake kernel alike.
+
+
+def _bad_cases():
+    q, k, v = make_qkv(1, 2, 4, 5, 8, 8)
+    return {
+        "p negative": ((q, k, v, None, None, False, None, -0.1, seed_of(1)),
+                       "attnx::attention: expected dropout_p in [0, 1], got -0.1"),
+        "p above one": ((q, k, v, None, None, False, None, 1.5, seed_of(1)),
+                        "attnx::attention: expected dropout_p in [0, 1], got 1.5"),
+        "p nan": ((q, k, v, None, None, False, None, float("nan"), seed_of(1)),
+                  "attnx::attention: expected dropout_p in [0, 1], got nan"),
+        "no seed": ((q, k, v, None, None, False, None, 0.5, None),
+                    "attnx::attention: expected dropout_seed, a CPU int64 tensor (seed, offset) of shape "
+                    "(2,), when dropout_p > 0"),
+        "seed dtype": ((q, k, v, None, None, False, None, 0.5, seed_of(1).int()),
+                       "attnx::attention: expected dropout_seed to be a CPU int64 tensor (seed, offset) of "
+                       "shape (2,), got a cpu Int tensor of shape [2]"),
+        "seed shape": ((q, k, v, None, None, False, None, 0.5, torch.tensor([1, 2, 3])),
+                       "attnx::attention: expected dropout_seed to be a CPU int64 tensor (seed, offset) of "
+                       "shape (2,), got a cpu Long tensor of shape [3]"),
+    }
+
+
+@pytest.mark.parametrize("fake", [False, True])
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_inputs(case, fake):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, message = _bad_cases()[case]
+    q, k, v, *rest = args
+    grad_out, out, lse = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4)
+    backward_args = (grad_out, q, k, v, out, lse, *rest)
+    for op, op_args in ((torch.ops.attnx.attention.default, args),
+                        (torch.ops.attnx.attention_backward.default, backward_args)):
+        if fake:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                with pytest.raises(RuntimeError, match=re.escape(message)):
+                    op(*op_args)
+        else:
+            with pytest.raises(RuntimeError, match=re.escape(message)):
+                op(*op_args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Every ISA variant of the CPU kernels draws the same mask.
+
+_ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_dropout import check_backward, check_forward, make_leaves, make_qkv, seed_of
+    assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
+    for dtype in (torch.float32, torch.float64):
+        check_forward(*make_qkv(2, 3, 150, 140, 24, 20, dtype=dtype, layout="strided_last"), is_causal=True,
+                      dropout_p=0.3, dropout_seed=seed_of(6))
+        leaves = make_leaves(2, 3, 150, 140, 24, 20, dtype=dtype, layout="strided_last")
+        check_backward(leaves, "strided_last", is_causal=True, dropout_p=0.3, dropout_seed=seed_of(6))
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
+def test_isa_variants(isa):
+    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    script = _ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), isa=isa)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower())
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
