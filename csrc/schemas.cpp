@@ -41,14 +41,16 @@ TORCH_LIBRARY(attnx, m) {
   // The whole nn.MultiheadAttention forward in one dispatch, sequence-first: query (L, B, E), key (S, B, kdim),
   // value (S, B, vdim), any strides. Packed in_proj_weight or separate q/k/v weights, bias_k/bias_v,
   // add_zero_attn, static_k/static_v (B*H, S, E/H), both masks as attention reads them (never merged),
-  // is_causal applied as a mask. Returns out (L, B, E), lse (B, H, L) and the attention weights when
-  // need_weights ((B, L, S') averaged over heads or (B, H, L, S')), else an empty tensor.
+  // is_causal applied as a mask, dropout_p / dropout_seed as attention takes them (not with need_weights).
+  // Returns out (L, B, E), lse (B, H, L) and the attention weights when need_weights ((B, L, S') averaged
+  // over heads or (B, H, L, S')), else an empty tensor.
   m.def(
       "mha(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
       "Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, "
       "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "
       "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "
-      "bool average_attn_weights) -> (Tensor out, Tensor lse, Tensor weights)");
+      "bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None) -> (Tensor out, Tensor lse, "
+      "Tensor weights)");
   // mha for autograd (what attnx::mha's autograd kernel runs when gradients are needed): mha's outputs plus
   // what its backward reads, nothing of size (B, H, L, S): attention's inputs q (B, H, L, Dh), k and v
   // (B, H, S', Dh) with the appended keys, and its output attn (B, H, L, Dh). k (v) is empty where static_k
@@ -58,8 +60,8 @@ TORCH_LIBRARY(attnx, m) {
       "Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, "
       "Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, "
-      "bool need_weights, bool average_attn_weights) -> (Tensor out, Tensor lse, Tensor weights, Tensor q, "
-      "Tensor k, Tensor v, Tensor attn)");
+      "bool need_weights, bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
+      "(Tensor out, Tensor lse, Tensor weights, Tensor q, Tensor k, Tensor v, Tensor attn)");
   // mha's backward in one dispatch: grad_out (L, B, E) and, when the weights were asked for and used,
   // grad_weights; mha's arguments; mha_forward's lse, q, k, v and attn. Returns the gradients of query, key,
   // value, in_proj_weight, in_proj_bias, q/k/v_proj_weight, bias_k, bias_v, out_proj_weight, out_proj_bias,
@@ -70,6 +72,6 @@ TORCH_LIBRARY(attnx, m) {
       "Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, "
       "Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, "
       "Tensor? out_proj_bias, Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, "
-      "Tensor? static_v, bool need_weights, bool average_attn_weights, Tensor q, Tensor k, Tensor v, "
-      "Tensor attn, Tensor lse, int[] output_mask) -> Tensor[]");
+      "Tensor? static_v, bool need_weights, bool average_attn_weights, float dropout_p, Tensor? dropout_seed, "
+      "Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, int[] output_mask) -> Tensor[]");
 }

@@ -116,7 +116,9 @@ def test_static_k_v_match_torch(dtype, zero_attn, static):
 
 
 def test_dropout_path_matches_torch_and_eval_ignores_it():
-    """training with dropout_p > 0 takes the reference path; one seed gives torch's dropout mask."""
+    """training with dropout_p > 0: with need_weights, the composition with torch's F.dropout, so one seed gives
+    torch's mask; without, the fused op, whose mask is attnx's (from a seed drawn from torch's generator), so
+    the result is reference.mha's with that seed."""
     for dtype, need_weights, case in itertools.product(
         [torch.float32, torch.float64], [True, False], ["none", "both_bool", "causal"]
     ):
@@ -135,11 +137,20 @@ def test_dropout_path_matches_torch_and_eval_ignores_it():
             **p,
         )
         torch.manual_seed(3)
-        expected = F.multi_head_attention_forward(*args, **kwargs)
-        torch.manual_seed(3)
         actual = functional.multi_head_attention_forward(*args, **kwargs)
+        torch.manual_seed(3)
+        if need_weights:
+            expected = F.multi_head_attention_forward(*args, **kwargs)
+            assert_close(actual[1], expected[1], dtype, f"{need_weights} {case}")
+        else:
+            seed = ops.draw_dropout_seed(query.device)  # what the fused path drew
+            expected = reference.mha(
+                query, key, key, H, p["in_proj_weight"], p["in_proj_bias"], None, None, None, p["bias_k"],
+                p["bias_v"], True, p["out_proj_weight"], p["out_proj_bias"], kpm, am, is_causal, None, None,
+                False, False, 0.3, seed,
+            )
+            assert actual[1] is None
         assert_close(actual[0], expected[0], dtype, f"{need_weights} {case}")
-        assert_close(actual[1], expected[1], dtype, f"{need_weights} {case}")
         eval_out = functional.multi_head_attention_forward(*args, training=False, **kwargs)
         no_dropout = functional.multi_head_attention_forward(*args, **{**kwargs, "dropout_p": 0.0})
         assert_close(eval_out[0], no_dropout[0], dtype)
@@ -167,7 +178,7 @@ def test_masks_reach_the_op_unmerged_and_unconverted(monkeypatch):
     bool), never merged into a (B*H, L, S) tensor; the is_causal hint picks the mask torch would apply."""
     seen = []
     real_mha = ops.mha
-    monkeypatch.setattr(ops, "mha", lambda *args: seen.append(args) or real_mha(*args))
+    monkeypatch.setattr(ops, "mha", lambda *args, **kwargs: seen.append(args) or real_mha(*args, **kwargs))
     p = params(torch.float32)
     query, key = torch.randn(4, 3, E), torch.randn(6, 3, E)
     kpm, am = torch.rand(3, 6) < 0.3, torch.ones(4, 6, dtype=torch.bool).triu(1)

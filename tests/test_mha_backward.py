@@ -180,12 +180,12 @@ def test_fake_kernels_match(projection, layout, extras):
     real = torch.ops.attnx.mha_forward(*args)
     grad_out = torch.randn(L, B, E)
     mask = [1] * 14
-    real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, *real[3:], real[1], mask)
+    real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, 0.0, None, *real[3:], real[1], mask)
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         fake = torch.ops.attnx.mha_forward(*fake_args)
-        fake_grads = torch.ops.attnx.mha_backward(mode.from_tensor(grad_out), None, *fake_args, *fake[3:], fake[1],
-                                                  mask)
+        fake_grads = torch.ops.attnx.mha_backward(mode.from_tensor(grad_out), None, *fake_args, 0.0, None,
+                                                  *fake[3:], fake[1], mask)
     for r, f in zip([*real, *real_grads], [*fake, *fake_grads]):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
 
@@ -217,3 +217,36 @@ def test_double_backward_is_a_clear_error():
     (grad,) = torch.autograd.grad(out.sum(), [args[0]], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward is not implemented"):
         grad.sum().backward()
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+@pytest.mark.parametrize("masks", ["none", "both_bool", "causal_float_kpm"])
+def test_dropout_forward_and_gradients_match_the_reference(extras, masks):
+    """The fused dropout's mask is reference.dropout_keep_mask of the seed, in the forward and in the backward."""
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    s = 5 if extras == "static_kv" else S
+    kpm, am, is_causal = make_masks(masks, B, H, L, s, torch.float64)
+    seed = torch.tensor([1234, 5], dtype=torch.int64)
+    args = (*_args(query, key, value, w, extras=extras, kpm=kpm, am=am, is_causal=is_causal), 0.4, seed)
+    out, lse, _ = ops.mha(*args)
+    want_out, want_lse, _ = reference.mha(*args)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-10)
+    assert not torch.equal(out, ops.mha(*args[:-2])[0])  # the dropout did something
+    _check_grads(args)
+
+
+def test_dropout_draws_a_seed_from_torch_s_generator():
+    query, key, value, w = _inputs("self", "batch_first", torch.float64)
+    args = _args(query, key, value, w)
+    torch.manual_seed(0)
+    first = ops.mha(*args, dropout_p=0.3)[0]
+    torch.manual_seed(0)
+    assert torch.equal(ops.mha(*args, dropout_p=0.3)[0], first)
+    assert not torch.equal(ops.mha(*args, dropout_p=0.3)[0], first)
+
+
+def test_dropout_with_weights_is_a_clear_error():
+    query, key, value, w = _inputs("self", "batch_first", torch.float64)
+    with pytest.raises(RuntimeError, match="attnx::mha: need_weights with dropout_p > 0 is not supported"):
+        ops.mha(*_args(query, key, value, w, need_weights=True), dropout_p=0.3)

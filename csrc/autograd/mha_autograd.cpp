@@ -30,16 +30,16 @@ using MhaForwardOutputs =
       const OptTensor &bias_v, bool add_zero_attn, const at::Tensor &out_proj_weight,                            \
       const OptTensor &out_proj_bias, const OptTensor &key_padding_mask, const OptTensor &attn_mask,              \
       bool is_causal, const OptTensor &static_k, const OptTensor &static_v, bool need_weights,                     \
-      bool average_attn_weights
+      bool average_attn_weights, double dropout_p, const OptTensor &dropout_seed
 #define ATTNX_MHA_ARGS                                                                                             \
   query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,        \
       bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,      \
-      static_k, static_v, need_weights, average_attn_weights
+      static_k, static_v, need_weights, average_attn_weights, dropout_p, dropout_seed
 #define ATTNX_MHA_TYPES                                                                                            \
   const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&, const OptTensor&,            \
       const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool,              \
       const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, const OptTensor&,            \
-      const OptTensor&, bool, bool
+      const OptTensor&, bool, bool, double, const OptTensor&
 
 const c10::TypedOperatorHandle<MhaOutputs(ATTNX_MHA_TYPES)>& mha_op() {
   static const auto op =
@@ -66,10 +66,11 @@ const auto& mha_backward_op() {
 
 // mha's tensor arguments in schema order, and where each one's gradient sits in mha_backward's result (-1:
 // none, for the masks). Autograd's backward returns one entry per argument of the forward.
-constexpr int kNumArgs = 21;
+constexpr int kNumArgs = 23;
 constexpr std::array<int, kNumArgs> kGradSlot = {
     0, 1, 2, /*num_heads*/ -1, 3, 4, 5, 6, 7, 8, 9, /*add_zero_attn*/ -1, 10, 11,
-    /*key_padding_mask*/ -1, /*attn_mask*/ -1, /*is_causal*/ -1, 12, 13, /*need_weights*/ -1, /*average*/ -1};
+    /*key_padding_mask*/ -1, /*attn_mask*/ -1, /*is_causal*/ -1, 12, 13, /*need_weights*/ -1, /*average*/ -1,
+    /*dropout_p*/ -1, /*dropout_seed*/ -1};
 constexpr int kKeyPaddingMaskArg = 14, kAttnMaskArg = 15;
 
 // The saved optional arguments come back as undefined tensors where they were absent.
@@ -85,8 +86,9 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
                             or_undefined(q_proj_weight), or_undefined(k_proj_weight), or_undefined(v_proj_weight),
                             or_undefined(bias_k), or_undefined(bias_v), out_proj_weight, or_undefined(out_proj_bias),
                             or_undefined(key_padding_mask), or_undefined(attn_mask), or_undefined(static_k),
-                            or_undefined(static_v), q, k, v, attn, lse});
+                            or_undefined(static_v), q, k, v, attn, lse, or_undefined(dropout_seed)});
     ctx->saved_data["num_heads"] = num_heads;
+    ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["flags"] = std::vector<bool>{add_zero_attn, is_causal, need_weights, average_attn_weights,
                                                  query.is_same(key) && key.is_same(value)};
     // Present optional tensor arguments, in order: they alone have autograd edges (needs_input_grad's index).
@@ -95,7 +97,7 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
                                          in_proj_bias,  q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
                                          bias_v,        std::nullopt, out_proj_weight, out_proj_bias,
                                          key_padding_mask, attn_mask, std::nullopt,  static_k,      static_v,
-                                         std::nullopt,  std::nullopt};
+                                         std::nullopt,  std::nullopt,  std::nullopt,  dropout_seed};
     for (int64_t i = 0, next = 0; i < kNumArgs; ++i) {
       if (tensors[i] && tensors[i]->defined()) edge[i] = next++;
     }
@@ -140,8 +142,9 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
         grad_out, opt(grad_weights), query, one_input ? query : saved[1], one_input ? query : saved[2],
         ctx->saved_data["num_heads"].toInt(), opt(saved[3]), opt(saved[4]), opt(saved[5]), opt(saved[6]),
         opt(saved[7]), opt(saved[8]), opt(saved[9]), add_zero_attn, out_proj_weight, opt(saved[11]), opt(saved[12]),
-        opt(saved[13]), is_causal, opt(saved[14]), opt(saved[15]), need_weights, average, saved[16], saved[17],
-        saved[18], saved[19], saved[20], output_mask);
+        opt(saved[13]), is_causal, opt(saved[14]), opt(saved[15]), need_weights, average,
+        ctx->saved_data["dropout_p"].toDouble(), opt(saved[21]), saved[16], saved[17], saved[18], saved[19],
+        saved[20], output_mask);
     for (int arg = 0; arg < kNumArgs; ++arg) {
       const int slot = kGradSlot[arg];
       if (slot >= 0 && output_mask[slot] && !(one_input && (slot == 1 || slot == 2))) result[arg] = g[slot];

@@ -73,6 +73,14 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
                                                     const std::optional<at::Tensor>& dropout_seed =
                                                         std::nullopt);
 
+// attention's probabilities exp(scale * q k^T + masks - lse), (B, H, L, S) in lse's dtype, recomputed from the
+// lse attnx::attention returned; 0 on a fully masked row (lse = +inf). Materialises (B, H, L, S): for callers
+// that asked for the weights, and for the math fallback of attention_backward.
+at::Tensor attention_probabilities(const at::Tensor& query, const at::Tensor& key, const at::Tensor& lse,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                                   double scale);
+
 // The accumulator dtype of an input dtype, which is also lse's dtype: float64 for float64, float32 otherwise.
 at::ScalarType attention_acc_dtype(at::ScalarType dtype);
 

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <limits>
 
+#include "common/attention.h"
+
 namespace attnx {
 namespace {
 
@@ -25,26 +27,28 @@ at::Tensor attnx_linear(const at::Tensor& input, const at::Tensor& weight, const
 
 std::tuple<at::Tensor, at::Tensor> attnx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                              const OptTensor& attn_mask, const OptTensor& key_padding_mask,
-                                             bool is_causal) {
+                                             bool is_causal, double dropout_p, const OptTensor& dropout_seed) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("attnx::attention", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptTensor&, const OptTensor&, bool,
                                                     std::optional<double>, double, const OptTensor&)>();
-  return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt, 0.0, std::nullopt);
+  return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p, dropout_seed);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attnx_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal) {
+    const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
+    double dropout_p, const OptTensor& dropout_seed) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("attnx::attention_backward", "")
                              .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, bool,
-                                 std::optional<double>)>();
-  return op.call(grad_out, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, std::nullopt);
+                                 std::optional<double>, double, const OptTensor&)>();
+  return op.call(grad_out, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p,
+                 dropout_seed);
 }
 
 OptTensor rows(const OptTensor& t, int64_t start, int64_t length) {
@@ -62,25 +66,13 @@ at::Tensor split_heads(const at::Tensor& t, int64_t num_heads) {
   return t.unflatten(2, {num_heads, t.size(2) / num_heads}).permute({1, 2, 0, 3});
 }
 
-// Attention weights recomputed from lse: exp(scaled masked scores - lse), (B, H, L, S). Only for callers that
-// asked for them. Fully masked rows (lse = +inf) give NaN, as torch's softmax of an all -inf row does.
+// Attention weights recomputed from lse, (B, H, L, S) in lse's dtype. Only for callers that asked for them.
+// Fully masked rows (lse = +inf) give NaN, as torch's softmax of an all -inf row does.
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
                              const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal) {
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const auto acc = lse.scalar_type();
-  at::Tensor scores = at::matmul(q.to(acc), k.to(acc).transpose(-2, -1)).mul_(1.0 / std::sqrt(double(q.size(3))));
-  const auto add_mask = [&](const at::Tensor& mask) {
-    if (mask.scalar_type() == at::kBool) {
-      scores.masked_fill_(mask, -std::numeric_limits<double>::infinity());
-    } else {
-      scores.add_(mask.to(acc));
-    }
-  };
-  if (attn_mask) add_mask(attn_mask->dim() == 3 ? attn_mask->view({B, H, L, S}) : *attn_mask);
-  if (key_padding_mask) add_mask(key_padding_mask->view({B, 1, 1, S}));
-  if (is_causal) add_mask(at::ones({L, S}, q.options().dtype(at::kBool)).triu(1));
-  at::Tensor weights = scores.sub_(lse.unsqueeze(-1)).exp_();
-  return weights.masked_fill_(lse.isposinf().unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
+  const double scale = 1.0 / std::sqrt(double(q.size(3)));
+  return attention_probabilities(q, k, lse, attn_mask, key_padding_mask, is_causal, scale)
+      .masked_fill_(lse.isposinf().unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
 }
 
 void check_mha_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
@@ -141,9 +133,15 @@ MhaState mha_forward_impl(const at::Tensor& query, const at::Tensor& key, const 
                           bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
                           const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in, bool is_causal,
                           const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
-                          bool average_attn_weights, bool keep_for_backward) {
+                          bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed,
+                          bool keep_for_backward) {
   check_mha_args(query, key, value, num_heads, in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
                  bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v);
+  // Weights after dropout would need the (B, H, L, S) keep mask; attnx.functional runs that case by
+  // composition.
+  TORCH_CHECK(!need_weights || dropout_p == 0.0,
+              "attnx::mha: need_weights with dropout_p > 0 is not supported (the weights are recomputed from lse "
+              "without the dropout mask)");
   const int64_t B = query.size(1), E = query.size(2), H = num_heads;
   const int64_t appended = int64_t(bias_k.has_value()) + int64_t(add_zero_attn);
   const OptTensor key_padding_mask = pad_keys(key_padding_mask_in, appended);
@@ -191,7 +189,7 @@ MhaState mha_forward_impl(const at::Tensor& query, const at::Tensor& key, const 
     v4 = at::constant_pad_nd(v4, {0, 0, 0, 1}, 0);
   }
 
-  auto [attn, lse] = attnx_attention(q4, k4, v4, attn_mask, key_padding_mask, is_causal);
+  auto [attn, lse] = attnx_attention(q4, k4, v4, attn_mask, key_padding_mask, is_causal, dropout_p, dropout_seed);
   if (keep_for_backward) {
     // An op's outputs may not alias its inputs: static_k / static_v used as they are stay with the caller, and
     // the backward reads them from there (empty here).
@@ -225,11 +223,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha(
     const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
     const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
     const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
-    const OptTensor& static_v, bool need_weights, bool average_attn_weights) {
+    const OptTensor& static_v, bool need_weights, bool average_attn_weights, double dropout_p,
+    const OptTensor& dropout_seed) {
   MhaState s = mha_forward_impl(query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
                                 k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight,
                                 out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
-                                need_weights, average_attn_weights, /*keep_for_backward=*/false);
+                                need_weights, average_attn_weights, dropout_p, dropout_seed,
+                                /*keep_for_backward=*/false);
   return {s.out, s.lse, s.weights};
 }
 
@@ -239,11 +239,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
     const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
     const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
-    const OptTensor& static_v, bool need_weights, bool average_attn_weights) {
+    const OptTensor& static_v, bool need_weights, bool average_attn_weights, double dropout_p,
+    const OptTensor& dropout_seed) {
   MhaState s = mha_forward_impl(query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
                                 k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight,
                                 out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
-                                need_weights, average_attn_weights, /*keep_for_backward=*/true);
+                                need_weights, average_attn_weights, dropout_p, dropout_seed,
+                                /*keep_for_backward=*/true);
   return {s.out, s.lse, s.weights, s.q, s.k, s.v, s.attn};
 }
 
@@ -290,7 +292,8 @@ std::vector<at::Tensor> mha_backward(
     const OptTensor& bias_k, const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight,
     const OptTensor& out_proj_bias, const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in,
     bool is_causal, const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
-    bool average_attn_weights, const at::Tensor& q, const at::Tensor& k_saved, const at::Tensor& v_saved,
+    bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed, const at::Tensor& q,
+    const at::Tensor& k_saved, const at::Tensor& v_saved,
     const at::Tensor& attn, const at::Tensor& lse, at::IntArrayRef output_mask_in) {
   // static_k / static_v used without an appended zero key are attention's k / v themselves.
   const at::Tensor k = static_k && !add_zero_attn ? static_k->unflatten(0, {query.size(1), num_heads}) : k_saved;
@@ -318,7 +321,8 @@ std::vector<at::Tensor> mha_backward(
 
   // Attention, probabilities recomputed from lse.
   auto [grad_q, grad_k, grad_v] =
-      attnx_attention_backward(grad_attn, q, k, v, attn, lse, attn_mask, key_padding_mask, is_causal);
+      attnx_attention_backward(grad_attn, q, k, v, attn, lse, attn_mask, key_padding_mask, is_causal, dropout_p,
+                               dropout_seed);
   if (grad_weights && grad_weights->defined() && grad_weights->numel() > 0) {
     TORCH_CHECK(need_weights, "attnx::mha_backward: got grad_weights for a call without need_weights");
     add_weights_grad(*grad_weights, average_attn_weights, q, k, lse, attn_mask, key_padding_mask, is_causal, grad_q,

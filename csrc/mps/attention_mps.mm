@@ -15,14 +15,17 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
                                                  const at::Tensor& value,
                                                  const std::optional<at::Tensor>& attn_mask,
                                                  const std::optional<at::Tensor>& key_padding_mask,
-                                                 bool is_causal, std::optional<double> scale) {
+                                                 bool is_causal, std::optional<double> scale, double dropout_p,
+                                                 const std::optional<at::Tensor>& dropout_seed) {
   // Every check happens here, before dispatch_sync: an exception inside the block would end the process.
+  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "attnx::attention: dropout is not implemented on MPS yet");
   const mps::DType dtype = mps::metal_dtype(query.scalar_type(), "attnx::attention");
   for (const auto* mask : {&attn_mask, &key_padding_mask}) {
     TORCH_CHECK(!*mask || (*mask)->scalar_type() != at::kDouble,
                 "attnx::attention: float64 masks are not supported on MPS (Metal has no double)");
   }
-  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  AttentionProblem pb =
+      prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed);
   const AttentionParams params = pb.params;
   const mps::AttentionPlan plan = mps::plan_attention(params, dtype);
   TORCH_CHECK(plan.kernel != mps::AttentionKernel::kNone,

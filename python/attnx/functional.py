@@ -66,9 +66,12 @@ def multi_head_attention_forward(
     otherwise it applies attn_mask. This function applies the same mask in each case.
 
     Forward and backward are each one fused op (:func:`attnx.ops.mha`, differentiable in every tensor
-    argument but the masks), except with dropout (``training`` and ``dropout_p > 0``), which until it is fused
-    runs :mod:`attnx.reference` projected through :func:`attnx.linear` with ``F.dropout`` on the attention
-    probabilities, materialising the ``(B, H, L, S')`` probabilities as torch's own training path does.
+    argument but the masks), dropout included: its keep mask comes from attnx's counter-based RNG seeded from
+    torch's generator, so ``torch.manual_seed`` reproduces a run, and outputs match torch's in distribution,
+    not draw for draw. Dropout with ``need_weights`` (whose weights are the dropped probabilities), or on a
+    device without a fused dropout backward (all but the CPU for now), runs
+    :mod:`attnx.reference` projected through :func:`attnx.linear` with torch's ``F.dropout``, materialising the
+    ``(B, H, L, S')`` probabilities as torch does, and equals torch's result under one seed.
     """
     tens_ops = (
         query,
@@ -299,10 +302,11 @@ def _forward(
         need_weights,
         average_attn_weights,
     )
-    if training and dropout_p > 0.0:
+    dropout_p = dropout_p if training else 0.0
+    if dropout_p > 0.0 and (need_weights or query.device.type not in _FUSED_DROPOUT_DEVICES):
         attn_output, fully_masked, attn_weights = _mha_with_dropout(*args, dropout_p=dropout_p)
     else:
-        attn_output, lse, attn_weights = ops.mha(*args)
+        attn_output, lse, attn_weights = ops.mha(*args, dropout_p)
         fully_masked = torch.isposinf(lse).any(dim=1) if need_weights else None  # (B, L)
 
     if need_weights:
@@ -314,6 +318,11 @@ def _forward(
             return attn_output.squeeze(1), attn_weights.squeeze(0)
         return attn_output, attn_weights
     return (attn_output if is_batched else attn_output.squeeze(1)), None
+
+
+# Where attention's dropout has a fused forward and backward (the backward regenerates the mask); elsewhere
+# dropout takes the composition.
+_FUSED_DROPOUT_DEVICES = ("cpu",)
 
 
 def _mha_with_dropout(

@@ -146,6 +146,8 @@ def mha(
     static_v: Optional[Tensor],
     need_weights: bool,
     average_attn_weights: bool,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward in one dispatch; returns ``(out, lse, weights)``.
 
@@ -155,7 +157,8 @@ def mha(
     bias_k, bias_v ``(1, 1, E)``; static_k, static_v ``(B*H, S, E/H)``; add_zero_attn appends a zero key.
     key_padding_mask ``(B, S)`` and attn_mask ``(L, S)`` or ``(B*H, L, S)``, each bool (``True`` = masked out)
     or float (added), read in place, never merged; appended keys extend them by one unmasked column.
-    ``is_causal`` applies a causal mask. No dropout.
+    ``is_causal`` applies a causal mask. ``dropout_p`` drops attention probabilities as :func:`attention`
+    does (a seed is drawn when none is given; not with need_weights): the caller passes 0 in eval, as to SDPA.
 
     Returns out ``(L, B, E)``; lse ``(B, H, L)`` in float32 (float64 for float64 inputs), ``+inf`` for a
     fully masked row, whose out is 0; weights ``(B, L, S')`` if average_attn_weights else ``(B, H, L, S')``
@@ -165,7 +168,8 @@ def mha(
     return torch.ops.attnx.mha.default(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
         v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask,
-        attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights,
+        attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights, dropout_p,
+        draw_dropout_seed(query.device) if dropout_p > 0 and dropout_seed is None else dropout_seed,
     )
 
 
@@ -542,7 +546,7 @@ def _check_mha_fake_args(query, num_heads):
 def _mha_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
     bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
-    static_k, static_v, need_weights, average_attn_weights,
+    static_k, static_v, need_weights, average_attn_weights, dropout_p=0.0, dropout_seed=None,
 ):
     _check_mha_fake_args(query, num_heads)
     S = (key.shape[0] if static_k is None else static_k.shape[1]) + (bias_k is not None) + bool(add_zero_attn)
@@ -562,7 +566,7 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
 def _mha_forward_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
     bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
-    static_k, static_v, need_weights, average_attn_weights,
+    static_k, static_v, need_weights, average_attn_weights, dropout_p=0.0, dropout_seed=None,
 ):
     # The layouts of mha_forward_impl in csrc/common/mha.cpp: the same projections (run as linear's fake), the
     # same views and appended keys.
@@ -617,8 +621,8 @@ _MHA_GRADS = (
 def _mha_backward_fake(
     grad_out, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
     k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias,
-    key_padding_mask, attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights, q, k, v,
-    attn, lse, output_mask,
+    key_padding_mask, attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights, dropout_p,
+    dropout_seed, q, k, v, attn, lse, output_mask,
 ):
     _check_mha_fake_args(query, num_heads)
     torch._check(

@@ -167,10 +167,12 @@ def mha(
     static_v: Optional[Tensor],
     need_weights: bool,
     average_attn_weights: bool,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
     *,
     project: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor] = linear,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The whole ``nn.MultiheadAttention`` forward (without dropout); returns ``(out, lse, weights)``.
+    """The whole ``nn.MultiheadAttention`` forward; returns ``(out, lse, weights)``.
 
     Sequence-first and batched: query ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``, any
     strides. Projections: either in_proj_weight ``(3E, E)`` (q, k, v rows in that order) or q_proj_weight
@@ -192,6 +194,9 @@ def mha(
     ``average_attn_weights`` else ``(B, H, L, S')`` (``S'`` counts the appended keys; a fully masked row's
     weights are NaN, as torch's softmax gives), else an empty ``(0,)`` tensor.
 
+    ``dropout_p`` / ``dropout_seed`` drop attention probabilities as :func:`attention` does (the same keep
+    mask, :func:`dropout_keep_mask` over the ``S'`` keys); the weights returned are the dropped ones, as torch's.
+
     ``project`` computes the in- and out-projections (``linear``'s signature); attnx.functional passes
     :func:`attnx.linear` to differentiate through attnx's own projections.
     """
@@ -200,10 +205,14 @@ def mha(
         v_proj_weight, bias_k, bias_v, add_zero_attn, key_padding_mask, attn_mask, static_k, static_v,
         project=project,
     )
-    out, lse = attention(q, k, v, attn_mask, key_padding_mask, is_causal)
+    out, lse = attention(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p=dropout_p,
+                         dropout_seed=dropout_seed)
     if need_weights:
         scores = _mha_scores(q, k, attn_mask, key_padding_mask, is_causal)
         weights = torch.exp(scores - lse.unsqueeze(-1))
+        if dropout_p > 0:
+            keep = dropout_keep_mask(dropout_seed, *weights.shape, dropout_p).to(weights.device)
+            weights = weights * keep / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(weights)
         # lse = +inf marks a fully masked row; torch's softmax gives NaN there, and so do we.
         weights = weights.masked_fill(torch.isposinf(lse).unsqueeze(-1), float("nan")).to(query.dtype)
         if average_attn_weights:
