@@ -168,13 +168,8 @@ progress = _Progress()
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(
-        ["git", *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=os.path.dirname(os.path.abspath(__file__)),
-    ).stdout.strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root).stdout.strip()
 
 
 def commit() -> str:
