@@ -84,11 +84,13 @@ def main(argv=None) -> int:
                 kwargs["smoke"] = True
             progress(f"{module.TITLE}")
             t0 = time.perf_counter()
+            load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
             out = module.run(**kwargs)
             results[name] = {
                 "results": out["results"],
                 "text": out["text"],
                 "seconds": time.perf_counter() - t0,
+                "load_average_at_start": load,
             }
             print(f"== [{device}] {name}: {module.TITLE}\n{out['text']}\n", flush=True)
         if not results:
