@@ -110,7 +110,7 @@ def _seed_counts() -> dict:
 
 
 def make_layer(impl: str, device: str, B: int, L: int, E: int, H: int):
-    """A train-mode layer and its input: ``(step, x, grad_out, module)``; ``step()`` returns the output."""
+    """A train-mode layer and its input: ``(forward, x, grad_out, module)``; forward() returns the output."""
     torch.manual_seed(0)
     ref = torch.nn.MultiheadAttention(E, H, batch_first=True, device=device).train()
     module = ref
