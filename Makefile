@@ -2,7 +2,8 @@
 # an editable build of attnx), then test or benchmark.
 #
 #   make test                       build, then run the test suite
-#   make bench                      build, then run every benchmark (BENCH_ARGS=--quick for a short run)
+#   make bench                      build, then run every benchmark (BENCH_ARGS=--quick for a short run,
+#                                   BENCH_ARGS="--only train" for one case; see benchmarks/README.md)
 #   make test-cpu-torch             the test suite against the CPU-only torch 2.13.0 (in build/cpu-torch)
 
 PYTHON ?= python3
@@ -14,7 +15,7 @@ BENCH_ARGS ?=
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test test-cpu-torch bench build clean tools
+.PHONY: test test-cpu-torch bench bench-deps build clean tools
 
 test: build tools
 	$(PY) -m pytest
@@ -37,8 +38,15 @@ test-cpu-torch:
 	rm -f build/cpu-torch/python/attnx/_C*.so build/cpu-torch/python/attnx/_build_info.py
 	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0
 
-bench: build
+bench: build bench-deps
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# matplotlib draws the benchmark plots; the test suite does not need it, so `make test` does not install it.
+bench-deps: $(VENV)/.bench-deps
+
+$(VENV)/.bench-deps: $(VENV)/.deps
+	$(PY) -m pip install --quiet matplotlib
+	touch $@
 
 build: $(VENV)/.built
 

@@ -1,1 +1,1 @@
-"""attnx benchmarks: ``python -m benchmarks`` (or ``make bench``). Every figure is a ratio measured in one run."""
+"""attnx benchmarks: ``python -m benchmarks`` (``make bench``); every figure is a ratio taken in one run."""

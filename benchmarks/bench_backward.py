@@ -9,27 +9,27 @@ Per shape and mask case, fp32, ``(B, H, L, D)`` inputs that require grad:
   q, k, v, out and of the gradients dq, dk, dv. The gradients are what a backward must allocate; anything
   (B, H, L, S) would show up as hundreds of MiB.
 
-Masks: none, or key_padding_mask (bool, the last eighth of batch 1's keys padded) + an (L, S) float mask.
-attnx reads both in place; SDPA gets them merged into one additive (B, 1, L, S) float mask, built before
-timing (as its convention requires; nn.MultiheadAttention would build it on every call).
+Masks: none (not in quick mode), or key_padding_mask (bool, the last eighth of batch 1's keys padded) + an
+(L, S) float mask. attnx reads both in place; SDPA gets them merged into one additive (B, 1, L, S) float
+mask, built before timing (as its convention requires; nn.MultiheadAttention would build it on every call).
 """
 
+import attnx
 import torch
 import torch.nn.functional as F
 
-import attnx
+from .common import fmt_ms, progress, table, time_interleaved
+from .memory import peak_extra_bytes_many
 
-from .common import table, time_interleaved
-from .memory import peak_extra_bytes
-
+DEVICES = ("cpu",)  # the backward has no CUDA kernel yet
+TITLE = "attention forward + backward vs SDPA"
 B, H, D = 2, 8, 64
 LENGTHS = (1024, 4096)
+SMOKE_LENGTHS = (64,)
 MASKS = ("none", "padding+float")
 IMPLS = ("attnx", "sdpa")
 FACTORY = "benchmarks.bench_backward:backward_case"
 
-
-DEVICES = ("cpu",)  # the backward has no CUDA kernel yet
 
 def _inputs(L: int, masks: str, device: str, requires_grad: bool = True):
     g = torch.Generator(device=device).manual_seed(0)
@@ -74,12 +74,13 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.0f}"
 
 
-def run(device: str = "cpu", quick: bool = False) -> dict:
+def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
     results, texts = {}, []
-    for L in LENGTHS[:1] if quick else LENGTHS:
+    for L in SMOKE_LENGTHS if smoke else LENGTHS[:1] if quick else LENGTHS:
         rows, shape_results = [], {}
         tensor_bytes = B * H * L * D * 4
-        for masks in MASKS:
+        for masks in MASKS[1:] if quick else MASKS:
+            progress(f"B={B} H={H} L=S={L} D={D}, masks: {masks}")
             fns, graphs = {}, {}
             for impl in IMPLS:
                 q, k, v, grad_out, am, sm = _inputs(L, masks, device)
@@ -94,22 +95,30 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"d{n}: {m}")
             del graphs
             timings = time_interleaved(fns, device, reps=5 if quick or L > 2048 else 9, min_block_s=0)
-            memory = {
-                impl: peak_extra_bytes(FACTORY, device, impl=impl, L=L, masks=masks) for impl in IMPLS
-            }
+            jobs = [(FACTORY, False, dict(impl=impl, L=L, masks=masks)) for impl in IMPLS]
+            memory = dict(zip(IMPLS, peak_extra_bytes_many(jobs, device, workers=2), strict=True))
             case = {}
             for impl in IMPLS:
                 t_step, t_bwd = timings[(impl, "fwd+bwd")], timings[(impl, "bwd")]
                 ref_step, ref_bwd = timings[("sdpa", "fwd+bwd")], timings[("sdpa", "bwd")]
-                rows.append([
-                    f"{impl}, {masks}",
-                    f"{t_step.median * 1e3:.0f}", f"{t_step.median / ref_step.median:.2f}x",
-                    f"{t_bwd.median * 1e3:.0f}", f"{t_bwd.median / ref_bwd.median:.2f}x",
-                    f"±{100 * max(t_step.iqr / t_step.median, t_bwd.iqr / t_bwd.median):.0f}%",
-                    f"{memory[impl] / 2**20:.1f}", f"{memory[impl] / (3 * tensor_bytes):.2f}x",
-                ])
-                case[impl] = {"fwd+bwd": t_step.to_json(), "bwd": t_bwd.to_json(),
-                              "bwd_peak_extra_bytes": memory[impl]}
+                rows.append(
+                    [
+                        f"{impl}, {masks}",
+                        fmt_ms(t_step.median),
+                        t_step.spread,
+                        f"{t_step.median / ref_step.median:.2f}x",
+                        fmt_ms(t_bwd.median),
+                        t_bwd.spread,
+                        f"{t_bwd.median / ref_bwd.median:.2f}x",
+                        f"{memory[impl] / 2**20:.1f}",
+                        f"{memory[impl] / (3 * tensor_bytes):.2f}x",
+                    ]
+                )
+                case[impl] = {
+                    "fwd+bwd": t_step.to_json(),
+                    "bwd": t_bwd.to_json(),
+                    "bwd_peak_extra_bytes": memory[impl],
+                }
             shape_results[masks] = case
         shape_results["tensor_bytes"] = tensor_bytes
         results[f"B{B}_H{H}_L{L}_D{D}"] = shape_results
@@ -120,7 +129,19 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
             f"{mib(3 * tensor_bytes)} MiB, "
             f"q, k, v, out and the gradients {mib(7 * tensor_bytes)} MiB; (B, H, L, S) in fp32 would be "
             f"{mib(B * H * L * L * 4)} MiB.\n"
-            + table(["implementation, masks", "fwd+bwd ms", "vs SDPA", "bwd ms", "vs SDPA", "IQR",
-                     "bwd peak extra MiB", "vs dq+dk+dv"], rows)
+            + table(
+                [
+                    "implementation, masks",
+                    "fwd+bwd ms",
+                    "spread",
+                    "vs SDPA",
+                    "bwd ms",
+                    "spread",
+                    "vs SDPA",
+                    "bwd peak extra MiB",
+                    "vs dq+dk+dv",
+                ],
+                rows,
+            )
         )
     return {"results": results, "text": "\n\n".join(texts)}

@@ -1,22 +1,14 @@
-"""attnx on CUDA: the seed report's memory case and attention throughput against every SDPA backend.
+"""attnx on CUDA: attention throughput against every SDPA backend.
 
-(a) mha-eval-fastpath-memory on a GPU: ``nn.MultiheadAttention(256, 4, batch_first=True)``, B=32, L=S=2000,
-    fp32, eval, no_grad, key_padding_mask + attn_mask. Torch's fast path merges the masks into a
-    ``[B*H, L, S]`` tensor; the slow path (fast path disabled) builds ``[B, H, L, S]`` scores too. attnx
-    (``attnx.nn.MultiheadAttention`` with the torch module's state_dict) reads both masks in place. Reported:
-    peak extra ``torch.cuda.max_memory_allocated`` of one call (fresh process each) and time.
-(b) attention throughput, TFLOP/s = 4 * B * H * L * S * D / time: ``attnx.attention`` against
-    ``F.scaled_dot_product_attention`` under each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096},
-    D in {64, 128}, without masks and with a key_padding_mask + (L, S) attn_mask. SDPA takes masks in its own
-    convention: one boolean mask, True = keep, merged here *before* timing into (B, 1, L, S); attnx takes
-    the two masks as they are. Backends that reject a case (flash attention with a mask) show "n/a".
-
-Run ``python -m benchmarks.bench_cuda [--quick]`` on a machine with a CUDA device; it writes
-``benchmarks/results/cuda-<date>.json``. ``ATTNX_CUDA_MMA=1`` selects attnx's tensor-core kernel for fp16/bf16
-(the result file records whether it was on).
+TFLOP/s = 4 * B * H * L * S * D / time: ``attnx.attention`` against ``F.scaled_dot_product_attention`` under
+each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks and with a
+key_padding_mask + (L, S) attn_mask. SDPA takes masks in its own convention: one boolean mask, True = keep,
+merged here *before* timing into (B, 1, L, S); attnx takes the two masks as they are. Backends that reject a
+case (flash attention with a mask) show "n/a". ``ATTNX_CUDA_MMA=1`` selects attnx's tensor-core kernel for
+fp16/bf16 (the result file records whether it was on). The seed report's eval memory case runs on CUDA in the
+``eval`` case (bench_mha).
 """
 
-import argparse
 import os
 
 import attnx
@@ -24,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .bench_mha import EVAL_IMPLS, EVAL_SHAPE, eval_case
-from .common import table, time_interleaved, write_results
-from .memory import peak_extra_bytes
+from .common import progress, table, time_interleaved
 
+DEVICES = ("cuda",)
+TITLE = "CUDA attention throughput vs every SDPA backend"
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -35,41 +27,6 @@ SDPA_BACKENDS = {
     "math": SDPBackend.MATH,
 }
 THROUGHPUT_B, THROUGHPUT_H = 4, 16
-
-
-DEVICES = ("cuda",)
-
-def run_seed_memory(quick: bool) -> tuple:
-    shape = EVAL_SHAPE["cuda"]
-    B, L, E = shape["B"], shape["L"], shape["E"]
-    fns = {impl: eval_case("cuda", impl, **shape)[0] for impl in EVAL_IMPLS}
-    with torch.no_grad():
-        outs = {impl: fn() for impl, fn in fns.items()}
-        for impl in EVAL_IMPLS[1:]:
-            torch.testing.assert_close(outs[impl], outs["torch fast path"], atol=1e-4, rtol=1e-4)
-        del outs
-        timings = time_interleaved(fns, "cuda", reps=5 if quick else 15, min_block_s=0.05)
-    torch.backends.mha.set_fastpath_enabled(True)
-    memory = {impl: peak_extra_bytes("benchmarks.bench_mha:eval_case", "cuda", impl=impl, **shape)
-              for impl in EVAL_IMPLS}
-    unavoidable = 4 * B * L * E * 4  # q, k, v projections and the output, fp32
-    t_fast = timings["torch fast path"].median
-    rows, results = [], {}
-    for impl in EVAL_IMPLS:
-        t = timings[impl]
-        rows.append([impl, f"{memory[impl] / 2**20:.1f}", f"{memory[impl] / unavoidable:.2f}x",
-                     f"{t.median * 1e3:.2f}", f"{t.median / t_fast:.2f}x", f"±{100 * t.iqr / t.median:.0f}%"])
-        results[impl] = {"peak_extra_bytes": memory[impl], "time": t.to_json()}
-    results["unavoidable_bytes"] = unavoidable
-    text = (
-        f"(a) eval, nn.MultiheadAttention(E={E}, H={shape['H']}, batch_first=True), B={B}, L=S={L}, "
-        f"key_padding_mask + attn_mask, no_grad, cuda fp32 (time: median of {len(t.samples)}; "
-        f"memory: max_memory_allocated in a fresh process; unavoidable = q, k, v and output = "
-        f"{unavoidable / 2**20:.1f} MiB)\n"
-        + table(["implementation", "peak extra MiB", "vs unavoidable", "time ms", "vs fast path", "IQR"],
-                rows)
-    )
-    return results, text
 
 
 def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
@@ -80,7 +37,7 @@ def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
     if not masked:
         return q, k, v, None, None, None
     kpm = torch.zeros(B, L, dtype=torch.bool, device="cuda")
-    kpm[:, L - L // 8:] = True  # right padding: the last 1/8 of the keys
+    kpm[:, L - L // 8 :] = True  # right padding: the last 1/8 of the keys
     attn_mask = torch.rand(L, L, device="cuda", generator=g) < 0.1
     attn_mask.fill_diagonal_(False)  # no fully masked row
     keep = ~(attn_mask[None, None] | kpm[:, None, None, :])  # (B, 1, L, S)
@@ -114,7 +71,8 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, quick: boo
         timings = time_interleaved(supported, "cuda", reps=5 if quick else 15, min_block_s=0.05)
     return {
         name: {"time": timings[name].to_json(), "tflops": flops / timings[name].median / 1e12}
-        if name in timings else None
+        if name in timings
+        else None
         for name in fns
     }
 
@@ -130,6 +88,7 @@ def run_throughput(quick: bool) -> tuple:
                 for masked in (False, True):
                     name = str(dtype).removeprefix("torch.")
                     label = f"{name} L=S={L} D={D}" + (" masks" if masked else "")
+                    progress(label)
                     case = throughput_case(L, D, dtype, masked, quick)
                     torch.cuda.empty_cache()
                     results[label] = case
@@ -149,27 +108,21 @@ def run(device: str = "cuda", quick: bool = False) -> dict:
         raise RuntimeError("bench_cuda needs a CUDA device")
     if not torch._C._dispatch_has_kernel_for_dispatch_key("attnx::attention", "CUDA"):
         raise RuntimeError("this build of attnx has no CUDA kernels (see python -m attnx.info)")
-    seed_results, seed_text = run_seed_memory(quick)
-    tp_results, tp_text = run_throughput(quick)
-    results = {
-        "seed_eval_memory": seed_results,
-        "attention_throughput": tp_results,
-        "attnx_cuda_mma": os.environ.get("ATTNX_CUDA_MMA") == "1",
+    results, text = run_throughput(quick)
+    return {
+        "results": {
+            "attention_throughput": results,
+            "attnx_cuda_mma": os.environ.get("ATTNX_CUDA_MMA") == "1",
+        },
+        "text": text,
     }
-    return {"results": results, "text": seed_text + "\n\n" + tp_text}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    args = parser.parse_args()
-    out = run("cuda", quick=args.quick)
-    print(out["text"], flush=True)
-    path = write_results("cuda", {"bench_cuda": out["results"]})
-    print(f"results written to {path}")
+if (
+    __name__ == "__main__"
+):  # ``python -m benchmarks.bench_cuda [--quick]``: the GPU cases of python -m benchmarks
+    import sys
 
+    from .__main__ import main
 
-if __name__ == "__main__":
-    main()
+    sys.exit(main(["--device", "cuda", "--only", "eval", "--only", "cuda", *sys.argv[1:]]))

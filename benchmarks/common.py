@@ -1,7 +1,8 @@
-"""Timing, environment labels and result files shared by the benchmarks.
+"""What every benchmark case shares: timing, dispatch counting, progress lines, tables, result files.
 
 Machines are noisy, so candidates are timed interleaved (round-robin, the same number of repetitions each) and
-compared as ratios of medians taken in the same run; the spread (interquartile range) is reported with each.
+compared as ratios of medians taken in the same run; each figure comes with its spread (the interquartile
+range as a percentage of the median) and the number of repetitions.
 """
 
 import datetime
@@ -10,12 +11,20 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+RESULTS_FORMAT = 2  # bump when the layout of a result file changes; an older file is then replaced
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Timing
 
 
 def synchronize(device: str) -> None:
@@ -27,7 +36,7 @@ def synchronize(device: str) -> None:
 
 @dataclass
 class Timing:
-    """Per-call seconds over repetitions."""
+    """Per-call seconds, one sample per repetition."""
 
     samples: list = field(default_factory=list)
 
@@ -36,24 +45,49 @@ class Timing:
         return statistics.median(self.samples)
 
     @property
+    def quartiles(self) -> tuple:
+        if len(self.samples) < 2:
+            return self.samples[0], self.samples[0]
+        q = statistics.quantiles(self.samples, n=4, method="inclusive")
+        return q[0], q[2]
+
+    @property
     def iqr(self) -> float:
-        q = statistics.quantiles(self.samples, n=4)
-        return q[2] - q[0]
+        q1, q3 = self.quartiles
+        return q3 - q1
+
+    @property
+    def spread(self) -> str:
+        """The interquartile range relative to the median, e.g. ``±4%``."""
+        return f"±{100 * self.iqr / self.median:.0f}%"
 
     def to_json(self) -> dict:
-        return {"median_s": self.median, "iqr_s": self.iqr, "reps": len(self.samples)}
+        return {
+            "median_s": self.median,
+            "iqr_s": self.iqr,
+            "q1_s": self.quartiles[0],
+            "q3_s": self.quartiles[1],
+            "min_s": min(self.samples),
+            "reps": len(self.samples),
+            "samples_s": self.samples,
+        }
 
 
 def time_interleaved(fns: dict, device: str = "cpu", reps: int = 15, min_block_s: float = 0.02) -> dict:
-    """Time each callable in ``fns`` round-robin; each sample is the mean of a block of calls.
+    """Time each callable in ``fns`` round-robin; returns ``{name: Timing}``.
 
-    The block size is chosen per callable so that one block lasts about ``min_block_s``, which keeps timer
-    resolution and per-call noise out of short calls.
+    Each sample is the mean of a block of calls whose size is chosen per callable so that one block lasts
+    about ``min_block_s``, which keeps timer resolution and per-call noise out of short calls
+    (``min_block_s=0``: one call per sample, for calls of many milliseconds). Every callable is called once
+    first (allocator, lazy initialisation, caches).
     """
     blocks = {}
     for name, fn in fns.items():
-        fn()  # warm-up: allocator, lazy init, caches
+        fn()
         synchronize(device)
+        if min_block_s <= 0:
+            blocks[name] = 1
+            continue
         t0 = time.perf_counter()
         fn()
         synchronize(device)
@@ -72,40 +106,147 @@ def time_interleaved(fns: dict, device: str = "cpu", reps: int = 15, min_block_s
     return timings
 
 
-def environment(device: str) -> dict:
-    """Labels for a result file: what ran, where, on which commit."""
+# -----------------------------------------------------------------------------------------------------------
+# Dispatch counting (the method of the seed report flex-attention-backward-math-fallback)
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts every ``__torch_dispatch__`` call, i.e. every ATen (or custom) op that reaches the dispatcher
+    below autograd, forward and backward alike, and remembers which ops they were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def to_json(self, top: int = 12) -> dict:
+        return {
+            "dispatches": self.n,
+            "top_ops": dict(self.ops.most_common(top)),
+            "distinct_ops": len(self.ops),
+        }
+
+
+def count_dispatches(fn) -> DispatchCounter:
+    """Run ``fn`` once under a :class:`DispatchCounter` and return the counter."""
+    counter = DispatchCounter()
+    with counter:
+        fn()
+    return counter
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Progress lines (stderr, one line per step, so they read the same in a terminal, a pipe or a CI log)
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.index, self.total, self.case, self.start = 0, 0, "", time.perf_counter()
+
+    def begin(self, index: int, total: int, case: str) -> None:
+        self.index, self.total, self.case = index, total, case
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(
+            f"[{self.index}/{self.total}] {self.case}: {message} ({elapsed:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+progress = _Progress()
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Environment labels and result files
+
+
+def _git(*args: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root).stdout.strip()
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD`` of the benchmarked tree, ``+dirty`` when it has uncommitted changes."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(__file__),
-        ).stdout.strip()
+        head = _git("rev-parse", "--short", "HEAD")
+        dirty = _git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results"
+        )
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def device_name(device: str) -> str:
     if device == "cuda":
-        name = torch.cuda.get_device_name()
-    elif device == "mps":
-        name = "Apple " + platform.machine()
-    else:
-        name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    return {
+        return torch.cuda.get_device_name()
+    if device == "mps":
+        return f"Apple {platform.machine()} (MPS)"
+    return cpu_name()
+
+
+def environment(device: str) -> dict:
+    """Labels for a result file: what ran, where, on which commit, under which load."""
+    env = {
         "device": device,
-        "device_name": name,
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
-        "commit": commit,
+        "commit": commit(),
         "date": datetime.date.today().isoformat(),
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "python": platform.python_version(),
+        "platform": platform.platform(),
     }
+    if hasattr(os, "getloadavg"):
+        env["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return env
 
 
-def write_results(device: str, results: dict) -> str:
-    """Write ``benchmarks/results/<device>-<date>.json`` and return its path."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+def write_results(device: str, results: dict, options: dict, results_dir: str = RESULTS_DIR) -> str:
+    """Merge this run's cases into ``<results_dir>/<device>-<date>.json`` and return its path.
+
+    A case run again replaces its earlier entry; cases not run keep theirs, so ``--only`` updates one case.
+    Every case records the environment and options it ran under.
+    """
+    os.makedirs(results_dir, exist_ok=True)
     env = environment(device)
-    path = os.path.join(RESULTS_DIR, f"{device}-{env['date']}.json")
-    with open(path, "w") as f:
-        json.dump({"environment": env, "results": results}, f, indent=2)
+    path = os.path.join(results_dir, f"{device}-{env['date']}.json")
+    data = {"format": RESULTS_FORMAT, "cases": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("format") == RESULTS_FORMAT:
+            data = old
+    data["environment"] = env
+    for name, case in results.items():
+        data["cases"][name] = {"environment": env, "options": options, **case}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
         f.write("\n")
+    os.replace(tmp, path)
     return path
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Formatting
 
 
 def table(headers: list, rows: list) -> str:
@@ -114,7 +255,11 @@ def table(headers: list, rows: list) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for j, row in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -122,3 +267,19 @@ def table(headers: list, rows: list) -> str:
 
 def fmt_us(seconds: float) -> str:
     return f"{seconds * 1e6:.1f}"
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds < 1 else f"{seconds * 1e3:.0f}"
+
+
+def fmt_mib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f}"
+
+
+def ratio(a, b) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def target(met: bool) -> str:
+    return "met" if met else "NOT met"

@@ -7,9 +7,13 @@ survives exec and so starts at the RSS of the process that started this one. Lar
 and returned to the system when freed, so the difference is the call's peak.
 CUDA: ``torch.cuda.max_memory_allocated`` after resetting it, minus what was allocated before the call.
 
+MPS: not measured (torch has no peak counter for it); reported as ``None``.
+
 Usage from a benchmark: ``peak_extra_bytes("benchmarks.bench_mha:eval_case", impl="attnx", ...)`` runs
 ``python -m benchmarks.memory`` with the factory's name and keyword arguments; the factory returns
-``(fn, warmup_fn)``.
+``(fn, warmup_fn)``, both called under ``torch.no_grad()`` unless ``grad=True`` (a training step).
+``peak_extra_bytes_many`` runs several such processes, a few at a time: memory is per process, so running
+them side by side changes no figure, only the wall time.
 """
 
 import importlib
@@ -18,6 +22,7 @@ import os
 import resource
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -40,10 +45,10 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
 
 
-def measure(factory: str, device: str, kwargs: dict) -> dict:
+def measure(factory: str, device: str, kwargs: dict, grad: bool = False) -> dict:
     module, name = factory.split(":")
     fn, warmup = getattr(importlib.import_module(module), name)(device=device, **kwargs)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         warmup()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -58,17 +63,43 @@ def measure(factory: str, device: str, kwargs: dict) -> dict:
         return {"peak_extra_bytes": _peak_rss_bytes() - before}
 
 
-def peak_extra_bytes(factory: str, device: str = "cpu", **kwargs) -> int:
-    """Run ``factory`` in a fresh interpreter and return the peak extra bytes of one call."""
-    if device == "mps":
-        raise NotImplementedError("peak memory on MPS is not measured yet")
+def _command(factory: str, device: str, kwargs: dict, grad: bool) -> list:
+    return [sys.executable, "-m", "benchmarks.memory", factory, device, json.dumps(kwargs), str(int(grad))]
+
+
+def _run(command: list) -> int:
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", factory, device, json.dumps(kwargs)],
-        capture_output=True, text=True, check=True,
+        command,
+        capture_output=True,
+        text=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])["peak_extra_bytes"]
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[2:])} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
+
+
+def peak_extra_bytes(factory: str, device: str = "cpu", grad: bool = False, **kwargs):
+    """Run ``factory`` in a fresh interpreter and return the peak extra bytes of one call (None on MPS)."""
+    if device == "mps":
+        return None
+    return _run(_command(factory, device, kwargs, grad))
+
+
+def peak_extra_bytes_many(jobs: list, device: str = "cpu", workers: int = 1) -> list:
+    """``peak_extra_bytes`` for each ``(factory, grad, kwargs)`` in ``jobs``, ``workers`` processes at a time.
+
+    Only memory is measured here, so processes may share the machine; keep ``workers`` at 1 where one job
+    alone takes a large part of the machine's memory. On CUDA they always run one at a time.
+    """
+    if device == "mps":
+        return [None] * len(jobs)
+    commands = [_command(factory, device, kwargs, grad) for factory, grad, kwargs in jobs]
+    if device == "cuda" or workers <= 1:
+        return [_run(c) for c in commands]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(_run, commands))
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))
+    print(json.dumps(measure(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), grad=sys.argv[4] == "1")))
