@@ -8,9 +8,10 @@ mask as they are. Outputs are compared before timing; the two ops are timed inte
 memory is the extra memory of one call in a fresh process, inputs and masks excluded (not in quick mode).
 """
 
-import attnx
 import torch
 import torch.nn.functional as F
+
+import attnx
 
 from .common import fmt_mib, progress, table, time_interleaved
 from .memory import peak_extra_bytes_many

@@ -10,9 +10,10 @@
     single GEMM on it as on a freshly allocated input, so its "vs contiguous" column should stay at ~1.0.
 """
 
-import attnx
 import torch
 import torch.nn.functional as F
+
+import attnx
 
 from .common import fmt_us, progress, table, time_interleaved
 

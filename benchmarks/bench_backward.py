@@ -14,9 +14,10 @@ Masks: none (not in quick mode), or key_padding_mask (bool, the last eighth of b
 mask, built before timing (as its convention requires; nn.MultiheadAttention would build it on every call).
 """
 
-import attnx
 import torch
 import torch.nn.functional as F
+
+import attnx
 
 from .common import fmt_ms, progress, table, time_interleaved
 from .memory import peak_extra_bytes_many

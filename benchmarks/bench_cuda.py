@@ -11,10 +11,11 @@ fp16/bf16 (the result file records whether it was on). The seed report's eval me
 
 import os
 
-import attnx
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attnx
 
 from .common import progress, table, time_interleaved
 

@@ -11,8 +11,9 @@ Reported: peak extra memory of one call (fresh process each; CPU: RSS high-water
 max_memory_allocated) against the unavoidable memory (the q, k, v projections plus the output), and time.
 """
 
-import attnx
 import torch
+
+import attnx
 
 from .common import Timing, fmt_mib, fmt_ms, progress, ratio, table, time_interleaved
 from .memory import peak_extra_bytes_many

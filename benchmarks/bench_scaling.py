@@ -15,8 +15,9 @@ of one call in a fresh process per point. ``plot(result_file)`` draws the curves
 import json
 import os
 
-import attnx
 import torch
+
+import attnx
 
 from .bench_b1 import sdpa_composition
 from .common import fmt_mib, fmt_ms, progress, table, time_interleaved

@@ -15,9 +15,10 @@
     peak extra memory at S=4096 at most 1.25x the size of q, k, v, out (each B*L*E) and dq, dk, dv.
 """
 
-import attnx
 import torch
 import torch.nn.functional as F
+
+import attnx
 
 from .bench_b1 import sdpa_composition
 from .common import count_dispatches, fmt_mib, fmt_ms, progress, ratio, table, target, time_interleaved

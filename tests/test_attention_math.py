@@ -4,10 +4,10 @@ directly, and compared with the fused CPU kernel and with autograd through refer
 
 import pytest
 import torch
-from test_attention import ATTN_MASKS, PADDINGS, B, H, L, S, _mask, _padding
 
 import attnx
 from attnx import reference
+from test_attention import ATTN_MASKS, PADDINGS, B, H, L, S, _mask, _padding
 
 D = 16
 MATH = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)

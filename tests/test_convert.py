@@ -5,11 +5,12 @@ import collections
 import copy
 import warnings
 
-import attnx
 import pytest
 import torch
-from mha_helpers import torch_fastpath
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnx
+from mha_helpers import torch_fastpath
 
 E, HEADS, FF = 16, 2, 32
 

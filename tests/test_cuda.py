@@ -14,9 +14,10 @@ import subprocess
 import sys
 import textwrap
 
-import attnx
 import pytest
 import torch
+
+import attnx
 from attnx import reference
 from conftest import DEVICES, require_kernel
 from mha_helpers import make_masks

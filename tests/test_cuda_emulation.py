@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 import torch
+
 from attnx import reference
 from emulation import emulator
 from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv

@@ -5,12 +5,12 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, FLOAT_DTYPES, require_kernel
-from layouts import FOLDABLE, LAYOUTS, make
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnx
 from attnx import reference
+from conftest import DEVICES, FLOAT_DTYPES, require_kernel
+from layouts import FOLDABLE, LAYOUTS, make
 
 K, N = 12, 10  # in/out features differ, so an input-sized copy is distinguishable from an output-sized one
 BATCH_SHAPES = [(), (7,), (1,), (5, 1), (1, 5), (3, 4), (2, 1, 3), (0, 3)]

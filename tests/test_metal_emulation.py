@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+
 from attnx import reference
 from emulation import metal_emulator
 from layouts import LAYOUTS as LINEAR_LAYOUTS

@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+
 from attnx import functional, ops, reference
 from mha_helpers import MASK_CASES, assert_close, make_masks, same_error, warning_messages
 

@@ -6,12 +6,12 @@ import collections
 
 import pytest
 import torch
-from mha_helpers import MASK_CASES, make_masks
-from test_mha_op import B, E, H, L, S, _args, _inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnx import ops, reference
+from mha_helpers import MASK_CASES, make_masks
+from test_mha_op import B, E, H, L, S, _args, _inputs
 
 # mha's argument positions that can require grad (masks excepted): query .. static_v.
 DIFFERENTIABLE = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 17, 18)

@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 import torch
-from mha_helpers import MASK_CASES, make_masks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from attnx import ops, reference
+from mha_helpers import MASK_CASES, make_masks
 
 B, H, L, S, E = 2, 4, 6, 9, 16
 KDIM, VDIM = 12, 20

@@ -3,9 +3,10 @@
 import itertools
 import warnings
 
-import attnx
 import pytest
 import torch
+
+import attnx
 from attnx import ops
 from mha_helpers import MASK_CASES, assert_close, make_masks, same_error, torch_fastpath, warning_messages
 

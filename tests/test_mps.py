@@ -7,10 +7,11 @@ is no MPS device or no MPS kernel in the build. tests/test_metal_emulation.py co
 Linux.
 """
 
-import attnx
 import pytest
 import torch
 import torch.nn as nn
+
+import attnx
 from attnx import reference
 from conftest import DEVICES, require_kernel
 from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv

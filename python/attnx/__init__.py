@@ -10,7 +10,11 @@ function; its module is ``sys.modules["attnx.convert"]``.)
 import torch  # noqa: F401  (loads libtorch, which attnx._C links against)
 
 from attnx import _C  # noqa: F401  (loads the library: registers torch.ops.attnx.*)
-from attnx import functional, nn, reference  # after _C: importing them registers fakes for its ops
+
+# isort: split
+# Kept apart from _C's import so that sorting never merges or reorders them: _C must be loaded first,
+# since importing these modules registers fakes for its ops.
+from attnx import functional, nn, reference
 from attnx.convert import convert, revert
 from attnx.ops import attention, attention_backward, linear
 
