@@ -8,7 +8,6 @@ own shape), to ONE call of :func:`attnx.ops.mha`, which reads them in place.
 """
 
 import warnings
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,27 +25,27 @@ def multi_head_attention_forward(
     value: Tensor,
     embed_dim_to_check: int,
     num_heads: int,
-    in_proj_weight: Optional[Tensor],
-    in_proj_bias: Optional[Tensor],
-    bias_k: Optional[Tensor],
-    bias_v: Optional[Tensor],
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
     add_zero_attn: bool,
     dropout_p: float,
     out_proj_weight: Tensor,
-    out_proj_bias: Optional[Tensor],
+    out_proj_bias: Tensor | None,
     training: bool = True,
-    key_padding_mask: Optional[Tensor] = None,
+    key_padding_mask: Tensor | None = None,
     need_weights: bool = True,
-    attn_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
     use_separate_proj_weight: bool = False,
-    q_proj_weight: Optional[Tensor] = None,
-    k_proj_weight: Optional[Tensor] = None,
-    v_proj_weight: Optional[Tensor] = None,
-    static_k: Optional[Tensor] = None,
-    static_v: Optional[Tensor] = None,
+    q_proj_weight: Tensor | None = None,
+    k_proj_weight: Tensor | None = None,
+    v_proj_weight: Tensor | None = None,
+    static_k: Tensor | None = None,
+    static_v: Tensor | None = None,
     average_attn_weights: bool = True,
     is_causal: bool = False,
-) -> tuple[Tensor, Optional[Tensor]]:
+) -> tuple[Tensor, Tensor | None]:
     r"""Drop-in for torch's ``F.multi_head_attention_forward``; returns ``(attn_output, attn_weights)``.
 
     Shapes (sequence-first; the unbatched forms drop ``B``):
@@ -150,28 +149,28 @@ def _forward(
     value: Tensor,
     embed_dim_to_check: int,
     num_heads: int,
-    in_proj_weight: Optional[Tensor],
-    in_proj_bias: Optional[Tensor],
-    bias_k: Optional[Tensor],
-    bias_v: Optional[Tensor],
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
     add_zero_attn: bool,
     dropout_p: float,
     out_proj_weight: Tensor,
-    out_proj_bias: Optional[Tensor],
+    out_proj_bias: Tensor | None,
     training: bool,
-    key_padding_mask: Optional[Tensor],
+    key_padding_mask: Tensor | None,
     need_weights: bool,
-    attn_mask: Optional[Tensor],
+    attn_mask: Tensor | None,
     use_separate_proj_weight: bool,
-    q_proj_weight: Optional[Tensor],
-    k_proj_weight: Optional[Tensor],
-    v_proj_weight: Optional[Tensor],
-    static_k: Optional[Tensor],
-    static_v: Optional[Tensor],
+    q_proj_weight: Tensor | None,
+    k_proj_weight: Tensor | None,
+    v_proj_weight: Tensor | None,
+    static_k: Tensor | None,
+    static_v: Tensor | None,
     average_attn_weights: bool,
     is_causal: bool,
     check_mask_dtypes: bool,
-) -> tuple[Tensor, Optional[Tensor]]:
+) -> tuple[Tensor, Tensor | None]:
     """:func:`multi_head_attention_forward` without the ``__torch_function__`` hook.
 
     ``check_mask_dtypes=False`` skips the mask dtype checks and the mismatched-mask warning because the caller
@@ -330,21 +329,21 @@ def _mha_with_dropout(
     key: Tensor,
     value: Tensor,
     num_heads: int,
-    in_proj_weight: Optional[Tensor],
-    in_proj_bias: Optional[Tensor],
-    q_proj_weight: Optional[Tensor],
-    k_proj_weight: Optional[Tensor],
-    v_proj_weight: Optional[Tensor],
-    bias_k: Optional[Tensor],
-    bias_v: Optional[Tensor],
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    q_proj_weight: Tensor | None,
+    k_proj_weight: Tensor | None,
+    v_proj_weight: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
     add_zero_attn: bool,
     out_proj_weight: Tensor,
-    out_proj_bias: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    attn_mask: Optional[Tensor],
+    out_proj_bias: Tensor | None,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
     is_causal: bool,
-    static_k: Optional[Tensor],
-    static_v: Optional[Tensor],
+    static_k: Tensor | None,
+    static_v: Tensor | None,
     need_weights: bool,
     average_attn_weights: bool,
     dropout_p: float,
@@ -392,8 +391,8 @@ def _mha_shape_check(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    key_padding_mask: Optional[Tensor],
-    attn_mask: Optional[Tensor],
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
     num_heads: int,
 ) -> bool:
     """Torch's rank checks (same AssertionErrors); returns whether the input is batched (3-D query)."""
@@ -444,9 +443,9 @@ def _mha_shape_check(
 
 
 def _check_mask(
-    mask: Optional[Tensor],
+    mask: Tensor | None,
     mask_name: str,
-    other_type: Optional[torch.dtype],
+    other_type: torch.dtype | None,
     other_name: str,
     check_other: bool = True,
     stacklevel: int = 3,
@@ -468,7 +467,7 @@ def _check_mask(
         )
 
 
-def _none_or_dtype(input: Optional[Tensor]) -> Optional[torch.dtype]:
+def _none_or_dtype(input: Tensor | None) -> torch.dtype | None:
     if input is None:
         return None
     if isinstance(input, torch.Tensor):
@@ -480,10 +479,10 @@ def _check_separate_proj(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    q_proj_weight: Optional[Tensor],
-    k_proj_weight: Optional[Tensor],
-    v_proj_weight: Optional[Tensor],
-    in_proj_bias: Optional[Tensor],
+    q_proj_weight: Tensor | None,
+    k_proj_weight: Tensor | None,
+    v_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
 ) -> None:
     """Torch's checks of separate projection weights (``_in_projection``), same AssertionErrors."""
     for name, w in (("q", q_proj_weight), ("k", k_proj_weight), ("v", v_proj_weight)):

@@ -9,7 +9,6 @@ layers, weight-init loops and wrapping policies that test for it keep working; a
 can retype a torch module in place (same object, same Parameters) instead of rebuilding it.
 """
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +35,12 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        key_padding_mask: Optional[Tensor] = None,
+        key_padding_mask: Tensor | None = None,
         need_weights: bool = True,
-        attn_mask: Optional[Tensor] = None,
+        attn_mask: Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
-    ) -> tuple[Tensor, Optional[Tensor]]:
+    ) -> tuple[Tensor, Tensor | None]:
         """Attention of query over key/value; returns ``(attn_output, attn_output_weights)``.
 
         query ``(L, E)``, ``(L, B, E)`` or with ``batch_first`` ``(B, L, E)``; key ``(S, kdim)``,
@@ -134,8 +133,8 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
     def forward(
         self,
         src: Tensor,
-        src_mask: Optional[Tensor] = None,
-        src_key_padding_mask: Optional[Tensor] = None,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
         """src ``(S, E)``, ``(S, B, E)`` or ``(B, S, E)`` with ``batch_first``; src_mask ``(S, S)`` or

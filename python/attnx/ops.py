@@ -8,7 +8,6 @@ kernel would cost as much as the op (linear).
 
 import math
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -16,7 +15,7 @@ from torch import Tensor
 __all__ = ["attention", "attention_backward", "draw_dropout_seed", "linear", "mha"]
 
 
-def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` that takes every input layout without a detour.
 
     input ``(*, K)``, weight ``(N, K)``, bias ``(N,)`` or None; returns ``(*, N)``, equal to
@@ -33,12 +32,12 @@ def attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused scaled dot-product attention with ``nn.MultiheadAttention``'s masks; returns ``(out, lse)``.
 
@@ -99,12 +98,12 @@ def attention_backward(
     value: Tensor,
     out: Tensor,
     lse: Tensor,
-    attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`attention`'s out with respect to query, key and value.
 
@@ -129,25 +128,25 @@ def mha(
     key: Tensor,
     value: Tensor,
     num_heads: int,
-    in_proj_weight: Optional[Tensor],
-    in_proj_bias: Optional[Tensor],
-    q_proj_weight: Optional[Tensor],
-    k_proj_weight: Optional[Tensor],
-    v_proj_weight: Optional[Tensor],
-    bias_k: Optional[Tensor],
-    bias_v: Optional[Tensor],
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    q_proj_weight: Tensor | None,
+    k_proj_weight: Tensor | None,
+    v_proj_weight: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
     add_zero_attn: bool,
     out_proj_weight: Tensor,
-    out_proj_bias: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    attn_mask: Optional[Tensor],
+    out_proj_bias: Tensor | None,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
     is_causal: bool,
-    static_k: Optional[Tensor],
-    static_v: Optional[Tensor],
+    static_k: Tensor | None,
+    static_v: Tensor | None,
     need_weights: bool,
     average_attn_weights: bool,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward in one dispatch; returns ``(out, lse, weights)``.
 
@@ -211,7 +210,7 @@ def _linear_out_strides(sizes: Sequence[int], strides: Sequence[int], out_sizes:
     return out_strides
 
 
-def _check_linear_args(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+def _check_linear_args(input: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     """The checks of ``check_linear_args`` in csrc/common/linear.cpp, for fake tensors."""
     torch._check(
         input.dim() >= 1 and weight.dim() >= 1,
@@ -277,7 +276,7 @@ def _scalar_name(dtype: torch.dtype) -> str:
 
 
 @torch.library.register_fake("attnx::linear")
-def _linear_fake(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def _linear_fake(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     _check_linear_args(input, weight, bias)
     out_sizes = [*input.shape[:-1], weight.shape[0]]
     return input.new_empty_strided(out_sizes, _linear_out_strides(input.shape, input.stride(), out_sizes))
@@ -301,7 +300,7 @@ def _check_attention_mask(mask: Tensor, name: str, query: Tensor) -> None:
     )
 
 
-def _check_dropout_args(dropout_p: float, dropout_seed: Optional[Tensor]) -> None:
+def _check_dropout_args(dropout_p: float, dropout_seed: Tensor | None) -> None:
     """The checks of ``check_dropout_args`` in csrc/common/attention.cpp, for fake tensors."""
     torch._check(
         0.0 <= dropout_p <= 1.0, lambda: f"attnx::attention: expected dropout_p in [0, 1], got {dropout_p}"
@@ -327,10 +326,10 @@ def _check_attention_args(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
 ) -> None:
     """The checks of ``check_attention_args`` in csrc/common/attention.cpp, for fake tensors."""
     for t, name, shape in ((query, "query", "(B, H, L, D)"), (key, "key", "(B, H, S, D)"),
@@ -397,12 +396,12 @@ def _attention_fake(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed)
     B, H, L, _ = query.shape
@@ -442,12 +441,12 @@ def _attention_backward_fake(
     value: Tensor,
     out: Tensor,
     lse: Tensor,
-    attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed)
     B, H, L, D = query.shape
@@ -480,7 +479,7 @@ def _attention_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed)
 
 
-def _attention_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
+def _attention_backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
     if ctx.masks_requiring_grad:
         names = " and ".join(ctx.masks_requiring_grad)
         raise RuntimeError(

@@ -4,14 +4,13 @@ This module is the spec: tests compare the kernels against it (in float64 where 
 benchmarks check outputs against it before timing, and fallbacks call it. Clarity beats speed here.
 """
 
-from collections.abc import Sequence
-from typing import Callable, Optional
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 
-def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``input @ weight.T + bias`` for input ``(*, K)``, weight ``(N, K)``, bias ``(N,)``; returns ``(*, N)``."""
     out = torch.matmul(input, weight.t())
     return out if bias is None else out + bias
@@ -21,12 +20,12 @@ def attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention with nn.MultiheadAttention's mask semantics; returns ``(out, lse)``.
 
@@ -135,13 +134,13 @@ def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
 
 
-def _as_4d_attn_mask(mask: Optional[Tensor], B: int, H: int) -> Optional[Tensor]:
+def _as_4d_attn_mask(mask: Tensor | None, B: int, H: int) -> Tensor | None:
     if mask is None or mask.dim() != 3:
         return mask  # (L, S) and 4-D masks broadcast as they are
     return mask.view(B, H, *mask.shape[1:])  # nn.MultiheadAttention's (B*H, L, S)
 
 
-def _as_4d_padding_mask(mask: Optional[Tensor]) -> Optional[Tensor]:
+def _as_4d_padding_mask(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
 
 
@@ -150,27 +149,27 @@ def mha(
     key: Tensor,
     value: Tensor,
     num_heads: int,
-    in_proj_weight: Optional[Tensor],
-    in_proj_bias: Optional[Tensor],
-    q_proj_weight: Optional[Tensor],
-    k_proj_weight: Optional[Tensor],
-    v_proj_weight: Optional[Tensor],
-    bias_k: Optional[Tensor],
-    bias_v: Optional[Tensor],
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    q_proj_weight: Tensor | None,
+    k_proj_weight: Tensor | None,
+    v_proj_weight: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
     add_zero_attn: bool,
     out_proj_weight: Tensor,
-    out_proj_bias: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    attn_mask: Optional[Tensor],
+    out_proj_bias: Tensor | None,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
     is_causal: bool,
-    static_k: Optional[Tensor],
-    static_v: Optional[Tensor],
+    static_k: Tensor | None,
+    static_v: Tensor | None,
     need_weights: bool,
     average_attn_weights: bool,
     dropout_p: float = 0.0,
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Tensor | None = None,
     *,
-    project: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor] = linear,
+    project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward; returns ``(out, lse, weights)``.
 
@@ -227,21 +226,21 @@ def _mha_project(
     key: Tensor,
     value: Tensor,
     num_heads: int,
-    in_proj_weight: Optional[Tensor],
-    in_proj_bias: Optional[Tensor],
-    q_proj_weight: Optional[Tensor],
-    k_proj_weight: Optional[Tensor],
-    v_proj_weight: Optional[Tensor],
-    bias_k: Optional[Tensor],
-    bias_v: Optional[Tensor],
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    q_proj_weight: Tensor | None,
+    k_proj_weight: Tensor | None,
+    v_proj_weight: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
     add_zero_attn: bool,
-    key_padding_mask: Optional[Tensor],
-    attn_mask: Optional[Tensor],
-    static_k: Optional[Tensor],
-    static_v: Optional[Tensor],
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    static_k: Tensor | None,
+    static_v: Tensor | None,
     *,
-    project: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor] = linear,
-) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """:func:`mha` up to the attention core: q ``(B, H, L, D)``, k ``(B, H, S', D)``, v ``(B, H, S', D)``
     and the masks extended by one unmasked key column per appended key (attn_mask ``(L, S')`` or
     ``(B*H, L, S')``, key_padding_mask ``(B, S')``)."""
@@ -287,7 +286,7 @@ def _mha_project(
 
 
 def _mha_scores(
-    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], is_causal: bool
+    q: Tensor, k: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool
 ) -> Tensor:
     """The scaled, masked scores ``(B, H, L, S)`` that :func:`attention` takes the softmax of, in its
     accumulation dtype (float64 for float64 inputs, else float32); masked entries are ``-inf``."""
@@ -307,9 +306,9 @@ def _mha_scores(
 def _mha_out_projection(
     out: Tensor,
     out_proj_weight: Tensor,
-    out_proj_bias: Optional[Tensor],
+    out_proj_bias: Tensor | None,
     *,
-    project: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor] = linear,
+    project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
 ) -> Tensor:
     """Heads ``(B, H, L, D)`` -> concatenated ``(L, B, H*D)`` -> out projection ``(L, B, E)``."""
     B, H, L, D = out.shape
