@@ -41,7 +41,7 @@ def make(shape, layout: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
     if layout == "size1_huge_stride":
         # Size-1 dims carry arbitrary, huge strides (they never move a pointer).
         base = rand(shape)
-        strides = [2**40 + 7 if s == 1 else st for s, st in zip(shape, base.stride())]
+        strides = [2**40 + 7 if s == 1 else st for s, st in zip(shape, base.stride(), strict=True)]
         return base.as_strided(shape, strides)
     if layout == "gapped":
         # Leading dims with gaps between blocks of rows: x[:, :b] of an (a, 2b, K) buffer.

@@ -40,7 +40,7 @@ def test_math_backward_matches_the_reference_and_the_kernel(attn_mask, padding, 
     kernel = torch.ops.attnx.attention_backward(grad_out, q, k, v, out, lse, am, kpm, is_causal, None)
     want_out, _ = reference.attention(q, k, v, am, kpm, is_causal)
     want = torch.autograd.grad(want_out, (q, k, v), grad_out)
-    for name, g, kern, w in zip("qkv", got, kernel, want):
+    for name, g, kern, w in zip("qkv", got, kernel, want, strict=True):
         assert g.isfinite().all(), name
         torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"grad {n}: {m}")
         assert (g.shape, g.stride()) == (kern.shape, kern.stride()), name  # the kernel's layout
@@ -52,7 +52,7 @@ def test_math_backward_custom_scale_and_low_precision():
     grad_out = torch.randn_like(out)
     got = math_backward(grad_out, q, k, v, out, lse, None, None, False, 0.3)
     want = torch.ops.attnx.attention_backward(grad_out, q, k, v, out, lse, None, None, False, 0.3)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 

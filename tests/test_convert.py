@@ -181,7 +181,7 @@ def test_transformer():
         train = model.train()(src, tgt, **kwargs)
     params = list(model.parameters())
     attnx.convert(model)
-    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
     assert sum(type(m) is attnx.nn.MultiheadAttention for m in model.modules()) == 2 + 2 * 2
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(src, tgt, **kwargs), slow)

@@ -76,7 +76,7 @@ def test_output_layout(layout):
             fake = attnx.linear(mode.from_tensor(x), mode.from_tensor(w))
         assert fake.shape == out.shape and fake.stride() == out.stride(), (batch, out.stride(), fake.stride())
         assert is_non_overlapping_and_dense(out)
-        leading = [st for sz, st in zip(x.shape[:-1], x.stride()[:-1]) if sz != 1]
+        leading = [st for sz, st in zip(x.shape[:-1], x.stride()[:-1], strict=True) if sz != 1]
         rows_in_order = leading == sorted(leading, reverse=True)
         if rows_in_order or layout in ("gapped", "expanded"):
             assert out.stride() == torch.empty(out.shape).stride(), (batch, out.stride())
@@ -145,7 +145,7 @@ def test_gradients_match_reference(device, layout, batch):
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (x, w, b), grad)
     want = torch.autograd.grad(reference.linear(x, w, b), (x, w, b), grad)
-    for g, r in zip(got, want):
+    for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r)
 
 

@@ -46,7 +46,7 @@ def _check_grads(args):
     got = _grads(ops.mha, args)
     want = _grads(reference.mha, args)
     assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if b is None:
             assert a is None or not a.any(), i
             continue
@@ -95,7 +95,7 @@ def test_low_precision(dtype):
     converted = {id(a): a.to(dtype) for a in args64 if isinstance(a, torch.Tensor) and a.is_floating_point()}
     args = [converted.get(id(a), a) for a in args64]  # one tensor passed three times stays one
     want64 = _grads(reference.mha, args64)
-    for got, want, ref64 in zip(_grads(ops.mha, args), _grads(reference.mha, args), want64):
+    for got, want, ref64 in zip(_grads(ops.mha, args), _grads(reference.mha, args), want64, strict=True):
         err = (got.double() - ref64).abs().max().item()
         ref_err = (want.double() - ref64).abs().max().item()
         assert err <= 4 * ref_err + 1e-5, (err, ref_err)
@@ -115,7 +115,7 @@ def test_gradcheck(extras, need_weights):
 
     def fn(*xs):
         full = list(args)
-        for i, x in zip(positions, xs):
+        for i, x in zip(positions, xs, strict=True):
             full[i] = x
         out, _, weights = ops.mha(*full)
         return (out, weights) if need_weights else out
@@ -186,7 +186,7 @@ def test_fake_kernels_match(projection, layout, extras):
         fake = torch.ops.attnx.mha_forward(*fake_args)
         fake_grads = torch.ops.attnx.mha_backward(mode.from_tensor(grad_out), None, *fake_args, 0.0, None,
                                                   *fake[3:], fake[1], mask)
-    for r, f in zip([*real, *real_grads], [*fake, *fake_grads]):
+    for r, f in zip([*real, *real_grads], [*fake, *fake_grads], strict=True):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
 
 

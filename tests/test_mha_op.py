@@ -68,12 +68,12 @@ def _check(args, dtype=torch.float64):
     out, lse, weights = ops.mha(*args)
     ref = reference.mha(*args)
     if dtype == torch.float64:
-        for got, want in zip((out, lse, weights), ref):
+        for got, want in zip((out, lse, weights), ref, strict=True):
             torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, equal_nan=True)
         return
     args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     ref64 = reference.mha(*args64)
-    for got, want, want64 in zip((out, lse, weights), ref, ref64):
+    for got, want, want64 in zip((out, lse, weights), ref, ref64, strict=True):
         assert got.shape == want64.shape and got.dtype == want.dtype
         finite = torch.isfinite(want64)
         assert torch.equal(torch.isfinite(got), finite)
@@ -159,7 +159,7 @@ def test_fake_kernel_matches(projection, layout):
             real = ops.mha(*args)
             with FakeTensorMode() as mode:
                 fake = ops.mha(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
-            for r, f in zip(real, fake):
+            for r, f in zip(real, fake, strict=True):
                 assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
 
 

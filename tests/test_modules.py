@@ -70,7 +70,8 @@ def test_matches_torch_slow_path(dtype, batch, batch_first, attn):
             )
             reference.eval(), module.eval()
             query, key, value, L, S = inputs(attn, batch, batch_first, dtype)
-            for case, (need_weights, average) in zip(MASK_CASES, weights):
+            # weights is an endless cycle: strict=False lets zip stop at the end of MASK_CASES.
+            for case, (need_weights, average) in zip(MASK_CASES, weights, strict=False):
                 kpm, am, is_causal = make_masks(case, batch or 1, H, L, S, dtype, batched=batch is not None)
                 kwargs = dict(
                     key_padding_mask=kpm,
@@ -178,7 +179,7 @@ def test_gradients_match_torch(batch_first):
         out, weights = m(x, key, value, key_padding_mask=kpm, attn_mask=am)
         (out.square().sum() + weights.sum()).backward()
         grads.append([x.grad] + [p.grad for p in m.parameters()])
-    for actual, expected in zip(*reversed(grads)):
+    for actual, expected in zip(*reversed(grads), strict=True):
         assert_close(actual, expected, torch.float64)
 
 
@@ -252,14 +253,16 @@ def test_state_dict_round_trips_both_ways():
         # Same names, same registration order, same initialisation (same RNG draws).
         assert [n for n, _ in module.named_parameters()] == [n for n, _ in reference.named_parameters()]
         assert list(module.state_dict()) == list(reference.state_dict())
-        for (name, p), (_, q) in zip(module.state_dict().items(), reference.state_dict().items()):
+        for (name, p), (_, q) in zip(
+            module.state_dict().items(), reference.state_dict().items(), strict=True
+        ):
             assert torch.equal(p, q), name
         assert type(module.out_proj) is type(reference.out_proj)
         other = torch.nn.MultiheadAttention(E, H, **kwargs)
         other.load_state_dict(module.state_dict(), strict=True)
         mine = attnx.nn.MultiheadAttention(E, H, **kwargs)
         mine.load_state_dict(reference.state_dict(), strict=True)
-        for a, b in zip(mine.state_dict().values(), reference.state_dict().values()):
+        for a, b in zip(mine.state_dict().values(), reference.state_dict().values(), strict=True):
             assert torch.equal(a, b)
         assert isinstance(module, torch.nn.MultiheadAttention)
 

@@ -375,7 +375,7 @@ def _check_attention_args(
         elif attn_mask.dim() == 3:
             ok = shape == [B * H, L, S]
         else:
-            ok = attn_mask.dim() == 4 and all(n in (t, 1) for n, t in zip(shape, (B, H, L, S)))
+            ok = attn_mask.dim() == 4 and all(n in (t, 1) for n, t in zip(shape, (B, H, L, S), strict=True))
         torch._check(
             ok,
             lambda: f"attnx::attention: expected attn_mask of shape (L, S) = ({L}, {S}), (B*H, L, S) = "
@@ -633,7 +633,7 @@ def _mha_backward_fake(
                 bias_k=bias_k, bias_v=bias_v, out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias,
                 static_k=static_k, static_v=static_v)
     one_input = query is key and key is value
-    wanted = dict(zip(_MHA_GRADS, output_mask))
+    wanted = dict(zip(_MHA_GRADS, output_mask, strict=True))
     if one_input:
         wanted["query"] = wanted["query"] or wanted["key"] or wanted["value"]
         wanted["key"] = wanted["value"] = False
