@@ -244,9 +244,9 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
     texts.append(
         f"(b) one MHA layer, train mode, forward + .backward(grad_out), self-attention, "
         f"B={SEED_SHAPE[0]} L={SEED_SHAPE[2]} E={SEED_SHAPE[1] * SEED_SHAPE[3]} H={SEED_SHAPE[1]}, {device}: "
-        f"dispatches (the counter of (a)) and the most frequent ops. The first rows: batch_first modules and an "
-        f"input that requires grad (each leaf's gradient costs autograd one detach, and batch_first views one "
-        f"transpose each way); the last two: the layer as most models hold it\n"
+        f"dispatches (the counter of (a)) and the most frequent ops. The first rows: batch_first modules "
+        f"and an input that requires grad (each leaf's gradient costs autograd one detach, and batch_first "
+        f"views one transpose each way); the last two: the layer as most models hold it\n"
         + table(["implementation", "dispatches", "target", "top ops"], rows)
     )
 

@@ -1,4 +1,5 @@
-"""Shared test set-up: devices as parameters (absent backends show as skipped, with the reason), dtypes, seeding."""
+"""Shared test set-up: devices as parameters (absent backends show as skipped, with the reason), dtypes,
+seeding."""
 
 import pytest
 import torch
@@ -15,7 +16,10 @@ DEVICES = [
     pytest.param(
         "mps",
         id="mps",
-        marks=[pytest.mark.mps, pytest.mark.skipif(not torch.backends.mps.is_available(), reason="no MPS device")],
+        marks=[
+            pytest.mark.mps,
+            pytest.mark.skipif(not torch.backends.mps.is_available(), reason="no MPS device"),
+        ],
     ),
 ]
 

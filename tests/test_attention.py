@@ -30,7 +30,7 @@ LSE_ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-5, tor
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Inputs in every layout the op must take without copying.
 
 LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
@@ -67,7 +67,7 @@ def make_qkv(B, H, L, S, D, Dv, dtype=torch.float32, layout="contiguous", seed=0
     return q, k, v
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The comparison.
 
 
@@ -104,7 +104,7 @@ def check(q, k, v, **kwargs):
     return out, lse
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Shapes, dtypes and layouts.
 
 # (B, H, L, S, D, Dv). The CPU kernel tiles 128 queries by 512 keys and hands out blocks of up to 8 query
@@ -162,7 +162,7 @@ def test_b1_transposed_layout():
     check(q, k, v)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Masks.
 
 B, H, L, S, D = 2, 3, 19, 41, 16
@@ -258,7 +258,7 @@ def test_masked_tiles_are_skipped_correctly():
     check(q, k, v, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Fully masked rows, empty sizes, NaN.
 
 
@@ -310,7 +310,7 @@ def test_nan_propagates_per_row():
     assert not out[0, 0, :4].isnan().any()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Layout of the outputs, fake kernel, opcheck.
 
 
@@ -363,7 +363,7 @@ def test_compile_fullgraph():
     torch.testing.assert_close(fn(q, k, v), attnx.attention(q, k, v, is_causal=True)[0] * 2)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Memory: nothing of size (B, H, L, S), or even (B, 1, L, S), is ever built.
 
 _MEMORY_SCRIPT = textwrap.dedent(
@@ -392,14 +392,15 @@ _MEMORY_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc")
 def test_no_quadratic_memory():
     # Peak RSS growth during one call in a fresh process: a merged (B, 1, L, S) float mask alone would be
-    # 128 MiB, attention weights (B, H, L, S) 512 MiB. The call needs its outputs (1 MiB) and per-thread tiles.
+    # 128 MiB, attention weights (B, H, L, S) 512 MiB. The call needs its outputs (1 MiB) and per-thread
+    # tiles.
     result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     grown = int(result.stdout.strip().splitlines()[-1])
     assert grown < 16 * 2**20, f"peak RSS grew by {grown / 2**20:.1f} MiB during the call"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Every ISA variant of the CPU kernel (torch picks one per process from ATEN_CPU_CAPABILITY).
 
 _ISA_SCRIPT = textwrap.dedent(
@@ -428,7 +429,7 @@ def test_isa_variants(isa):
     assert result.returncode == 0, result.stderr
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Bad inputs: RuntimeError with a message that names what was expected.
 
 

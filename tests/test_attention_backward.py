@@ -29,7 +29,7 @@ ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 4e-3, torch.f
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Inputs: leaves (what gradients are compared on) and the (B, H, N, E) views attention reads.
 
 LAYOUTS = ["contiguous", "blhd", "lbhd", "sliced", "expanded_kv", "strided_last"]
@@ -117,7 +117,7 @@ def check(leaves, layout="contiguous", grad_out=None, **kwargs):
     return grads
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Shapes, dtypes, layouts.
 
 # (B, H, L, S, D, Dv)
@@ -189,7 +189,7 @@ def test_expanded_grad_out():
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-11)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Masks (test_attention's factories: (B, H, L, S) = (2, 3, 19, 41)), in float64 against the float64 reference.
 
 ATTN_MASKS = [
@@ -243,7 +243,7 @@ def test_masked_tiles_are_skipped_correctly():
     check(leaves, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Fully masked rows, empty sizes.
 
 
@@ -276,7 +276,7 @@ def test_empty_sizes(sizes, dtype):
         assert (dq == 0).all()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # gradcheck (float64, finite differences) on small cases.
 
 
@@ -303,7 +303,7 @@ def test_gradcheck(case):
     assert torch.autograd.gradcheck(lambda *ls: attnx.attention(*views(ls, layout), **kwargs)[0], leaves)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Autograd behaviour: what is saved, what is not differentiable, errors.
 
 
@@ -356,7 +356,7 @@ def test_saves_no_attention_sized_tensor():
     assert {tuple(t.shape) for t in saved} == {(B, H, L, D), (B, H, S, D), (B, H, L), (L, S), (B, S)}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Layout of the gradients, fake kernel, opcheck, errors.
 
 
@@ -468,7 +468,7 @@ def test_bad_inputs(case, fake):
             attnx.attention_backward(*args)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Memory: the backward allocates nothing of size (B, H, L, S).
 
 
@@ -522,7 +522,7 @@ def test_no_quadratic_memory():
     assert grown < 16 * 2**20, f"peak RSS grew by {grown / 2**20:.1f} MiB during the backward"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Every ISA variant of the CPU kernel.
 
 _ISA_SCRIPT = textwrap.dedent(

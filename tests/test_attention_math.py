@@ -20,7 +20,9 @@ def math_backward(*args):
 def _inputs(layout, seed=0):
     gen = torch.Generator().manual_seed(seed)
     if layout == "blhd":  # the layout mha hands over
-        q, k, v = (torch.randn(B, n, H, D, generator=gen, dtype=torch.float64).transpose(1, 2) for n in (L, S, S))
+        q, k, v = (
+            torch.randn(B, n, H, D, generator=gen, dtype=torch.float64).transpose(1, 2) for n in (L, S, S)
+        )
     else:
         q, k, v = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) for n in (L, S, S))
     return q, k, v

@@ -46,8 +46,8 @@ def torch_fast_path_ops(counts):
 
 
 def assert_runs_attnx(run, attention_modules):
-    """``run()`` dispatches none of torch's fused attention ops, and attnx's own instead: one ``attnx::mha`` per
-    attention module when no gradient is needed, one ``attnx::mha_forward`` under grad."""
+    """``run()`` dispatches none of torch's fused attention ops, and attnx's own instead: one ``attnx::mha``
+    per attention module when no gradient is needed, one ``attnx::mha_forward`` under grad."""
     with DispatchRecorder() as recorder:
         run()
     assert torch_fast_path_ops(recorder.counts) == []

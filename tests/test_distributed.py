@@ -69,15 +69,20 @@ def test_ddp_gradients_match_a_single_process(tmp_path):
     assert grads.keys() == ddp_grads.keys()
     for name, grad in grads.items():
         assert grad is not None and grad.abs().sum() > 0, name
-        torch.testing.assert_close(ddp_grads[name], grad, atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            ddp_grads[name], grad, atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_the_converted_layers_run_attnx():
-    """The comparison above is about attnx only if the converted layers run attnx's fused forward and backward."""
+    """The comparison above is about attnx only if the converted layers run attnx's fused forward and
+    backward."""
     from test_convert import DispatchRecorder
 
     model = _model().train()
     x, target, padding = _data()
     with DispatchRecorder() as recorder:
         _loss(model, x, target, padding).backward()
-    assert recorder.counts["attnx::mha_forward"] == LAYERS and recorder.counts["attnx::mha_backward"] == LAYERS
+    assert (
+        recorder.counts["attnx::mha_forward"] == LAYERS and recorder.counts["attnx::mha_backward"] == LAYERS
+    )

@@ -1,4 +1,5 @@
-"""attnx.linear against reference.linear (float64) and F.linear: values, layouts, copies, gradients, errors."""
+"""attnx.linear against reference.linear (float64) and F.linear: values, layouts, copies, gradients,
+errors."""
 
 import re
 
@@ -19,7 +20,8 @@ ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 4e-3, torch.bf
 
 
 def _assert_close_to_reference(out, x, w, b):
-    """FlashAttention-style bound: attnx's error vs float64 is within 2x torch's own error in the same dtype."""
+    """FlashAttention-style bound: attnx's error vs float64 is within 2x torch's own error in the same
+    dtype."""
     ref64 = reference.linear(x.double(), w.double(), None if b is None else b.double())
     ref = reference.linear(x, w, b)
     assert out.shape == ref64.shape and out.dtype == x.dtype
@@ -66,8 +68,8 @@ def test_size1_bias_broadcasts():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_output_layout(layout):
-    """Output is dense, in input's row order; exactly torch's contiguous strides when rows are in logical order,
-    so a B=1 transpose never leaves the (D, B*D, 1) strides behind, and the fake kernel agrees."""
+    """Output is dense, in input's row order; exactly torch's contiguous strides when rows are in logical
+    order, so a B=1 transpose never leaves the (D, B*D, 1) strides behind, and the fake kernel agrees."""
     for batch in [(5, 1), (1, 5), (3, 4), (2, 3, 4)]:
         x = make((*batch, K), layout)
         w = torch.randn(N, K)
@@ -129,7 +131,7 @@ def test_b1_transposed_is_one_gemm_on_the_original_storage():
     torch.testing.assert_close(out, F.linear(x, w))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # gradients
 
 
@@ -183,7 +185,7 @@ def test_compile_fullgraph_matches_eager():
     torch.testing.assert_close(compiled(x, w, b), f(x, w, b))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # bad input: the exception type and message F.linear gives for the same mistake
 
 
@@ -236,10 +238,14 @@ def test_mismatched_devices():
 
 @pytest.mark.parametrize("shape", [(K,), (2, N, K)], ids=["1-D", "3-D"])
 def test_weight_must_be_2d(shape):
-    with pytest.raises(RuntimeError, match=r"attnx::linear: expected weight of shape \(out_features, in_features\)"):
+    with pytest.raises(
+        RuntimeError, match=r"attnx::linear: expected weight of shape \(out_features, in_features\)"
+    ):
         attnx.linear(torch.randn(3, K), torch.randn(shape))
 
 
 def test_bias_must_be_1d():
-    with pytest.raises(RuntimeError, match=r"attnx::linear: expected bias of shape \(out_features,\) = \(10,\)"):
+    with pytest.raises(
+        RuntimeError, match=r"attnx::linear: expected bias of shape \(out_features,\) = \(10,\)"
+    ):
         attnx.linear(torch.randn(3, K), torch.randn(N, K), torch.randn(3, N))

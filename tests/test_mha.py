@@ -118,9 +118,9 @@ def test_static_k_v_match_torch(dtype, zero_attn, static):
 
 
 def test_dropout_path_matches_torch_and_eval_ignores_it():
-    """training with dropout_p > 0: with need_weights, the composition with torch's F.dropout, so one seed gives
-    torch's mask; without, the fused op, whose mask is attnx's (from a seed drawn from torch's generator), so
-    the result is reference.mha's with that seed."""
+    """training with dropout_p > 0: with need_weights, the composition with torch's F.dropout, so one seed
+    gives torch's mask; without, the fused op, whose mask is attnx's (from a seed drawn from torch's
+    generator), so the result is reference.mha's with that seed."""
     for dtype, need_weights, case in itertools.product(
         [torch.float32, torch.float64], [True, False], ["none", "both_bool", "causal"]
     ):

@@ -31,7 +31,8 @@ def _leaves(args):
 
 
 def _grads(fn, args, seed=0):
-    """The gradients of a random linear function of fn's out (and weights, when asked for) w.r.t. the leaves."""
+    """The gradients of a random linear function of fn's out (and weights, when asked for) w.r.t. the
+    leaves."""
     args, leaves = _leaves(args)
     out, _, weights = fn(*args)
     g = torch.Generator().manual_seed(seed)
@@ -109,8 +110,8 @@ def test_gradcheck(extras, need_weights):
     s = 5 if extras == "static_kv" else 4
     # Finite float masks: no row is fully masked, so every output is finite for the finite differences.
     kpm, am = (m.nan_to_num(neginf=-3.0) for m in make_masks("both_float", b, H, n, s, torch.float64)[:2])
-    args, leaves = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=need_weights,
-                                 average=False))
+    args, leaves = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am,
+                                 need_weights=need_weights, average=False))
     positions = [i for i, a in enumerate(args) if any(a is leaf for leaf in leaves)]
 
     def fn(*xs):
@@ -143,7 +144,9 @@ def test_one_layer_forward_and_backward_in_two_dispatches():
         out, _, _ = ops.mha(*args)
         out.backward(grad)
     # Besides the two ops, autograd's AccumulateGrad detaches each leaf's new .grad: one dispatch per leaf.
-    assert dict(counter.counts) == {"attnx::mha_forward": 1, "attnx::mha_backward": 1, "aten::detach": len(leaves)}
+    assert dict(counter.counts) == {
+        "attnx::mha_forward": 1, "attnx::mha_backward": 1, "aten::detach": len(leaves)
+    }
     assert all(leaf.grad is not None for leaf in leaves)
 
 
@@ -222,7 +225,8 @@ def test_double_backward_is_a_clear_error():
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 @pytest.mark.parametrize("masks", ["none", "both_bool", "causal_float_kpm"])
 def test_dropout_forward_and_gradients_match_the_reference(extras, masks):
-    """The fused dropout's mask is reference.dropout_keep_mask of the seed, in the forward and in the backward."""
+    """The fused dropout's mask is reference.dropout_keep_mask of the seed, in the forward and in the
+    backward."""
     query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
     s = 5 if extras == "static_kv" else S
     kpm, am, is_causal = make_masks(masks, B, H, L, s, torch.float64)

@@ -1,4 +1,5 @@
-"""The fused op attnx::mha against its spec, reference.mha: every argument, strided inputs, memory, opcheck."""
+"""The fused op attnx::mha against its spec, reference.mha: every argument, strided inputs, memory,
+opcheck."""
 
 import itertools
 
@@ -140,7 +141,9 @@ def test_no_attention_sized_memory():
     attention_bytes = b * h * n * n * 4
     for need_weights in (False, True):
         args = _args(query, key, value, w, kpm=kpm, am=am, need_weights=need_weights, average=False)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as p:
             ops.mha(*args)
         largest = max(e.cpu_memory_usage for e in p.events())
         if need_weights:  # the control: asking for the weights does allocate them
@@ -175,7 +178,8 @@ def test_opcheck(extras):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda a: a.__setitem__(3, 5), r"attnx::mha: expected embed_dim \(16\) divisible by num_heads \(5\)"),
+        (lambda a: a.__setitem__(3, 5),
+         r"attnx::mha: expected embed_dim \(16\) divisible by num_heads \(5\)"),
         (lambda a: a.__setitem__(14, torch.zeros(B, S + 1, dtype=torch.bool)),
          r"attnx::mha: expected key_padding_mask of shape \(B, S\) = \(2, 9\), got \[2, 10\]"),
         (lambda a: a.__setitem__(15, torch.zeros(L, L, dtype=torch.bool)),

@@ -207,9 +207,10 @@ def test_batch_first_reads_views_without_copies(monkeypatch):
 
 
 def test_dropout_in_training():
-    """Dropout acts on the attention probabilities as torch's: with need_weights (the composition with torch's
-    F.dropout) one seed gives torch's outputs and weights, the dropped-out ones; without, the fused op draws its
-    own mask (tested against the reference in test_mha_backward) and is unbiased; eval ignores dropout."""
+    """Dropout acts on the attention probabilities as torch's: with need_weights (the composition with
+    torch's F.dropout) one seed gives torch's outputs and weights, the dropped-out ones; without, the fused
+    op draws its own mask (tested against the reference in test_mha_backward) and is unbiased; eval ignores
+    dropout."""
     for dtype, need_weights in itertools.product([torch.float32, torch.float64], [True]):
         reference, module = module_pair(dtype, dropout=0.5)
         query, key, value, L, S = inputs("cross", 2, False, dtype)

@@ -69,8 +69,8 @@ def multi_head_attention_forward(
     torch's generator, so ``torch.manual_seed`` reproduces a run, and outputs match torch's in distribution,
     not draw for draw. Dropout with ``need_weights`` (whose weights are the dropped probabilities), or on a
     device without a fused dropout backward (all but the CPU for now), runs
-    :mod:`attnx.reference` projected through :func:`attnx.linear` with torch's ``F.dropout``, materialising the
-    ``(B, H, L, S')`` probabilities as torch does, and equals torch's result under one seed.
+    :mod:`attnx.reference` projected through :func:`attnx.linear` with torch's ``F.dropout``, materialising
+    the ``(B, H, L, S')`` probabilities as torch does, and equals torch's result under one seed.
     """
     tens_ops = (
         query,

@@ -31,9 +31,11 @@ def report() -> str:
         backends, built_against, archs = "unknown", "unknown", None
     lines = [
         f"attnx {attnx.__version__}",
-        f"python {platform.python_version()}, torch {torch.__version__} (attnx built against {built_against})",
+        f"python {platform.python_version()}, torch {torch.__version__} "
+        f"(attnx built against {built_against})",
         f"backends compiled: {backends}" + (f" (CUDA archs {archs})" if archs else ""),
-        f"devices: cuda available={torch.cuda.is_available()}, mps available={torch.backends.mps.is_available()}",
+        f"devices: cuda available={torch.cuda.is_available()}, "
+        f"mps available={torch.backends.mps.is_available()}",
         "ops (dispatch keys with a kernel):",
     ]
     width = max((len(op) for op in ops()), default=0)

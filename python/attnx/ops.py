@@ -20,9 +20,10 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     input ``(*, K)``, weight ``(N, K)``, bias ``(N,)`` or None; returns ``(*, N)``, equal to
     ``F.linear(input, weight, bias)``. Leading dims that form one dense block of rows, in any memory order
-    (a B=1 transpose, ``(L, B, E)`` views of batch-first data, slices with a storage offset, size-1 dims with any
-    stride), run as one GEMM without a copy, and the output keeps the memory order of input's leading dims
-    (contiguous whenever input's rows are in logical order). Rows repeated by stride-0 dims are computed once.
+    (a B=1 transpose, ``(L, B, E)`` views of batch-first data, slices with a storage offset, size-1 dims with
+    any stride), run as one GEMM without a copy, and the output keeps the memory order of input's leading
+    dims (contiguous whenever input's rows are in logical order). Rows repeated by stride-0 dims are computed
+    once.
     Any other layout is copied exactly once. Differentiable in input, weight and bias.
     """
     return torch.ops.attnx.linear.default(input, weight, bias)
@@ -172,8 +173,9 @@ def mha(
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# linear: layout rule (mirrors csrc/common/linear.cpp) and fake kernel; autograd is csrc/autograd/linear_autograd.cpp
+# ------------------------------------------------------------------------------------------------------------
+# linear: layout rule (mirrors csrc/common/linear.cpp) and fake kernel;
+# autograd is csrc/autograd/linear_autograd.cpp
 
 
 def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
@@ -185,7 +187,8 @@ def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
 
 
 def _linear_out_strides(sizes: Sequence[int], strides: Sequence[int], out_sizes: Sequence[int]) -> list[int]:
-    """Strides of linear's output; the same rule as ``fold_rows``/``output_strides`` in csrc/common/linear.cpp."""
+    """Strides of linear's output; the same rule as ``fold_rows``/``output_strides`` in
+    csrc/common/linear.cpp."""
     leading = len(sizes) - 1
     if math.prod(sizes[:leading]) == 0 or out_sizes[-1] == 0:
         return _contiguous_strides(out_sizes)
@@ -251,18 +254,18 @@ def _check_linear_args(input: Tensor, weight: Tensor, bias: Tensor | None) -> No
         )
         torch._check(
             bias.shape[0] == n or bias.shape[0] == 1,
-            lambda: f"The expanded size of the tensor ({n}) must match the existing size ({bias.shape[0]}) at "
-            f"non-singleton dimension 1.  Target sizes: [{m}, {n}].  Tensor sizes: [{bias.shape[0]}]",
+            lambda: f"The expanded size of the tensor ({n}) must match the existing size ({bias.shape[0]}) "
+            f"at non-singleton dimension 1.  Target sizes: [{m}, {n}].  Tensor sizes: [{bias.shape[0]}]",
         )
 
 
 def _type_meta_name(dtype: torch.dtype) -> str:
     """c10's TypeMeta name (``float``, ``c10::Half``), as torch's C++ messages print a dtype."""
     return {
-        torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
-        torch.int64: "long int", torch.int32: "int", torch.int16: "short int", torch.int8: "signed char",
-        torch.uint8: "unsigned char", torch.bool: "bool", torch.complex64: "c10::complex<float>",
-        torch.complex128: "c10::complex<double>",
+        torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+        torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int",
+        torch.int16: "short int", torch.int8: "signed char", torch.uint8: "unsigned char", torch.bool: "bool",
+        torch.complex64: "c10::complex<float>", torch.complex128: "c10::complex<double>",
     }.get(dtype, str(dtype).removeprefix("torch."))
 
 
@@ -270,8 +273,9 @@ def _scalar_name(dtype: torch.dtype) -> str:
     """c10's ScalarType name (``Float``, ``BFloat16``), as torch's C++ messages print it."""
     return {
         torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-        torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-        torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+        torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+        torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat",
+        torch.complex128: "ComplexDouble",
     }.get(dtype, str(dtype).removeprefix("torch."))
 
 
@@ -282,7 +286,7 @@ def _linear_fake(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     return input.new_empty_strided(out_sizes, _linear_out_strides(input.shape, input.stride(), out_sizes))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # attention: argument checks (mirror csrc/common/attention.cpp), fake kernels and autograd
 
 _ATTENTION_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -512,7 +516,7 @@ torch.library.register_autograd(
 torch.library.register_autograd("attnx::attention_backward", _no_double_backward)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # mha: fake kernel (the checks that shape the outputs; the kernel checks the rest) and the missing backward
 
 
@@ -533,7 +537,9 @@ def _mha_out_fake(query, num_heads, key_len, need_weights, average_attn_weights)
 
 
 def _check_mha_fake_args(query, num_heads):
-    torch._check(query.dim() == 3, lambda: f"attnx::mha: expected query of shape (L, B, E), got {list(query.shape)}")
+    torch._check(
+        query.dim() == 3, lambda: f"attnx::mha: expected query of shape (L, B, E), got {list(query.shape)}"
+    )
     E = query.shape[2]
     torch._check(
         num_heads > 0 and E % num_heads == 0,
@@ -609,10 +615,11 @@ def _mha_forward_fake(
     return out, lse, weights, q4, k4, v4, attn
 
 
-# Positions of mha_backward's gradients (and of its output_mask entries); mirrors MhaGrad in csrc/common/mha.cpp.
+# Positions of mha_backward's gradients (and of its output_mask entries); mirrors MhaGrad in
+# csrc/common/mha.cpp.
 _MHA_GRADS = (
-    "query", "key", "value", "in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-    "bias_k", "bias_v", "out_proj_weight", "out_proj_bias", "static_k", "static_v",
+    "query", "key", "value", "in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight",
+    "v_proj_weight", "bias_k", "bias_v", "out_proj_weight", "out_proj_bias", "static_k", "static_v",
 )
 
 
@@ -626,7 +633,8 @@ def _mha_backward_fake(
     _check_mha_fake_args(query, num_heads)
     torch._check(
         len(output_mask) == len(_MHA_GRADS),
-        lambda: f"attnx::mha_backward: expected output_mask of {len(_MHA_GRADS)} entries, got {len(output_mask)}",
+        lambda: f"attnx::mha_backward: expected output_mask of {len(_MHA_GRADS)} entries, "
+        f"got {len(output_mask)}",
     )
     args = dict(query=query, key=key, value=value, in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias,
                 q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight,
@@ -650,7 +658,9 @@ def _mha_backward_fake(
 
 
 def _no_mha_double_backward(ctx, *grads):
-    raise RuntimeError("attnx.mha: double backward is not implemented (attnx::mha_backward is not differentiable)")
+    raise RuntimeError(
+        "attnx.mha: double backward is not implemented (attnx::mha_backward is not differentiable)"
+    )
 
 
 torch.library.register_autograd("attnx::mha_backward", _no_mha_double_backward)

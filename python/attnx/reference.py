@@ -11,7 +11,8 @@ from torch import Tensor
 
 
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``input @ weight.T + bias`` for input ``(*, K)``, weight ``(N, K)``, bias ``(N,)``; returns ``(*, N)``."""
+    """``input @ weight.T + bias`` for input ``(*, K)``, weight ``(N, K)``, bias ``(N,)``; returns
+    ``(*, N)``."""
     out = torch.matmul(input, weight.t())
     return out if bias is None else out + bias
 
@@ -53,7 +54,9 @@ def attention(
     scores = torch.matmul(query.to(acc), key.to(acc).transpose(-2, -1)) * scale  # (B, H, L, S)
     bias = torch.zeros(L, S, dtype=acc, device=query.device)
     if is_causal:
-        bias = bias.masked_fill(torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1), float("-inf"))
+        bias = bias.masked_fill(
+            torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1), float("-inf")
+        )
     for mask in (_as_4d_attn_mask(attn_mask, B, H), _as_4d_padding_mask(key_padding_mask)):
         if mask is not None:
             bias = bias + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
@@ -76,7 +79,7 @@ def attention(
     return out, lse.to(acc)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Dropout: Philox4x32-10 in plain PyTorch, uint32 arithmetic carried in int64 tensors (the spec of
 # csrc/include/attnx/philox.h).
 
@@ -194,7 +197,8 @@ def mha(
     weights are NaN, as torch's softmax gives), else an empty ``(0,)`` tensor.
 
     ``dropout_p`` / ``dropout_seed`` drop attention probabilities as :func:`attention` does (the same keep
-    mask, :func:`dropout_keep_mask` over the ``S'`` keys); the weights returned are the dropped ones, as torch's.
+    mask, :func:`dropout_keep_mask` over the ``S'`` keys); the weights returned are the dropped ones, as
+    torch's.
 
     ``project`` computes the in- and out-projections (``linear``'s signature); attnx.functional passes
     :func:`attnx.linear` to differentiate through attnx's own projections.
