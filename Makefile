@@ -1,7 +1,7 @@
 # attnx: `make test` and `make bench` each set everything up on a fresh machine (.venv, torch, build tools,
 # an editable build of attnx), then test or benchmark.
 #
-#   make test                       build, then run the test suite
+#   make test                       build, lint (ruff), then run the test suite
 #   make bench                      build, then run every benchmark (BENCH_ARGS=--quick for a short run,
 #                                   BENCH_ARGS="--only train" for one case; see benchmarks/README.md)
 #   make test-cpu-torch             the test suite against the CPU-only torch 2.13.0 (in build/cpu-torch)
@@ -15,10 +15,14 @@ BENCH_ARGS ?=
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test test-cpu-torch bench bench-deps build clean tools
+.PHONY: test test-cpu-torch bench bench-deps build clean tools lint
 
-test: build tools
+test: build tools lint
 	$(PY) -m pytest
+
+# ruff with the config in pyproject.toml; a finding fails the test run.
+lint: $(VENV)/.deps
+	$(PY) -m ruff check python tests benchmarks setup.py metal
 
 # The Metal emulation tier (tests/test_metal_emulation.py) compiles metal/*.metal with clang++. Installed here
 # when missing and this is a root shell with apt-get (CI's fresh machine); otherwise those tests skip, saying so.
@@ -52,7 +56,7 @@ build: $(VENV)/.built
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)" ninja setuptools wheel pytest numpy expecttest
+	$(PY) -m pip install --quiet "$(TORCH)" ninja setuptools wheel pytest numpy expecttest ruff
 	touch $@
 
 # No build isolation: an isolated build would fetch a second torch and break the ABI match with this one.
