@@ -2,15 +2,13 @@
 differentiable argument, strided inputs, appended keys, masks, the attention weights output, gradcheck,
 dispatch counts and memory."""
 
-import collections
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnx import ops, reference
 from mha_helpers import MASK_CASES, make_masks
+from test_convert import DispatchRecorder
 from test_mha_op import B, E, H, L, S, _args, _inputs
 
 # mha's argument positions that can require grad (masks excepted): query .. static_v.
@@ -124,23 +122,11 @@ def test_gradcheck(extras, need_weights):
     assert torch.autograd.gradcheck(fn, [args[i] for i in positions])
 
 
-class DispatchCounter(TorchDispatchMode):
-    """Every op that reaches the dispatcher, as the counter of the flex-attention seed report counts them."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.name()] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_one_layer_forward_and_backward_in_two_dispatches():
     query, key, value, w = _inputs("self", "batch_first", torch.float32)
     args, leaves = _leaves(_args(query, key, value, w))
     grad = torch.randn(L, B, E)
-    with DispatchCounter() as counter:
+    with DispatchRecorder() as counter:
         out, _, _ = ops.mha(*args)
         out.backward(grad)
     # Besides the two ops, autograd's AccumulateGrad detaches each leaf's new .grad: one dispatch per leaf.
@@ -153,7 +139,7 @@ def test_one_layer_forward_and_backward_in_two_dispatches():
 def test_no_grad_runs_mha_and_keeps_nothing():
     query, key, value, w = _inputs("self", "batch_first", torch.float32)
     args, _ = _leaves(_args(query, key, value, w))
-    with DispatchCounter() as counter, torch.no_grad():
+    with DispatchRecorder() as counter, torch.no_grad():
         out, _, _ = ops.mha(*args)
     assert dict(counter.counts) == {"attnx::mha": 1} and out.grad_fn is None
 

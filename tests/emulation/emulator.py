@@ -73,9 +73,10 @@ def compiler():
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-def has_thread_sanitizer():
-    """Whether the compiler builds and links a -fsanitize=thread program (libtsan present)."""
-    cxx = compiler()
+def has_thread_sanitizer(cxx=None):
+    """Whether ``cxx`` (default: this tier's compiler) builds and links a -fsanitize=thread program (libtsan
+    present)."""
+    cxx = cxx or compiler()
     if cxx is None:
         return False
     with tempfile.TemporaryDirectory() as tmp:

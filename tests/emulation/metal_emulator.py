@@ -18,6 +18,7 @@ import tempfile
 
 import torch
 
+from emulation import emulator as cuda_emulator
 from emulation.emulator import MASK_KINDS, AttentionParams, make_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,16 +64,7 @@ def compiler():
 
 
 def has_thread_sanitizer():
-    cxx = compiler()
-    if cxx is None:
-        return False
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "probe.cpp")
-        with open(src, "w") as f:
-            f.write("#include <thread>\nint main() { std::thread t([] {}); t.join(); }\n")
-        result = subprocess.run([cxx, "-std=c++20", "-pthread", "-fsanitize=thread", src, "-o", src + ".out"],
-                                capture_output=True, text=True)
-        return result.returncode == 0
+    return cuda_emulator.has_thread_sanitizer(compiler())
 
 
 def build(extra_flags=(), sources=SOURCES, shared=True, metal_sources=None):
