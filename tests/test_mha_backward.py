@@ -240,3 +240,33 @@ def test_dropout_with_weights_is_a_clear_error():
     query, key, value, w = _inputs("self", "batch_first", torch.float64)
     with pytest.raises(RuntimeError, match="attnx::mha: need_weights with dropout_p > 0 is not supported"):
         ops.mha(*_args(query, key, value, w, need_weights=True), dropout_p=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_unbatched_through_the_functional_layer(causal):
+    """An unbatched (L, E) call of attnx.functional.multi_head_attention_forward (which runs attnx::mha as
+    B = 1 views) with both masks, differentiated in its input and every parameter."""
+    from attnx import functional
+
+    n, s = 3, 4
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5).requires_grad_()
+
+    query, key = randn(n, E), randn(s, E)
+    params = [randn(3 * E, E), randn(3 * E), randn(E, E), randn(E)]
+    kpm = torch.tensor([0.0, 0.0, float("-inf"), 0.0], dtype=torch.float64)  # float, like am: no mixed-type warning
+    am = torch.randn(n, s, generator=g, dtype=torch.float64)
+    if causal:
+        am = am.masked_fill(torch.ones(n, s, dtype=torch.bool).triu(1), float("-inf"))
+
+    def fn(query, key, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias):
+        out, _ = functional.multi_head_attention_forward(
+            query, key, key, E, H, in_proj_weight, in_proj_bias, None, None, False, 0.0, out_proj_weight,
+            out_proj_bias, training=True, key_padding_mask=kpm, need_weights=False, attn_mask=am,
+        )
+        assert out.shape == (n, E)
+        return out
+
+    assert torch.autograd.gradcheck(fn, [query, key, *params])
