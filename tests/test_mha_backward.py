@@ -256,7 +256,8 @@ def test_gradcheck_unbatched_through_the_functional_layer(causal):
 
     query, key = randn(n, E), randn(s, E)
     params = [randn(3 * E, E), randn(3 * E), randn(E, E), randn(E)]
-    kpm = torch.tensor([0.0, 0.0, float("-inf"), 0.0], dtype=torch.float64)  # float, like am: no mixed-type warning
+    # Float like am: mixed mask types would draw torch's deprecation warning.
+    kpm = torch.tensor([0.0, 0.0, float("-inf"), 0.0], dtype=torch.float64)
     am = torch.randn(n, s, generator=g, dtype=torch.float64)
     if causal:
         am = am.masked_fill(torch.ones(n, s, dtype=torch.bool).triu(1), float("-inf"))
