@@ -337,6 +337,9 @@ std::vector<at::Tensor> mha_backward(
   }
   grad_k = grad_k.narrow(2, 0, S);
   grad_v = grad_v.narrow(2, 0, S);
+  // static_k / static_v are (B*H, S, Dh); the gradients are (B, H, S, Dh) in memory order (B, S, H, Dh), which
+  // no (B*H, ...) view describes, so reshape copies them once. The copy is made contiguous in every case (also
+  // where reshape could return a strided view), so that the output layout is one rule the fake kernel mirrors.
   if (static_k && wanted(kGradStaticK)) grads[kGradStaticK] = grad_k.reshape({B * H, S, Dh}).contiguous();
   if (static_v && wanted(kGradStaticV)) grads[kGradStaticV] = grad_v.reshape({B * H, S, Dh}).contiguous();
 
