@@ -554,7 +554,7 @@ def _mha_fake(
     static_k, static_v, need_weights, average_attn_weights, dropout_p=0.0, dropout_seed=None,
 ):
     _check_mha_fake_args(query, num_heads)
-    S = (key.shape[0] if static_k is None else static_k.shape[1]) + (bias_k is not None) + bool(add_zero_attn)
+    S = (key.shape[0] if static_k is None else static_k.shape[1]) + int(bias_k is not None) + int(add_zero_attn)
     return _mha_out_fake(query, num_heads, S, need_weights, average_attn_weights)
 
 
@@ -610,7 +610,7 @@ def _mha_forward_fake(
         k4 = query.new_empty(0) if static_k is not None else k4
         v4 = query.new_empty(0) if static_v is not None else v4
     attn = query.new_empty((B, L, H, E // H)).transpose(1, 2)
-    S = (key.shape[0] if static_k is None else static_k.shape[1]) + (bias_k is not None) + bool(add_zero_attn)
+    S = (key.shape[0] if static_k is None else static_k.shape[1]) + int(bias_k is not None) + int(add_zero_attn)
     out, lse, weights = _mha_out_fake(query, H, S, need_weights, average_attn_weights)
     return out, lse, weights, q4, k4, v4, attn
 
