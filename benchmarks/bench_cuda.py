@@ -4,8 +4,8 @@ TFLOP/s = 4 * B * H * L * S * D / time: ``attnx.attention`` against ``F.scaled_d
 each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks and with a
 key_padding_mask + (L, S) attn_mask. SDPA takes masks in its own convention: one boolean mask, True = keep,
 merged here *before* timing into (B, 1, L, S); attnx takes the two masks as they are. Backends that reject a
-case (flash attention with a mask) show "n/a". ``ATTNX_CUDA_MMA=1`` selects attnx's tensor-core kernel for
-fp16/bf16 (the result file records whether it was on). The seed report's eval memory case runs on CUDA in the
+case (flash attention with a mask) show "n/a". attnx runs its tensor-core kernel for fp16/bf16 unless
+``ATTNX_CUDA_MMA=0`` selects the SIMT kernel (the result file records which). The seed report's eval memory case runs on CUDA in the
 ``eval`` case (bench_mha).
 """
 
@@ -94,11 +94,11 @@ def run_throughput(quick: bool) -> tuple:
                     torch.cuda.empty_cache()
                     results[label] = case
                     rows.append([label] + [f"{c['tflops']:.1f}" if c else "n/a" for c in case.values()])
-    mma = os.environ.get("ATTNX_CUDA_MMA") == "1"
+    mma = os.environ.get("ATTNX_CUDA_MMA") != "0"
     text = (
         f"(b) attention forward TFLOP/s (4*B*H*L*S*D / time), B={THROUGHPUT_B}, H={THROUGHPUT_H}; masks = "
         f"key_padding_mask (last 1/8 of keys) + 10% random (L, S) attn_mask; SDPA gets them merged "
-        f"beforehand into one (B, 1, L, S) keep-mask; attnx {'mma' if mma else 'SIMT'} kernel\n"
+        f"beforehand into one (B, 1, L, S) keep-mask; attnx {'tensor-core (mma)' if mma else 'SIMT'} kernel\n"
         + table(["case", "attnx", *[f"sdpa {n}" for n in SDPA_BACKENDS]], rows)
     )
     return results, text
@@ -113,7 +113,7 @@ def run(device: str = "cuda", quick: bool = False) -> dict:
     return {
         "results": {
             "attention_throughput": results,
-            "attnx_cuda_mma": os.environ.get("ATTNX_CUDA_MMA") == "1",
+            "attnx_cuda_mma": os.environ.get("ATTNX_CUDA_MMA") != "0",
         },
         "text": text,
     }

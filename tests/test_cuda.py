@@ -244,11 +244,13 @@ _MMA_SCRIPT = textwrap.dedent(
 )
 
 
-def test_attention_mma_opt_in(device):
-    # The tensor-core kernel (ATTNX_CUDA_MMA=1, fp16/bf16 on sm80+) in a fresh process; skipped when absent.
-    if torch.cuda.get_device_capability() < (8, 0):
+@pytest.mark.parametrize("mma", ["1", "0"])
+def test_attention_kernel_choice(device, mma):
+    # fp16/bf16 take the tensor-core kernel by default on sm80+ (as every other test here does);
+    # ATTNX_CUDA_MMA=0 selects the SIMT kernel for them. Each setting in a fresh process (read once).
+    if mma == "1" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the mma kernel needs sm80+")
-    env = dict(os.environ, ATTNX_CUDA_MMA="1")
+    env = dict(os.environ, ATTNX_CUDA_MMA=mma)
     script = _MMA_SCRIPT.format(tests=os.path.dirname(__file__))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]

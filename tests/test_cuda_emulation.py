@@ -232,7 +232,7 @@ def test_head_dim_above_256_has_no_kernel(emu):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The tensor-core kernel (attention_mma.cu, opt-in), with mma.sync emulated over the PTX fragment layouts. It
+# The tensor-core kernel (attention_mma.cu), with mma.sync emulated over the PTX fragment layouts. It
 # rounds P to the input type before P V, as FlashAttention does; the bounds above absorb that.
 
 MMA_DTYPES = [torch.float16, torch.bfloat16]
@@ -240,9 +240,11 @@ MMA_DTYPES = [torch.float16, torch.bfloat16]
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
-def test_mma_dtypes_layouts(emu, dtype, layout):
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_mma_dtypes_layouts(emu, dtype, layout, head_dim):
     # L = 70: two query blocks of 64, the second partial; S = 90: two key tiles of 64, the second partial.
-    check(emu, *make_qkv(2, 2, 70, 90, 24, 24, dtype=dtype, layout=layout), kernel="mma")
+    # Head dim 24 stages K/V element by element; 64 with 16-byte loads where the layout allows it.
+    check(emu, *make_qkv(2, 2, 70, 90, head_dim, head_dim, dtype=dtype, layout=layout), kernel="mma")
 
 
 @pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)

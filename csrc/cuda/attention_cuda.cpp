@@ -37,12 +37,12 @@ cuda::DType kernel_dtype(at::ScalarType t) {
   }
 }
 
-// The tensor-core kernel when ATTNX_CUDA_MMA=1 (read once per process), the problem is one it covers and the
-// device is sm80+; the SIMT kernel otherwise. Off by default: the mma kernel has never run on a GPU.
+// The tensor-core kernel where it covers the problem (float16/bfloat16, max(D, Dv) <= 128, no dropout) and the
+// device is sm80+; the SIMT kernel otherwise, or everywhere when ATTNX_CUDA_MMA=0 (read once per process).
 cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, c10::DeviceIndex device) {
   static const bool requested = [] {
     const char* flag = std::getenv("ATTNX_CUDA_MMA");
-    return flag != nullptr && std::strcmp(flag, "1") == 0;
+    return flag == nullptr || std::strcmp(flag, "0") != 0;
   }();
   if (!requested || !cuda::mma_supports(p, dtype)) return cuda::Kernel::kSimt;
   int major = 0;

@@ -1,14 +1,15 @@
-// attnx: attnx::attention's tensor-core forward kernel for float16 and bfloat16 (sm80+), opt-in.
+// attnx: attnx::attention's tensor-core forward kernel for float16 and bfloat16 (sm80+), the default for
+// those dtypes where it applies (ATTNX_CUDA_MMA=0 selects the SIMT kernel instead).
 //
-// NEVER RUN ON A GPU. The glue uses it only when ATTNX_CUDA_MMA=1 and the device is sm80+; the SIMT kernel
-// (attention.cu) is the default. The CPU emulation runs this source with mma.sync replaced by a warp
-// collective over the PTX ISA's fragment layouts (tests/emulation/cuda_shim.h), which checks everything but
-// the assumption that those layouts are the hardware's.
+// Checked on an H100 against the float64 reference (tests/test_cuda.py) and under compute-sanitizer; the CPU
+// emulation runs this source in CI with mma.sync replaced by a warp collective over the PTX ISA's fragment
+// layouts (tests/emulation/cuda_shim.h).
 //
 // FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query rows),
 // 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from global memory
-// through q's strides. For each tile of 64 keys, staged in shared memory in the input type through k's and
-// v's strides: S = Q K^T (8 n-tiles of 8 keys), scale and both masks read in place, the online softmax of
+// through q's strides. For each tile of 64 keys, staged in shared memory in the input type (16-byte loads
+// when the rows allow it, see mma_vector_loads; K row-major, V transposed so that both B fragments are
+// 32-bit words): S = Q K^T (8 n-tiles of 8 keys), scale and both masks read in place, the online softmax of
 // softmax.h per row (a row's 64 scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
 // O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
 // fragment of one k-step). Tiles are skipped as in the SIMT kernel (causal, key padding).
@@ -20,7 +21,8 @@ namespace {
 
 template <typename scalar_t, int kBucket>
 __global__ void __launch_bounds__(kWarps* kWarpSize)
-    attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan) {
+    attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan,
+                          const bool vector_loads) {
   constexpr int kKSteps = kBucket / 16;       // k-steps of Q K^T over the (padded) head dim
   constexpr int kSTiles = kMmaTileKeys / 8;   // n-tiles of 8 keys in a score tile
   constexpr int kPSteps = kMmaTileKeys / 16;  // k-steps of P V over the tile's keys
@@ -28,9 +30,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   constexpr float kNegInf = -INFINITY;
 
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
-  const int ld = plan.ld;
-  scalar_t* const k_s = smem;                      // (kMmaTileKeys, ld), zero past D and the last key
-  scalar_t* const v_s = smem + kMmaTileKeys * ld;  // (kMmaTileKeys, ld), zero past Dv and the last key
+  const int ld = plan.ld, ldt = plan.ldt;
+  scalar_t* const k_s = smem;                 // (kMmaTileKeys, ld), zero past D and the last key
+  scalar_t* const vt_s = smem + plan.vt_off;  // (kBucket, ldt): V transposed, zero past Dv and the last key
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
@@ -111,13 +113,61 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
 
     __syncthreads();  // every warp is done with the previous tile
-    for (int j = warp; j < kMmaTileKeys; j += kWarps) {
-      const bool valid = j < nk;
-      const scalar_t* ksrc = k + (k0 + j) * p.k_stride[2];
-      const scalar_t* vsrc = v + (k0 + j) * p.v_stride[2];
-      for (int c = lane; c < ld; c += kWarpSize) {
-        k_s[j * ld + c] = valid && c < D ? ksrc[c * p.k_stride[3]] : zero;
-        v_s[j * ld + c] = valid && c < Dv ? vsrc[c * p.v_stride[3]] : zero;
+    if (vector_loads) {
+      // Loads are issued kBatch vectors at a time before their stores, so a tile waits on global memory
+      // kIters / kBatch times per tensor rather than once per vector (kBatch = 4 keeps bucket 128 within
+      // 255 registers without spills). K: consecutive threads read consecutive 16-byte vectors of a row
+      // (coalesced) and store them whole. V: consecutive threads read consecutive keys, so that the transposed
+      // element stores of a warp fall on consecutive 16-bit slots of a V^T row.
+      constexpr int kVecs = kBucket / 8;
+      constexpr int kIters = kMmaTileKeys * kVecs / (kWarps * kWarpSize);
+      constexpr int kBatch = kIters < 4 ? kIters : 4;
+      Pack<scalar_t, 8> x[kBatch];
+      for (int i0 = 0; i0 < kIters; i0 += kBatch) {
+#pragma unroll
+        for (int it = 0; it < kBatch; ++it) {
+          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
+          const int j = idx / kVecs, c = 8 * (idx % kVecs);
+          if (j < nk && c < D) {
+            x[it] = *reinterpret_cast<const Pack<scalar_t, 8>*>(k + (k0 + j) * p.k_stride[2] + c);
+          } else {
+            for (int e = 0; e < 8; ++e) x[it].v[e] = zero;
+          }
+        }
+#pragma unroll
+        for (int it = 0; it < kBatch; ++it) {
+          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
+          *reinterpret_cast<Pack<scalar_t, 8>*>(k_s + (idx / kVecs) * ld + 8 * (idx % kVecs)) = x[it];
+        }
+      }
+      for (int i0 = 0; i0 < kIters; i0 += kBatch) {
+#pragma unroll
+        for (int it = 0; it < kBatch; ++it) {
+          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
+          const int j = idx % kMmaTileKeys, c = 8 * (idx / kMmaTileKeys);
+          if (j < nk && c < Dv) {
+            x[it] = *reinterpret_cast<const Pack<scalar_t, 8>*>(v + (k0 + j) * p.v_stride[2] + c);
+          } else {
+            for (int e = 0; e < 8; ++e) x[it].v[e] = zero;
+          }
+        }
+#pragma unroll
+        for (int it = 0; it < kBatch; ++it) {
+          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
+          const int j = idx % kMmaTileKeys, c = 8 * (idx / kMmaTileKeys);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) vt_s[(c + e) * ldt + j] = x[it].v[e];
+        }
+      }
+    } else {
+      for (int j = warp; j < kMmaTileKeys; j += kWarps) {
+        const bool valid = j < nk;
+        const scalar_t* ksrc = k + (k0 + j) * p.k_stride[2];
+        const scalar_t* vsrc = v + (k0 + j) * p.v_stride[2];
+        for (int c = lane; c < kBucket; c += kWarpSize) {
+          k_s[j * ld + c] = valid && c < D ? ksrc[c * p.k_stride[3]] : zero;
+          vt_s[c * ldt + j] = valid && c < Dv ? vsrc[c * p.v_stride[3]] : zero;
+        }
       }
     }
     __syncthreads();
@@ -131,39 +181,55 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       const scalar_t* krow = k_s + (8 * j + g) * ld + 2 * t;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
-        const uint32_t kb[2] = {pack2(krow[16 * ks], krow[16 * ks + 1]),
-                                pack2(krow[16 * ks + 8], krow[16 * ks + 9])};
+        const uint32_t kb[2] = {load_pair(krow + 16 * ks), load_pair(krow + 16 * ks + 8)};
         mma_m16n8k16<scalar_t>(s[j], qa[ks], kb);
       }
     }
 
-    // Scale and masks: element i of n-tile j is row l[i / 2], key k0 + 8j + 2t + i % 2.
+    // Scale and masks: element i of n-tile j is row l[i / 2], key k0 + 8j + 2t + i % 2. A tile with no mask,
+    // 64 keys, the warp's 16 rows all in range and (under is_causal) every key at or before the warp's first
+    // row only needs the scale: the common case takes that short path (uniform over the warp).
     float row_max[2] = {kNegInf, kNegInf};
+    const int64_t warp_row0 = q0 + warp * kMmaRowsPerWarp;
+    const bool plain = p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
+                       nk == kMmaTileKeys && warp_row0 + kMmaRowsPerWarp <= L &&
+                       !(causal && k0 + kMmaTileKeys - 1 > warp_row0);
+    if (plain) {
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
+      for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = i / 2;
-        const int jj = 8 * j + 2 * t + i % 2;
-        const int64_t key = k0 + jj;
-        float x = kNegInf;
-        // Rows past L, and rows before the tile's first key under is_causal, read no mask.
-        if (active[r] && jj < nk && !(causal && k0 > l[r])) {
-          float bias = 0.0f;
-          if (p.key_padding_mask_kind != kMaskNone) {
-            bias = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                     kpm_base + key * p.key_padding_mask_stride[1]);
-          }
-          if (p.attn_mask_kind != kMaskNone) {
-            bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
-                                     am_base + l[r] * p.attn_mask_stride[2] + key * p.attn_mask_stride[3]) +
-                   bias;
-          }
-          x = s[j][i] * scale + bias;
-          if (causal && key > l[r]) x += kNegInf;
+        for (int i = 0; i < 4; ++i) {
+          s[j][i] *= scale;
+          row_max[i / 2] = nan_max(row_max[i / 2], s[j][i]);
         }
-        s[j][i] = x;
-        row_max[r] = nan_max(row_max[r], x);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i / 2;
+          const int jj = 8 * j + 2 * t + i % 2;
+          const int64_t key = k0 + jj;
+          float x = kNegInf;
+          // Rows past L, and rows before the tile's first key under is_causal, read no mask.
+          if (active[r] && jj < nk && !(causal && k0 > l[r])) {
+            float bias = 0.0f;
+            if (p.key_padding_mask_kind != kMaskNone) {
+              bias = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                       kpm_base + key * p.key_padding_mask_stride[1]);
+            }
+            if (p.attn_mask_kind != kMaskNone) {
+              bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
+                                       am_base + l[r] * p.attn_mask_stride[2] + key * p.attn_mask_stride[3]) +
+                     bias;
+            }
+            x = s[j][i] * scale + bias;
+            if (causal && key > l[r]) x += kNegInf;
+          }
+          s[j][i] = x;
+          row_max[r] = nan_max(row_max[r], x);
+        }
       }
     }
 
@@ -180,7 +246,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int i = 2 * r; i < 2 * r + 2; ++i) {
-          s[j][i] = softmax_exp(s[j][i] - step.base);
+          s[j][i] = fast_exp(s[j][i] - step.base);
           sum += s[j][i];
         }
       }
@@ -196,7 +262,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
 
     // O += P V: k-step kk covers keys 16kk .. 16kk + 15 = S n-tiles 2kk and 2kk + 1;
-    // B[kk'][n] = V[16kk + kk'][8n' + n].
+    // B[kk'][n] = V[16kk + kk'][8n' + n] = V^T[8n' + n][16kk + kk'].
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
       const uint32_t pa[4] = {
@@ -205,11 +271,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           pack2(from_acc<scalar_t>(s[2 * kk + 1][0]), from_acc<scalar_t>(s[2 * kk + 1][1])),
           pack2(from_acc<scalar_t>(s[2 * kk + 1][2]), from_acc<scalar_t>(s[2 * kk + 1][3])),
       };
-      const scalar_t* vrow = v_s + (16 * kk + 2 * t) * ld + g;
+      const scalar_t* vcol = vt_s + g * ldt + 16 * kk + 2 * t;
 #pragma unroll
       for (int n = 0; n < kOTiles; ++n) {
-        const scalar_t* vcol = vrow + 8 * n;
-        const uint32_t vb[2] = {pack2(vcol[0], vcol[ld]), pack2(vcol[8 * ld], vcol[9 * ld])};
+        const scalar_t* vn = vcol + 8 * n * ldt;
+        const uint32_t vb[2] = {load_pair(vn), load_pair(vn + 8)};
         mma_m16n8k16<scalar_t>(o[n], pa, vb);
       }
     }
@@ -239,7 +305,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 template <typename scalar_t, int kBucket>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        cudaStream_t stream) {
-  void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionMmaPlan) =
+  void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionMmaPlan, const bool) =
       &attention_forward_mma<scalar_t, kBucket>;
   if (plan.smem_bytes > 48 * 1024) {
     const cudaError_t err =
@@ -248,7 +314,7 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
     if (err != cudaSuccess) return err;
   }
   return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.blocks)), dim3(plan.threads), plan.smem_bytes,
-                       stream, p, ptr, plan);
+                       stream, p, ptr, plan, mma_vector_loads(p, ptr.key, ptr.value));
 }
 
 template <typename scalar_t>

@@ -98,10 +98,11 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
   return plan;
 }
 
-// The tensor-core kernel (attention_mma.cu, opt-in with ATTNX_CUDA_MMA=1): float16/bfloat16 on sm80+, with
-// mma.sync.m16n8k16 (fp32 accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows each, K/V
-// tiles of 64 keys staged in shared memory in the input type, row stride bucket + 8 elements (16 bytes of
-// padding make every fragment load conflict-free).
+// The tensor-core kernel (attention_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16 (fp32
+// accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows each, K/V tiles of 64 keys staged in
+// shared memory in the input type: K row-major (key, column) with row stride bucket + 8 elements, V transposed
+// (column, key) with row stride kMmaTileKeys + 8. The 16 bytes of padding make every fragment load (one
+// 32-bit word: two adjacent columns of a K row, two adjacent keys of a V column) conflict-free.
 constexpr int kMmaRowsPerWarp = 16;
 constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
 constexpr int kMmaTileKeys = 64;
@@ -121,7 +122,9 @@ struct AttentionMmaPlan {
   int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
   int64_t bh;
   int64_t blocks;  // grid.x
-  int ld;          // row stride of the K and V tiles, in elements
+  int ld;          // row stride of the K tile, in elements
+  int ldt;         // row stride of the transposed V tile, in elements
+  int64_t vt_off;  // where the V tile starts, in elements
   size_t smem_bytes;
 };
 
@@ -134,8 +137,22 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   if (!mma_supports(p, dtype)) return plan;
   plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   plan.ld = plan.bucket + 8;
-  plan.smem_bytes = size_t{2} * kMmaTileKeys * static_cast<size_t>(plan.ld) * 2;  // K and V, 2-byte elements
+  plan.ldt = kMmaTileKeys + 8;
+  plan.vt_off = int64_t{kMmaTileKeys} * plan.ld;
+  plan.smem_bytes = static_cast<size_t>(plan.vt_off + int64_t{plan.bucket} * plan.ldt) * 2;  // 2-byte elements
   return plan;
+}
+
+// True when every K and V row of the launch can be read as 16-byte vectors: unit column stride, head dims
+// and every other stride a multiple of 8 elements, 16-byte aligned base pointers. The mma kernel then stages
+// its tiles with one 16-byte load per 8 elements; otherwise element by element through the strides.
+inline bool mma_vector_loads(const AttentionParams& p, const void* key, const void* value) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const auto rows_aligned = [](const int64_t* stride) {
+    return stride[3] == 1 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+  };
+  return p.head_dim % 8 == 0 && p.v_head_dim % 8 == 0 && aligned(key) && aligned(value) &&
+         rows_aligned(p.k_stride) && rows_aligned(p.v_stride);
 }
 
 // Where the kernel's tensors start (storage offsets applied); their layouts are in AttentionParams.

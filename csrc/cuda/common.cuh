@@ -148,13 +148,13 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
   ::attnx_emu::mma_m16n8k16<T>(d, a, b);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (std::is_same<T, __half>::value) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   } else {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -173,6 +173,26 @@ __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
   memcpy(&l, static_cast<const void*>(&lo), 2);
   memcpy(&h, static_cast<const void*>(&hi), 2);
   return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+}
+
+// exp(x) through the SFU's ex2.approx (2 instructions; relative error ~2^-21, far below the 2^-8 of the
+// float16/bfloat16 probabilities it feeds); expf under the emulation. -inf gives 0 and NaN stays NaN.
+__device__ __forceinline__ float fast_exp(float x) {
+#if defined(ATTNX_CUDA_EMULATION)
+  return expf(x);
+#else
+  return __expf(x);
+#endif
+}
+
+// Two adjacent 16-bit elements (the first at an even index of a 4-byte aligned array) as one fragment
+// register: one 32-bit shared-memory load.
+template <typename T>
+__device__ __forceinline__ uint32_t load_pair(const T* x) {
+  static_assert(sizeof(T) == 2, "load_pair loads 16-bit elements");
+  uint32_t r;
+  memcpy(&r, static_cast<const void*>(x), 4);
+  return r;
 }
 
 }  // namespace attnx::cuda
