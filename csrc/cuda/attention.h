@@ -11,7 +11,7 @@ namespace attnx::cuda {
 
 enum class Kernel {
   kSimt,  // attention.cu: every dtype, head dims up to kMaxHeadDim
-  kMma,  // attention_mma.cu: tensor cores, float16/bfloat16 on sm80+, head dims up to kMmaMaxHeadDim (opt-in)
+  kMma,  // attention_mma.cu: tensor cores, float16/bfloat16 on sm80+, head dims up to kMmaMaxHeadDim
 };
 
 // Runs attention on `stream` with `kernel` and the launch of its plan (plan_attention / plan_attention_mma).
