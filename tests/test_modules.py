@@ -120,14 +120,15 @@ def test_matches_torch_fast_path(case):
                 assert_close(actual[1], expected[1], torch.float32)
 
 
-def test_fully_masked_rows():
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_fully_masked_rows(batch_first):
     """Torch's slow path: need_weights=False gives attention 0 (out = out_proj.bias) for a row whose keys
     are all masked; need_weights=True gives NaN weights and NaN output there. attnx does the same, eval and
     train."""
-    reference, module = module_pair(torch.float64)
+    reference, module = module_pair(torch.float64, batch_first=batch_first)
     torch.nn.init.normal_(module.out_proj.bias)
     reference.load_state_dict(module.state_dict())
-    query, key, value, L, S = inputs("cross", 3, False, torch.float64)
+    query, key, value, L, S = inputs("cross", 3, batch_first, torch.float64)
     kpm = torch.zeros(3, S, dtype=torch.bool)
     kpm[1] = True  # batch 1: every key padded
     am = torch.zeros(L, S, dtype=torch.bool)
@@ -143,7 +144,7 @@ def test_fully_masked_rows():
         assert_close(actual[0], expected[0], torch.float64, f"train={train} {need_weights} {list(masks)}")
         assert_close(actual[1], expected[1], torch.float64)
         if "key_padding_mask" in masks:
-            rows = actual[0][:, 1]
+            rows = actual[0][1] if batch_first else actual[0][:, 1]
             if need_weights:
                 assert rows.isnan().all() and actual[1][1].isnan().all()
             else:
@@ -246,9 +247,10 @@ def test_dropout_in_training():
     torch's F.dropout) one seed gives torch's outputs and weights, the dropped-out ones; without, the fused
     op draws its own mask (tested against the reference in test_mha_backward) and is unbiased; eval ignores
     dropout."""
-    for dtype, need_weights in itertools.product([torch.float32, torch.float64], [True]):
-        reference, module = module_pair(dtype, dropout=0.5)
-        query, key, value, L, S = inputs("cross", 2, False, dtype)
+    for dtype, batch_first in itertools.product([torch.float32, torch.float64], [False, True]):
+        need_weights = True
+        reference, module = module_pair(dtype, dropout=0.5, batch_first=batch_first)
+        query, key, value, L, S = inputs("cross", 2, batch_first, dtype)
         kpm, am, _ = make_masks("both_bool", 2, H, L, S, dtype)
         kwargs = dict(
             key_padding_mask=kpm, attn_mask=am, need_weights=need_weights, average_attn_weights=False
