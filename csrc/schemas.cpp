@@ -38,19 +38,21 @@ TORCH_LIBRARY(attnx, m) {
       "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, "
       "float dropout_p=0.0, Tensor? dropout_seed=None) -> "
       "(Tensor grad_query, Tensor grad_key, Tensor grad_value)");
-  // The whole nn.MultiheadAttention forward in one dispatch, sequence-first: query (L, B, E), key (S, B, kdim),
-  // value (S, B, vdim), any strides. Packed in_proj_weight or separate q/k/v weights, bias_k/bias_v,
-  // add_zero_attn, static_k/static_v (B*H, S, E/H), both masks as attention reads them (never merged),
-  // is_causal applied as a mask, dropout_p / dropout_seed as attention takes them (not with need_weights).
-  // Returns out (L, B, E), lse (B, H, L) and the attention weights when need_weights ((B, L, S') averaged
-  // over heads or (B, H, L, S')), else an empty tensor.
+  // The whole nn.MultiheadAttention forward in one dispatch: query (L, B, E), key (S, B, kdim), value
+  // (S, B, vdim), or with batch_first (B, L, E), (B, S, kdim), (B, S, vdim) (read through their strides, so a
+  // batch_first module needs no transposes around the call); any strides. Packed in_proj_weight or separate
+  // q/k/v weights, bias_k/bias_v, add_zero_attn, static_k/static_v (B*H, S, E/H), both masks as attention
+  // reads them (never merged), is_causal applied as a mask, dropout_p / dropout_seed as attention takes them
+  // (not with need_weights). Returns out (L, B, E) ((B, L, E) with batch_first), lse (B, H, L) and the
+  // attention weights when need_weights ((B, L, S') averaged over heads or (B, H, L, S')), else an empty
+  // tensor. batch_first comes last so that positional calls written before it existed keep their meaning.
   m.def(
       "mha(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
       "Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, "
       "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "
       "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "
-      "bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None) -> (Tensor out, Tensor lse, "
-      "Tensor weights)");
+      "bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None, bool batch_first=False) -> "
+      "(Tensor out, Tensor lse, Tensor weights)");
   // mha for autograd (what attnx::mha's autograd kernel runs when gradients are needed): mha's outputs plus
   // what its backward reads, nothing of size (B, H, L, S): attention's inputs q (B, H, L, Dh), k and v
   // (B, H, S', Dh) with the appended keys, and its output attn (B, H, L, Dh). k (v) is empty where static_k
@@ -60,18 +62,21 @@ TORCH_LIBRARY(attnx, m) {
       "Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, "
       "Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, "
-      "bool need_weights, bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
-      "(Tensor out, Tensor lse, Tensor weights, Tensor q, Tensor k, Tensor v, Tensor attn)");
-  // mha's backward in one dispatch: grad_out (L, B, E) and, when the weights were asked for and used,
-  // grad_weights; mha's arguments; mha_forward's lse, q, k, v and attn. Returns the gradients of query, key,
-  // value, in_proj_weight, in_proj_bias, q/k/v_proj_weight, bias_k, bias_v, out_proj_weight, out_proj_bias,
-  // static_k and static_v, in that order, each where output_mask asks for it and an empty tensor elsewhere.
-  // When query, key and value are one tensor, grad_query is the gradient of all three.
+      "bool need_weights, bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None, "
+      "bool batch_first=False) -> (Tensor out, Tensor lse, Tensor weights, Tensor q, Tensor k, Tensor v, "
+      "Tensor attn)");
+  // mha's backward in one dispatch: grad_out (L, B, E) ((B, L, E) with batch_first) and, when the weights were
+  // asked for and used, grad_weights; mha's arguments; mha_forward's lse, q, k, v and attn. Returns the
+  // gradients of query, key, value (each in its argument's shape), in_proj_weight, in_proj_bias,
+  // q/k/v_proj_weight, bias_k, bias_v, out_proj_weight, out_proj_bias, static_k and static_v, in that order,
+  // each where output_mask asks for it and an empty tensor elsewhere. When query, key and value are one
+  // tensor, grad_query is the gradient of all three.
   m.def(
       "mha_backward(Tensor grad_out, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, int num_heads, "
       "Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, "
       "Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, "
       "Tensor? out_proj_bias, Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, "
       "Tensor? static_v, bool need_weights, bool average_attn_weights, float dropout_p, Tensor? dropout_seed, "
-      "Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, int[] output_mask) -> Tensor[]");
+      "Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, int[] output_mask, bool batch_first=False) -> "
+      "Tensor[]");
 }

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from attnx import ops, reference
 from mha_helpers import MASK_CASES, make_masks
 from test_convert import DispatchRecorder
-from test_mha_op import B, E, H, L, S, _args, _inputs
+from test_mha_op import B, E, H, L, S, _args, _inputs, _inputs_batch_first, _transposed_args
 
 # mha's argument positions that can require grad (masks excepted): query .. static_v.
 DIFFERENTIABLE = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 17, 18)
@@ -28,11 +28,11 @@ def _leaves(args):
     return args, list(leaves.values())
 
 
-def _grads(fn, args, seed=0):
+def _grads(fn, args, seed=0, **kwargs):
     """The gradients of a random linear function of fn's out (and weights, when asked for) w.r.t. the
     leaves."""
     args, leaves = _leaves(args)
-    out, _, weights = fn(*args)
+    out, _, weights = fn(*args, **kwargs)
     g = torch.Generator().manual_seed(seed)
     loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
     if weights.numel():
@@ -41,9 +41,9 @@ def _grads(fn, args, seed=0):
     return torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
-def _check_grads(args):
-    got = _grads(ops.mha, args)
-    want = _grads(reference.mha, args)
+def _check_grads(args, **kwargs):
+    got = _grads(ops.mha, args, **kwargs)
+    want = _grads(reference.mha, args, **kwargs)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if b is None:
@@ -271,3 +271,118 @@ def test_gradcheck_unbatched_through_the_functional_layer(causal):
         return out
 
     assert torch.autograd.gradcheck(fn, [query, key, *params])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# batch_first: (B, L, E) arguments, gradients in their shape, no transposes on either side of the op
+
+
+@pytest.mark.parametrize("batch", [B, 1])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced", "expanded", "size1_huge_stride",
+                                    "last_dim_strided"])
+@pytest.mark.parametrize("projection", ["self", "kv_shared", "distinct", "separate"])
+def test_batch_first_gradients(projection, layout, batch):
+    """Against autograd through reference.mha(batch_first=True) in float64, and bitwise the gradients of the
+    sequence-first call on the transposed views."""
+    query, key, value, w = _inputs_batch_first(projection, layout, torch.float64, batch)
+    cases = [("none", "both_bool", False), ("bias_kv+zero_attn", "causal_float_kpm", True),
+             ("static_kv", "am3_float", False)]
+    for extras, masks, need_weights in cases:
+        s = 5 if extras == "static_kv" else (L if projection == "self" else S)
+        kpm, am, is_causal = make_masks(masks, batch, H, L, s, torch.float64)
+        args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, is_causal=is_causal,
+                     need_weights=need_weights, batch_first=True)
+        _check_grads(args, batch_first=True)
+        got = _grads(ops.mha, args, batch_first=True)
+        for i, (a, b) in enumerate(zip(got, _grads(_mha_on_transposed_views, args), strict=True)):
+            assert a.shape == b.shape and torch.equal(a, b), i
+
+
+def _mha_on_transposed_views(*args):
+    """What a batch_first module ran before the op took batch_first: the sequence-first op on (L, B, E) views,
+    its out transposed back."""
+    out, lse, weights = ops.mha(*_transposed_args(args))
+    return out.transpose(0, 1), lse, weights
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_batch_first_gradcheck(extras, need_weights):
+    b, n = 2, 3
+    query, key, value, w = _inputs_batch_first("distinct", "transposed", torch.float64, b, n, 4)
+    s = 5 if extras == "static_kv" else 4
+    kpm, am = (m.nan_to_num(neginf=-3.0) for m in make_masks("both_float", b, H, n, s, torch.float64)[:2])
+    args, leaves = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am,
+                                 need_weights=need_weights, average=False, batch_first=True))
+    positions = [i for i, a in enumerate(args) if any(a is leaf for leaf in leaves)]
+
+    def fn(*xs):
+        full = list(args)
+        for i, x in zip(positions, xs, strict=True):
+            full[i] = x
+        out, _, weights = ops.mha(*full, batch_first=True)
+        assert out.shape == (b, n, E)
+        return (out, weights) if need_weights else out
+
+    assert torch.autograd.gradcheck(fn, [args[i] for i in positions])
+
+
+@pytest.mark.parametrize("projection", ["self", "separate"])
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_batch_first_fake_kernels_match(projection, extras):
+    for batch, length in [(B, L), (1, L), (B, 1)]:
+        query, key, value, w = _inputs_batch_first(projection, "contiguous", torch.float32, batch, length)
+        s = 5 if extras == "static_kv" else (length if projection == "self" else S)
+        kpm, am, _ = make_masks("both_bool", batch, H, length, s, torch.float32)
+        args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True, batch_first=True)
+        tail = (0.0, None, True)  # dropout_p, dropout_seed, batch_first
+        real = torch.ops.attnx.mha_forward(*args, *tail)
+        grad_out = torch.randn(batch, length, E)
+        mask = [1] * 14
+        real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, 0.0, None, *real[3:], real[1], mask,
+                                                  True)
+        inputs = args[:1] if projection == "self" else args[:3]  # one tensor as all three: one gradient
+        assert [g.shape for g in real_grads[: len(inputs)]] == [t.shape for t in inputs]
+        with FakeTensorMode() as mode:
+            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = torch.ops.attnx.mha_forward(*fake_args, *tail)
+            fake_grads = torch.ops.attnx.mha_backward(mode.from_tensor(grad_out), None, *fake_args, 0.0, None,
+                                                      *fake[3:], fake[1], mask, True)
+        for i, (r, f) in enumerate(zip([*real, *real_grads], [*fake, *fake_grads], strict=True)):
+            assert r.shape == f.shape and r.dtype == f.dtype, i
+            assert _significant_strides(r) == _significant_strides(f), i
+
+
+def _significant_strides(t):
+    """The strides of t's dims of size > 1: those that locate elements. At B=1 or L=1 the views of
+    mha_forward's q, k, v (unflatten of a size-1 dim) get a size-1 stride in eager that torch's own meta
+    functions compute differently; like opcheck's fake-tensor check, compare the strides that matter."""
+    return tuple(st for size, st in zip(t.shape, t.stride(), strict=True) if size > 1)
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_batch_first_opcheck(extras):
+    query, key, value, w = _inputs_batch_first("kv_shared", "contiguous", torch.float32)
+    s = 5 if extras == "static_kv" else S
+    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
+    # Key 0 stays visible: opcheck compares without equal_nan, and a fully masked row's weights are NaN.
+    kpm[:, 0], am[:, 0] = False, False
+    args, _ = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am, batch_first=True))
+    torch.library.opcheck(torch.ops.attnx.mha.default, (*args, 0.0, None, True))
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(torch.ops.attnx.mha_forward.default, (*detached, 0.0, None, True))
+
+
+def test_batch_first_forward_and_backward_in_two_dispatches():
+    """No transposes around the op: the two ops and autograd's one detach per leaf, and the input's gradient
+    in the input's (B, L, E) layout (so AccumulateGrad keeps it as it is, without a copy)."""
+    query, key, value, w = _inputs_batch_first("self", "contiguous", torch.float32)
+    args, leaves = _leaves(_args(query, key, value, w, batch_first=True))
+    grad = torch.randn(B, L, E)
+    with DispatchRecorder() as counter:
+        out, _, _ = ops.mha(*args, batch_first=True)
+        out.backward(grad)
+    assert dict(counter.counts) == {
+        "attnx::mha_forward": 1, "attnx::mha_backward": 1, "aten::detach": len(leaves)
+    }
+    assert args[0].grad.shape == (B, L, E) and args[0].grad.stride() == args[0].stride()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import layouts
 from attnx import ops, reference
 from mha_helpers import MASK_CASES, make_masks
 
@@ -44,9 +45,26 @@ def _inputs(projection, layout, dtype, batch=B, length=L, source=S):
     return query, key, value, w
 
 
+def _inputs_batch_first(projection, layout, dtype, batch=B, length=L, source=S):
+    """(query, key, value, weights dict) in (B, L, E) form, as a batch_first module passes them to the op;
+    ``layout`` is one of tests/layouts.py's (``transposed`` at B=1: the seed report's strides)."""
+    query, key, value, w = _inputs(projection, "seq_first", dtype, batch, length, source)
+
+    def relaid(x):
+        y = layouts.make((x.shape[1], x.shape[0], x.shape[2]), layout, dtype)
+        if layout == "expanded":  # stride 0 over the batch: the same sequence in every batch
+            return y
+        return y.copy_(x.transpose(0, 1))  # the seq-first case's values, in this layout
+
+    q = relaid(query)
+    k = q if key is query else relaid(key)
+    v = k if value is key else relaid(value)
+    return q, k, v, w
+
+
 def _args(query, key, value, w, *, bias=True, extras="none", kpm=None, am=None, is_causal=False,
-          need_weights=False, average=True):
-    dtype, batch = query.dtype, query.shape[1]
+          need_weights=False, average=True, batch_first=False):
+    dtype, batch = query.dtype, query.shape[0 if batch_first else 1]
     static = extras == "static_kv"
     hd = E // H
     s_static = 5
@@ -64,16 +82,16 @@ def _args(query, key, value, w, *, bias=True, extras="none", kpm=None, am=None, 
     )
 
 
-def _check(args, dtype=torch.float64):
+def _check(args, dtype=torch.float64, **kwargs):
     """ops.mha vs reference.mha: float64 to rounding; lower precisions within 3x the reference's own error."""
-    out, lse, weights = ops.mha(*args)
-    ref = reference.mha(*args)
+    out, lse, weights = ops.mha(*args, **kwargs)
+    ref = reference.mha(*args, **kwargs)
     if dtype == torch.float64:
         for got, want in zip((out, lse, weights), ref, strict=True):
             torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, equal_nan=True)
         return
     args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    ref64 = reference.mha(*args64)
+    ref64 = reference.mha(*args64, **kwargs)
     for got, want, want64 in zip((out, lse, weights), ref, ref64, strict=True):
         assert got.shape == want64.shape and got.dtype == want.dtype
         finite = torch.isfinite(want64)
@@ -192,5 +210,79 @@ def test_bad_input(change, message):
     query, key, value, w = _inputs("kv_shared", "seq_first", torch.float32)
     args = list(_args(query, key, value, w))
     change(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.mha(*args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# batch_first: (B, L, E), (B, S, kdim), (B, S, vdim) arguments, read as they are
+
+
+def _transposed_args(args):
+    """batch_first args -> the sequence-first call on (L, B, E) views (one tensor passed twice stays one)."""
+    views = {}
+    for t in args[:3]:
+        views.setdefault(id(t), t.transpose(0, 1))
+    return (*(views[id(t)] for t in args[:3]), *args[3:])
+
+
+@pytest.mark.parametrize("batch", [B, 1])
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("projection", ["self", "kv_shared", "distinct", "separate"])
+def test_batch_first(projection, layout, batch):
+    """Against reference.mha(batch_first=True) in float64, and bitwise the sequence-first call on the
+    transposed views (what a batch_first module ran before the op took batch_first)."""
+    query, key, value, w = _inputs_batch_first(projection, layout, torch.float64, batch)
+    for extras, masks in [("none", "both_bool"), ("bias_kv+zero_attn", "causal_float_kpm"),
+                          ("static_kv", "am3_float")]:
+        s = 5 if extras == "static_kv" else (L if projection == "self" else S)
+        kpm, am, is_causal = make_masks(masks, batch, H, L, s, torch.float64)
+        for need_weights, average in [(False, True), (True, False)]:
+            args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, is_causal=is_causal,
+                         need_weights=need_weights, average=average, batch_first=True)
+            _check(args, batch_first=True)
+            out, lse, weights = ops.mha(*args, batch_first=True)
+            assert out.shape == (batch, L, E)
+            seq_out, seq_lse, seq_weights = ops.mha(*_transposed_args(args))
+            assert torch.equal(out, seq_out.transpose(0, 1)) and torch.equal(lse, seq_lse)
+            assert torch.equal(weights.nan_to_num(7.0), seq_weights.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("projection,layout", [("self", "contiguous"), ("separate", "transposed")])
+def test_batch_first_fake_kernel_matches(projection, layout):
+    for batch, length in [(B, L), (1, L), (B, 1)]:
+        query, key, value, w = _inputs_batch_first(projection, layout, torch.float32, batch, length)
+        for extras, need_weights in itertools.product(["none", "bias_kv+zero_attn"], [False, True]):
+            args = _args(query, key, value, w, extras=extras, need_weights=need_weights, batch_first=True)
+            real = ops.mha(*args, batch_first=True)
+            with FakeTensorMode() as mode:
+                fake = ops.mha(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args],
+                               batch_first=True)
+            for r, f in zip(real, fake, strict=True):
+                assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_batch_first_opcheck(extras):
+    query, key, value, w = _inputs_batch_first("kv_shared", "contiguous", torch.float32)
+    s = 5 if extras == "static_kv" else S
+    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
+    # Key 0 stays visible: opcheck compares without equal_nan, and a fully masked row's weights are NaN.
+    kpm[:, 0], am[:, 0] = False, False
+    args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True, batch_first=True)
+    torch.library.opcheck(torch.ops.attnx.mha.default, (*args, 0.0, None, True))
+
+
+def test_batch_first_bad_input():
+    query, key, value, w = _inputs_batch_first("kv_shared", "contiguous", torch.float32)
+    args = list(_args(query, key, value, w, batch_first=True))
+    with pytest.raises(RuntimeError, match=r"attnx::mha: expected query of shape \(B, L, E\), got \[6, 16\]"):
+        ops.mha(query[0], *args[1:], batch_first=True)
+    # Sequence-first key and value (S, B, E) beside a batch_first query: B would not match.
+    message = r"expected key \(B, S, kdim\) and value \(B, S, vdim\) with B = 2,"
+    with pytest.raises(RuntimeError, match=message):
+        ops.mha(query, key.transpose(0, 1), value.transpose(0, 1), *args[3:], batch_first=True)
+    # The sequence-first reading of the same tensors: query (L=2, B=6, E).
+    message = r"expected key \(S, B, kdim\) and value \(S, B, vdim\) with B = 6,"
     with pytest.raises(RuntimeError, match=message):
         ops.mha(*args)

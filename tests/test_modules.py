@@ -120,14 +120,15 @@ def test_matches_torch_fast_path(case):
                 assert_close(actual[1], expected[1], torch.float32)
 
 
-def test_fully_masked_rows():
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_fully_masked_rows(batch_first):
     """Torch's slow path: need_weights=False gives attention 0 (out = out_proj.bias) for a row whose keys
     are all masked; need_weights=True gives NaN weights and NaN output there. attnx does the same, eval and
     train."""
-    reference, module = module_pair(torch.float64)
+    reference, module = module_pair(torch.float64, batch_first=batch_first)
     torch.nn.init.normal_(module.out_proj.bias)
     reference.load_state_dict(module.state_dict())
-    query, key, value, L, S = inputs("cross", 3, False, torch.float64)
+    query, key, value, L, S = inputs("cross", 3, batch_first, torch.float64)
     kpm = torch.zeros(3, S, dtype=torch.bool)
     kpm[1] = True  # batch 1: every key padded
     am = torch.zeros(L, S, dtype=torch.bool)
@@ -143,7 +144,7 @@ def test_fully_masked_rows():
         assert_close(actual[0], expected[0], torch.float64, f"train={train} {need_weights} {list(masks)}")
         assert_close(actual[1], expected[1], torch.float64)
         if "key_padding_mask" in masks:
-            rows = actual[0][:, 1]
+            rows = actual[0][1] if batch_first else actual[0][:, 1]
             if need_weights:
                 assert rows.isnan().all() and actual[1][1].isnan().all()
             else:
@@ -183,27 +184,62 @@ def test_gradients_match_torch(batch_first):
         assert_close(actual, expected, torch.float64)
 
 
-def test_batch_first_reads_views_without_copies(monkeypatch):
-    """batch_first inputs reach the op as (L, B, E) transposed views of the caller's tensors, `is` kept."""
+def test_batch_first_passes_inputs_to_the_op_as_they_are(monkeypatch):
+    """batch_first inputs reach the op as the caller's (B, L, E) tensors themselves, `is` kept, with
+    batch_first=True: no transposed views in between."""
     seen = []
     real_mha = ops.mha
 
-    def spy(*args):
-        seen.append(args)
-        return real_mha(*args)
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return real_mha(*args, **kwargs)
 
     monkeypatch.setattr(ops, "mha", spy)
     module = attnx.nn.MultiheadAttention(E, H, batch_first=True)
-    x = torch.randn(1, 5, E)  # B = 1: the transposed view has strides (E, 5*E, 1)
+    x = torch.randn(1, 5, E)  # B = 1
     kv = torch.randn(1, 7, E)
-    with torch.no_grad():  # with grads to compute, training takes the differentiable composition instead
-        module(x, x, x)
-        module(x, kv, kv)
-    (q, k, v, *_), (q2, k2, v2, *_) = seen
-    assert q is k is v and q.shape == (5, 1, E) and q.data_ptr() == x.data_ptr() and q._base is x
-    assert k2 is v2 and k2._base is kv and q2._base is x
+    module(x, x, x)
+    module(x, kv, kv, need_weights=False)
+    ((q, k, v, *_), kwargs), ((q2, k2, v2, *_), kwargs2) = seen
+    assert q is k is v is x and kwargs["batch_first"]
+    assert q2 is x and k2 is v2 is kv and kwargs2["batch_first"]
     out, _ = module(x, kv, kv, need_weights=False)
     assert out.shape == (1, 5, E)
+    unbatched = attnx.nn.MultiheadAttention(E, H, batch_first=True)(x[0], kv[0], kv[0])[0]
+    assert unbatched.shape == (5, E) and not seen[-1][1]["batch_first"]  # batch_first is for 3-D inputs
+
+
+def _training_step_dispatches(module, x, grad_out):
+    """The dispatches of one training step (forward + backward) after zero_grad(set_to_none=True)."""
+    from test_convert import DispatchRecorder
+
+    def step():
+        module(x, x, x, need_weights=False)[0].backward(grad_out)
+
+    step()  # warm-up: lazy initialisation stays out of the count
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    with DispatchRecorder() as recorder:
+        step()
+    return dict(recorder.counts)
+
+
+def test_training_step_dispatches():
+    """Two attnx ops and autograd's one detach per leaf that receives a gradient, nothing else: a
+    batch_first module whose input requires grad takes 2 + 5 (x, in_proj_weight, in_proj_bias,
+    out_proj.weight, out_proj.bias) = 7; a sequence-first one fed an input without grad 2 + 4 = 6."""
+    module = attnx.nn.MultiheadAttention(E, H, batch_first=True).train()
+    x = torch.randn(3, 5, E, requires_grad=True)
+    counts = _training_step_dispatches(module, x, torch.randn(3, 5, E))
+    leaves = 1 + len(list(module.parameters()))
+    assert leaves == 5
+    assert counts == {"attnx::mha_forward": 1, "attnx::mha_backward": 1, "aten::detach": leaves}
+    assert x.grad.stride() == x.stride()  # in x's own layout: AccumulateGrad keeps it without a copy
+
+    module = attnx.nn.MultiheadAttention(E, H).train()
+    x = torch.randn(5, 3, E)
+    counts = _training_step_dispatches(module, x, torch.randn(5, 3, E))
+    assert counts == {"attnx::mha_forward": 1, "attnx::mha_backward": 1, "aten::detach": 4}
 
 
 def test_dropout_in_training():
@@ -211,9 +247,10 @@ def test_dropout_in_training():
     torch's F.dropout) one seed gives torch's outputs and weights, the dropped-out ones; without, the fused
     op draws its own mask (tested against the reference in test_mha_backward) and is unbiased; eval ignores
     dropout."""
-    for dtype, need_weights in itertools.product([torch.float32, torch.float64], [True]):
-        reference, module = module_pair(dtype, dropout=0.5)
-        query, key, value, L, S = inputs("cross", 2, False, dtype)
+    for dtype, batch_first in itertools.product([torch.float32, torch.float64], [False, True]):
+        need_weights = True
+        reference, module = module_pair(dtype, dropout=0.5, batch_first=batch_first)
+        query, key, value, L, S = inputs("cross", 2, batch_first, dtype)
         kpm, am, _ = make_masks("both_bool", 2, H, L, S, dtype)
         kwargs = dict(
             key_padding_mask=kpm, attn_mask=am, need_weights=need_weights, average_attn_weights=False
@@ -329,6 +366,17 @@ def test_bad_input_raises_like_torch(case):
     for fn in _both(query=nested, key=nested, value=nested):
         with pytest.raises(AssertionError, match="MultiheadAttention does not support NestedTensor outside"):
             fn()
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c != "nested"])
+def test_bad_input_raises_like_torch_batch_first(case):
+    """The same cases for batch_first modules, 3-D query/key/value given batch-first (so that torch's
+    module, transposing them, checks the shapes above): attnx checks the same shapes without the views."""
+    forward = {
+        name: x.transpose(0, 1) if name in ("query", "key", "value") and x.dim() == 3 else x
+        for name, x in BAD_INPUTS[case].items()
+    }
+    same_error(*_both({"batch_first": True}, **forward))
 
 
 def test_bad_input_with_bias_kv_and_separate_weights():

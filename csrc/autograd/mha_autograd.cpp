@@ -22,7 +22,8 @@ using MhaOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using MhaForwardOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// mha's arguments, in schema order: the one list the three typed op handles below share.
+// mha's arguments, in schema order: the one list the typed op handles below share (mha_backward takes them with
+// batch_first moved to its end).
 #define ATTNX_MHA_PARAMS                                                                                           \
   const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, int64_t num_heads,                      \
       const OptTensor &in_proj_weight, const OptTensor &in_proj_bias, const OptTensor &q_proj_weight,             \
@@ -30,16 +31,19 @@ using MhaForwardOutputs =
       const OptTensor &bias_v, bool add_zero_attn, const at::Tensor &out_proj_weight,                            \
       const OptTensor &out_proj_bias, const OptTensor &key_padding_mask, const OptTensor &attn_mask,              \
       bool is_causal, const OptTensor &static_k, const OptTensor &static_v, bool need_weights,                     \
-      bool average_attn_weights, double dropout_p, const OptTensor &dropout_seed
+      bool average_attn_weights, double dropout_p, const OptTensor &dropout_seed, bool batch_first
 #define ATTNX_MHA_ARGS                                                                                             \
   query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,        \
       bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,      \
-      static_k, static_v, need_weights, average_attn_weights, dropout_p, dropout_seed
-#define ATTNX_MHA_TYPES                                                                                            \
+      static_k, static_v, need_weights, average_attn_weights, dropout_p, dropout_seed, batch_first
+// The types of mha's arguments up to dropout_seed, which mha_backward takes in the same order (its batch_first
+// comes last, after mha_forward's outputs).
+#define ATTNX_MHA_COMMON_TYPES                                                                                     \
   const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&, const OptTensor&,            \
       const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool,              \
       const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, const OptTensor&,            \
       const OptTensor&, bool, bool, double, const OptTensor&
+#define ATTNX_MHA_TYPES ATTNX_MHA_COMMON_TYPES, bool
 
 const c10::TypedOperatorHandle<MhaOutputs(ATTNX_MHA_TYPES)>& mha_op() {
   static const auto op =
@@ -58,19 +62,19 @@ const auto& mha_backward_op() {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("attnx::mha_backward", "")
-          .typed<std::vector<at::Tensor>(const at::Tensor&, const OptTensor&, ATTNX_MHA_TYPES, const at::Tensor&,
+          .typed<std::vector<at::Tensor>(const at::Tensor&, const OptTensor&, ATTNX_MHA_COMMON_TYPES,
                                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         at::IntArrayRef)>();
+                                         const at::Tensor&, at::IntArrayRef, bool)>();
   return op;
 }
 
 // mha's tensor arguments in schema order, and where each one's gradient sits in mha_backward's result (-1:
 // none, for the masks). Autograd's backward returns one entry per argument of the forward.
-constexpr int kNumArgs = 23;
+constexpr int kNumArgs = 24;
 constexpr std::array<int, kNumArgs> kGradSlot = {
     0, 1, 2, /*num_heads*/ -1, 3, 4, 5, 6, 7, 8, 9, /*add_zero_attn*/ -1, 10, 11,
     /*key_padding_mask*/ -1, /*attn_mask*/ -1, /*is_causal*/ -1, 12, 13, /*need_weights*/ -1, /*average*/ -1,
-    /*dropout_p*/ -1, /*dropout_seed*/ -1};
+    /*dropout_p*/ -1, /*dropout_seed*/ -1, /*batch_first*/ -1};
 constexpr int kKeyPaddingMaskArg = 14, kAttnMaskArg = 15;
 
 // The saved optional arguments come back as undefined tensors where they were absent.
@@ -90,14 +94,15 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
     ctx->saved_data["num_heads"] = num_heads;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["flags"] = std::vector<bool>{add_zero_attn, is_causal, need_weights, average_attn_weights,
-                                                 query.is_same(key) && key.is_same(value)};
+                                                 query.is_same(key) && key.is_same(value), batch_first};
     // Present optional tensor arguments, in order: they alone have autograd edges (needs_input_grad's index).
     std::vector<int64_t> edge(kNumArgs, -1);
     const OptTensor tensors[kNumArgs] = {query,         key,          value,         std::nullopt,  in_proj_weight,
                                          in_proj_bias,  q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
                                          bias_v,        std::nullopt, out_proj_weight, out_proj_bias,
                                          key_padding_mask, attn_mask, std::nullopt,  static_k,      static_v,
-                                         std::nullopt,  std::nullopt,  std::nullopt,  dropout_seed};
+                                         std::nullopt,  std::nullopt,  std::nullopt,  dropout_seed,
+                                         std::nullopt};
     for (int64_t i = 0, next = 0; i < kNumArgs; ++i) {
       if (tensors[i] && tensors[i]->defined()) edge[i] = next++;
     }
@@ -124,9 +129,10 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
     const auto saved = ctx->get_saved_variables();
     const c10::List<bool> flags = ctx->saved_data["flags"].toBoolList();
     const bool add_zero_attn = flags[0], is_causal = flags[1], need_weights = flags[2], average = flags[3];
-    const bool one_input = flags[4];
+    const bool one_input = flags[4], batch_first = flags[5];
     const at::Tensor& query = saved[0];
     const at::Tensor& out_proj_weight = saved[10];
+    // out is (L, B, E), or (B, L, E) with batch_first: query's first two dims either way.
     const at::Tensor grad_out = grads[0].defined()
                                     ? grads[0]
                                     : at::zeros({query.size(0), query.size(1), out_proj_weight.size(0)},
@@ -144,7 +150,7 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
         opt(saved[7]), opt(saved[8]), opt(saved[9]), add_zero_attn, out_proj_weight, opt(saved[11]), opt(saved[12]),
         opt(saved[13]), is_causal, opt(saved[14]), opt(saved[15]), need_weights, average,
         ctx->saved_data["dropout_p"].toDouble(), opt(saved[21]), saved[16], saved[17], saved[18], saved[19],
-        saved[20], output_mask);
+        saved[20], output_mask, batch_first);
     for (int arg = 0; arg < kNumArgs; ++arg) {
       const int slot = kGradSlot[arg];
       if (slot >= 0 && output_mask[slot] && !(one_input && (slot == 1 || slot == 2))) result[arg] = g[slot];

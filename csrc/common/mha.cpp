@@ -75,17 +75,22 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at:
       .masked_fill_(lse.isposinf().unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
 }
 
+// query, key and value as the caller passed them: (L, B, E), (S, B, kdim), (S, B, vdim), or with batch_first
+// (B, L, E), (B, S, kdim), (B, S, vdim).
 void check_mha_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
                     const OptTensor& in_proj_weight, const OptTensor& q_proj_weight,
                     const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
                     const OptTensor& bias_v, const OptTensor& key_padding_mask, const OptTensor& attn_mask,
-                    const OptTensor& static_k, const OptTensor& static_v) {
-  TORCH_CHECK(query.dim() == 3, "attnx::mha: expected query of shape (L, B, E), got ", query.sizes());
-  const int64_t L = query.size(0), B = query.size(1), E = query.size(2);
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) == B && value.size(1) == B &&
-                  key.size(0) == value.size(0),
-              "attnx::mha: expected key (S, B, kdim) and value (S, B, vdim) with B = ", B, ", got ", key.sizes(),
-              " and ", value.sizes());
+                    const OptTensor& static_k, const OptTensor& static_v, bool batch_first) {
+  const int64_t seq = batch_first ? 1 : 0, batch = 1 - seq;
+  TORCH_CHECK(query.dim() == 3, "attnx::mha: expected query of shape ", batch_first ? "(B, L, E)" : "(L, B, E)",
+              ", got ", query.sizes());
+  const int64_t L = query.size(seq), B = query.size(batch), E = query.size(2);
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(batch) == B && value.size(batch) == B &&
+                  key.size(seq) == value.size(seq),
+              "attnx::mha: expected key ", batch_first ? "(B, S, kdim)" : "(S, B, kdim)", " and value ",
+              batch_first ? "(B, S, vdim)" : "(S, B, vdim)", " with B = ", B, ", got ", key.sizes(), " and ",
+              value.sizes());
   TORCH_CHECK(num_heads > 0 && E % num_heads == 0, "attnx::mha: expected embed_dim (", E,
               ") divisible by num_heads (", num_heads, ")");
   const bool separate = q_proj_weight && k_proj_weight && v_proj_weight;
@@ -99,7 +104,7 @@ void check_mha_args(const at::Tensor& query, const at::Tensor& key, const at::Te
                 "attnx::mha: expected static_k/static_v of shape (B*H, S, head_dim) = (", B * H, ", S, ", head_dim,
                 "), got ", s->sizes());
   }
-  const int64_t S = static_k ? static_k->size(1) : key.size(0);
+  const int64_t S = static_k ? static_k->size(1) : key.size(seq);
   if (key_padding_mask) {
     TORCH_CHECK(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == B && key_padding_mask->size(1) == S,
                 "attnx::mha: expected key_padding_mask of shape (B, S) = (", B, ", ", S, "), got ",
@@ -119,6 +124,23 @@ OptTensor pad_keys(const OptTensor& mask, int64_t extra) {
   return mask && extra > 0 ? OptTensor(at::constant_pad_nd(*mask, {0, extra}, 0)) : mask;
 }
 
+// The sequence-first (N, B, F) form of mha's query, key and value: batch_first (B, N, F) arguments as their
+// transposes, views whose strides the projections and kernels read as they are (no copy). A tensor passed as
+// several arguments stays one tensor, so that self-attention is still recognised (one packed GEMM forward,
+// one gradient backward).
+struct SeqFirst {
+  at::Tensor query, key, value;
+};
+
+SeqFirst seq_first(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool batch_first) {
+  if (!batch_first) return {query, key, value};
+  SeqFirst t;
+  t.query = query.transpose(0, 1);
+  t.key = key.is_same(query) ? t.query : key.transpose(0, 1);
+  t.value = value.is_same(key) ? t.key : value.is_same(query) ? t.query : value.transpose(0, 1);
+  return t;
+}
+
 // What the forward hands to the backward: the attention problem as attnx::attention saw it.
 struct MhaState {
   at::Tensor out, lse, weights;
@@ -126,7 +148,7 @@ struct MhaState {
   at::Tensor attn;     // (B, H, L, Dh) in memory order (B, L, H, Dh): attention's output
 };
 
-MhaState mha_forward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+MhaState mha_forward_impl(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                           int64_t num_heads, const OptTensor& in_proj_weight, const OptTensor& in_proj_bias,
                           const OptTensor& q_proj_weight, const OptTensor& k_proj_weight,
                           const OptTensor& v_proj_weight, const OptTensor& bias_k, const OptTensor& bias_v,
@@ -134,9 +156,11 @@ MhaState mha_forward_impl(const at::Tensor& query, const at::Tensor& key, const 
                           const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in, bool is_causal,
                           const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
                           bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed,
-                          bool keep_for_backward) {
-  check_mha_args(query, key, value, num_heads, in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
-                 bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v);
+                          bool batch_first, bool keep_for_backward) {
+  check_mha_args(query_in, key_in, value_in, num_heads, in_proj_weight, q_proj_weight, k_proj_weight,
+                 v_proj_weight, bias_k, bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v, batch_first);
+  const SeqFirst views = seq_first(query_in, key_in, value_in, batch_first);
+  const at::Tensor &query = views.query, &key = views.key, &value = views.value;
   // Weights after dropout would need the (B, H, L, S) keep mask; attnx.functional runs that case by
   // composition.
   TORCH_CHECK(!need_weights || dropout_p == 0.0,
@@ -203,8 +227,11 @@ MhaState mha_forward_impl(const at::Tensor& query, const at::Tensor& key, const 
   q = k = v = v4 = at::Tensor();
   if (!need_weights) q4 = k4 = at::Tensor();
 
-  // attn is (B, H, L, head_dim) laid out as (B, L, H, head_dim), so its (L, B, E) form is a view.
+  // attn is (B, H, L, head_dim) laid out as (B, L, H, head_dim), so its (L, B, E) form is a view, and linear
+  // writes out in that memory order: (L, B, E) with the strides of a (B, L, E) tensor, whose batch_first
+  // (B, L, E) form is again a view.
   state.out = attnx_linear(attn.permute({2, 0, 1, 3}).flatten(2), out_proj_weight, out_proj_bias);
+  if (batch_first) state.out = state.out.transpose(0, 1);
   state.lse = lse;
 
   if (need_weights) {
@@ -224,11 +251,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha(
     const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
     const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
     const OptTensor& static_v, bool need_weights, bool average_attn_weights, double dropout_p,
-    const OptTensor& dropout_seed) {
+    const OptTensor& dropout_seed, bool batch_first) {
   MhaState s = mha_forward_impl(query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
                                 k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight,
                                 out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
-                                need_weights, average_attn_weights, dropout_p, dropout_seed,
+                                need_weights, average_attn_weights, dropout_p, dropout_seed, batch_first,
                                 /*keep_for_backward=*/false);
   return {s.out, s.lse, s.weights};
 }
@@ -240,11 +267,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
     const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
     const OptTensor& static_v, bool need_weights, bool average_attn_weights, double dropout_p,
-    const OptTensor& dropout_seed) {
+    const OptTensor& dropout_seed, bool batch_first) {
   MhaState s = mha_forward_impl(query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
                                 k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight,
                                 out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
-                                need_weights, average_attn_weights, dropout_p, dropout_seed,
+                                need_weights, average_attn_weights, dropout_p, dropout_seed, batch_first,
                                 /*keep_for_backward=*/true);
   return {s.out, s.lse, s.weights, s.q, s.k, s.v, s.attn};
 }
@@ -286,20 +313,24 @@ void add_weights_grad(const at::Tensor& grad_weights, bool average_attn_weights,
 }
 
 std::vector<at::Tensor> mha_backward(
-    const at::Tensor& grad_out, const OptTensor& grad_weights, const at::Tensor& query, const at::Tensor& key,
-    const at::Tensor& value, int64_t num_heads, const OptTensor& in_proj_weight, const OptTensor& in_proj_bias,
-    const OptTensor& q_proj_weight, const OptTensor& k_proj_weight, const OptTensor& v_proj_weight,
-    const OptTensor& bias_k, const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight,
-    const OptTensor& out_proj_bias, const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in,
-    bool is_causal, const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
-    bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed, const at::Tensor& q,
-    const at::Tensor& k_saved, const at::Tensor& v_saved,
-    const at::Tensor& attn, const at::Tensor& lse, at::IntArrayRef output_mask_in) {
+    const at::Tensor& grad_out_in, const OptTensor& grad_weights, const at::Tensor& query_in,
+    const at::Tensor& key_in, const at::Tensor& value_in, int64_t num_heads, const OptTensor& in_proj_weight,
+    const OptTensor& in_proj_bias, const OptTensor& q_proj_weight, const OptTensor& k_proj_weight,
+    const OptTensor& v_proj_weight, const OptTensor& bias_k, const OptTensor& bias_v, bool add_zero_attn,
+    const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias, const OptTensor& key_padding_mask_in,
+    const OptTensor& attn_mask_in, bool is_causal, const OptTensor& static_k, const OptTensor& static_v,
+    bool need_weights, bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed,
+    const at::Tensor& q, const at::Tensor& k_saved, const at::Tensor& v_saved, const at::Tensor& attn,
+    const at::Tensor& lse, at::IntArrayRef output_mask_in, bool batch_first) {
+  check_mha_args(query_in, key_in, value_in, num_heads, in_proj_weight, q_proj_weight, k_proj_weight,
+                 v_proj_weight, bias_k, bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v, batch_first);
+  // Sequence-first views from here on; the input gradients are transposed back at the end.
+  const SeqFirst views = seq_first(query_in, key_in, value_in, batch_first);
+  const at::Tensor &query = views.query, &key = views.key, &value = views.value;
+  const at::Tensor grad_out = batch_first ? grad_out_in.transpose(0, 1) : grad_out_in;
   // static_k / static_v used without an appended zero key are attention's k / v themselves.
   const at::Tensor k = static_k && !add_zero_attn ? static_k->unflatten(0, {query.size(1), num_heads}) : k_saved;
   const at::Tensor v = static_v && !add_zero_attn ? static_v->unflatten(0, {query.size(1), num_heads}) : v_saved;
-  check_mha_args(query, key, value, num_heads, in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
-                 bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v);
   TORCH_CHECK(output_mask_in.size() == kNumMhaGrads, "attnx::mha_backward: expected output_mask of ", kNumMhaGrads,
               " entries, got ", output_mask_in.size());
   const auto wanted = [&](MhaGrad g) { return output_mask_in[g] != 0; };
@@ -410,6 +441,13 @@ std::vector<at::Tensor> mha_backward(
   for (int64_t i = 0; i < 3; ++i) {
     if (!in_proj_weight && wanted(MhaGrad(kGradQProjWeight + i)) && !grads[kGradQProjWeight + i].defined()) {
       grads[kGradQProjWeight + i] = at::zeros(separate[i]->value().sizes(), separate[i]->value().options());
+    }
+  }
+  // The input gradients in the inputs' (B, N, F) shape; memory order (B, N, F) either way, as written above.
+  if (batch_first) {
+    for (int64_t i = 0; i < 3; ++i) {
+      at::Tensor& g = grads[kGradQuery + i];
+      if (g.defined()) g = g.transpose(0, 1);
     }
   }
   // Gradients not asked for (or of absent arguments) are returned as empty tensors.

@@ -170,14 +170,22 @@ def _forward(
     average_attn_weights: bool,
     is_causal: bool,
     check_mask_dtypes: bool,
+    batch_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`multi_head_attention_forward` without the ``__torch_function__`` hook.
 
     ``check_mask_dtypes=False`` skips the mask dtype checks and the mismatched-mask warning because the caller
     (``attnx.nn.MultiheadAttention``) has done them already, as torch's module does before calling torch's
     function (torch's module converts both masks to float, so its function never warns a second time).
+
+    ``batch_first=True`` (from a batch_first module, batched inputs only) takes query ``(B, L, E)``, key
+    ``(B, S, kdim)`` and value ``(B, S, vdim)`` and returns attn_output ``(B, L, E)``: the op reads them as
+    they are, so no transposes run before or after it (nor in the backward). Checks and messages are those
+    of the sequence-first call torch's module makes on the transposed views.
     """
     is_batched = _mha_shape_check(query, key, value, key_padding_mask, attn_mask, num_heads)
+    if batch_first and not is_batched:
+        raise ValueError("attnx: batch_first needs batched (3-D) query, key and value")
 
     # Unbatched input runs as B = 1: size-1 views, no copies; squeezed again at the end.
     if not is_batched:
@@ -185,8 +193,11 @@ def _forward(
         if key_padding_mask is not None:
             key_padding_mask = key_padding_mask.unsqueeze(0)
 
-    tgt_len, bsz, embed_dim = query.shape
-    src_len = key.shape[0]
+    # Shapes as torch's module sees them after its batch_first transposes: sequence-first. Read off the sizes
+    # (no transposed views: each would be one more dispatch, and one more in the backward).
+    query_shape, key_shape, value_shape = (_seq_first_shape(x, batch_first) for x in (query, key, value))
+    tgt_len, bsz, embed_dim = query_shape
+    src_len = key_shape[0]
 
     if check_mask_dtypes:
         _check_mask(key_padding_mask, "key_padding_mask", _none_or_dtype(attn_mask), "attn_mask")
@@ -216,12 +227,12 @@ def _forward(
     if head_dim * num_heads != embed_dim:
         raise AssertionError(f"embed_dim {embed_dim} not divisible by num_heads {num_heads}")
     if use_separate_proj_weight:
-        if key.shape[:2] != value.shape[:2]:
+        if key_shape[:2] != value_shape[:2]:
             raise AssertionError(
-                f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}"
+                f"key's sequence and batch dims {key_shape[:2]} do not match value's {value_shape[:2]}"
             )
-    elif key.shape != value.shape:
-        raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
+    elif key_shape != value_shape:
+        raise AssertionError(f"key shape {key_shape} does not match value shape {value_shape}")
 
     if not use_separate_proj_weight:
         if in_proj_weight is None:
@@ -303,16 +314,19 @@ def _forward(
     )
     dropout_p = dropout_p if training else 0.0
     if dropout_p > 0.0 and (need_weights or query.device.type not in _FUSED_DROPOUT_DEVICES):
-        attn_output, fully_masked, attn_weights = _mha_with_dropout(*args, dropout_p=dropout_p)
+        attn_output, fully_masked, attn_weights = _mha_with_dropout(
+            *args, dropout_p=dropout_p, batch_first=batch_first
+        )
     else:
-        attn_output, lse, attn_weights = ops.mha(*args, dropout_p)
+        attn_output, lse, attn_weights = ops.mha(*args, dropout_p, batch_first=batch_first)
         fully_masked = torch.isposinf(lse).any(dim=1) if need_weights else None  # (B, L)
 
     if need_weights:
         # Torch's need_weights path softmaxes an all -inf row to NaN and carries it through the out projection
         # into every feature of that (query, batch) row; the fused op gives 0 there (as torch's SDPA path
         # does), so the NaN is restored here, at O(L*B*E), only where torch produces it.
-        attn_output = attn_output.masked_fill(fully_masked.t().unsqueeze(-1), float("nan"))
+        rows = fully_masked if batch_first else fully_masked.t()  # attn_output's (B, L) or (L, B)
+        attn_output = attn_output.masked_fill(rows.unsqueeze(-1), float("nan"))
         if not is_batched:
             return attn_output.squeeze(1), attn_weights.squeeze(0)
         return attn_output, attn_weights
@@ -347,14 +361,18 @@ def _mha_with_dropout(
     need_weights: bool,
     average_attn_weights: bool,
     dropout_p: float,
+    batch_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`attnx.reference.mha` with ``F.dropout`` on the attention probabilities, as torch applies it.
 
     Stands in for the fused op while it has no dropout (a later change fuses it). Like torch, dropout acts
     on the softmax ``(B, H, L, S')`` (one Bernoulli draw per element, in that order, so one seed gives torch's
-    mask) and the returned weights are the dropped-out ones. Returns out ``(L, B, E)`` (0 from a fully masked
-    row, as the fused op), the fully masked rows ``(B, L)`` and the weights (or an empty tensor).
+    mask) and the returned weights are the dropped-out ones. Returns out ``(L, B, E)`` (``(B, L, E)`` with
+    ``batch_first``; 0 from a fully masked row, as the fused op), the fully masked rows ``(B, L)`` and the
+    weights (or an empty tensor).
     """
+    if batch_first:  # a composition of many ops already: two transposes more change nothing
+        query, key, value = (x.transpose(0, 1) for x in (query, key, value))
     q, k, v, attn_mask, key_padding_mask = reference._mha_project(
         query,
         key,
@@ -381,10 +399,17 @@ def _mha_with_dropout(
     )  # NaN rows where fully masked
     out = torch.matmul(probs.masked_fill(fully_masked.unsqueeze(-1), 0.0), v.to(probs.dtype)).to(query.dtype)
     attn_output = reference._mha_out_projection(out, out_proj_weight, out_proj_bias, project=ops.linear)
+    if batch_first:
+        attn_output = attn_output.transpose(0, 1)
     if not need_weights:
         return attn_output, fully_masked.any(dim=1), query.new_empty(0)
     weights = probs.to(query.dtype)
     return attn_output, fully_masked.any(dim=1), weights.mean(dim=1) if average_attn_weights else weights
+
+
+def _seq_first_shape(x: Tensor, batch_first: bool) -> torch.Size:
+    """x's shape, with its first two dims swapped when batch_first: the shape of ``x.transpose(1, 0)``."""
+    return torch.Size((x.shape[1], x.shape[0], *x.shape[2:])) if batch_first else x.shape
 
 
 def _mha_shape_check(

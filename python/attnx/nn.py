@@ -48,7 +48,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         ``(S,)``; attn_mask ``(L, S)`` or ``(B*num_heads, L, S)``; bool ``True`` = masked out, float = added.
         ``is_causal`` is torch's hint that attn_mask is causal (it requires attn_mask).
 
-        attn_output has query's layout (``(B, L, E)`` with ``batch_first``, as a view); attn_output_weights,
+        attn_output has query's layout (``(B, L, E)`` with ``batch_first``); attn_output_weights,
         when ``need_weights``, is ``(B, L, S)`` averaged over heads or ``(B, num_heads, L, S)``
         (``(L, S)`` / ``(num_heads, L, S)`` unbatched), else ``None``.
         """
@@ -67,19 +67,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 "The fast path was not hit because attnx.nn.MultiheadAttention has no fast path"
             )
 
-        is_batched = query.dim() == 3
-        if self.batch_first and is_batched:
-            # (B, L, E) -> (L, B, E) as views: the op reads them through their strides, no copy. Keeping
-            # `query is key is value` intact lets the op see self-attention (one packed projection), as
-            # torch's does.
-            if key is value:
-                if query is key:
-                    query = key = value = query.transpose(1, 0)
-                else:
-                    query, key = (x.transpose(1, 0) for x in (query, key))
-                    value = key
-            else:
-                query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+        # Torch's module transposes batch_first inputs to (L, B, E) views and its output back; here the op
+        # takes (B, L, E) as it is (batch_first=True), which saves those transposes and their backward twins.
+        batch_first = self.batch_first and query.dim() == 3
 
         attn_output, attn_output_weights = attnx_functional._forward(
             query,
@@ -108,9 +98,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             average_attn_weights=average_attn_weights,
             is_causal=is_causal,
             check_mask_dtypes=False,
+            batch_first=batch_first,
         )
-        if self.batch_first and is_batched:
-            attn_output = attn_output.transpose(1, 0)
         return attn_output, attn_output_weights
 
 

@@ -148,11 +148,13 @@ def mha(
     average_attn_weights: bool,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    batch_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward in one dispatch; returns ``(out, lse, weights)``.
 
-    Batched and sequence-first, any strides (a batch-first caller passes ``x.transpose(0, 1)`` views): query
-    ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``. Exactly one of in_proj_weight ``(3E, E)`` or
+    Batched, any strides: query ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``, or with
+    ``batch_first`` ``(B, L, E)``, ``(B, S, kdim)``, ``(B, S, vdim)``, read in place like the others (no
+    transposes around the call, in the forward or the backward). Exactly one of in_proj_weight ``(3E, E)`` or
     q/k/v_proj_weight ``(E, E)``, ``(E, kdim)``, ``(E, vdim)``; in_proj_bias ``(3E,)`` applies in both cases.
     bias_k, bias_v ``(1, 1, E)``; static_k, static_v ``(B*H, S, E/H)``; add_zero_attn appends a zero key.
     key_padding_mask ``(B, S)`` and attn_mask ``(L, S)`` or ``(B*H, L, S)``, each bool (``True`` = masked out)
@@ -160,16 +162,17 @@ def mha(
     ``is_causal`` applies a causal mask. ``dropout_p`` drops attention probabilities as :func:`attention`
     does (a seed is drawn when none is given; not with need_weights): the caller passes 0 in eval, as to SDPA.
 
-    Returns out ``(L, B, E)``; lse ``(B, H, L)`` in float32 (float64 for float64 inputs), ``+inf`` for a
-    fully masked row, whose out is 0; weights ``(B, L, S')`` if average_attn_weights else ``(B, H, L, S')``
-    when need_weights (NaN for a fully masked row), else an empty ``(0,)`` tensor. The semantics are
-    :func:`attnx.reference.mha`.
+    Returns out ``(L, B, E)`` (``(B, L, E)`` with ``batch_first``); lse ``(B, H, L)`` in float32 (float64
+    for float64 inputs), ``+inf`` for a fully masked row, whose out is 0; weights ``(B, L, S')`` if
+    average_attn_weights else ``(B, H, L, S')`` when need_weights (NaN for a fully masked row), else an empty
+    ``(0,)`` tensor. The semantics are :func:`attnx.reference.mha`.
     """
     return torch.ops.attnx.mha.default(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
         v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask,
         attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights, dropout_p,
         draw_dropout_seed(query.device) if dropout_p > 0 and dropout_seed is None else dropout_seed,
+        batch_first,
     )
 
 
@@ -536,9 +539,11 @@ def _mha_out_fake(query, num_heads, key_len, need_weights, average_attn_weights)
     return out, lse, weights
 
 
-def _check_mha_fake_args(query, num_heads):
+def _check_mha_fake_args(query, num_heads, batch_first=False):
     torch._check(
-        query.dim() == 3, lambda: f"attnx::mha: expected query of shape (L, B, E), got {list(query.shape)}"
+        query.dim() == 3,
+        lambda: f"attnx::mha: expected query of shape {'(B, L, E)' if batch_first else '(L, B, E)'}, "
+        f"got {list(query.shape)}",
     )
     E = query.shape[2]
     torch._check(
@@ -552,10 +557,24 @@ def _mha_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
     bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
     static_k, static_v, need_weights, average_attn_weights, dropout_p=0.0, dropout_seed=None,
+    batch_first=False,
 ):
-    _check_mha_fake_args(query, num_heads)
+    _check_mha_fake_args(query, num_heads, batch_first)
+    query, key, value = _seq_first(query, key, value, batch_first)
     S = (key.shape[0] if static_k is None else static_k.shape[1]) + int(bias_k is not None) + int(add_zero_attn)
-    return _mha_out_fake(query, num_heads, S, need_weights, average_attn_weights)
+    out, lse, weights = _mha_out_fake(query, num_heads, S, need_weights, average_attn_weights)
+    return (out.transpose(0, 1) if batch_first else out), lse, weights
+
+
+def _seq_first(query, key, value, batch_first):
+    """``seq_first`` in csrc/common/mha.cpp: (N, B, F) views of batch_first (B, N, F) arguments, one tensor
+    passed as several staying one."""
+    if not batch_first:
+        return query, key, value
+    q = query.transpose(0, 1)
+    k = q if key is query else key.transpose(0, 1)
+    v = k if value is key else q if value is query else value.transpose(0, 1)
+    return q, k, v
 
 
 def _same_view(a: Tensor, b: Tensor) -> bool:
@@ -572,10 +591,12 @@ def _mha_forward_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
     bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
     static_k, static_v, need_weights, average_attn_weights, dropout_p=0.0, dropout_seed=None,
+    batch_first=False,
 ):
     # The layouts of mha_forward_impl in csrc/common/mha.cpp: the same projections (run as linear's fake), the
     # same views and appended keys.
-    _check_mha_fake_args(query, num_heads)
+    _check_mha_fake_args(query, num_heads, batch_first)
+    query, key, value = _seq_first(query, key, value, batch_first)
     L, B, E = query.shape
     H = num_heads
 
@@ -612,7 +633,7 @@ def _mha_forward_fake(
     attn = query.new_empty((B, L, H, E // H)).transpose(1, 2)
     S = (key.shape[0] if static_k is None else static_k.shape[1]) + int(bias_k is not None) + int(add_zero_attn)
     out, lse, weights = _mha_out_fake(query, H, S, need_weights, average_attn_weights)
-    return out, lse, weights, q4, k4, v4, attn
+    return (out.transpose(0, 1) if batch_first else out), lse, weights, q4, k4, v4, attn
 
 
 # Positions of mha_backward's gradients (and of its output_mask entries); mirrors MhaGrad in
@@ -628,9 +649,9 @@ def _mha_backward_fake(
     grad_out, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
     k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias,
     key_padding_mask, attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights, dropout_p,
-    dropout_seed, q, k, v, attn, lse, output_mask,
+    dropout_seed, q, k, v, attn, lse, output_mask, batch_first=False,
 ):
-    _check_mha_fake_args(query, num_heads)
+    _check_mha_fake_args(query, num_heads, batch_first)
     torch._check(
         len(output_mask) == len(_MHA_GRADS),
         lambda: f"attnx::mha_backward: expected output_mask of {len(_MHA_GRADS)} entries, "
@@ -651,7 +672,10 @@ def _mha_backward_fake(
         if t is None or not wanted[name]:
             grads.append(query.new_empty(0))
         elif name in ("query", "key", "value"):  # memory order (B, N, F), as the GEMM writes it
-            grads.append(t.new_empty((t.shape[1], t.shape[0], t.shape[2])).transpose(0, 1))
+            if batch_first:  # t is (B, N, F)
+                grads.append(t.new_empty(t.shape))
+            else:
+                grads.append(t.new_empty((t.shape[1], t.shape[0], t.shape[2])).transpose(0, 1))
         else:
             grads.append(t.new_empty(t.shape))
     return grads

@@ -171,15 +171,17 @@ def mha(
     average_attn_weights: bool,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    batch_first: bool = False,
     *,
     project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward; returns ``(out, lse, weights)``.
 
-    Sequence-first and batched: query ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``, any
-    strides. Projections: either in_proj_weight ``(3E, E)`` (q, k, v rows in that order) or q_proj_weight
-    ``(E, E)``, k_proj_weight ``(E, kdim)``, v_proj_weight ``(E, vdim)``; in_proj_bias ``(3E,)`` applies in
-    both cases.
+    Batched, sequence-first: query ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``, or with
+    ``batch_first`` ``(B, L, E)``, ``(B, S, kdim)``, ``(B, S, vdim)`` (the same computation on their
+    transposes); any strides. Projections: either in_proj_weight ``(3E, E)`` (q, k, v rows in that order)
+    or q_proj_weight ``(E, E)``, k_proj_weight ``(E, kdim)``, v_proj_weight ``(E, vdim)``; in_proj_bias
+    ``(3E,)`` applies in both cases.
     bias_k, bias_v ``(1, 1, E)`` append one projected key/value per batch; static_k, static_v
     ``(B*H, S, E/H)`` replace the projected keys/values (and cannot be combined with bias_k/bias_v);
     add_zero_attn appends one zero key/value per head after both. Each appended key extends the masks by one
@@ -190,11 +192,11 @@ def mha(
     top-left aligned over all ``S'`` keys, appended ones included, as SDPA). Scores are scaled by
     ``1 / sqrt(E/H)``.
 
-    Returns out ``(L, B, E)`` in query's dtype; ``lse`` ``(B, H, L)`` as :func:`attention` gives it (a fully
-    masked row has ``lse = +inf`` and contributes 0 to out); and when ``need_weights`` the attention
-    probabilities ``exp(score - lse)`` in query's dtype, ``(B, L, S')`` averaged over heads if
-    ``average_attn_weights`` else ``(B, H, L, S')`` (``S'`` counts the appended keys; a fully masked row's
-    weights are NaN, as torch's softmax gives), else an empty ``(0,)`` tensor.
+    Returns out ``(L, B, E)`` (``(B, L, E)`` with ``batch_first``) in query's dtype; ``lse`` ``(B, H, L)``
+    as :func:`attention` gives it (a fully masked row has ``lse = +inf`` and contributes 0 to out); and when
+    ``need_weights`` the attention probabilities ``exp(score - lse)`` in query's dtype, ``(B, L, S')``
+    averaged over heads if ``average_attn_weights`` else ``(B, H, L, S')`` (``S'`` counts the appended keys;
+    a fully masked row's weights are NaN, as torch's softmax gives), else an empty ``(0,)`` tensor.
 
     ``dropout_p`` / ``dropout_seed`` drop attention probabilities as :func:`attention` does (the same keep
     mask, :func:`dropout_keep_mask` over the ``S'`` keys); the weights returned are the dropped ones, as
@@ -203,6 +205,8 @@ def mha(
     ``project`` computes the in- and out-projections (``linear``'s signature); attnx.functional passes
     :func:`attnx.linear` to differentiate through attnx's own projections.
     """
+    if batch_first:
+        query, key, value = (x.transpose(0, 1) for x in (query, key, value))
     q, k, v, attn_mask, key_padding_mask = _mha_project(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
         v_proj_weight, bias_k, bias_v, add_zero_attn, key_padding_mask, attn_mask, static_k, static_v,
@@ -222,7 +226,8 @@ def mha(
             weights = weights.mean(dim=1)
     else:
         weights = query.new_empty(0)
-    return _mha_out_projection(out, out_proj_weight, out_proj_bias, project=project), lse, weights
+    out = _mha_out_projection(out, out_proj_weight, out_proj_bias, project=project)
+    return (out.transpose(0, 1) if batch_first else out), lse, weights
 
 
 def _mha_project(
