@@ -9,7 +9,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from attnx import ops, reference
 from mha_helpers import MASK_CASES, make_masks
 from test_convert import DispatchRecorder
-from test_mha_op import B, E, H, L, S, _args, _inputs, _inputs_batch_first, _transposed_args
+from test_mha_op import (
+    B,
+    E,
+    H,
+    L,
+    S,
+    _args,
+    _batch_first_masked_args,
+    _inputs,
+    _inputs_batch_first,
+    _transposed_args,
+)
 
 # mha's argument positions that can require grad (masks excepted): query .. static_v.
 DIFFERENTIABLE = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 17, 18)
@@ -362,12 +373,7 @@ def _significant_strides(t):
 
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 def test_batch_first_opcheck(extras):
-    query, key, value, w = _inputs_batch_first("kv_shared", "contiguous", torch.float32)
-    s = 5 if extras == "static_kv" else S
-    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
-    # Key 0 stays visible: opcheck compares without equal_nan, and a fully masked row's weights are NaN.
-    kpm[:, 0], am[:, 0] = False, False
-    args, _ = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am, batch_first=True))
+    args, _ = _leaves(_batch_first_masked_args(extras))
     torch.library.opcheck(torch.ops.attnx.mha.default, (*args, 0.0, None, True))
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     torch.library.opcheck(torch.ops.attnx.mha_forward.default, (*detached, 0.0, None, True))

@@ -262,14 +262,19 @@ def test_batch_first_fake_kernel_matches(projection, layout):
                 assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
 
 
-@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
-def test_batch_first_opcheck(extras):
+def _batch_first_masked_args(extras, **kwargs):
+    """mha's arguments for a batch_first call with both bool masks and the given extras. Key 0 stays visible
+    in every row: opcheck compares without equal_nan, and a fully masked row's weights are NaN."""
     query, key, value, w = _inputs_batch_first("kv_shared", "contiguous", torch.float32)
     s = 5 if extras == "static_kv" else S
     kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
-    # Key 0 stays visible: opcheck compares without equal_nan, and a fully masked row's weights are NaN.
     kpm[:, 0], am[:, 0] = False, False
-    args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True, batch_first=True)
+    return _args(query, key, value, w, extras=extras, kpm=kpm, am=am, batch_first=True, **kwargs)
+
+
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_batch_first_opcheck(extras):
+    args = _batch_first_masked_args(extras, need_weights=True)
     torch.library.opcheck(torch.ops.attnx.mha.default, (*args, 0.0, None, True))
 
 

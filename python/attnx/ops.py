@@ -561,7 +561,8 @@ def _mha_fake(
 ):
     _check_mha_fake_args(query, num_heads, batch_first)
     query, key, value = _seq_first(query, key, value, batch_first)
-    S = (key.shape[0] if static_k is None else static_k.shape[1]) + int(bias_k is not None) + int(add_zero_attn)
+    appended = int(bias_k is not None) + int(add_zero_attn)
+    S = (key.shape[0] if static_k is None else static_k.shape[1]) + appended
     out, lse, weights = _mha_out_fake(query, num_heads, S, need_weights, average_attn_weights)
     return (out.transpose(0, 1) if batch_first else out), lse, weights
 
@@ -631,7 +632,8 @@ def _mha_forward_fake(
         k4 = query.new_empty(0) if static_k is not None else k4
         v4 = query.new_empty(0) if static_v is not None else v4
     attn = query.new_empty((B, L, H, E // H)).transpose(1, 2)
-    S = (key.shape[0] if static_k is None else static_k.shape[1]) + int(bias_k is not None) + int(add_zero_attn)
+    appended = int(bias_k is not None) + int(add_zero_attn)
+    S = (key.shape[0] if static_k is None else static_k.shape[1]) + appended
     out, lse, weights = _mha_out_fake(query, H, S, need_weights, average_attn_weights)
     return (out.transpose(0, 1) if batch_first else out), lse, weights, q4, k4, v4, attn
 
