@@ -16,7 +16,9 @@ from attnx import _C  # noqa: F401  (loads the library: registers torch.ops.attn
 # since importing these modules registers fakes for its ops.
 from attnx import functional, nn, reference
 from attnx.convert import convert, revert
-from attnx.ops import attention, attention_backward, linear
+from attnx.ops import attention, attention_backward, linear, mha
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "convert", "functional", "linear", "nn", "reference", "revert"]
+__all__ = [
+    "attention", "attention_backward", "convert", "functional", "linear", "mha", "nn", "reference", "revert",
+]
