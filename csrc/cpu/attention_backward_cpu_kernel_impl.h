@@ -284,8 +284,7 @@ class AttentionBackwardCpu {
   void run() {
     const int64_t BH = p_.batch * p_.heads, H = p_.heads, D = p_.head_dim;
     if (BH == 0) return;
-    compute_padding_flags();
-    compute_mask_flags();
+    skip_ = TileSkipFlags<acc_t>(p_, d_.attn_mask, d_.key_padding_mask, plan_);
     const int64_t chunks = plan_.chunks, items = BH * chunks;
     const int64_t slot = D * plan_.ld_q;
     if (chunks > 1) {
@@ -313,61 +312,6 @@ class AttentionBackwardCpu {
   }
 
  private:
-  // padding_masked_[b * k_tiles + kt]: key_padding_mask removes every key of tile kt in batch b.
-  void compute_padding_flags() {
-    if (p_.key_padding_mask_kind == kMaskNone) return;
-    const int64_t S = p_.kv_len, bk = plan_.bk, kt_n = plan_.k_tiles;
-    padding_flags_storage_ = at::empty({p_.batch * kt_n}, at::kBool);
-    bool* flags = padding_flags_storage_.mutable_data_ptr<bool>();
-    const int64_t* st = p_.key_padding_mask_stride;
-    visit_mask(p_.key_padding_mask_kind, d_.key_padding_mask, [&](auto m) {
-      for (int64_t b = 0; b < p_.batch; ++b) {
-        for (int64_t kt = 0; kt < kt_n; ++kt) {
-          const int64_t k0 = kt * bk;
-          flags[b * kt_n + kt] =
-              block_masked<acc_t>(m + b * st[0] + k0 * st[1], 0, st[1], 1, std::min(bk, S - k0));
-        }
-      }
-    });
-    padding_masked_ = flags;
-  }
-
-  // mask_masked_[((bh_m * q_tiles) + qt) * k_tiles + kt]: attn_mask (or is_causal) removes every (query, key)
-  // pair of the tile pair for the mask's (b, h) slice bh_m. Computed once per distinct slice, like the
-  // forward's.
-  void compute_mask_flags() {
-    if (p_.attn_mask_kind == kMaskNone) return;
-    const int64_t L = p_.q_len, S = p_.kv_len, bq = plan_.bq, bk = plan_.bk;
-    const int64_t qt_n = plan_.q_tiles, kt_n = plan_.k_tiles;
-    mask_flags_storage_ = at::empty({plan_.bh_m * qt_n * kt_n}, at::kBool);
-    bool* flags = mask_flags_storage_.mutable_data_ptr<bool>();
-    const int64_t* st = p_.attn_mask_stride;
-    visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
-      at::parallel_for(0, plan_.bh_m * qt_n, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t bh = i / qt_n, qt = i % qt_n;
-          const int64_t b = bh / plan_.heads_m, h = bh % plan_.heads_m;
-          const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
-          for (int64_t kt = 0; kt < kt_n; ++kt) {
-            const int64_t k0 = kt * bk;
-            bool masked = p_.is_causal && k0 > q0 + nq - 1;
-            if (!masked) {
-              masked = block_masked<acc_t>(m + b * st[0] + h * st[1] + q0 * st[2] + k0 * st[3], st[2], st[3],
-                                           nq, std::min(bk, S - k0));
-            }
-            flags[i * kt_n + kt] = masked;
-          }
-        }
-      });
-    });
-    mask_masked_ = flags;
-  }
-
-  bool mask_skips(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
-    if (!mask_masked_) return false;
-    const int64_t bh_m = (p_.attn_mask_stride[0] == 0 ? 0 : b) * plan_.heads_m + (plan_.heads_m == 1 ? 0 : h);
-    return mask_masked_[(bh_m * plan_.q_tiles + qt) * plan_.k_tiles + kt];
-  }
 
   // Key tiles [c * chunk_tiles, ...) of head (b, h): their dK and dV, and their contribution to the head's
   // dQ^T
@@ -457,7 +401,7 @@ class AttentionBackwardCpu {
     const int64_t *ks = p_.k_stride, *vs = p_.v_stride;
     std::fill_n(ws.dk, nk * D, acc_t(0));
     std::fill_n(ws.dv, nk * Dv, acc_t(0));
-    const bool padded = padding_masked_ && padding_masked_[b * plan_.k_tiles + kt];
+    const bool padded = skip_.padding_skips(b, kt);
     if (!padded) {
       const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + h * ks[1] + k0 * ks[2];
       const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + h * vs[1] + k0 * vs[2];
@@ -472,7 +416,7 @@ class AttentionBackwardCpu {
       // keys.
       const int64_t qt_first = p_.is_causal ? k0 / plan_.bq : 0;
       for (int64_t qt = qt_first; qt < plan_.q_tiles; ++qt) {
-        if (mask_skips(b, h, qt, kt)) continue;
+        if (skip_.mask_skips(b, h, qt, kt)) continue;
         const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
         run_pair(b, h, q0, nq, k0, nk, ka, va, kb, dqt, ws);
       }
@@ -601,11 +545,8 @@ class AttentionBackwardCpu {
   BackwardPlan plan_;
   const acc_t scale_;
   const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
-  at::Tensor padding_flags_storage_;
-  at::Tensor mask_flags_storage_;
   at::Tensor slots_storage_;
-  const bool* padding_masked_ = nullptr;  // see compute_padding_flags; null without key_padding_mask
-  const bool* mask_masked_ = nullptr;     // see compute_mask_flags; null without attn_mask
+  TileSkipFlags<acc_t> skip_;
 };
 
 }  // namespace

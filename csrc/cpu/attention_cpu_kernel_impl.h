@@ -484,6 +484,82 @@ struct Scratch {
   }
 };
 
+// The tiles that the masks remove entirely, found once per call so that a kernel skips them without reading
+// the masks again: key tile kt of batch b under key_padding_mask, and the (query tile qt, key tile kt) pair
+// of attn_mask's (b, h) slice (tiles above the causal diagonal included). Computed once per distinct mask
+// slice: an (L, S) mask is scanned once for all (b, h), each scan stopping at the tile's first unmasked
+// element. The forward and the backward kernels tile alike (Plan / BackwardPlan: bq, bk, q_tiles, k_tiles,
+// bh_m, heads_m) and share it. Memory: O(B * S / bk) and O(mask slices * tiles) flags.
+template <typename acc_t>
+class TileSkipFlags {
+ public:
+  TileSkipFlags() = default;
+
+  template <typename Plan>
+  TileSkipFlags(const AttentionParams& p, const void* attn_mask, const void* key_padding_mask, const Plan& plan)
+      : q_tiles_(plan.q_tiles), k_tiles_(plan.k_tiles), heads_m_(plan.heads_m),
+        mask_batch_broadcast_(p.attn_mask_stride[0] == 0) {
+    const int64_t L = p.q_len, S = p.kv_len, bq = plan.bq, bk = plan.bk, qt_n = plan.q_tiles,
+                  kt_n = plan.k_tiles;
+    if (p.key_padding_mask_kind != kMaskNone) {
+      padding_storage_ = at::empty({p.batch * kt_n}, at::kBool);
+      bool* flags = padding_storage_.mutable_data_ptr<bool>();
+      const int64_t* st = p.key_padding_mask_stride;
+      visit_mask(p.key_padding_mask_kind, key_padding_mask, [&](auto m) {
+        for (int64_t b = 0; b < p.batch; ++b) {
+          for (int64_t kt = 0; kt < kt_n; ++kt) {
+            const int64_t k0 = kt * bk;
+            flags[b * kt_n + kt] =
+                block_masked<acc_t>(m + b * st[0] + k0 * st[1], 0, st[1], 1, std::min(bk, S - k0));
+          }
+        }
+      });
+      padding_ = flags;
+    }
+    if (p.attn_mask_kind != kMaskNone) {
+      mask_storage_ = at::empty({plan.bh_m * qt_n * kt_n}, at::kBool);
+      bool* flags = mask_storage_.mutable_data_ptr<bool>();
+      const int64_t* st = p.attn_mask_stride;
+      visit_mask(p.attn_mask_kind, attn_mask, [&](auto m) {
+        at::parallel_for(0, plan.bh_m * qt_n, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t bh = i / qt_n, qt = i % qt_n;
+            const int64_t b = bh / plan.heads_m, h = bh % plan.heads_m;
+            const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
+            for (int64_t kt = 0; kt < kt_n; ++kt) {
+              const int64_t k0 = kt * bk;
+              bool masked = p.is_causal && k0 > q0 + nq - 1;
+              if (!masked) {
+                masked = block_masked<acc_t>(m + b * st[0] + h * st[1] + q0 * st[2] + k0 * st[3], st[2], st[3],
+                                             nq, std::min(bk, S - k0));
+              }
+              flags[i * kt_n + kt] = masked;
+            }
+          }
+        });
+      });
+      mask_ = flags;
+    }
+  }
+
+  // key_padding_mask removes every key of tile kt in batch b.
+  bool padding_skips(int64_t b, int64_t kt) const { return padding_ && padding_[b * k_tiles_ + kt]; }
+
+  // attn_mask removes every (query, key) pair of tile pair (qt, kt) of head (b, h).
+  bool mask_skips(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
+    if (!mask_) return false;
+    const int64_t bh_m = (mask_batch_broadcast_ ? 0 : b) * heads_m_ + (heads_m_ == 1 ? 0 : h);
+    return mask_[(bh_m * q_tiles_ + qt) * k_tiles_ + kt];
+  }
+
+ private:
+  at::Tensor padding_storage_, mask_storage_;
+  const bool* padding_ = nullptr;  // null without key_padding_mask
+  const bool* mask_ = nullptr;     // null without attn_mask
+  int64_t q_tiles_ = 0, k_tiles_ = 0, heads_m_ = 1;
+  bool mask_batch_broadcast_ = false;
+};
+
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel.
 
@@ -504,8 +580,7 @@ class AttentionCpu {
     const int64_t B = p_.batch, H = p_.heads;
     const int64_t items = B * H * plan_.blocks;
     if (items == 0) return;
-    compute_padding_flags();
-    compute_mask_flags();
+    skip_ = TileSkipFlags<acc_t>(p_, d_.attn_mask, d_.key_padding_mask, plan_);
 
     // Items are handed out one at a time from a shared counter. Under is_causal the last query blocks see
     // the most keys: they go first, so that the short ones fill in at the end. A shared mask orders items
@@ -532,65 +607,8 @@ class AttentionCpu {
   }
 
  private:
-  // padding_masked_[b * k_tiles + kt]: key_padding_mask removes every key of tile kt in batch b.
-  void compute_padding_flags() {
-    if (p_.key_padding_mask_kind == kMaskNone) return;
-    const int64_t S = p_.kv_len, bk = plan_.bk, kt_n = plan_.k_tiles;
-    padding_flags_storage_ = at::empty({p_.batch * kt_n}, at::kBool);
-    bool* flags = padding_flags_storage_.mutable_data_ptr<bool>();
-    const int64_t* st = p_.key_padding_mask_stride;
-    visit_mask(p_.key_padding_mask_kind, d_.key_padding_mask, [&](auto m) {
-      for (int64_t b = 0; b < p_.batch; ++b) {
-        for (int64_t kt = 0; kt < kt_n; ++kt) {
-          const int64_t k0 = kt * bk;
-          flags[b * kt_n + kt] =
-              block_masked<acc_t>(m + b * st[0] + k0 * st[1], 0, st[1], 1, std::min(bk, S - k0));
-        }
-      }
-    });
-    padding_masked_ = flags;
-  }
-
-  // mask_masked_[((bh_m * q_tiles) + qt) * k_tiles + kt]: attn_mask removes every (query, key) pair of the
-  // tile for the mask's (b, h) slice bh_m. Computed once per distinct slice: an (L, S) mask is scanned once
-  // for all (b, h), and the scan stops at the first unmasked element of each tile.
-  void compute_mask_flags() {
-    if (p_.attn_mask_kind == kMaskNone) return;
-    const int64_t L = p_.q_len, S = p_.kv_len, bq = plan_.bq, bk = plan_.bk;
-    const int64_t qt_n = plan_.q_tiles, kt_n = plan_.k_tiles;
-    mask_flags_storage_ = at::empty({plan_.bh_m * qt_n * kt_n}, at::kBool);
-    bool* flags = mask_flags_storage_.mutable_data_ptr<bool>();
-    const int64_t* st = p_.attn_mask_stride;
-    visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
-      at::parallel_for(0, plan_.bh_m * qt_n, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t bh = i / qt_n, qt = i % qt_n;
-          const int64_t b = bh / plan_.heads_m, h = bh % plan_.heads_m;
-          const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
-          for (int64_t kt = 0; kt < kt_n; ++kt) {
-            const int64_t k0 = kt * bk;
-            // Tiles above the causal diagonal are skipped anyway.
-            bool masked = p_.is_causal && k0 > q0 + nq - 1;
-            if (!masked) {
-              masked = block_masked<acc_t>(m + b * st[0] + h * st[1] + q0 * st[2] + k0 * st[3], st[2], st[3],
-                                           nq, std::min(bk, S - k0));
-            }
-            flags[i * kt_n + kt] = masked;
-          }
-        }
-      });
-    });
-    mask_masked_ = flags;
-  }
-
   bool tile_skipped(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
-    if (padding_masked_ && padding_masked_[b * plan_.k_tiles + kt]) return true;
-    if (mask_masked_) {
-      const int64_t bh_m =
-          (p_.attn_mask_stride[0] == 0 ? 0 : b) * plan_.heads_m + (plan_.heads_m == 1 ? 0 : h);
-      if (mask_masked_[(bh_m * plan_.q_tiles + qt) * plan_.k_tiles + kt]) return true;
-    }
-    return false;
+    return skip_.padding_skips(b, kt) || skip_.mask_skips(b, h, qt, kt);
   }
 
   // The key padding bias of keys [k0, k0 + nk) of batch b into ws.tile_bias, plus attn_mask's row when that
@@ -732,10 +750,7 @@ class AttentionCpu {
   Plan plan_;
   const acc_t scale_;
   const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
-  at::Tensor padding_flags_storage_;
-  at::Tensor mask_flags_storage_;
-  const bool* padding_masked_ = nullptr;  // see compute_padding_flags; null without key_padding_mask
-  const bool* mask_masked_ = nullptr;     // see compute_mask_flags; null without attn_mask
+  TileSkipFlags<acc_t> skip_;
 };
 
 }  // namespace
