@@ -396,6 +396,12 @@ std::vector<at::Tensor> mha_backward(
     if (!input_rows[first].defined()) input_rows[first] = batch_major_rows(*inputs[first]);
     return input_rows[first];
   };
+  // The packed in_proj gradients are written block by block; zero-filled first only when a block stays
+  // unwritten (a projection that static_k / static_v replaced).
+  const bool every_block = grad_proj[0].defined() && grad_proj[1].defined() && grad_proj[2].defined();
+  const auto packed_grad = [&](const at::Tensor& like) {
+    return every_block ? at::empty(like.sizes(), like.options()) : at::zeros(like.sizes(), like.options());
+  };
   for (int64_t i = 0; i < 3; ++i) {
     if (!grad_proj[i].defined()) continue;
     const at::Tensor w = proj_weight(i);
@@ -414,7 +420,7 @@ std::vector<at::Tensor> mha_backward(
     if (in_proj_weight) {
       if (wanted(kGradInProjWeight)) {
         at::Tensor& grad_weight = grads[kGradInProjWeight];
-        if (!grad_weight.defined()) grad_weight = at::zeros(in_proj_weight->sizes(), in_proj_weight->options());
+        if (!grad_weight.defined()) grad_weight = packed_grad(*in_proj_weight);
         at::Tensor rows_i = grad_weight.narrow(0, i * E, E);
         at::mm_out(rows_i, grad_proj[i].t(), rows_of(i));
       }
@@ -423,7 +429,7 @@ std::vector<at::Tensor> mha_backward(
     }
     if (in_proj_bias && wanted(kGradInProjBias)) {
       at::Tensor& grad_bias = grads[kGradInProjBias];
-      if (!grad_bias.defined()) grad_bias = at::zeros(in_proj_bias->sizes(), in_proj_bias->options());
+      if (!grad_bias.defined()) grad_bias = packed_grad(*in_proj_bias);
       at::Tensor rows_i = grad_bias.narrow(0, i * E, E);
       at::sum_out(rows_i, grad_proj[i], 0);
     }
