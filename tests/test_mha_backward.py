@@ -111,23 +111,28 @@ def test_low_precision(dtype):
         assert err <= 4 * ref_err + 1e-5, (err, ref_err)
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_gradcheck(extras, need_weights):
+def test_gradcheck(extras, need_weights, batch_first):
     b, n = 2, 3
-    query, key, value, w = _inputs("distinct", "batch_first", torch.float64, b, n, 4)
+    if batch_first:
+        query, key, value, w = _inputs_batch_first("distinct", "transposed", torch.float64, b, n, 4)
+    else:
+        query, key, value, w = _inputs("distinct", "batch_first", torch.float64, b, n, 4)
     s = 5 if extras == "static_kv" else 4
     # Finite float masks: no row is fully masked, so every output is finite for the finite differences.
     kpm, am = (m.nan_to_num(neginf=-3.0) for m in make_masks("both_float", b, H, n, s, torch.float64)[:2])
     args, leaves = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am,
-                                 need_weights=need_weights, average=False))
+                                 need_weights=need_weights, average=False, batch_first=batch_first))
     positions = [i for i, a in enumerate(args) if any(a is leaf for leaf in leaves)]
 
     def fn(*xs):
         full = list(args)
         for i, x in zip(positions, xs, strict=True):
             full[i] = x
-        out, _, weights = ops.mha(*full)
+        out, _, weights = ops.mha(*full, batch_first=batch_first)
+        assert out.shape == ((b, n, E) if batch_first else (n, b, E))
         return (out, weights) if need_weights else out
 
     assert torch.autograd.gradcheck(fn, [args[i] for i in positions])
@@ -314,28 +319,6 @@ def _mha_on_transposed_views(*args):
     its out transposed back."""
     out, lse, weights = ops.mha(*_transposed_args(args))
     return out.transpose(0, 1), lse, weights
-
-
-@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
-@pytest.mark.parametrize("need_weights", [False, True])
-def test_batch_first_gradcheck(extras, need_weights):
-    b, n = 2, 3
-    query, key, value, w = _inputs_batch_first("distinct", "transposed", torch.float64, b, n, 4)
-    s = 5 if extras == "static_kv" else 4
-    kpm, am = (m.nan_to_num(neginf=-3.0) for m in make_masks("both_float", b, H, n, s, torch.float64)[:2])
-    args, leaves = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am,
-                                 need_weights=need_weights, average=False, batch_first=True))
-    positions = [i for i, a in enumerate(args) if any(a is leaf for leaf in leaves)]
-
-    def fn(*xs):
-        full = list(args)
-        for i, x in zip(positions, xs, strict=True):
-            full[i] = x
-        out, _, weights = ops.mha(*full, batch_first=True)
-        assert out.shape == (b, n, E)
-        return (out, weights) if need_weights else out
-
-    assert torch.autograd.gradcheck(fn, [args[i] for i in positions])
 
 
 @pytest.mark.parametrize("projection", ["self", "separate"])
