@@ -365,7 +365,8 @@ def _mha_with_dropout(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`attnx.reference.mha` with ``F.dropout`` on the attention probabilities, as torch applies it.
 
-    Stands in for the fused op while it has no dropout (a later change fuses it). Like torch, dropout acts
+    Runs where the fused op does not drop: need_weights with dropout (the weights returned are the dropped
+    probabilities, which the op never forms) and devices without fused dropout. Like torch, dropout acts
     on the softmax ``(B, H, L, S')`` (one Bernoulli draw per element, in that order, so one seed gives torch's
     mask) and the returned weights are the dropped-out ones. Returns out ``(L, B, E)`` (``(B, L, E)`` with
     ``batch_first``; 0 from a fully masked row, as the fused op), the fully masked rows ``(B, L)`` and the
