@@ -243,7 +243,8 @@ MMA_DTYPES = [torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("head_dim", [24, 64])
 def test_mma_dtypes_layouts(emu, dtype, layout, head_dim):
     # L = 70: two query blocks of 64, the second partial; S = 90: two key tiles of 64, the second partial.
-    # Head dim 24 stages K/V element by element; 64 with 16-byte loads where the layout allows it.
+    # K/V go by cp.async where the layout allows it (head dim 24: the chunk past it zero-filled), element by
+    # element otherwise ("strided_last").
     check(emu, *make_qkv(2, 2, 70, 90, head_dim, head_dim, dtype=dtype, layout=layout), kernel="mma")
 
 

@@ -2,17 +2,19 @@
 // those dtypes where it applies (ATTNX_CUDA_MMA=0 selects the SIMT kernel instead).
 //
 // Checked on an H100 against the float64 reference (tests/test_cuda.py) and under compute-sanitizer; the CPU
-// emulation runs this source in CI with mma.sync replaced by a warp collective over the PTX ISA's fragment
-// layouts (tests/emulation/cuda_shim.h).
+// emulation runs this source in CI with mma.sync, ldmatrix and cp.async replaced by their definitions in the
+// PTX ISA (tests/emulation/cuda_shim.h).
 //
-// FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query rows),
-// 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from global memory
-// through q's strides. For each tile of 64 keys, staged in shared memory in the input type (16-byte loads
-// when the rows allow it, see mma_vector_loads; K row-major, V transposed so that both B fragments are
-// 32-bit words): S = Q K^T (8 n-tiles of 8 keys), scale and both masks read in place, the online softmax of
-// softmax.h per row (a row's 64 scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
+// FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query
+// rows), 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from
+// global memory through q's strides. Tiles of 64 keys are staged in shared memory in the input type, K and V
+// row-major, in two stages: cp.async copies tile i + 1 while tile i is computed (16-byte copies when the rows
+// allow it, see mma_vector_loads; element by element through the strides otherwise). Per tile: S = Q K^T
+// (8 n-tiles of 8 keys, K's B fragments by ldmatrix), scale and both masks read in place, the online softmax
+// of softmax.h per row (a row's 64 scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
 // O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
-// fragment of one k-step). Tiles are skipped as in the SIMT kernel (causal, key padding).
+// fragment of one k-step; V's B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel
+// (causal, key padding).
 #include "cuda/attention.h"
 #include "cuda/common.cuh"
 
@@ -21,18 +23,20 @@ namespace {
 
 template <typename scalar_t, int kBucket>
 __global__ void __launch_bounds__(kWarps* kWarpSize)
-    attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan,
-                          const bool vector_loads) {
+    attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan) {
+  constexpr int kThreads = kWarps * kWarpSize;
+  constexpr int kRowsPerBlock = kMmaRowsPerBlock;
   constexpr int kKSteps = kBucket / 16;       // k-steps of Q K^T over the (padded) head dim
   constexpr int kSTiles = kMmaTileKeys / 8;   // n-tiles of 8 keys in a score tile
   constexpr int kPSteps = kMmaTileKeys / 16;  // k-steps of P V over the tile's keys
   constexpr int kOTiles = kBucket / 8;        // n-tiles of 8 output columns
+  constexpr int kLd = mma_tile_ld(kBucket);
+  constexpr int kTile = kMmaTileKeys * kLd;  // elements of one staged K or V tile
   constexpr float kNegInf = -INFINITY;
+  static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two k-steps / two n-tiles");
 
+  // Stage s: K at smem + 2 s kTile, V right after; zero past D (Dv) and past the tile's last key.
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
-  const int ld = plan.ld, ldt = plan.ldt;
-  scalar_t* const k_s = smem;                 // (kMmaTileKeys, ld), zero past D and the last key
-  scalar_t* const vt_s = smem + plan.vt_off;  // (kBucket, ldt): V transposed, zero past Dv and the last key
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
@@ -40,19 +44,20 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
   const int64_t L = p.q_len, S = p.kv_len;
   const bool causal = p.is_causal != 0;
+  const int64_t q_blocks = plan.q_blocks, bh_count = plan.bh;
 
   const int64_t block = blockIdx.x;
   int64_t qb, bh;
   if (causal) {  // heaviest query blocks first, as in the SIMT kernel
-    qb = plan.q_blocks - 1 - block / plan.bh;
-    bh = block % plan.bh;
+    qb = q_blocks - 1 - block / bh_count;
+    bh = block % bh_count;
   } else {
-    qb = block % plan.q_blocks;
-    bh = block / plan.q_blocks;
+    qb = block % q_blocks;
+    bh = block / q_blocks;
   }
   const int64_t b = bh / p.heads, h = bh % p.heads;
-  const int64_t q0 = qb * kMmaRowsPerBlock;
-  const int64_t rows_in_block = L - q0 < kMmaRowsPerBlock ? L - q0 : kMmaRowsPerBlock;
+  const int64_t q0 = qb * kRowsPerBlock;
+  const int64_t rows_in_block = L - q0 < kRowsPerBlock ? L - q0 : kRowsPerBlock;
 
   const scalar_t* const q = static_cast<const scalar_t*>(ptr.query) + b * p.q_stride[0] + h * p.q_stride[1];
   const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + h * p.k_stride[1];
@@ -70,8 +75,63 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     active[r] = l[r] < L;
   }
 
+  const int64_t kv_end = causal ? (S < q0 + rows_in_block ? S : q0 + rows_in_block) : S;
+  const auto tile_keys = [&](int64_t k0) {
+    return kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
+  };
+
+  // The first tile at or after k0 that key_padding_mask does not remove entirely; kv_end when none. Every
+  // warp reads the same elements (lanes cover keys lane and lane + 32), so the whole block agrees.
+  const auto next_tile = [&](int64_t k0) {
+    if (p.key_padding_mask_kind == kMaskNone) return k0;
+    for (; k0 < kv_end; k0 += kMmaTileKeys) {
+      const int nk = tile_keys(k0);
+      bool all_masked = true;
+      for (int j = lane; j < nk; j += kWarpSize) {
+        all_masked = all_masked && mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                                     kpm_base + (k0 + j) * p.key_padding_mask_stride[1]) ==
+                                       kNegInf;
+      }
+      if (!__all_sync(kFullMask, all_masked)) return k0;
+    }
+    return kv_end;
+  };
+
+  // Stages the tile of keys k0 .. k0 + nk - 1 into `stage` and commits its copies as one cp.async group.
+  // Consecutive threads fill consecutive 16-byte chunks of a row (coalesced reads, conflict-free stores).
+  const auto stage_tile = [&](int stage, int64_t k0, int nk) {
+    scalar_t* const k_s = smem + 2 * stage * kTile;
+    scalar_t* const v_s = k_s + kTile;
+    if (plan.vector_loads) {
+      constexpr int kChunks = kBucket / 8;  // 16-byte chunks per row
+      static_assert(kMmaTileKeys * kChunks % kThreads == 0, "every thread copies the same number of chunks");
+#pragma unroll
+      for (int it = 0; it < kMmaTileKeys * kChunks / kThreads; ++it) {
+        const int i = tid + it * kThreads;
+        const int j = i / kChunks, c = 8 * (i % kChunks);
+        const bool k_valid = j < nk && c < D, v_valid = j < nk && c < Dv;
+        cp_async_16(k_s + j * kLd + c, k_valid ? k + (k0 + j) * p.k_stride[2] + c : k, k_valid);
+        cp_async_16(v_s + j * kLd + c, v_valid ? v + (k0 + j) * p.v_stride[2] + c : v, v_valid);
+      }
+    } else {
+      for (int j = warp; j < kMmaTileKeys; j += kWarps) {
+        const bool valid = j < nk;
+        const scalar_t* ksrc = k + (k0 + j) * p.k_stride[2];
+        const scalar_t* vsrc = v + (k0 + j) * p.v_stride[2];
+        for (int c = lane; c < kBucket; c += kWarpSize) {
+          k_s[j * kLd + c] = valid && c < D ? ksrc[c * p.k_stride[3]] : zero;
+          v_s[j * kLd + c] = valid && c < Dv ? vsrc[c * p.v_stride[3]] : zero;
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  int64_t k0 = next_tile(0);
+  if (k0 < kv_end) stage_tile(0, k0, tile_keys(k0));
+
   // Q fragments, zero past D and past L: register i holds rows g (i even) or g + 8 (i odd), columns
-  // 16 ks + 2t (+ 8 for i >= 2), two elements each.
+  // 16 ks + 2t (+ 8 for i >= 2), two elements each. Loaded while the first tile's copies are in flight.
   uint32_t qa[kKSteps][4];
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
@@ -94,83 +154,26 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
   SoftmaxRow<float> state[2] = {softmax_row_init<float>(), softmax_row_init<float>()};
 
-  const int64_t kv_end = causal ? (S < q0 + rows_in_block ? S : q0 + rows_in_block) : S;
-  for (int64_t k0 = 0; k0 < kv_end; k0 += kMmaTileKeys) {
-    const int nk = kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
+  // ldmatrix row addresses of this lane. K (no .trans): matrix m = (keys 8j .. 8j + 7, columns 16 ks + 8m
+  // .. + 7), i.e. the b[0], b[1] of k-steps ks and ks + 1. V (.trans): matrix m = (keys 16 kk + 8 (m % 2)
+  // .. + 7, columns 8 (n + m / 2) .. + 7), i.e. the b[0], b[1] of output n-tiles n and n + 1.
+  const int k_lane = (lane % 8) * kLd + 8 * (lane / 8);
+  const int v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kLd + 8 * (lane / 16);
+  const int64_t warp_row0 = q0 + warp * kMmaRowsPerWarp;
 
-    // A tile that key_padding_mask removes entirely is skipped by the whole block (every warp reads the
-    // same elements). Lanes cover keys lane and lane + 32.
-    if (p.key_padding_mask_kind != kMaskNone) {
-      bool all_masked = true;
-      for (int j = lane; j < kMmaTileKeys; j += kWarpSize) {
-        if (j < nk) {
-          all_masked =
-              all_masked && mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                              kpm_base + (k0 + j) * p.key_padding_mask_stride[1]) == kNegInf;
-        }
-      }
-      if (__all_sync(kFullMask, all_masked)) continue;
-    }
-
-    __syncthreads();  // every warp is done with the previous tile
-    if (vector_loads) {
-      // Loads are issued kBatch vectors at a time before their stores, so a tile waits on global memory
-      // kIters / kBatch times per tensor rather than once per vector (kBatch = 4 keeps bucket 128 within
-      // 255 registers without spills). K: consecutive threads read consecutive 16-byte vectors of a row
-      // (coalesced) and store them whole. V: consecutive threads read consecutive keys, so that the transposed
-      // element stores of a warp fall on consecutive 16-bit slots of a V^T row.
-      constexpr int kVecs = kBucket / 8;
-      constexpr int kIters = kMmaTileKeys * kVecs / (kWarps * kWarpSize);
-      constexpr int kBatch = kIters < 4 ? kIters : 4;
-      Pack<scalar_t, 8> x[kBatch];
-      for (int i0 = 0; i0 < kIters; i0 += kBatch) {
-#pragma unroll
-        for (int it = 0; it < kBatch; ++it) {
-          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
-          const int j = idx / kVecs, c = 8 * (idx % kVecs);
-          if (j < nk && c < D) {
-            x[it] = *reinterpret_cast<const Pack<scalar_t, 8>*>(k + (k0 + j) * p.k_stride[2] + c);
-          } else {
-            for (int e = 0; e < 8; ++e) x[it].v[e] = zero;
-          }
-        }
-#pragma unroll
-        for (int it = 0; it < kBatch; ++it) {
-          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
-          *reinterpret_cast<Pack<scalar_t, 8>*>(k_s + (idx / kVecs) * ld + 8 * (idx % kVecs)) = x[it];
-        }
-      }
-      for (int i0 = 0; i0 < kIters; i0 += kBatch) {
-#pragma unroll
-        for (int it = 0; it < kBatch; ++it) {
-          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
-          const int j = idx % kMmaTileKeys, c = 8 * (idx / kMmaTileKeys);
-          if (j < nk && c < Dv) {
-            x[it] = *reinterpret_cast<const Pack<scalar_t, 8>*>(v + (k0 + j) * p.v_stride[2] + c);
-          } else {
-            for (int e = 0; e < 8; ++e) x[it].v[e] = zero;
-          }
-        }
-#pragma unroll
-        for (int it = 0; it < kBatch; ++it) {
-          const int idx = tid + (i0 + it) * kWarps * kWarpSize;
-          const int j = idx % kMmaTileKeys, c = 8 * (idx / kMmaTileKeys);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) vt_s[(c + e) * ldt + j] = x[it].v[e];
-        }
-      }
+  for (int stage = 0; k0 < kv_end; stage ^= 1) {
+    const int nk = tile_keys(k0);
+    const int64_t k_next = next_tile(k0 + kMmaTileKeys);
+    if (k_next < kv_end) {
+      // The other stage was last read in the previous iteration, which ended with a barrier.
+      stage_tile(stage ^ 1, k_next, tile_keys(k_next));
+      cp_async_wait<1>();
     } else {
-      for (int j = warp; j < kMmaTileKeys; j += kWarps) {
-        const bool valid = j < nk;
-        const scalar_t* ksrc = k + (k0 + j) * p.k_stride[2];
-        const scalar_t* vsrc = v + (k0 + j) * p.v_stride[2];
-        for (int c = lane; c < kBucket; c += kWarpSize) {
-          k_s[j * ld + c] = valid && c < D ? ksrc[c * p.k_stride[3]] : zero;
-          vt_s[c * ldt + j] = valid && c < Dv ? vsrc[c * p.v_stride[3]] : zero;
-        }
-      }
+      cp_async_wait<0>();
     }
-    __syncthreads();
+    __syncthreads();  // this tile is in shared memory for the whole block
+    const scalar_t* const k_s = smem + 2 * stage * kTile;
+    const scalar_t* const v_s = k_s + kTile;
 
     // S = Q K^T: n-tile j is keys k0 + 8j .. + 7; B[kk][n] = K[8j + n][16 ks + kk].
     float s[kSTiles][4];
@@ -178,11 +181,12 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[j][i] = 0.0f;
-      const scalar_t* krow = k_s + (8 * j + g) * ld + 2 * t;
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const uint32_t kb[2] = {load_pair(krow + 16 * ks), load_pair(krow + 16 * ks + 8)};
-        mma_m16n8k16<scalar_t>(s[j], qa[ks], kb);
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        uint32_t kb[4];
+        ldmatrix_x4<false>(kb, k_s + k_lane + 8 * j * kLd + 16 * ks);
+        mma_m16n8k16<scalar_t>(s[j], qa[ks], {kb[0], kb[1]});
+        mma_m16n8k16<scalar_t>(s[j], qa[ks + 1], {kb[2], kb[3]});
       }
     }
 
@@ -190,7 +194,6 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     // 64 keys, the warp's 16 rows all in range and (under is_causal) every key at or before the warp's first
     // row only needs the scale: the common case takes that short path (uniform over the warp).
     float row_max[2] = {kNegInf, kNegInf};
-    const int64_t warp_row0 = q0 + warp * kMmaRowsPerWarp;
     const bool plain = p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
                        nk == kMmaTileKeys && warp_row0 + kMmaRowsPerWarp <= L &&
                        !(causal && k0 + kMmaTileKeys - 1 > warp_row0);
@@ -204,31 +207,44 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         }
       }
     } else {
+      // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile.
+      float kpm[kSTiles][2];
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = i / 2;
-          const int jj = 8 * j + 2 * t + i % 2;
-          const int64_t key = k0 + jj;
-          float x = kNegInf;
-          // Rows past L, and rows before the tile's first key under is_causal, read no mask.
-          if (active[r] && jj < nk && !(causal && k0 > l[r])) {
-            float bias = 0.0f;
-            if (p.key_padding_mask_kind != kMaskNone) {
-              bias = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                       kpm_base + key * p.key_padding_mask_stride[1]);
+        for (int e = 0; e < 2; ++e) {
+          const int jj = 8 * j + 2 * t + e;
+          kpm[j][e] = p.key_padding_mask_kind != kMaskNone && jj < nk
+                          ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                              kpm_base + (k0 + jj) * p.key_padding_mask_stride[1])
+                          : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // Rows past L, and rows before the tile's first key under is_causal, read no mask.
+        const bool row_reads = active[r] && !(causal && k0 > l[r]);
+        const int64_t am_row = am_base + l[r] * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = 2 * r + e;
+            const int jj = 8 * j + 2 * t + e;
+            float x = kNegInf;
+            if (row_reads && jj < nk) {
+              float bias = kpm[j][e];
+              if (p.attn_mask_kind != kMaskNone) {
+                bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
+                                         am_row + (8 * j + e) * p.attn_mask_stride[3]) +
+                       bias;
+              }
+              x = s[j][i] * scale + bias;
+              if (causal && k0 + jj > l[r]) x += kNegInf;
             }
-            if (p.attn_mask_kind != kMaskNone) {
-              bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
-                                       am_base + l[r] * p.attn_mask_stride[2] + key * p.attn_mask_stride[3]) +
-                     bias;
-            }
-            x = s[j][i] * scale + bias;
-            if (causal && key > l[r]) x += kNegInf;
+            s[j][i] = x;
+            row_max[r] = nan_max(row_max[r], x);
           }
-          s[j][i] = x;
-          row_max[r] = nan_max(row_max[r], x);
         }
       }
     }
@@ -262,23 +278,25 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
 
     // O += P V: k-step kk covers keys 16kk .. 16kk + 15 = S n-tiles 2kk and 2kk + 1;
-    // B[kk'][n] = V[16kk + kk'][8n' + n] = V^T[8n' + n][16kk + kk'].
+    // B[kk'][n] = V[16kk + kk'][8n' + n].
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
       const uint32_t pa[4] = {
-          pack2(from_acc<scalar_t>(s[2 * kk][0]), from_acc<scalar_t>(s[2 * kk][1])),
-          pack2(from_acc<scalar_t>(s[2 * kk][2]), from_acc<scalar_t>(s[2 * kk][3])),
-          pack2(from_acc<scalar_t>(s[2 * kk + 1][0]), from_acc<scalar_t>(s[2 * kk + 1][1])),
-          pack2(from_acc<scalar_t>(s[2 * kk + 1][2]), from_acc<scalar_t>(s[2 * kk + 1][3])),
+          pack2_rn<scalar_t>(s[2 * kk][0], s[2 * kk][1]),
+          pack2_rn<scalar_t>(s[2 * kk][2], s[2 * kk][3]),
+          pack2_rn<scalar_t>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+          pack2_rn<scalar_t>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
       };
-      const scalar_t* vcol = vt_s + g * ldt + 16 * kk + 2 * t;
 #pragma unroll
-      for (int n = 0; n < kOTiles; ++n) {
-        const scalar_t* vn = vcol + 8 * n * ldt;
-        const uint32_t vb[2] = {load_pair(vn), load_pair(vn + 8)};
-        mma_m16n8k16<scalar_t>(o[n], pa, vb);
+      for (int n = 0; n < kOTiles; n += 2) {
+        uint32_t vb[4];
+        ldmatrix_x4<true>(vb, v_s + v_lane + 16 * kk * kLd + 8 * n);
+        mma_m16n8k16<scalar_t>(o[n], pa, {vb[0], vb[1]});
+        mma_m16n8k16<scalar_t>(o[n + 1], pa, {vb[2], vb[3]});
       }
     }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    k0 = k_next;
   }
 
   // out = O / l, lse = m + log(l); fully masked rows: out 0, lse +inf.
@@ -305,7 +323,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 template <typename scalar_t, int kBucket>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        cudaStream_t stream) {
-  void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionMmaPlan, const bool) =
+  void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionMmaPlan) =
       &attention_forward_mma<scalar_t, kBucket>;
   if (plan.smem_bytes > 48 * 1024) {
     const cudaError_t err =
@@ -314,7 +332,7 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
     if (err != cudaSuccess) return err;
   }
   return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.blocks)), dim3(plan.threads), plan.smem_bytes,
-                       stream, p, ptr, plan, mma_vector_loads(p, ptr.key, ptr.value));
+                       stream, p, ptr, plan);
 }
 
 template <typename scalar_t>
@@ -337,7 +355,7 @@ cudaError_t launch_mma_bucket(const AttentionParams& p, const AttentionPointers&
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  cudaStream_t stream) {
   if (!mma_supports(p, dtype)) return cudaErrorInvalidValue;
-  const AttentionMmaPlan plan = plan_attention_mma(p, dtype);
+  const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr);
   if (plan.blocks == 0) return cudaSuccess;
   if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
   switch (dtype) {

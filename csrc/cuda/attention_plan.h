@@ -98,63 +98,6 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
   return plan;
 }
 
-// The tensor-core kernel (attention_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16 (fp32
-// accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows each, K/V tiles of 64 keys staged in
-// shared memory in the input type: K row-major (key, column) with row stride bucket + 8 elements, V transposed
-// (column, key) with row stride kMmaTileKeys + 8. The 16 bytes of padding make every fragment load (one
-// 32-bit word: two adjacent columns of a K row, two adjacent keys of a V column) conflict-free.
-constexpr int kMmaRowsPerWarp = 16;
-constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
-constexpr int kMmaTileKeys = 64;
-constexpr int kMmaMaxHeadDim = 128;  // its Q, S and O fragments stay in registers up to here
-
-// True when the mma kernel covers the problem: float16/bfloat16, max(D, Dv) <= kMmaMaxHeadDim and no dropout
-// (the SIMT kernel applies dropout).
-constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
-  return p.dropout == 0 && (dtype == DType::kFloat16 || dtype == DType::kBFloat16) &&
-         head_dim_bucket(p.head_dim, p.v_head_dim) != 0 &&
-         head_dim_bucket(p.head_dim, p.v_head_dim) <= kMmaMaxHeadDim;
-}
-
-struct AttentionMmaPlan {
-  int bucket;  // head-dim bucket (32, 64 or 128); 0 when mma_supports() is false
-  int threads;
-  int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
-  int64_t bh;
-  int64_t blocks;  // grid.x
-  int ld;          // row stride of the K tile, in elements
-  int ldt;         // row stride of the transposed V tile, in elements
-  int64_t vt_off;  // where the V tile starts, in elements
-  size_t smem_bytes;
-};
-
-inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype) {
-  AttentionMmaPlan plan{};
-  plan.threads = kWarps * kWarpSize;
-  plan.q_blocks = (p.q_len + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock;
-  plan.bh = p.batch * p.heads;
-  plan.blocks = plan.q_blocks * plan.bh;
-  if (!mma_supports(p, dtype)) return plan;
-  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
-  plan.ld = plan.bucket + 8;
-  plan.ldt = kMmaTileKeys + 8;
-  plan.vt_off = int64_t{kMmaTileKeys} * plan.ld;
-  plan.smem_bytes = static_cast<size_t>(plan.vt_off + int64_t{plan.bucket} * plan.ldt) * 2;  // 2-byte elements
-  return plan;
-}
-
-// True when every K and V row of the launch can be read as 16-byte vectors: unit column stride, head dims
-// and every other stride a multiple of 8 elements, 16-byte aligned base pointers. The mma kernel then stages
-// its tiles with one 16-byte load per 8 elements; otherwise element by element through the strides.
-inline bool mma_vector_loads(const AttentionParams& p, const void* key, const void* value) {
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const auto rows_aligned = [](const int64_t* stride) {
-    return stride[3] == 1 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
-  };
-  return p.head_dim % 8 == 0 && p.v_head_dim % 8 == 0 && aligned(key) && aligned(value) &&
-         rows_aligned(p.k_stride) && rows_aligned(p.v_stride);
-}
-
 // Where the kernel's tensors start (storage offsets applied); their layouts are in AttentionParams.
 struct AttentionPointers {
   const void* query;
@@ -165,5 +108,66 @@ struct AttentionPointers {
   void* out;
   void* lse;  // float32, or float64 for float64 inputs
 };
+
+// The tensor-core kernel (attention_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16 (fp32
+// accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows. Tiles of 64 keys are staged in
+// shared memory in two stages (the next tile is copied while the current one is computed): K and V in the
+// input type, row-major with row stride bucket + 8 elements (an odd number of 16-byte units, so the 8 rows an
+// ldmatrix phase reads fall on 8 distinct bank groups).
+constexpr int kMmaRowsPerWarp = 16;
+constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
+constexpr int kMmaTileKeys = 64;
+constexpr int kMmaStages = 2;
+constexpr int kMmaMaxHeadDim = 128;  // its Q, S and O fragments stay in registers up to here
+
+// Row stride of a staged K or V tile, in elements.
+constexpr int mma_tile_ld(int bucket) {
+  return bucket + 8;
+}
+
+// True when the mma kernel covers the problem: float16/bfloat16, max(D, Dv) <= kMmaMaxHeadDim and no dropout
+// (the SIMT kernel applies dropout).
+constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
+  return p.dropout == 0 && (dtype == DType::kFloat16 || dtype == DType::kBFloat16) &&
+         head_dim_bucket(p.head_dim, p.v_head_dim) != 0 &&
+         head_dim_bucket(p.head_dim, p.v_head_dim) <= kMmaMaxHeadDim;
+}
+
+// True when every K and V row of the launch can be read as 16-byte vectors: unit column stride, head dims
+// and every other stride a multiple of 8 elements, 16-byte aligned base pointers. The mma kernel then stages
+// its tiles with cp.async, 16 bytes per copy; otherwise element by element through the strides.
+inline bool mma_vector_loads(const AttentionParams& p, const void* key, const void* value) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const auto rows_aligned = [](const int64_t* stride) {
+    return stride[3] == 1 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+  };
+  return p.head_dim % 8 == 0 && p.v_head_dim % 8 == 0 && aligned(key) && aligned(value) &&
+         rows_aligned(p.k_stride) && rows_aligned(p.v_stride);
+}
+
+struct AttentionMmaPlan {
+  int bucket;  // head-dim bucket (32, 64 or 128); 0 when mma_supports() is false
+  int threads;
+  int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
+  int64_t bh;
+  int64_t blocks;     // grid.x
+  bool vector_loads;  // mma_vector_loads(): K and V by cp.async
+  size_t smem_bytes;
+};
+
+inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype,
+                                           const AttentionPointers& ptr) {
+  AttentionMmaPlan plan{};
+  plan.threads = kWarps * kWarpSize;
+  plan.q_blocks = (p.q_len + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock;
+  plan.bh = p.batch * p.heads;
+  plan.blocks = plan.q_blocks * plan.bh;
+  if (!mma_supports(p, dtype)) return plan;
+  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value);
+  // kMmaStages * (K tile + V tile), 2-byte elements
+  plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * mma_tile_ld(plan.bucket)) * 2;
+  return plan;
+}
 
 }  // namespace attnx::cuda

@@ -175,6 +175,86 @@ __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
   return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
 }
 
+// Two floats rounded to T (round to nearest even) as one fragment register, `lo` in the low half: one
+// cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32 on the GPU.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2_rn(float lo, float hi) {
+#if defined(ATTNX_CUDA_EMULATION) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
+  return pack2(from_acc<T>(lo), from_acc<T>(hi));
+#else
+  uint32_t r;
+  if constexpr (std::is_same<T, __half>::value) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+#endif
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8x8 matrices of 16-bit elements from shared memory, one per
+// register. Lanes 8m .. 8m + 7 give the addresses of matrix m's rows (16 bytes each, 16-byte aligned).
+// Without .trans, lane l receives row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of every matrix; with
+// .trans (`kTrans`), elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4): the matrix read as column-major.
+// Either way the register is the fragment an mma.m16n8k16 B operand wants (see mma_m16n8k16) when the
+// matrix's rows are B's columns (no .trans) or B's rows (.trans). Volatile: it reads shared memory that
+// barriers order.
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::ldmatrix_x4(r, row, kTrans);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // tensor-core kernels only; the glue never launches one below sm80
+#endif
+}
+
+// cp.async.cg.shared.global: 16 bytes from global to shared memory without passing through registers (.cg:
+// cached in L2 only). `valid` false zero-fills the 16 bytes and reads nothing (src-size 0). The copy lands
+// at the latest when cp_async_wait<N> returns for its group (groups close with cp_async_commit); a barrier
+// after the wait makes it visible to the block. The emulation performs each copy as late as that allows, so
+// a missing wait reads stale shared memory there too.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool valid) {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::cp_async_16(smem, global, valid);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::cp_async_wait(kPending);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
 // exp(x) through the SFU's ex2.approx (2 instructions; relative error ~2^-21, far below the 2^-8 of the
 // float16/bfloat16 probabilities it feeds); expf under the emulation. -inf gives 0 and NaN stays NaN.
 __device__ __forceinline__ float fast_exp(float x) {
@@ -183,16 +263,6 @@ __device__ __forceinline__ float fast_exp(float x) {
 #else
   return __expf(x);
 #endif
-}
-
-// Two adjacent 16-bit elements (the first at an even index of a 4-byte aligned array) as one fragment
-// register: one 32-bit shared-memory load.
-template <typename T>
-__device__ __forceinline__ uint32_t load_pair(const T* x) {
-  static_assert(sizeof(T) == 2, "load_pair loads 16-bit elements");
-  uint32_t r;
-  memcpy(&r, static_cast<const void*>(x), 4);
-  return r;
 }
 
 }  // namespace attnx::cuda

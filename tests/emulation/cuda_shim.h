@@ -19,7 +19,9 @@
 // A launch in which no barrier completes for kBarrierTimeout (a divergent __syncthreads or shuffle) aborts
 // the process with a message instead of hanging.
 //
-//   - mma.sync.m16n8k16 (attnx::cuda::mma_m16n8k16): a warp collective over the PTX ISA's fragment layouts.
+//   - mma.sync.m16n8k16 (attnx::cuda::mma_m16n8k16) and ldmatrix: warp collectives over the PTX ISA's
+//     fragment layouts; cp.async: queued per thread and performed when cp.async.wait_group lets no more be
+//     pending (as late as the hardware may); a block that ends with copies it never waited for aborts.
 // What this cannot show: races that the hardware's scheduling would expose but the OS's does not (run the
 // TSan build for those), warp-synchronous code without __syncwarp, tensor-core instructions, performance.
 #pragma once
@@ -242,6 +244,75 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (
   }
 }
 
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: every lane publishes its row address; lanes 8m .. 8m + 7
+// address the rows of matrix m. Without .trans lane l receives row l / 4, elements 2 (l % 4) and
+// 2 (l % 4) + 1 of each matrix; with .trans elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4). A row
+// address that is not 16-byte aligned or not inside the block's shared memory aborts, as the hardware would
+// fault.
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  const unsigned char* const lo = dynamic_shared_memory();
+  const auto p = static_cast<const unsigned char*>(row);
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0 || p < lo || p + 16 > lo + tl.block->smem.size()) {
+    fail("ldmatrix: a row address outside shared memory or not 16-byte aligned");
+  }
+  const auto slots = publish(row);
+  const int g = tl.lane / 4, t = tl.lane % 4;
+  const auto element = [&](int m, int row_in_matrix, int col) {
+    uint16_t x;
+    std::memcpy(&x, read_slot<const unsigned char*>(slots, 8 * m + row_in_matrix) + 2 * col, 2);
+    return static_cast<uint32_t>(x);
+  };
+  for (int m = 0; m < 4; ++m) {
+    r[m] = trans ? element(m, 2 * t, g) | element(m, 2 * t + 1, g) << 16
+                 : element(m, g, 2 * t) | element(m, g, 2 * t + 1) << 16;
+  }
+  warp_barrier();  // no lane republishes before every lane has read the rows
+}
+
+// cp.async: each thread queues its copies and performs them when cp_async_wait allows no more to be pending,
+// i.e. as late as the hardware may; commit closes a group.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
+struct AsyncCopies {
+  std::vector<AsyncCopy> queued;
+  std::vector<size_t> group_ends;  // end index in `queued` of each committed group
+};
+inline thread_local AsyncCopies async_copies;
+
+inline void cp_async_16(void* smem, const void* global, bool valid) {
+  const unsigned char* const lo = dynamic_shared_memory();
+  const auto p = static_cast<const unsigned char*>(smem);
+  if (reinterpret_cast<uintptr_t>(smem) % 16 != 0 || reinterpret_cast<uintptr_t>(global) % 16 != 0 ||
+      p < lo || p + 16 > lo + tl.block->smem.size()) {
+    fail("cp.async: a misaligned address or a destination outside shared memory");
+  }
+  async_copies.queued.push_back({smem, global, valid});
+}
+
+inline void cp_async_commit() {
+  async_copies.group_ends.push_back(async_copies.queued.size());
+}
+
+inline void cp_async_wait(int pending) {
+  AsyncCopies& q = async_copies;
+  const int groups = static_cast<int>(q.group_ends.size());
+  if (groups <= pending) return;
+  const size_t done = q.group_ends[groups - pending - 1];
+  for (size_t i = 0; i < done; ++i) {
+    if (q.queued[i].valid) {
+      std::memcpy(q.queued[i].dst, q.queued[i].src, 16);
+    } else {
+      std::memset(q.queued[i].dst, 0, 16);
+    }
+  }
+  q.queued.erase(q.queued.begin(), q.queued.begin() + static_cast<std::ptrdiff_t>(done));
+  q.group_ends.erase(q.group_ends.begin(), q.group_ends.begin() + (groups - pending));
+  for (size_t& end : q.group_ends) end -= done;
+}
+
 inline std::vector<std::pair<const void*, int>>& smem_attributes() {
   static std::vector<std::pair<const void*, int>> attributes;
   return attributes;
@@ -339,6 +410,8 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
           state.barrier.arrive_and_wait();
           blockIdx = uint3{x, y, z};
           std::apply(kernel, params);
+          if (!async_copies.queued.empty()) fail("a block ended with cp.async copies it never waited for");
+          async_copies.group_ends.clear();
           state.barrier.arrive_and_wait();
         }
       }
