@@ -43,9 +43,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
                                                  const std::optional<at::Tensor>& dropout_seed) {
   AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
                                           dropout_p, dropout_seed);
-  const cpu::AttentionData data{pb.dtype,          pb.query,         pb.key,
-                                pb.value,          pb.attn_mask,     pb.key_padding_mask,
-                                pb.out.data_ptr(), pb.lse.data_ptr()};
+  const cpu::AttentionData data{
+      {pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()},
+      pb.dtype};
   static const cpu::AttentionKernel kernel = select_kernel();
   kernel(pb.params, data);
   return {pb.out, pb.lse};

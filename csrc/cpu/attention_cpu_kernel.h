@@ -52,16 +52,9 @@
 
 namespace attnx::cpu {
 
-// Where each tensor's data starts (storage offsets applied); the layouts are in AttentionParams.
-struct AttentionData {
-  at::ScalarType dtype;  // of query, key, value and out
-  const void* query;
-  const void* key;
-  const void* value;
-  const void* attn_mask;         // nullptr when absent
-  const void* key_padding_mask;  // nullptr when absent
-  void* out;
-  void* lse;  // float32, or float64 when dtype is float64
+// The call's data pointers and the dtype of query, key, value and out.
+struct AttentionData : AttentionPointers {
+  at::ScalarType dtype;
 };
 
 using AttentionKernel = void (*)(const AttentionParams&, const AttentionData&);

@@ -129,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
     attention_composite(query, key, value, attn_mask, key_padding_mask, is_causal, scale, pb);
     return {pb.out, pb.lse};
   }
-  const cuda::AttentionPointers ptr{
+  const AttentionPointers ptr{
       pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()};
   const c10::DeviceIndex device = query.device().index();
   const cudaError_t err =

@@ -98,17 +98,6 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
   return plan;
 }
 
-// Where the kernel's tensors start (storage offsets applied); their layouts are in AttentionParams.
-struct AttentionPointers {
-  const void* query;
-  const void* key;
-  const void* value;
-  const void* attn_mask;         // nullptr when absent
-  const void* key_padding_mask;  // nullptr when absent
-  void* out;
-  void* lse;  // float32, or float64 for float64 inputs
-};
-
 // The tensor-core kernel (attention_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16 (fp32
 // accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows. Tiles of 64 keys are staged in
 // shared memory in two stages (the next tile is copied while the current one is computed): K and V in the

@@ -23,7 +23,7 @@ void attnx_emu_plan(const attnx::AttentionParams* p, int dtype, attnx::cuda::Att
 int attnx_emu_attention(const attnx::AttentionParams* p, int dtype, int kernel, const void* query,
                         const void* key, const void* value, const void* attn_mask,
                         const void* key_padding_mask, void* out, void* lse) {
-  const attnx::cuda::AttentionPointers ptr{query, key, value, attn_mask, key_padding_mask, out, lse};
+  const attnx::AttentionPointers ptr{query, key, value, attn_mask, key_padding_mask, out, lse};
   return static_cast<int>(attnx::cuda::launch_attention(*p, static_cast<attnx::cuda::DType>(dtype), ptr,
                                                         /*stream=*/nullptr,
                                                         static_cast<attnx::cuda::Kernel>(kernel)));

@@ -71,8 +71,8 @@ int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, 
   p.key_padding_mask_stride[1] = 1;
   p.is_causal = causal;
   p.scale = 0.25f;
-  const attnx::cuda::AttentionPointers ptr{q.data(),       k.data(),   v.data(),  attn_mask.data(),
-                                           padding.data(), out.data(), lse.data()};
+  const attnx::AttentionPointers ptr{q.data(),       k.data(),   v.data(),  attn_mask.data(),
+                                     padding.data(), out.data(), lse.data()};
   const cudaError_t err = attnx::cuda::launch_attention(p, dtype, ptr, nullptr, kernel);
   if (err != cudaSuccess) std::fprintf(stderr, "launch failed: %d\n", static_cast<int>(err));
   return err == cudaSuccess ? 0 : 1;

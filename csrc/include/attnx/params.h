@@ -1,7 +1,8 @@
 // attnx: torch-free parameter blocks shared by every backend (C++, CUDA and Metal include this file).
 //
 // Written in the common subset of C++ and the Metal Shading Language: fixed-width integers and float only, no
-// std::, no pointers (data pointers and buffer offsets travel beside the struct), no double (Metal has none).
+// std::, no pointers (data pointers and buffer offsets travel beside the struct: AttentionPointers for the C++
+// and CUDA kernels, buffer bindings on Metal), no double (Metal has none).
 #pragma once
 
 #if defined(__METAL_VERSION__)
@@ -75,6 +76,17 @@ struct AttentionParams {
 // The layout Metal sees: 31 int64 fields, then 14 four-byte fields (the dropout fields appended last, so that
 // every earlier offset is unchanged), padded to the 8-byte alignment.
 static_assert(sizeof(AttentionParams) == 304, "AttentionParams layout changed: update the Metal side too");
+
+// Where an attention call's tensors start (storage offsets applied); their layouts are in AttentionParams.
+struct AttentionPointers {
+  const void* query;
+  const void* key;
+  const void* value;
+  const void* attn_mask;         // nullptr when absent
+  const void* key_padding_mask;  // nullptr when absent
+  void* out;
+  void* lse;  // float32, or float64 for float64 inputs
+};
 #endif
 
 // attnx::attention_backward: the forward's problem plus the layouts of the incoming gradient and of the three
