@@ -241,41 +241,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 }
 
-template <typename scalar_t, int kBucket>
+template <typename scalar_t>
 cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, const AttentionPlan& plan,
                         cudaStream_t stream) {
   using acc_t = typename AccType<scalar_t>::type;
-  constexpr int R = rows_per_warp(static_cast<int>(sizeof(acc_t)), kBucket);
-  if (plan.rows_per_warp != R || plan.bucket != kBucket)
-    return cudaErrorInvalidValue;  // plan and kernel disagree
-  void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionPlan) =
-      &attention_forward_simt<scalar_t, kBucket, R>;
-  if (plan.smem_bytes > 48 * 1024) {
-    // Above 48 KiB a kernel must opt in; a device with less shared memory per block fails here.
-    const cudaError_t err =
-        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
-    if (err != cudaSuccess) return err;
-  }
-  return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.blocks)), dim3(plan.threads), plan.smem_bytes,
-                       stream, p, ptr, plan);
-}
-
-template <typename scalar_t>
-cudaError_t launch_bucket(const AttentionParams& p, const AttentionPointers& ptr, const AttentionPlan& plan,
-                          cudaStream_t stream) {
-  switch (plan.bucket) {
-    case 32:
-      return launch_simt<scalar_t, 32>(p, ptr, plan, stream);
-    case 64:
-      return launch_simt<scalar_t, 64>(p, ptr, plan, stream);
-    case 128:
-      return launch_simt<scalar_t, 128>(p, ptr, plan, stream);
-    case 256:
-      return launch_simt<scalar_t, 256>(p, ptr, plan, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return dispatch_bucket<32, 64, 128, 256>(plan.bucket, [&](auto bucket) {
+    constexpr int kBucket = decltype(bucket)::value;
+    constexpr int R = rows_per_warp(static_cast<int>(sizeof(acc_t)), kBucket);
+    if (plan.rows_per_warp != R) return cudaErrorInvalidValue;  // plan and kernel disagree
+    return launch_plan(&attention_forward_simt<scalar_t, kBucket, R>, plan.blocks, plan.threads,
+                       plan.smem_bytes, stream, p, ptr, plan);
+  });
 }
 
 }  // namespace
@@ -289,13 +265,13 @@ cudaError_t launch_attention(const AttentionParams& p, DType dtype, const Attent
   if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
   switch (dtype) {
     case DType::kFloat32:
-      return launch_bucket<float>(p, ptr, plan, stream);
+      return launch_simt<float>(p, ptr, plan, stream);
     case DType::kFloat64:
-      return launch_bucket<double>(p, ptr, plan, stream);
+      return launch_simt<double>(p, ptr, plan, stream);
     case DType::kFloat16:
-      return launch_bucket<__half>(p, ptr, plan, stream);
+      return launch_simt<__half>(p, ptr, plan, stream);
     case DType::kBFloat16:
-      return launch_bucket<__nv_bfloat16>(p, ptr, plan, stream);
+      return launch_simt<__nv_bfloat16>(p, ptr, plan, stream);
   }
   return cudaErrorInvalidValue;
 }

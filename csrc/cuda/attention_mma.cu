@@ -320,34 +320,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 }
 
-template <typename scalar_t, int kBucket>
+template <typename scalar_t>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        cudaStream_t stream) {
-  void (*kernel)(const AttentionParams, const AttentionPointers, const AttentionMmaPlan) =
-      &attention_forward_mma<scalar_t, kBucket>;
-  if (plan.smem_bytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes));
-    if (err != cudaSuccess) return err;
-  }
-  return launch_kernel(kernel, dim3(static_cast<unsigned>(plan.blocks)), dim3(plan.threads), plan.smem_bytes,
-                       stream, p, ptr, plan);
-}
-
-template <typename scalar_t>
-cudaError_t launch_mma_bucket(const AttentionParams& p, const AttentionPointers& ptr,
-                              const AttentionMmaPlan& plan, cudaStream_t stream) {
-  switch (plan.bucket) {
-    case 32:
-      return launch_mma<scalar_t, 32>(p, ptr, plan, stream);
-    case 64:
-      return launch_mma<scalar_t, 64>(p, ptr, plan, stream);
-    case 128:
-      return launch_mma<scalar_t, 128>(p, ptr, plan, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return dispatch_bucket<32, 64, 128>(plan.bucket, [&](auto bucket) {
+    return launch_plan(&attention_forward_mma<scalar_t, decltype(bucket)::value>, plan.blocks, plan.threads,
+                       plan.smem_bytes, stream, p, ptr, plan);
+  });
 }
 
 }  // namespace
@@ -360,9 +339,9 @@ cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const At
   if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
   switch (dtype) {
     case DType::kFloat16:
-      return launch_mma_bucket<__half>(p, ptr, plan, stream);
+      return launch_mma<__half>(p, ptr, plan, stream);
     case DType::kBFloat16:
-      return launch_mma_bucket<__nv_bfloat16>(p, ptr, plan, stream);
+      return launch_mma<__nv_bfloat16>(p, ptr, plan, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -45,6 +45,30 @@ inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 bloc
 }
 #endif
 
+// A kernel's launch over `blocks` 1-D blocks of `threads` threads with `smem` bytes of dynamic shared memory:
+// above 48 KiB a kernel must opt in first, and a device with less shared memory per block fails there.
+template <typename... Params, typename... Args>
+inline cudaError_t launch_plan(void (*kernel)(Params...), int64_t blocks, int threads, size_t smem,
+                               cudaStream_t stream, Args&&... args) {
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), smem, stream,
+                       std::forward<Args>(args)...);
+}
+
+// f(std::integral_constant<int, B>{}) for the B among kBuckets that equals `bucket` (a head-dim bucket a
+// kernel is instantiated for); cudaErrorInvalidValue when none does.
+template <int... kBuckets, typename F>
+inline cudaError_t dispatch_bucket(int bucket, F&& f) {
+  cudaError_t err = cudaErrorInvalidValue;
+  (void)((bucket == kBuckets ? (err = f(std::integral_constant<int, kBuckets>{}), true) : false) || ...);
+  return err;
+}
+
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---------------------------------------------------------------------------------------------------------------
