@@ -32,18 +32,18 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "barrier.h"
 
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
@@ -64,80 +64,18 @@ constexpr auto kBarrierTimeout = std::chrono::seconds(120);
   std::abort();
 }
 
-// Barriers and the watchdog. A barrier is an arrival counter and a generation word that waiters sleep on
-// (std::atomic::wait: a futex on Linux, no mutex to fight over when 128 threads wake at once). Barriers
-// cannot time out by themselves, so every barrier phase counts as progress and a watchdog thread aborts a
-// launch that makes none for kBarrierTimeout: a __syncthreads or shuffle that not every thread reaches.
-inline std::atomic<uint64_t>& progress() {
-  static std::atomic<uint64_t> counter{0};
-  return counter;
+// Barriers (one OS thread per CUDA thread: waiters sleep on the generation word) and the watchdog that turns
+// a barrier not every thread reaches into an abort: barrier.h.
+using Barrier = attnx_emu_barrier::Barrier<attnx_emu_barrier::wait_on_word>;
+
+[[noreturn]] inline void stalled(long long seconds) {
+  char message[200];
+  std::snprintf(message, sizeof message,
+                "emulated kernel launch: no barrier completed for %lld s: a __syncthreads, __syncwarp or warp "
+                "shuffle that not every thread reaches?",
+                seconds);
+  fail(message);
 }
-
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-
-  void arrive_and_wait() {
-    const uint32_t generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
-      arrived_.store(0, std::memory_order_relaxed);
-      progress().fetch_add(1, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
-      generation_.notify_all();
-      return;
-    }
-    for (uint32_t g = generation; g == generation; g = generation_.load(std::memory_order_acquire)) {
-      generation_.wait(generation, std::memory_order_acquire);
-    }
-  }
-
- private:
-  const int n_;
-  std::atomic<int> arrived_{0};
-  std::atomic<uint32_t> generation_{0};
-};
-
-// Aborts the process, naming the launch, when no barrier of it completes for kBarrierTimeout.
-class Watchdog {
- public:
-  explicit Watchdog(const char* what) : what_(what), thread_([this] { run(); }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
- private:
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    uint64_t seen = progress().load();
-    auto last = std::chrono::steady_clock::now();
-    while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; })) {
-      const uint64_t now = progress().load();
-      if (now != seen) {
-        seen = now;
-        last = std::chrono::steady_clock::now();
-      } else if (std::chrono::steady_clock::now() - last > kBarrierTimeout) {
-        char message[200];
-        std::snprintf(
-            message, sizeof message,
-            "%s: no barrier completed for %lld s: a __syncthreads, __syncwarp or warp shuffle that not "
-            "every thread reaches?",
-            what_, static_cast<long long>(kBarrierTimeout.count()));
-        fail(message);
-      }
-    }
-  }
-
-  const char* what_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::thread thread_;
-};
 
 // The exchange slots of one warp, double-buffered: the slots of barrier phase k are rewritten at phase k + 2,
 // after every lane has passed phase k + 1 and so finished reading them.
@@ -417,7 +355,7 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
       }
     }
   };
-  const Watchdog watchdog("emulated kernel launch");
+  const attnx_emu_barrier::Watchdog watchdog(kBarrierTimeout, stalled);
   std::vector<std::thread> pool;
   pool.reserve(threads);
   for (int tid = 0; tid < static_cast<int>(threads); ++tid) pool.emplace_back(body, tid);

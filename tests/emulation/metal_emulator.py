@@ -47,6 +47,7 @@ def metal_files():
 
 def _depends():
     files = glob.glob(os.path.join(METAL, "*")) + glob.glob(os.path.join(SHIM, "*"))
+    files.append(os.path.join(HERE, "barrier.h"))
     files += glob.glob(os.path.join(CSRC, "include", "attnx", "*.h"))
     files += glob.glob(os.path.join(CSRC, "mps", "*.h"))
     return sorted(set(files))

@@ -1,16 +1,16 @@
 // attnx: the runtime of the Metal emulation (see metal_runtime.h).
 #include "metal_runtime.h"
 
+#include "../barrier.h"
+
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,76 +25,17 @@ namespace {
 
 constexpr auto kWatchdogSeconds = std::chrono::seconds(120);
 
-std::atomic<uint64_t>& progress() {
-  static std::atomic<uint64_t> counter{0};
-  return counter;
-}
-
 void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen);
 
-// An arrival counter and a generation word the waiters wait on. With std::threads (ATTNX_METAL_EMU_THREADS,
-// the ThreadSanitizer build) they sleep on it (std::atomic::wait: a futex on Linux), and ThreadSanitizer
-// follows the acquire/release pairs, so memory written before a barrier and read after it by another thread
-// is ordered while an access that no barrier orders is a reported race. With fibers (the default) a waiter
-// yields to the scheduler until the generation moves.
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
+// Barriers (barrier.h): with std::threads (ATTNX_METAL_EMU_THREADS, the ThreadSanitizer build) waiters sleep
+// on the generation word; with fibers (the default) a waiter yields to the scheduler until it moves.
+using Barrier = attnx_emu_barrier::Barrier<wait_for_change>;
 
-  void arrive_and_wait() {
-    const uint32_t generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
-      arrived_.store(0, std::memory_order_relaxed);
-      progress().fetch_add(1, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
-      generation_.notify_all();
-      return;
-    }
-    wait_for_change(generation_, generation);
-  }
-
- private:
-  const int n_;
-  std::atomic<int> arrived_{0};
-  std::atomic<uint32_t> generation_{0};
-};
-
-class Watchdog {
- public:
-  Watchdog() : thread_([this] { run(); }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
- private:
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    uint64_t seen = progress().load();
-    auto last = std::chrono::steady_clock::now();
-    while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; })) {
-      const uint64_t now = progress().load();
-      if (now != seen) {
-        seen = now;
-        last = std::chrono::steady_clock::now();
-      } else if (std::chrono::steady_clock::now() - last > kWatchdogSeconds) {
-        fail(
-            "no barrier completed for %lld s: a threadgroup_barrier or simd collective that not every "
-            "thread reaches?",
-            static_cast<long long>(kWatchdogSeconds.count()));
-      }
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::thread thread_;
-};
+[[noreturn]] void stalled(long long seconds) {
+  fail("no barrier completed for %lld s: a threadgroup_barrier or simd collective that not every thread "
+       "reaches?",
+       seconds);
+}
 
 struct Site {
   const char* file;
@@ -293,13 +234,11 @@ void run_thread(Thunk thunk, Threadgroup& group, const int64_t* grid, void* cons
 #if defined(ATTNX_METAL_EMU_THREADS)
 
 void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen) {
-  for (uint32_t g = seen; g == seen; g = word.load(std::memory_order_acquire)) {
-    word.wait(seen, std::memory_order_acquire);
-  }
+  attnx_emu_barrier::wait_on_word(word, seen);
 }
 
 void run_all(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* buffers, int threads) {
-  const Watchdog watchdog;
+  const attnx_emu_barrier::Watchdog watchdog(kWatchdogSeconds, stalled);
   std::vector<std::thread> pool;
   pool.reserve(threads);
   for (int tid = 0; tid < threads; ++tid)
