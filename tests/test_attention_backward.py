@@ -391,19 +391,30 @@ def test_fake_matches_kernel(sizes, dtype):
 
 
 def _opcheck_cases():
+    """(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed): masks, causal, a
+    custom scale, float64 and bfloat16, each without and with fused dropout."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = views(make_leaves(2, 2, 5, 7, 8, 4, layout="blhd"), "blhd")
     kpm = torch.rand(2, 7, generator=gen) < 0.3
     mask = torch.randn(5, 7, generator=gen)
+
+    def seed(s, offset=0):
+        return torch.tensor([s, offset], dtype=torch.int64)
+
     return [
-        (q, k, v, None, None, False, None),
-        (q, k, v, mask, kpm, True, 0.5),
-        (q.double(), k.double(), v.double(), torch.rand(4, 5, 7, generator=gen) < 0.2, None, False, None),
-        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None),
+        (q, k, v, None, None, False, None, 0.0, None),
+        (q, k, v, mask, kpm, True, 0.5, 0.0, None),
+        (q.double(), k.double(), v.double(), torch.rand(4, 5, 7, generator=gen) < 0.2, None, False, None, 0.0,
+         None),
+        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None, 0.0, None),
+        (q, k, v, None, None, False, None, 0.3, seed(1, 2)),
+        (q, k, v, mask, kpm, True, 0.5, 0.6, seed(-5, 2**40)),
+        (q.double(), k.double(), v.double(), None, None, False, None, 1.0, seed(3)),
+        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None, 0.1, seed(4)),
     ]
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(8))
 def test_opcheck_attention_with_grad(case):
     pytest.importorskip("expecttest")
     q, k, v, *rest = _opcheck_cases()[case]
@@ -411,14 +422,13 @@ def test_opcheck_attention_with_grad(case):
     torch.library.opcheck(torch.ops.attnx.attention.default, (q, k, v, *rest))
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(8))
 def test_opcheck_attention_backward(case):
     pytest.importorskip("expecttest")
-    q, k, v, mask, kpm, is_causal, scale = _opcheck_cases()[case]
-    out, lse = attnx.attention(q, k, v, mask, kpm, is_causal, scale)
-    grad_out = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.attnx.attention_backward.default,
-                          (grad_out, q, k, v, out, lse, mask, kpm, is_causal, scale))
+    q, k, v, mask, kpm, is_causal, scale, p, dropout_seed = _opcheck_cases()[case]
+    out, lse = attnx.attention(q, k, v, mask, kpm, is_causal, scale, p, dropout_seed)
+    args = (torch.randn_like(out), q, k, v, out, lse, mask, kpm, is_causal, scale, p, dropout_seed)
+    torch.library.opcheck(torch.ops.attnx.attention_backward.default, args)
 
 
 def test_compile_backward():

@@ -349,34 +349,7 @@ def test_no_attention_sized_allocation():
 # Fakes, opcheck, torch.compile.
 
 
-def _opcheck_cases():
-    q, k, v = make_qkv(2, 2, 5, 7, 8, 4, layout="blhd")
-    gen = torch.Generator().manual_seed(5)
-    kpm = torch.rand(2, 7, generator=gen) < 0.3
-    mask = torch.randn(5, 7, generator=gen)
-    return [
-        (q, k, v, None, None, False, None, 0.3, seed_of(1, 2)),
-        (q, k, v, mask, kpm, True, 0.5, 0.6, seed_of(-5, 2**40)),
-        (q.double(), k.double(), v.double(), None, None, False, None, 1.0, seed_of(3)),
-        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None, 0.1, seed_of(4)),
-    ]
-
-
-@pytest.mark.parametrize("case", range(4))
-def test_opcheck_attention(case):
-    pytest.importorskip("expecttest")
-    q, k, v, *rest = _opcheck_cases()[case]
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.attnx.attention.default, (q, k, v, *rest))
-
-
-@pytest.mark.parametrize("case", range(4))
-def test_opcheck_attention_backward(case):
-    pytest.importorskip("expecttest")
-    q, k, v, mask, kpm, is_causal, scale, p, dropout_seed = _opcheck_cases()[case]
-    out, lse = attnx.attention(q, k, v, mask, kpm, is_causal, scale, p, dropout_seed)
-    args = (torch.randn_like(out), q, k, v, out, lse, mask, kpm, is_causal, scale, p, dropout_seed)
-    torch.library.opcheck(torch.ops.attnx.attention_backward.default, args)
+# attention and attention_backward with dropout: opcheck in test_attention_backward.py (its _opcheck_cases).
 
 
 def test_fake_matches_kernel():
