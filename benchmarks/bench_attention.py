@@ -19,12 +19,13 @@ from .memory import peak_extra_bytes_many
 DEVICES = ("cpu", "cuda")
 TITLE = "attention forward vs SDPA (GFLOP/s, memory)"
 MASKS = ("none", "mask+padding", "causal")
-# (B, H, L, S, D): the acceptance shape, BERT-base-like, long context, short queries over long keys.
+# (B, H, L, S, D): the acceptance shape, BERT-base-like, long context, short queries over long keys, decoding.
 SHAPES = (
     (4, 8, 2048, 2048, 64),
     (8, 12, 512, 512, 64),
     (1, 16, 4096, 4096, 64),
     (16, 8, 128, 1024, 64),
+    (16, 8, 1, 2048, 64),
 )
 QUICK_SHAPES = ((4, 8, 1024, 1024, 64),)
 SMOKE_SHAPES = ((1, 2, 32, 48, 16),)

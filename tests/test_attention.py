@@ -244,6 +244,16 @@ def test_masks_low_precision_and_strided(dtype):
           is_causal=True, scale=0.2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_single_query_with_masks(dtype):
+    # Decoding: one query row, whose scores the kernel computes from the key rows without transposing them.
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = make_qkv(2, 3, 1, 700, 16, 8, dtype=dtype, layout="blhd")
+    kpm = torch.rand(2, 700, generator=gen) < 0.3
+    check(q, k, v, attn_mask=torch.randn(2 * 3, 1, 700, generator=gen), key_padding_mask=kpm)
+    check(q, k, v, attn_mask=torch.rand(1, 700, generator=gen) < 0.2, is_causal=True)
+
+
 def test_masked_tiles_are_skipped_correctly():
     # Masks that remove whole (128, 512) tiles, which the kernel skips, next to tiles they remove in part.
     q, k, v = make_qkv(2, 2, 600, 1300, 16, 16)

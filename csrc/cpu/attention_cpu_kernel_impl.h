@@ -140,6 +140,45 @@ inline void tile_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t 
   }
 }
 
+// s[j] = q . k[j] for the n rows k[j] = k + j * ldk of length D: one query row against the key rows
+// (decoding). A GEMM with a single column would be vectorised along that column; this is vectorised along D,
+// four rows at a time.
+template <typename acc_t>
+void dot_rows(const acc_t* q, const acc_t* k, int64_t ldk, int64_t n, int64_t D, acc_t* s) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const auto sum = [](const Vec& v) {
+    return at::vec::vec_reduce_all<acc_t>([](const Vec& a, const Vec& b) { return a + b; }, v);
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const acc_t* k0 = k + j * ldk;
+    Vec a0(acc_t(0)), a1(acc_t(0)), a2(acc_t(0)), a3(acc_t(0));
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+      const Vec qv = Vec::loadu(q + d);
+      a0 = at::vec::fmadd(qv, Vec::loadu(k0 + d), a0);
+      a1 = at::vec::fmadd(qv, Vec::loadu(k0 + ldk + d), a1);
+      a2 = at::vec::fmadd(qv, Vec::loadu(k0 + 2 * ldk + d), a2);
+      a3 = at::vec::fmadd(qv, Vec::loadu(k0 + 3 * ldk + d), a3);
+    }
+    acc_t r[4] = {sum(a0), sum(a1), sum(a2), sum(a3)};
+    for (; d < D; ++d) {
+      for (int i = 0; i < 4; ++i) r[i] += q[d] * k0[i * ldk + d];
+    }
+    for (int i = 0; i < 4; ++i) s[j + i] = r[i];
+  }
+  for (; j < n; ++j) {
+    const acc_t* kj = k + j * ldk;
+    Vec a(acc_t(0));
+    int64_t d = 0;
+    for (; d + W <= D; d += W) a = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(kj + d), a);
+    acc_t r = sum(a);
+    for (; d < D; ++d) r += q[d] * kj[d];
+    s[j] = r;
+  }
+}
+
 // dst (cols, rows) = src (rows, cols)^T, both row-major with leading dimensions.
 template <typename acc_t>
 void transpose(const acc_t* src, int64_t ld_src, acc_t* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
@@ -655,12 +694,15 @@ class AttentionCpu {
     // Zeroed accumulators let every P V GEMM accumulate, whichever tiles a row skips.
     std::fill_n(ws.o, rows_n * Dv, acc_t(0));
 
+    // A single query row (decoding) reads the keys row by row instead of transposing them: its scores are
+    // the dot products of q with each key (dot_rows).
+    const bool single_row = rows_n == 1;
     // Causal: keys past the block's last query are masked for all of it.
     const int64_t kv_end = causal ? std::min(S, r0 + rows_n) : S;
     for (int64_t kt = 0, k0 = 0; k0 < kv_end; ++kt, k0 += plan_.bk) {
       const int64_t nk = std::min(plan_.bk, kv_end - k0);
-      bool loaded = false;  // ws.kt, va and `shared` hold this key tile
-      Operand<acc_t> va{};
+      bool loaded = false;  // ws.kt (or ka), va and `shared` hold this key tile
+      Operand<acc_t> ka{}, va{};
       const acc_t* shared = nullptr;
       for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
@@ -668,12 +710,17 @@ class AttentionCpu {
         // Causal: keys past this tile's last query are masked for all of it.
         const int64_t nk_q = causal ? std::min(nk, q0 + nq - k0) : nk;
         if (!loaded) {
-          if (D > 0) transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
+          if (D > 0 && single_row) {
+            ka = b_operand(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k);
+          } else if (D > 0) {
+            transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
+            ka = {ws.kt, lds};
+          }
           if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
           shared = shared_bias(b, h, k0, nk, ws);
           loaded = true;
         }
-        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, va, shared, ws, mask_rows);
+        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, ka, single_row, va, shared, ws, mask_rows);
       }
     }
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
@@ -682,16 +729,20 @@ class AttentionCpu {
     }
   }
 
-  // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk), whose transposed keys
-  // are in ws.kt, values in va, and bias shared by all rows in `shared` (see shared_bias).
+  // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk): ka holds the keys
+  // transposed (D, nk), or as (nk, D) rows when keys_as_rows (then nq == 1); va the values; `shared` the bias
+  // common to all rows (see shared_bias).
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                    const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
+                    const Operand<acc_t>& ka, bool keys_as_rows, const Operand<acc_t>& va,
+                    const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     const bool causal = p_.is_causal != 0;
     acc_t* s = ws.s;
     // S (nq, nk) = (scale Q) K^T.
-    if (D > 0) {
-      tile_gemm(nq, nk, D, ws.q + i0 * D, D, ws.kt, lds, s, lds, /*add_c=*/false);
+    if (D > 0 && keys_as_rows) {
+      dot_rows(ws.q + i0 * D, ka.ptr, ka.ld, nk, D, s);
+    } else if (D > 0) {
+      tile_gemm(nq, nk, D, ws.q + i0 * D, D, ka.ptr, ka.ld, s, lds, /*add_c=*/false);
     } else {
       for (int64_t i = 0; i < nq; ++i) std::fill_n(s + i * lds, nk, acc_t(0) * scale_);
     }
