@@ -425,6 +425,7 @@ _ISA_SCRIPT = textwrap.dedent(
         mask = torch.randn(300, 530)
         check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
         check(*make_qkv(1, 2, 37, 53, 24, 24, dtype=dtype))
+        check(*make_qkv(2, 2, 1, 70, 24, 24, dtype=dtype, layout="blhd"), key_padding_mask=kpm[:, :70])
     """
 )
 
