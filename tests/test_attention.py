@@ -244,11 +244,13 @@ def test_masks_low_precision_and_strided(dtype):
           is_causal=True, scale=0.2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_single_query_with_masks(dtype):
-    # Decoding: one query row, whose scores the kernel computes from the key rows without transposing them.
+@pytest.mark.parametrize("layout", ["blhd", "strided_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_single_query_with_masks(dtype, layout):
+    # Decoding: one query row, whose scores the kernel computes from the key rows without transposing them
+    # (read in place, or converted when the rows are not contiguous: "strided_last").
     gen = torch.Generator().manual_seed(6)
-    q, k, v = make_qkv(2, 3, 1, 700, 16, 8, dtype=dtype, layout="blhd")
+    q, k, v = make_qkv(2, 3, 1, 700, 19, 8, dtype=dtype, layout=layout)
     kpm = torch.rand(2, 700, generator=gen) < 0.3
     check(q, k, v, attn_mask=torch.randn(2 * 3, 1, 700, generator=gen), key_padding_mask=kpm)
     check(q, k, v, attn_mask=torch.rand(1, 700, generator=gen) < 0.2, is_causal=True)
