@@ -606,7 +606,9 @@ def _mha_forward_fake(
         return _linear_fake(x, w, None)
 
     # Packed in-projections off the CPU only (pack_in_projections in mha.cpp).
-    packed = in_proj_weight is not None and static_k is None and static_v is None and query.device.type != "cpu"
+    packed = (
+        in_proj_weight is not None and static_k is None and static_v is None and query.device.type != "cpu"
+    )
     if packed and _same_view(query, key) and _same_view(key, value):
         q, k, v = project(query, 3 * E).split(E, dim=2)
     else:
