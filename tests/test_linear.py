@@ -66,6 +66,29 @@ def test_size1_bias_broadcasts():
     torch.testing.assert_close(attnx.linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+@pytest.mark.parametrize("bias", ["full", "strided", "size1", "none"])
+def test_few_rows_run_in_column_shares(threads, layout, bias):
+    """On the CPU a GEMM with few rows for its outputs (>= 2^20 multiply-adds, rows <= half the outputs)
+    runs as one column share of the weight per thread (csrc/cpu/linear_cpu.cpp): every column computed, the
+    bias cut with the columns (or broadcast, when it has one element)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = make((3, 5, 256), layout, torch.float64)
+        w = torch.randn(1000, 256, dtype=torch.float64)
+        b = {
+            "full": torch.randn(1000, dtype=torch.float64),
+            "strided": torch.randn(2000, dtype=torch.float64)[::2],
+            "size1": torch.randn(1, dtype=torch.float64),
+            "none": None,
+        }[bias]
+        _assert_close_to_reference(attnx.linear(x, w, b), x, w, b)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_output_layout(layout):
     """Output is dense, in input's row order; exactly torch's contiguous strides when rows are in logical

@@ -151,6 +151,47 @@ def test_fully_masked_rows():
     _check(args)
 
 
+@pytest.fixture
+def intra_op_threads():
+    """Sets torch's intra-op thread count for one test and restores it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("projection", ["self", "kv_shared", "separate", "static_k", "strided_rows"])
+def test_in_projections_shared_out_among_threads(projection, threads, intra_op_threads):
+    """On the CPU, in-projections large enough (>= 2^20 multiply-adds) run at once, their rows or columns
+    shared out among the threads (csrc/cpu/linear_cpu.cpp): every part of every output computed, exactly
+    as one GEMM after another computes it. Shapes put the cuts inside and at the ends of GEMMs whose splits
+    run along rows (key/value: 150 rows > 96 outputs) and along columns (query: 40 rows)."""
+    intra_op_threads(threads)
+    e, h, n_q, n_kv, b = 96, 4, 40, 150, 2
+    kdim, vdim = (72, 112) if projection == "separate" else (e, e)
+    query = torch.randn(b, n_q, e, dtype=torch.float64).transpose(0, 1)
+    memory = torch.randn(b, n_kv, kdim, dtype=torch.float64).transpose(0, 1)
+    key = value = memory
+    if projection == "separate":
+        value = torch.randn(n_kv, b, vdim, dtype=torch.float64)
+    if projection == "self":
+        key = value = query = torch.randn(n_kv, b, e, dtype=torch.float64)
+    if projection == "strided_rows":  # rows of a wider buffer: a row stride above the feature count
+        key = value = torch.randn(n_kv, b, e + 7, dtype=torch.float64)[..., 3 : 3 + e]
+    weights = [torch.randn(e, d, dtype=torch.float64) / d**0.5 for d in (e, kdim, vdim)]
+    static_k = torch.randn(b * h, n_kv, e // h, dtype=torch.float64) if projection == "static_k" else None
+    args = (
+        query, key, value, h,
+        None if projection == "separate" else torch.cat(weights),
+        torch.randn(3 * e, dtype=torch.float64),
+        *(weights if projection == "separate" else (None, None, None)),
+        None, None, False,
+        torch.randn(e, e, dtype=torch.float64) / e**0.5, torch.randn(e, dtype=torch.float64),
+        None, None, False, static_k, None, False, True,
+    )
+    _check(args)
+
+
 def test_no_attention_sized_memory():
     """Without need_weights no allocation is anywhere near [B, H, L, S]: extra memory is O(B*H*L)."""
     b, h, n = 2, 4, 128

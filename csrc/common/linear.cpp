@@ -102,8 +102,8 @@ at::Tensor as_matrix(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ro
 
 }  // namespace
 
-at::Tensor linear_via_gemm(const at::Tensor& input, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias) {
+LinearGemm plan_linear(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
   check_linear_args(input, weight, bias);
   const int64_t leading = input.dim() - 1;
   const int64_t K = input.size(-1);
@@ -111,7 +111,11 @@ at::Tensor linear_via_gemm(const at::Tensor& input, const at::Tensor& weight,
   const int64_t N = weight.size(0);
   std::vector<int64_t> out_sizes(input.sizes().begin(), input.sizes().end());
   out_sizes.back() = N;
-  if (M == 0 || N == 0) return at::empty(out_sizes, input.options());
+  LinearGemm plan;
+  if (M == 0 || N == 0) {
+    plan.out = at::empty(out_sizes, input.options());
+    return plan;
+  }
 
   // Rows repeated through a stride-0 (expanded) dim: run the GEMM on the distinct rows only and broadcast the
   // result into the output. One copy, of the output, instead of a copy of the input plus repeated arithmetic.
@@ -120,9 +124,9 @@ at::Tensor linear_via_gemm(const at::Tensor& input, const at::Tensor& weight,
     if (input.size(d) > 1 && input.stride(d) == 0) distinct = distinct.narrow(d, 0, 1);
   }
   if (!distinct.is_same(input)) {
-    at::Tensor out = at::empty(out_sizes, input.options());
-    out.copy_(linear_via_gemm(distinct, weight, bias));
-    return out;
+    plan.out = at::empty(out_sizes, input.options());
+    plan.out.copy_(linear_via_gemm(distinct, weight, bias));
+    return plan;
   }
 
   RowFold fold = fold_rows(input.sizes(), input.strides());
@@ -133,18 +137,31 @@ at::Tensor linear_via_gemm(const at::Tensor& input, const at::Tensor& weight,
     rows = input.clone(at::MemoryFormat::Contiguous);
     fold = fold_rows(rows.sizes(), rows.strides());
   }
-  at::Tensor out = at::empty_strided(out_sizes, output_strides(out_sizes, fold), input.options());
+  plan.out = at::empty_strided(out_sizes, output_strides(out_sizes, fold), input.options());
 
   // The output was laid out with input's row order, so both are (M, *) matrices walked in the same order.
-  const at::Tensor a = as_matrix(rows, M, K, fold.row_stride, rows.stride(-1));
-  const at::Tensor w = as_matrix(weight, N, K, weight.stride(0), weight.stride(1));
-  at::Tensor c = out.as_strided({M, N}, {N, 1});
-  if (bias) {
-    at::addmm_out(c, *bias, a, w.t());
+  plan.a = as_matrix(rows, M, K, fold.row_stride, rows.stride(-1));
+  plan.w = as_matrix(weight, N, K, weight.stride(0), weight.stride(1));
+  plan.c = plan.out.as_strided({M, N}, {N, 1});
+  plan.bias = bias;
+  return plan;
+}
+
+void run_gemm(const LinearGemm& gemm) {
+  if (!gemm.c.defined()) return;
+  at::Tensor c = gemm.c;  // the same tensor: the out= ops take a non-const reference
+  if (gemm.bias) {
+    at::addmm_out(c, *gemm.bias, gemm.a, gemm.w.t());
   } else {
-    at::mm_out(c, a, w.t());
+    at::mm_out(c, gemm.a, gemm.w.t());
   }
-  return out;
+}
+
+at::Tensor linear_via_gemm(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  LinearGemm gemm = plan_linear(input, weight, bias);
+  run_gemm(gemm);
+  return gemm.out;
 }
 
 }  // namespace attnx

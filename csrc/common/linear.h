@@ -35,4 +35,23 @@ std::vector<int64_t> output_strides(at::IntArrayRef out_sizes, const RowFold& fo
 at::Tensor linear_via_gemm(const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias);
 
+// linear_via_gemm in two steps: plan_linear checks the arguments, allocates the output and makes the views of
+// its GEMM, c (M, N) = a (M, K) @ w (N, K)^T (+ bias), c a view of out; run_gemm runs it. A plan whose c is
+// undefined needs no GEMM (an empty output, or rows broadcast from a GEMM already run).
+struct LinearGemm {
+  at::Tensor out;
+  at::Tensor a, w, c;
+  std::optional<at::Tensor> bias;
+};
+
+LinearGemm plan_linear(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias);
+void run_gemm(const LinearGemm& gemm);
+
+// Runs independent CPU GEMMs (csrc/cpu/linear_cpu.cpp): their work, laid end to end, is cut into one share
+// per intra-op thread along rows or columns, and each thread runs its share on one thread of BLAS. For the
+// few, small GEMMs of attention's in-projections, and for a single GEMM with few rows, this beats one
+// multi-threaded GEMM after another; large GEMMs, a lone GEMM with many rows, one thread: one after another.
+void run_gemms_in_shares(const std::vector<LinearGemm>& gemms);
+
 }  // namespace attnx

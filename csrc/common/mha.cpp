@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "common/attention.h"
+#include "common/linear.h"
 
 namespace attnx {
 namespace {
@@ -191,6 +192,17 @@ MhaState mha_forward_impl(const at::Tensor& query_in, const at::Tensor& key_in, 
     q = qkv.narrow(2, 0, E);
     k = qkv.narrow(2, E, E);
     v = qkv.narrow(2, 2 * E, E);
+  } else if (!pack && query.is_cpu()) {
+    // The separate GEMMs are independent: shared out among the threads at once, each thread's part on one
+    // thread of BLAS, they beat the same GEMMs one after another on all threads (run_gemms_in_shares).
+    std::vector<LinearGemm> gemms;
+    gemms.push_back(plan_linear(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E)));
+    if (need_k) gemms.push_back(plan_linear(key, weight(1, k_proj_weight), rows(in_proj_bias, E, E)));
+    if (need_v) gemms.push_back(plan_linear(value, weight(2, v_proj_weight), rows(in_proj_bias, 2 * E, E)));
+    run_gemms_in_shares(gemms);
+    q = gemms[0].out;
+    if (need_k) k = gemms[1].out;
+    if (need_v) v = gemms.back().out;
   } else {
     q = attnx_linear(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E));
     if (pack && same_view(key, value)) {
