@@ -1,8 +1,9 @@
 """What every benchmark case shares: timing, dispatch counting, progress lines, tables, result files.
 
-Machines are noisy, so candidates are timed interleaved (round-robin, the same number of repetitions each) and
-compared as ratios of medians taken in the same run; each figure comes with its spread (the interquartile
-range as a percentage of the median) and the number of repetitions.
+Machines are noisy, so candidates are timed interleaved (round-robin, the same number of repetitions each, the
+order reversed every other round) and compared as ratios of medians taken in the same run; each figure comes
+with its spread (the interquartile range as a percentage of the median) and the number of repetitions. Where
+two candidates are close, :func:`paired_ratio` compares them round by round instead.
 """
 
 import datetime
@@ -74,7 +75,8 @@ class Timing:
 
 
 def time_interleaved(fns: dict, device: str = "cpu", reps: int = 15, min_block_s: float = 0.02) -> dict:
-    """Time each callable in ``fns`` round-robin; returns ``{name: Timing}``.
+    """Time each callable in ``fns`` round-robin, the order reversed every other round; returns
+    ``{name: Timing}`` whose samples line up by round.
 
     Each sample is the mean of a block of calls whose size is chosen per callable so that one block lasts
     about ``min_block_s``, which keeps timer resolution and per-call noise out of short calls
@@ -94,8 +96,9 @@ def time_interleaved(fns: dict, device: str = "cpu", reps: int = 15, min_block_s
         once = max(time.perf_counter() - t0, 1e-7)
         blocks[name] = max(1, int(min_block_s / once))
     timings = {name: Timing() for name in fns}
+    order = list(fns.items())
     for _ in range(reps):
-        for name, fn in fns.items():
+        for name, fn in order:
             n = blocks[name]
             synchronize(device)
             t0 = time.perf_counter()
@@ -103,7 +106,40 @@ def time_interleaved(fns: dict, device: str = "cpu", reps: int = 15, min_block_s
                 fn()
             synchronize(device)
             timings[name].samples.append((time.perf_counter() - t0) / n)
+        order.reverse()  # no candidate always runs first, or always after the same one
     return timings
+
+
+@dataclass
+class Ratio:
+    """Time ratios a / b of two candidates, one per round of :func:`time_interleaved` (the two ran within
+    the same round, so the load of the machine at that moment divides out)."""
+
+    samples: list
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def ci95(self) -> tuple:
+        """A distribution-free 95% confidence interval of the median: the order statistics whose ranks the
+        binomial(n, 1/2) count of samples below the median reaches with 2.5% probability either side."""
+        ordered, n = sorted(self.samples), len(self.samples)
+        k = max(0, int(n / 2 - 1.96 * n**0.5 / 2))
+        return ordered[k], ordered[n - 1 - k]
+
+    def __str__(self) -> str:
+        lo, hi = self.ci95
+        return f"{self.median:.2f}x ({lo:.2f}-{hi:.2f})"
+
+    def to_json(self) -> dict:
+        return {"median": self.median, "ci95": list(self.ci95), "rounds": len(self.samples)}
+
+
+def paired_ratio(a: Timing, b: Timing) -> Ratio:
+    """Round-by-round ratios of two timings from the same :func:`time_interleaved` call."""
+    return Ratio([x / y for x, y in zip(a.samples, b.samples, strict=True)])
 
 
 # -----------------------------------------------------------------------------------------------------------
