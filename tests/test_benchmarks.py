@@ -70,3 +70,24 @@ def test_plot_from_a_result_file(tmp_path):
     path.write_text(json.dumps({"cases": {"scaling": {"environment": env, "results": results}}}))
     message = plot(str(path))
     assert (tmp_path / "cpu-2026-01-01-scaling.png").stat().st_size > 0, message
+
+
+def test_paired_ratio_pairs_rounds_and_brackets_the_median():
+    from benchmarks.common import Timing, paired_ratio
+
+    # Round i: b took 1 + i ms and a 0.9x as long, but for one outlier round: ratios taken round by round
+    # divide the drift (1 to 100 ms) out, and the outlier moves neither the median nor the interval.
+    b = Timing([(1 + i) * 1e-3 for i in range(100)])
+    a = Timing([0.9 * t for t in b.samples[:-1]] + [b.samples[-1] * 5])
+    ratio = paired_ratio(a, b)
+    assert len(ratio.samples) == 100
+    assert ratio.median == pytest.approx(0.9)
+    lo, hi = ratio.ci95
+    assert lo == pytest.approx(0.9) and hi == pytest.approx(0.9)
+    assert str(ratio) == "0.90x (0.90-0.90)"
+    # Distinct ratios: the interval is order statistics 40 and 59 (0-based) of 100, n/2 -+ 1.96 sqrt(n)/2.
+    spread = paired_ratio(Timing([0.5 + i / 100 for i in range(100)]), Timing([1.0] * 100))
+    assert spread.ci95 == (pytest.approx(0.5 + 40 / 100), pytest.approx(0.5 + 59 / 100))
+    assert spread.to_json()["rounds"] == 100
+    with pytest.raises(ValueError):  # timings from different runs do not pair
+        paired_ratio(Timing([1.0, 2.0]), Timing([1.0]))
