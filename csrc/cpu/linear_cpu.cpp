@@ -61,7 +61,7 @@ void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
     largest = std::max(largest, M * N * K);
   }
   // One GEMM is shared out only when it has few rows for its columns: BLAS's own threading splits the rows,
-  // so every thread packs the whole weight, where column shares pack a part each (measured: 0.77-0.96x the
+  // so every thread packs the whole weight, where column shares pack a part each (measured: 0.77-0.97x the
   // time at 8-64 rows, 1.1x at as many rows as columns).
   const bool skinny =
       lines.size() == 1 && !lines[0].by_rows && 2 * lines[0].gemm->c.size(0) <= lines[0].units;
