@@ -70,9 +70,9 @@ def test_size1_bias_broadcasts():
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
 @pytest.mark.parametrize("bias", ["full", "strided", "size1", "none"])
 def test_few_rows_run_in_column_shares(threads, layout, bias):
-    """On the CPU a GEMM with few rows for its outputs (>= 2^20 multiply-adds, rows <= half the outputs)
-    runs as one column share of the weight per thread (csrc/cpu/linear_cpu.cpp): every column computed, the
-    bias cut with the columns (or broadcast, when it has one element)."""
+    """On the CPU (with MKL under OpenMP) a GEMM with few rows for its outputs (>= 2^20 multiply-adds, rows
+    <= half the outputs) runs as one column share of the weight per thread (csrc/cpu/linear_cpu.cpp): every
+    column computed, the bias cut with the columns (or broadcast, when it has one element)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

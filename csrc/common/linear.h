@@ -51,7 +51,8 @@ void run_gemm(const LinearGemm& gemm);
 // Runs independent CPU GEMMs (csrc/cpu/linear_cpu.cpp): their work, laid end to end, is cut into one share
 // per intra-op thread along rows or columns, and each thread runs its share on one thread of BLAS. For the
 // few, small GEMMs of attention's in-projections, and for a single GEMM with few rows, this beats one
-// multi-threaded GEMM after another; large GEMMs, a lone GEMM with many rows, one thread: one after another.
+// multi-threaded GEMM after another (measured with MKL under OpenMP, the only build that uses it); large
+// GEMMs, a lone GEMM with many rows, one thread: one after another.
 void run_gemms_in_shares(const std::vector<LinearGemm>& gemms);
 
 }  // namespace attnx

@@ -2,6 +2,7 @@
 // common/linear.cpp; the GEMMs are ATen's CPU BLAS, the one F.linear uses, run in shares per thread where
 // that beats BLAS's own threading (run_gemms_in_shares).
 #include <ATen/ATen.h>
+#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -20,6 +21,9 @@ constexpr int64_t kMinSharedWork = int64_t(1) << 20;
 constexpr int64_t kMaxBlasShare = int64_t(1) << 27;
 // Shares are cut at multiples of this many rows or columns (a 64-byte line of fp32 output), ends excepted.
 constexpr int64_t kCutAlign = 16;
+// Where shares were measured to pay: MKL under ATen's OpenMP threads, where a GEMM called inside a parallel
+// region runs on the calling thread alone. Builds with another BLAS or thread pool keep BLAS's own threading.
+constexpr bool kSharesMeasured = AT_MKL_ENABLED() && AT_PARALLEL_OPENMP;
 
 // A GEMM seen as a line of `units` rows or columns (the larger of its output dims, so that the operand every
 // share reads in full is the smaller one), each worth `unit_work` multiply-adds.
@@ -66,7 +70,7 @@ void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
   const bool skinny =
       lines.size() == 1 && !lines[0].by_rows && 2 * lines[0].gemm->c.size(0) <= lines[0].units;
   const int64_t threads = at::get_num_threads();
-  if (threads == 1 || (lines.size() == 1 && !skinny) || total < kMinSharedWork ||
+  if (!kSharesMeasured || threads == 1 || (lines.size() == 1 && !skinny) || total < kMinSharedWork ||
       largest >= kMaxBlasShare * threads || at::in_parallel_region()) {
     for (const GemmLine& line : lines) run_gemm(*line.gemm);
     return;
