@@ -36,3 +36,11 @@ def require_kernel(op: str, device: str) -> None:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def intra_op_threads():
+    """Sets torch's intra-op thread count for one test (call it with the count) and restores it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

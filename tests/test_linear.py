@@ -69,24 +69,20 @@ def test_size1_bias_broadcasts():
 @pytest.mark.parametrize("threads", [2, 3, 8])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
 @pytest.mark.parametrize("bias", ["full", "strided", "size1", "none"])
-def test_few_rows_run_in_column_shares(threads, layout, bias):
+def test_few_rows_run_in_column_shares(threads, layout, bias, intra_op_threads):
     """On the CPU (with MKL under OpenMP) a GEMM with few rows for its outputs (>= 2^20 multiply-adds, rows
     <= half the outputs) runs as one column share of the weight per thread (csrc/cpu/linear_cpu.cpp): every
     column computed, the bias cut with the columns (or broadcast, when it has one element)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        x = make((3, 5, 256), layout, torch.float64)
-        w = torch.randn(1000, 256, dtype=torch.float64)
-        b = {
-            "full": torch.randn(1000, dtype=torch.float64),
-            "strided": torch.randn(2000, dtype=torch.float64)[::2],
-            "size1": torch.randn(1, dtype=torch.float64),
-            "none": None,
-        }[bias]
-        _assert_close_to_reference(attnx.linear(x, w, b), x, w, b)
-    finally:
-        torch.set_num_threads(before)
+    intra_op_threads(threads)
+    x = make((3, 5, 256), layout, torch.float64)
+    w = torch.randn(1000, 256, dtype=torch.float64)
+    b = {
+        "full": torch.randn(1000, dtype=torch.float64),
+        "strided": torch.randn(2000, dtype=torch.float64)[::2],
+        "size1": torch.randn(1, dtype=torch.float64),
+        "none": None,
+    }[bias]
+    _assert_close_to_reference(attnx.linear(x, w, b), x, w, b)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -151,14 +151,6 @@ def test_fully_masked_rows():
     _check(args)
 
 
-@pytest.fixture
-def intra_op_threads():
-    """Sets torch's intra-op thread count for one test and restores it afterwards."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [2, 3, 8])
 @pytest.mark.parametrize("projection", ["self", "kv_shared", "separate", "static_k", "strided_rows"])
 def test_in_projections_shared_out_among_threads(projection, threads, intra_op_threads):
