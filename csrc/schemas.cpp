@@ -14,30 +14,39 @@ TORCH_LIBRARY(attnx, m) {
   // F.linear for every input layout: leading dims that form one dense block (in any order) fold into a single
   // GEMM without a copy; the output keeps the memory order of input's leading dims.
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
-  // Fused scaled dot-product attention on (B, H, L, D) / (B, H, S, D) / (B, H, S, Dv) views of any strides,
-  // with nn.MultiheadAttention's masks (bool True = masked out, float added; (L, S), (B*H, L, S) or 4-D
+  // Fused scaled dot-product attention on (B, H, L, D) queries and (B, Hkv, S, D) / (B, Hkv, S, Dv) keys and
+  // values of any strides, Hkv dividing H (grouped KV heads: query head h reads kv head h / (H / Hkv), never a
+  // copy), with nn.MultiheadAttention's masks (bool True = masked out, float added; (L, S), (B*H, L, S) or 4-D
   // broadcastable attn_mask, (B, S) key_padding_mask), read in place. Returns out (B, H, L, Dv) in memory
-  // order (B, L, H, Dv) and the logsumexp lse (B, H, L) (+inf on fully masked rows) that the backward
+  // order (B, L, H, Dv) and the logsumexp lse (B, H, L) (+inf on rows that see no key) that the backward
   // recomputes from. dropout_p > 0 drops each probability with probability dropout_p (and scales the kept
   // ones by 1 / (1 - dropout_p)) before P V; the mask is a pure function of dropout_seed, a CPU int64 tensor
   // (seed, offset) of shape (2,) (a tensor, so that torch.compile does not specialise on its value), and of
   // the element's (b, h, l, s), never stored (include/attnx/philox.h). lse is that of the undropped scores.
+  // Which keys a row sees (include/attnx/key_range.h): is_causal (top-left), key_lengths (B,) int32/int64
+  // (keys at or past key_lengths[b] are ignored) and a window (window_left, window_right) around the
+  // bottom-right-aligned diagonal, -1 = unbounded. softcap > 0 turns each scaled score x into
+  // softcap * tanh(x / softcap) before the masks. sinks (H,) join each row's softmax denominator (and lse).
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, float dropout_p=0.0, "
-      "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)");
-  // The gradients of attention's out with respect to query, key and value, FlashAttention-2 style: the
-  // probabilities are recomputed tile by tile from the saved lse and never stored. Same arguments and mask
-  // semantics as attention; grad_out and out (B, H, L, Dv), lse (B, H, L) as attention returned them, any
-  // strides. Returns grad_query (B, H, L, D), grad_key (B, H, S, D) and grad_value (B, H, S, Dv) in query's
-  // dtype, each in memory order (B, N, H, E) like out. A fully masked row contributes 0. No gradient flows to
-  // masks or through lse. With the forward's dropout_p and dropout_seed, the dropout mask is regenerated, not
-  // read.
+      "Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, Tensor? key_lengths=None, "
+      "float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+  // The gradients of attention's out, FlashAttention-2 style: the probabilities are recomputed tile by tile
+  // from the saved lse and never stored. Same arguments and semantics as attention; grad_out and out
+  // (B, H, L, Dv), lse (B, H, L) as attention returned them, any strides. Returns grad_query (B, H, L, D),
+  // grad_key (B, Hkv, S, D) and grad_value (B, Hkv, S, Dv) in query's dtype, each in memory order (B, N, H, E)
+  // like out (a kv head's gradients summed over its group of query heads); grad_attn_mask, attn_mask's
+  // gradient in its shape and dtype (summed over the dims it broadcasts along), when grad_attn_mask is set
+  // and attn_mask is a float mask, else empty; grad_sinks (H,) in sinks' dtype when sinks are given, else
+  // empty. A row that sees no key contributes 0. No gradient flows through lse. With the forward's dropout_p
+  // and dropout_seed, the dropout mask is regenerated, not read.
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, "
-      "float dropout_p=0.0, Tensor? dropout_seed=None) -> "
-      "(Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "float dropout_p=0.0, Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "
+      "Tensor? key_lengths=None, float? softcap=None, Tensor? sinks=None, bool grad_attn_mask=False) -> "
+      "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask, Tensor grad_sinks)");
   // The whole nn.MultiheadAttention forward in one dispatch: query (L, B, E), key (S, B, kdim), value
   // (S, B, vdim), or with batch_first (B, L, E), (B, S, kdim), (B, S, vdim) (read through their strides, so a
   // batch_first module needs no transposes around the call); any strides. Packed in_proj_weight or separate

@@ -115,12 +115,14 @@ at::ScalarType attention_acc_dtype(at::ScalarType dtype) {
 void check_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const std::optional<at::Tensor>& attn_mask,
                           const std::optional<at::Tensor>& key_padding_mask, double dropout_p,
-                          const std::optional<at::Tensor>& dropout_seed) {
+                          const std::optional<at::Tensor>& dropout_seed, int64_t window_left,
+                          int64_t window_right, const std::optional<at::Tensor>& key_lengths,
+                          std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 4, "attnx::attention: expected query of shape (B, H, L, D), got a ", query.dim(),
               "-D tensor of shape ", query.sizes());
-  TORCH_CHECK(key.dim() == 4, "attnx::attention: expected key of shape (B, H, S, D), got a ", key.dim(),
+  TORCH_CHECK(key.dim() == 4, "attnx::attention: expected key of shape (B, Hkv, S, D), got a ", key.dim(),
               "-D tensor of shape ", key.sizes());
-  TORCH_CHECK(value.dim() == 4, "attnx::attention: expected value of shape (B, H, S, Dv), got a ",
+  TORCH_CHECK(value.dim() == 4, "attnx::attention: expected value of shape (B, Hkv, S, Dv), got a ",
               value.dim(), "-D tensor of shape ", value.sizes());
   TORCH_CHECK(is_attention_dtype(query.scalar_type()),
               "attnx::attention: expected query of dtype float32, float64, bfloat16 or float16, got ",
@@ -133,13 +135,16 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& key, const 
   }
 
   const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
-  const int64_t S = key.size(2);
-  TORCH_CHECK(key.size(0) == B && key.size(1) == H && key.size(3) == D,
-              "attnx::attention: expected key of shape (B, H, S, D) = (", B, ", ", H, ", S, ", D,
-              ") to match query's B, H and D, got ", key.sizes());
-  TORCH_CHECK(value.size(0) == B && value.size(1) == H && value.size(2) == S,
-              "attnx::attention: expected value of shape (B, H, S, Dv) = (", B, ", ", H, ", ", S,
-              ", Dv) to match query's B, H and key's S, got ", value.sizes());
+  const int64_t Hkv = key.size(1), S = key.size(2);
+  TORCH_CHECK(key.size(0) == B && key.size(3) == D,
+              "attnx::attention: expected key of shape (B, Hkv, S, D) = (", B, ", Hkv, S, ", D,
+              ") to match query's B and D, got ", key.sizes());
+  TORCH_CHECK(Hkv > 0 ? H % Hkv == 0 : H == 0,
+              "attnx::attention: expected the number of key/value heads (Hkv = ", Hkv,
+              ") to divide the number of query heads (H = ", H, ")");
+  TORCH_CHECK(value.size(0) == B && value.size(1) == Hkv && value.size(2) == S,
+              "attnx::attention: expected value of shape (B, Hkv, S, Dv) = (", B, ", ", Hkv, ", ", S,
+              ", Dv) to match query's B and key's Hkv and S, got ", value.sizes());
 
   if (attn_mask) {
     check_mask_dtype_and_device(*attn_mask, "attn_mask", query);
@@ -154,6 +159,43 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& key, const 
         key_padding_mask->sizes());
   }
   check_dropout_args(dropout_p, dropout_seed);
+  TORCH_CHECK(window_left >= -1 && window_right >= -1,
+              "attnx::attention: expected window_left and window_right >= -1 (-1 = unbounded), got (",
+              window_left, ", ", window_right, ")");
+  if (key_lengths) {
+    const at::Tensor& t = *key_lengths;
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                "attnx::attention: expected key_lengths of dtype int32 or int64, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "attnx::attention: expected key_lengths of shape (B,) = (", B,
+                ",), got ", t.sizes());
+    TORCH_CHECK(t.device() == query.device(), "attnx::attention: expected key_lengths on query's device ",
+                query.device(), ", got ", t.device());
+    // Read where that costs no device sync. On a GPU the kernels clamp into [0, S] instead.
+    if (t.device().is_cpu()) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t n = t.scalar_type() == at::kInt ? int64_t{t.const_data_ptr<int32_t>()[b * t.stride(0)]}
+                                                      : t.const_data_ptr<int64_t>()[b * t.stride(0)];
+        TORCH_CHECK(n >= 0 && n <= S, "attnx::attention: expected key_lengths in [0, S] = [0, ", S,
+                    "], got key_lengths[", b, "] = ", n);
+      }
+    }
+  }
+  if (softcap) {
+    TORCH_CHECK(std::isfinite(*softcap) && *softcap > 0.0,
+                "attnx::attention: expected softcap to be a finite number > 0 (None: no soft-capping), got ",
+                *softcap);
+  }
+  if (sinks) {
+    const at::Tensor& t = *sinks;
+    TORCH_CHECK(is_attention_dtype(t.scalar_type()),
+                "attnx::attention: expected sinks of a floating dtype (float16, bfloat16, float32 or "
+                "float64), got ",
+                t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == H, "attnx::attention: expected sinks of shape (H,) = (", H,
+                ",), got ", t.sizes());
+    TORCH_CHECK(t.device() == query.device(), "attnx::attention: expected sinks on query's device ",
+                query.device(), ", got ", t.device());
+  }
 }
 
 namespace {
@@ -164,8 +206,10 @@ AttentionParams attention_params(const at::Tensor& query, const at::Tensor& key,
                                  const std::optional<at::Tensor>& attn_mask,
                                  const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                                  std::optional<double> scale, double dropout_p,
-                                 const std::optional<at::Tensor>& dropout_seed, const void** attn_mask_ptr,
-                                 const void** key_padding_mask_ptr) {
+                                 const std::optional<at::Tensor>& dropout_seed, int64_t window_left,
+                                 int64_t window_right, const std::optional<at::Tensor>& key_lengths,
+                                 std::optional<double> softcap, bool has_sinks, const void** attn_mask_ptr,
+                                 const void** key_padding_mask_ptr, const void** key_lengths_ptr) {
   AttentionParams p{};
   p.batch = query.size(0);
   p.heads = query.size(1);
@@ -173,6 +217,7 @@ AttentionParams attention_params(const at::Tensor& query, const at::Tensor& key,
   p.kv_len = key.size(2);
   p.head_dim = query.size(3);
   p.v_head_dim = value.size(3);
+  p.kv_heads = key.size(1);
   for (int d = 0; d < 4; ++d) {
     p.q_stride[d] = query.stride(d);
     p.k_stride[d] = key.stride(d);
@@ -215,7 +260,25 @@ AttentionParams attention_params(const at::Tensor& query, const at::Tensor& key,
     p.dropout_p = static_cast<float>(dropout_p);
     split_scale(dropout_p < 1.0 ? 1.0 / (1.0 - dropout_p) : 0.0, &p.dropout_scale, &p.dropout_scale_lo);
   }
+
+  p.window_left = window_left;
+  p.window_right = window_right;
+  *key_lengths_ptr = nullptr;
+  if (key_lengths) {
+    p.key_lengths_kind = key_lengths->scalar_type() == at::kInt ? kKeyLengthsInt32 : kKeyLengthsInt64;
+    p.key_lengths_stride = key_lengths->stride(0);
+    *key_lengths_ptr = key_lengths->const_data_ptr();
+  }
+  p.has_sinks = has_sinks ? 1 : 0;
+  if (softcap) split_scale(*softcap, &p.softcap, &p.softcap_lo);
   return p;
+}
+
+// sinks as the kernels read them: (H,) in the accumulator dtype, contiguous. A copy of H values only when
+// they are stored otherwise.
+at::Tensor sinks_for_kernels(const std::optional<at::Tensor>& sinks, at::ScalarType dtype) {
+  if (!sinks) return at::Tensor();
+  return sinks->to(attention_acc_dtype(dtype)).contiguous();
 }
 
 // A (B, H, N, E) tensor laid out in memory as (B, N, H, E), the layout of out and of the gradients.
@@ -239,11 +302,17 @@ AttentionProblem prepare_attention(const at::Tensor& query, const at::Tensor& ke
                                    const std::optional<at::Tensor>& attn_mask,
                                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                                    std::optional<double> scale, double dropout_p,
-                                   const std::optional<at::Tensor>& dropout_seed) {
-  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed);
+                                   const std::optional<at::Tensor>& dropout_seed, int64_t window_left,
+                                   int64_t window_right, const std::optional<at::Tensor>& key_lengths,
+                                   std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed, window_left,
+                       window_right, key_lengths, softcap, sinks);
   AttentionProblem pb{};
   pb.params = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                               dropout_seed, &pb.attn_mask, &pb.key_padding_mask);
+                               dropout_seed, window_left, window_right, key_lengths, softcap,
+                               sinks.has_value(), &pb.attn_mask, &pb.key_padding_mask, &pb.key_lengths);
+  pb.sinks_acc = sinks_for_kernels(sinks, query.scalar_type());
+  pb.sinks = sinks ? pb.sinks_acc.const_data_ptr() : nullptr;
   AttentionParams& p = pb.params;
 
   // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
@@ -267,10 +336,15 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
                                                     const std::optional<at::Tensor>& key_padding_mask,
                                                     bool is_causal, std::optional<double> scale,
                                                     double dropout_p,
-                                                    const std::optional<at::Tensor>& dropout_seed) {
-  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed);
+                                                    const std::optional<at::Tensor>& dropout_seed,
+                                                    int64_t window_left, int64_t window_right,
+                                                    const std::optional<at::Tensor>& key_lengths,
+                                                    std::optional<double> softcap,
+                                                    const std::optional<at::Tensor>& sinks) {
+  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed, window_left,
+                       window_right, key_lengths, softcap, sinks);
   const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
-  const int64_t S = key.size(2), Dv = value.size(3);
+  const int64_t Hkv = key.size(1), S = key.size(2), Dv = value.size(3);
   const at::ScalarType dtype = query.scalar_type();
   check_backward_tensor(grad_out, "grad_out", {B, H, L, Dv}, "(B, H, L, Dv)", dtype, query);
   check_backward_tensor(out, "out", {B, H, L, Dv}, "(B, H, L, Dv)", dtype, query);
@@ -279,12 +353,15 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
   AttentionBackwardProblem pb{};
   AttentionBackwardParams& bp = pb.params;
   bp.fwd = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                            dropout_seed, &pb.attn_mask, &pb.key_padding_mask);
+                            dropout_seed, window_left, window_right, key_lengths, softcap, sinks.has_value(),
+                            &pb.attn_mask, &pb.key_padding_mask, &pb.key_lengths);
+  pb.sinks_acc = sinks_for_kernels(sinks, dtype);
+  pb.sinks = sinks ? pb.sinks_acc.const_data_ptr() : nullptr;
   // The gradients take out's layout, (B, N, H, E) in memory: a multi-head caller's in-projection gradient
   // reads them as (B, N, H*E) views.
   pb.grad_query = empty_bnhe(B, H, L, D, query.options());
-  pb.grad_key = empty_bnhe(B, H, S, D, query.options());
-  pb.grad_value = empty_bnhe(B, H, S, Dv, query.options());
+  pb.grad_key = empty_bnhe(B, Hkv, S, D, query.options());
+  pb.grad_value = empty_bnhe(B, Hkv, S, Dv, query.options());
   for (int d = 0; d < 4; ++d) {
     bp.fwd.out_stride[d] = out.stride(d);
     bp.grad_out_stride[d] = grad_out.stride(d);
@@ -302,6 +379,32 @@ AttentionBackwardProblem prepare_attention_backward(const at::Tensor& grad_out, 
   pb.out = out.const_data_ptr();
   pb.lse = lse.const_data_ptr();
   return pb;
+}
+
+MaskGradShape mask_grad_shape(const at::Tensor& attn_mask, int64_t B, int64_t H) {
+  MaskGradShape g{};
+  if (attn_mask.dim() == 2) {
+    g = {{1, 1, attn_mask.size(0), attn_mask.size(1)}};
+  } else if (attn_mask.dim() == 3) {
+    g = {{B, H, attn_mask.size(1), attn_mask.size(2)}};
+  } else {
+    for (int d = 0; d < 4; ++d) g.size[d] = attn_mask.size(d);
+  }
+  return g;
+}
+
+at::Tensor mask_grad_from_buffer(const at::Tensor& buffer, const at::Tensor& attn_mask) {
+  return buffer.view(attn_mask.sizes()).to(attn_mask.scalar_type());
+}
+
+at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                      const at::Tensor& sinks) {
+  const auto acc = lse.scalar_type();
+  const at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);  // (B, H, L)
+  // A row that sees no key has lse = +inf: its sink's probability exp(sink - inf) is 0, as its out is 0
+  // whatever the sink.
+  const at::Tensor p_sink = (sinks.to(acc).view({1, -1, 1}) - lse).exp_();
+  return (p_sink * delta).sum({0, 2}).neg_().to(sinks.scalar_type());
 }
 
 }  // namespace attnx

@@ -34,22 +34,29 @@ std::tuple<at::Tensor, at::Tensor> attnx_attention(const at::Tensor& q, const at
           .findSchemaOrThrow("attnx::attention", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptTensor&, const OptTensor&, bool,
-                                                    std::optional<double>, double, const OptTensor&)>();
-  return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p, dropout_seed);
+                                                    std::optional<double>, double, const OptTensor&, int64_t,
+                                                    int64_t, const OptTensor&, std::optional<double>,
+                                                    const OptTensor&)>();
+  return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p, dropout_seed, -1, -1,
+                 std::nullopt, std::nullopt, std::nullopt);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attnx_attention_backward(
+// attention_backward's gradients of q, k, v and, when grad_attn_mask, of attn_mask (else undefined).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attnx_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
-    double dropout_p, const OptTensor& dropout_seed) {
+    double dropout_p, const OptTensor& dropout_seed, bool grad_attn_mask) {
+  using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("attnx::attention_backward", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, bool,
-                                 std::optional<double>, double, const OptTensor&)>();
-  return op.call(grad_out, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p,
-                 dropout_seed);
+                             .typed<Grads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+                                          bool, std::optional<double>, double, const OptTensor&, int64_t, int64_t,
+                                          const OptTensor&, std::optional<double>, const OptTensor&, bool)>();
+  auto [dq, dk, dv, dmask, dsinks] =
+      op.call(grad_out, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p,
+              dropout_seed, -1, -1, std::nullopt, std::nullopt, std::nullopt, grad_attn_mask);
+  return {dq, dk, dv, grad_attn_mask ? dmask : at::Tensor()};
 }
 
 OptTensor rows(const OptTensor& t, int64_t start, int64_t length) {
@@ -75,13 +82,12 @@ at::Tensor split_heads(const at::Tensor& t, int64_t num_heads) {
   return t.unflatten(2, {num_heads, t.size(2) / num_heads}).permute({1, 2, 0, 3});
 }
 
-// Attention weights recomputed from lse, (B, H, L, S) in lse's dtype. Only for callers that asked for them.
-// Fully masked rows (lse = +inf) give NaN, as torch's softmax of an all -inf row does.
+// Attention weights, (B, H, L, S) in lse's dtype, normalised exactly as torch's softmax (not from lse: see
+// attention_weights_exact). Only for callers that asked for them. Fully masked rows give NaN, as torch's.
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
                              const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal) {
   const double scale = 1.0 / std::sqrt(double(q.size(3)));
-  return attention_probabilities(q, k, lse, attn_mask, key_padding_mask, is_causal, scale)
-      .masked_fill_(lse.isposinf().unsqueeze(-1), std::numeric_limits<double>::quiet_NaN());
+  return attention_weights_exact(q, k, lse.scalar_type(), attn_mask, key_padding_mask, is_causal, scale);
 }
 
 // query, key and value as the caller passed them: (L, B, E), (S, B, kdim), (S, B, vdim), or with batch_first
@@ -372,9 +378,9 @@ std::vector<at::Tensor> mha_backward(
   at::Tensor grad_attn = grad_out_rows.mm(out_proj_weight).view({B, L, H, Dh}).permute({0, 2, 1, 3});
 
   // Attention, probabilities recomputed from lse.
-  auto [grad_q, grad_k, grad_v] =
+  auto [grad_q, grad_k, grad_v, grad_mask] =
       attnx_attention_backward(grad_attn, q, k, v, attn, lse, attn_mask, key_padding_mask, is_causal, dropout_p,
-                               dropout_seed);
+                               dropout_seed, /*grad_attn_mask=*/false);
   if (grad_weights && grad_weights->defined() && grad_weights->numel() > 0) {
     TORCH_CHECK(need_weights, "attnx::mha_backward: got grad_weights for a call without need_weights");
     add_weights_grad(*grad_weights, average_attn_weights, q, k, lse, attn_mask, key_padding_mask, is_causal, grad_q,

@@ -26,29 +26,49 @@ cpu::AttentionBackwardKernel select_backward_kernel() {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed, int64_t window_left, int64_t window_right,
+    const std::optional<at::Tensor>& key_lengths, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, bool grad_attn_mask) {
   AttentionBackwardProblem pb = prepare_attention_backward(grad_out, query, key, value, out, lse, attn_mask,
                                                            key_padding_mask, is_causal, scale, dropout_p,
-                                                           dropout_seed);
-  const cpu::AttentionBackwardData data{pb.dtype,
-                                        pb.grad_out,
-                                        pb.query,
-                                        pb.key,
-                                        pb.value,
-                                        pb.out,
-                                        pb.lse,
-                                        pb.attn_mask,
-                                        pb.key_padding_mask,
-                                        pb.grad_query.data_ptr(),
-                                        pb.grad_key.data_ptr(),
-                                        pb.grad_value.data_ptr()};
+                                                           dropout_seed, window_left, window_right,
+                                                           key_lengths, softcap, sinks);
+  cpu::AttentionBackwardData data{pb.dtype,
+                                  pb.grad_out,
+                                  pb.query,
+                                  pb.key,
+                                  pb.value,
+                                  pb.out,
+                                  pb.lse,
+                                  pb.attn_mask,
+                                  pb.key_padding_mask,
+                                  pb.key_lengths,
+                                  pb.sinks,
+                                  pb.grad_query.data_ptr(),
+                                  pb.grad_key.data_ptr(),
+                                  pb.grad_value.data_ptr(),
+                                  nullptr,
+                                  {0, 0, 0, 0}};
+  // The mask's gradient is summed in the accumulator dtype, in a buffer of the gradient's own size (never
+  // (B, H, L, S) unless the mask is), then converted to the mask's dtype.
+  at::Tensor mask_grad;
+  const bool want_mask_grad = grad_attn_mask && attn_mask && attn_mask->scalar_type() != at::kBool;
+  if (want_mask_grad) {
+    const MaskGradShape g = mask_grad_shape(*attn_mask, query.size(0), query.size(1));
+    mask_grad = at::zeros({g.size[0], g.size[1], g.size[2], g.size[3]}, lse.options());
+    data.grad_attn_mask = mask_grad.data_ptr();
+    for (int d = 0; d < 4; ++d) data.grad_attn_mask_size[d] = g.size[d];
+  }
   static const cpu::AttentionBackwardKernel kernel = select_backward_kernel();
   kernel(pb.params, data);
-  return {pb.grad_query, pb.grad_key, pb.grad_value};
+  const at::Tensor empty = query.new_empty({0});
+  return {pb.grad_query, pb.grad_key, pb.grad_value,
+          want_mask_grad ? mask_grad_from_buffer(mask_grad, *attn_mask) : empty,
+          sinks ? sinks_grad(grad_out, out, lse, *sinks) : empty};
 }
 
 }  // namespace attnx

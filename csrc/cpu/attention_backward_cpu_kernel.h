@@ -22,9 +22,15 @@ struct AttentionBackwardData {
   const void* lse;               // float32, or float64 when dtype is float64
   const void* attn_mask;         // nullptr when absent
   const void* key_padding_mask;  // nullptr when absent
+  const void* key_lengths;       // nullptr when absent
+  const void* sinks;             // nullptr when absent
   void* grad_query;
   void* grad_key;
   void* grad_value;
+  // attn_mask's gradient, summed over the dims it broadcasts along: a zeroed, contiguous buffer in the
+  // accumulator type of grad_attn_mask_size (B or 1, H or 1, L or 1, S or 1), or nullptr when not asked for.
+  void* grad_attn_mask;
+  int64_t grad_attn_mask_size[4];
 };
 
 using AttentionBackwardKernel = void (*)(const AttentionBackwardParams&, const AttentionBackwardData&);

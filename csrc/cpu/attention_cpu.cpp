@@ -40,12 +40,17 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
                                                  const std::optional<at::Tensor>& key_padding_mask,
                                                  bool is_causal, std::optional<double> scale,
                                                  double dropout_p,
-                                                 const std::optional<at::Tensor>& dropout_seed) {
+                                                 const std::optional<at::Tensor>& dropout_seed,
+                                                 int64_t window_left, int64_t window_right,
+                                                 const std::optional<at::Tensor>& key_lengths,
+                                                 std::optional<double> softcap,
+                                                 const std::optional<at::Tensor>& sinks) {
   AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                          dropout_p, dropout_seed);
-  const cpu::AttentionData data{
-      {pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()},
-      pb.dtype};
+                                          dropout_p, dropout_seed, window_left, window_right, key_lengths,
+                                          softcap, sinks);
+  const cpu::AttentionData data{{pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask,
+                                 pb.out.data_ptr(), pb.lse.data_ptr(), pb.key_lengths, pb.sinks},
+                                pb.dtype};
   static const cpu::AttentionKernel kernel = select_kernel();
   kernel(pb.params, data);
   return {pb.out, pb.lse};

@@ -115,12 +115,22 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
                                                   const std::optional<at::Tensor>& key_padding_mask,
                                                   bool is_causal, std::optional<double> scale,
                                                   double dropout_p,
-                                                  const std::optional<at::Tensor>& dropout_seed) {
+                                                  const std::optional<at::Tensor>& dropout_seed,
+                                                  int64_t window_left, int64_t window_right,
+                                                  const std::optional<at::Tensor>& key_lengths,
+                                                  std::optional<double> softcap,
+                                                  const std::optional<at::Tensor>& sinks) {
   // Only a CUDA query sets the device; any other mix of devices fails prepare_attention's device checks.
   c10::cuda::OptionalCUDAGuard guard;
   if (query.is_cuda()) guard.set_device(query.device());
   AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                          dropout_p, dropout_seed);
+                                          dropout_p, dropout_seed, window_left, window_right, key_lengths,
+                                          softcap, sinks);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      pb.params.kv_heads == pb.params.heads && window_left < 0 && window_right < 0 && !key_lengths &&
+          !softcap && !sinks,
+      "attnx::attention: grouped KV heads, windows, key_lengths, softcap and sinks are not implemented on "
+      "CUDA yet");
   const cuda::DType dtype = kernel_dtype(pb.dtype);
   if (cuda::plan_attention(pb.params, dtype).bucket == 0) {
     TORCH_CHECK(!pb.params.dropout, "attnx::attention: expected head dims up to ", cuda::kMaxHeadDim,
@@ -129,8 +139,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
     attention_composite(query, key, value, attn_mask, key_padding_mask, is_causal, scale, pb);
     return {pb.out, pb.lse};
   }
-  const AttentionPointers ptr{
-      pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr()};
+  const AttentionPointers ptr{pb.query,          pb.key,           pb.value,       pb.attn_mask,
+                              pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr(), pb.key_lengths,
+                              pb.sinks};
   const c10::DeviceIndex device = query.device().index();
   const cudaError_t err =
       cuda::launch_attention(pb.params, dtype, ptr, c10::cuda::getCurrentCUDAStream(device),

@@ -16,7 +16,11 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
                                                  const std::optional<at::Tensor>& attn_mask,
                                                  const std::optional<at::Tensor>& key_padding_mask,
                                                  bool is_causal, std::optional<double> scale, double dropout_p,
-                                                 const std::optional<at::Tensor>& dropout_seed) {
+                                                 const std::optional<at::Tensor>& dropout_seed,
+                                                 int64_t window_left, int64_t window_right,
+                                                 const std::optional<at::Tensor>& key_lengths,
+                                                 std::optional<double> softcap,
+                                                 const std::optional<at::Tensor>& sinks) {
   // Every check happens here, before dispatch_sync: an exception inside the block would end the process.
   TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "attnx::attention: dropout is not implemented on MPS yet");
   const mps::DType dtype = mps::metal_dtype(query.scalar_type(), "attnx::attention");
@@ -24,8 +28,14 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
     TORCH_CHECK(!*mask || (*mask)->scalar_type() != at::kDouble,
                 "attnx::attention: float64 masks are not supported on MPS (Metal has no double)");
   }
-  AttentionProblem pb =
-      prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed);
+  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                                          dropout_p, dropout_seed, window_left, window_right, key_lengths,
+                                          softcap, sinks);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      pb.params.kv_heads == pb.params.heads && window_left < 0 && window_right < 0 && !key_lengths &&
+          !softcap && !sinks,
+      "attnx::attention: grouped KV heads, windows, key_lengths, softcap and sinks are not implemented on "
+      "MPS yet");
   const AttentionParams params = pb.params;
   const mps::AttentionPlan plan = mps::plan_attention(params, dtype);
   TORCH_CHECK(plan.kernel != mps::AttentionKernel::kNone,

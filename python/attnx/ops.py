@@ -39,11 +39,18 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused scaled dot-product attention with ``nn.MultiheadAttention``'s masks; returns ``(out, lse)``.
 
-    query ``(B, H, L, D)``, key ``(B, H, S, D)`` and value ``(B, H, S, Dv)``, of one dtype (float32, float64,
-    bfloat16 or float16) and any strides: they are read in place, never copied.
+    query ``(B, H, L, D)``, key ``(B, Hkv, S, D)`` and value ``(B, Hkv, S, Dv)``, of one dtype (float32,
+    float64, bfloat16 or float16) and any strides: they are read in place, never copied. ``Hkv`` divides
+    ``H`` (grouped KV heads, GQA; ``Hkv == 1`` is MQA): query head ``h`` reads kv head ``h // (H // Hkv)``,
+    indexed in place (no repeat).
 
     attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
     ``(B, H, L, S)``. key_padding_mask: ``(B, S)``. For both, bool ``True`` means *masked out* (the
@@ -51,6 +58,20 @@ def attention(
     combine. Masks are read in place through their own strides (broadcast dims cost nothing), never merged
     into a ``(B, H, L, S)`` tensor. ``is_causal`` masks key ``s > l`` (top-left aligned, as SDPA).
     ``scale`` defaults to ``1/sqrt(D)``.
+
+    Which keys a row sees, without a mask tensor: with ``S_b`` valid keys in batch ``b``
+    (``key_lengths[b]``, an int32/int64 ``(B,)`` tensor on query's device, e.g. a static KV cache's filled
+    length; else ``S``), keys ``s >= S_b`` are ignored, and query row ``l`` sits at key position
+    ``l + S_b - L`` (bottom-right aligned, as FlashAttention: a decoding step's query is the last position).
+    A window keeps key ``s`` iff ``l + S_b - L - window_left <= s <= l + S_b - L + window_right``, ``-1``
+    leaving a side unbounded: ``(-1, 0)`` is causal attention for a KV-cache step or a chunked prefill,
+    ``(w - 1, 0)`` a sliding window of ``w`` keys. Key tiles outside a row's range are skipped, so the cost
+    grows with the window, not with S. On the CPU key_lengths outside ``[0, S]`` raise; on a GPU, where
+    reading them would cost a device sync, they are clamped into ``[0, S]``.
+
+    ``softcap`` (> 0, or None): scores become ``softcap * tanh(score / softcap)`` before the masks are added
+    (Gemma 2). ``sinks`` ``(H,)``: one logit per query head that joins every row's softmax denominator (and
+    ``lse``) and adds no value (gpt-oss).
 
     ``dropout_p`` in ``[0, 1]``: dropout on the attention probabilities, fused (each is zeroed with
     probability ``dropout_p`` and the kept ones scaled by ``1 / (1 - dropout_p)`` before they multiply value;
@@ -65,19 +86,21 @@ def attention(
     Returns out ``(B, H, L, Dv)`` in query's dtype, laid out in memory as ``(B, L, H, Dv)`` so that
     ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is a view, and ``lse`` ``(B, H, L)``, the natural-log
     logsumexp of the scaled, masked scores in float32 (float64 for float64 inputs), before dropout. A row
-    whose keys are all masked (or S == 0) gives out 0 and ``lse = +inf``. The semantics are those of
-    :func:`attnx.reference.attention`.
+    that sees no key (every key masked or outside its range, or S == 0) gives out 0 and ``lse = +inf``. The
+    semantics are those of :func:`attnx.reference.attention`.
 
-    Differentiable in query, key and value through :func:`attention_backward`, which recomputes the
-    probabilities from the saved ``lse`` and the dropout mask from the saved seed (autograd saves q, k, v,
-    out, lse, the masks and the seed, nothing of size ``(B, H, L, S)``). ``lse`` is not differentiable (as
-    SDPA's logsumexp), masks get no gradient (a float mask that requires grad makes the backward raise), and
-    there is no double backward.
+    Differentiable in query, key, value, a float ``attn_mask`` (a learned bias: its gradient comes summed
+    over the dims it broadcasts along, in its shape and dtype) and ``sinks``, through
+    :func:`attention_backward`, which recomputes the probabilities from the saved ``lse`` and the dropout
+    mask from the saved seed (autograd saves q, k, v, out, lse, the masks and the seed, nothing of size
+    ``(B, H, L, S)``). ``lse`` is not differentiable (as SDPA's logsumexp), a float ``key_padding_mask``
+    gets no gradient (one that requires grad makes the backward raise), and there is no double backward.
     """
     if dropout_p > 0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(query.device)
     return torch.ops.attnx.attention.default(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed,
+        window_left, window_right, key_lengths, softcap, sinks,
     )
 
 
@@ -105,22 +128,32 @@ def attention_backward(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of :func:`attention`'s out with respect to query, key and value.
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    grad_attn_mask: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`attention`'s out with respect to query, key, value, attn_mask and sinks.
 
     grad_out and out ``(B, H, L, Dv)`` in query's dtype and ``lse`` ``(B, H, L)`` as :func:`attention`
     returned them; the other arguments are those of the forward call. Any strides. FlashAttention-2 style: the
     probabilities are recomputed tile by tile as ``exp(score - lse)`` and never stored; extra memory is
     O(B*H*L) plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in float32 (float64 for float64).
-    Returns grad_query ``(B, H, L, D)``, grad_key ``(B, H, S, D)`` and grad_value ``(B, H, S, Dv)`` in query's
-    dtype, each laid out in memory as ``(B, N, H, E)``, like out. A fully masked row (``lse = +inf``)
-    contributes 0. With the forward's ``dropout_p`` and ``dropout_seed``, the forward's dropout mask is
-    regenerated (never read from memory): ``dV = (Z P)^T dO`` and ``dS = P (Z dP - rowsum(dO O))``, ``Z`` the
-    mask scaled by ``1 / (1 - dropout_p)``.
+    Returns ``(grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks)``: grad_query ``(B, H, L, D)``,
+    grad_key ``(B, Hkv, S, D)`` and grad_value ``(B, Hkv, S, Dv)`` in query's dtype, each laid out in memory
+    as ``(B, N, H, E)``, like out (a kv head's gradients summed over its query heads); when
+    ``grad_attn_mask`` and attn_mask is a float mask, its gradient in its shape and dtype, summed over the
+    dims it broadcasts along (on the CPU without any ``(B, H, L, S)`` buffer unless the mask is that size),
+    else an empty tensor; with sinks, their gradient ``(H,)`` in their dtype, else an empty tensor. A fully
+    masked row (``lse = +inf``) contributes 0. With the forward's ``dropout_p`` and ``dropout_seed``, the
+    forward's dropout mask is regenerated (never read from memory): ``dV = (Z P)^T dO`` and
+    ``dS = P (Z dP - rowsum(dO O))``, ``Z`` the mask scaled by ``1 / (1 - dropout_p)``.
     """
     return torch.ops.attnx.attention_backward.default(
         grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-        dropout_seed,
+        dropout_seed, window_left, window_right, key_lengths, softcap, sinks, grad_attn_mask,
     )
 
 
@@ -337,10 +370,16 @@ def _check_attention_args(
     key_padding_mask: Tensor | None,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
-    """The checks of ``check_attention_args`` in csrc/common/attention.cpp, for fake tensors."""
-    for t, name, shape in ((query, "query", "(B, H, L, D)"), (key, "key", "(B, H, S, D)"),
-                           (value, "value", "(B, H, S, Dv)")):
+    """The checks of ``check_attention_args`` in csrc/common/attention.cpp, for fake tensors (key_lengths'
+    values are not checked here: they are data)."""
+    for t, name, shape in ((query, "query", "(B, H, L, D)"), (key, "key", "(B, Hkv, S, D)"),
+                           (value, "value", "(B, Hkv, S, Dv)")):
         torch._check(
             t.dim() == 4,
             lambda t=t, name=name, shape=shape: f"attnx::attention: expected {name} of shape {shape}, "
@@ -363,16 +402,21 @@ def _check_attention_args(
             f"got {t.device}",
         )
     B, H, L, D = query.shape
-    S = key.shape[2]
+    Hkv, S = key.shape[1], key.shape[2]
     torch._check(
-        key.shape[0] == B and key.shape[1] == H and key.shape[3] == D,
-        lambda: f"attnx::attention: expected key of shape (B, H, S, D) = ({B}, {H}, S, {D}) to match query's "
-        f"B, H and D, got {list(key.shape)}",
+        key.shape[0] == B and key.shape[3] == D,
+        lambda: f"attnx::attention: expected key of shape (B, Hkv, S, D) = ({B}, Hkv, S, {D}) to match "
+        f"query's B and D, got {list(key.shape)}",
     )
     torch._check(
-        value.shape[0] == B and value.shape[1] == H and value.shape[2] == S,
-        lambda: f"attnx::attention: expected value of shape (B, H, S, Dv) = ({B}, {H}, {S}, Dv) to match "
-        f"query's B, H and key's S, got {list(value.shape)}",
+        H % Hkv == 0 if Hkv > 0 else H == 0,
+        lambda: f"attnx::attention: expected the number of key/value heads (Hkv = {Hkv}) to divide the "
+        f"number of query heads (H = {H})",
+    )
+    torch._check(
+        value.shape[0] == B and value.shape[1] == Hkv and value.shape[2] == S,
+        lambda: f"attnx::attention: expected value of shape (B, Hkv, S, Dv) = ({B}, {Hkv}, {S}, Dv) to match "
+        f"query's B and key's Hkv and S, got {list(value.shape)}",
     )
     if attn_mask is not None:
         _check_attention_mask(attn_mask, "attn_mask", query)
@@ -396,6 +440,47 @@ def _check_attention_args(
             f"got {list(key_padding_mask.shape)}",
         )
     _check_dropout_args(dropout_p, dropout_seed)
+    torch._check(
+        window_left >= -1 and window_right >= -1,
+        lambda: "attnx::attention: expected window_left and window_right >= -1 (-1 = unbounded), got "
+        f"({window_left}, {window_right})",
+    )
+    if key_lengths is not None:
+        torch._check(
+            key_lengths.dtype in (torch.int32, torch.int64),
+            lambda: f"attnx::attention: expected key_lengths of dtype int32 or int64, got "
+            f"{_scalar_name(key_lengths.dtype)}",
+        )
+        torch._check(
+            list(key_lengths.shape) == [B],
+            lambda: f"attnx::attention: expected key_lengths of shape (B,) = ({B},), "
+            f"got {list(key_lengths.shape)}",
+        )
+        torch._check(
+            key_lengths.device == query.device,
+            lambda: f"attnx::attention: expected key_lengths on query's device {query.device}, "
+            f"got {key_lengths.device}",
+        )
+    if softcap is not None:
+        torch._check(
+            math.isfinite(softcap) and softcap > 0,
+            lambda: "attnx::attention: expected softcap to be a finite number > 0 (None: no soft-capping), "
+            f"got {softcap}",
+        )
+    if sinks is not None:
+        torch._check(
+            sinks.dtype in _ATTENTION_DTYPES,
+            lambda: "attnx::attention: expected sinks of a floating dtype (float16, bfloat16, float32 or "
+            f"float64), got {_scalar_name(sinks.dtype)}",
+        )
+        torch._check(
+            list(sinks.shape) == [H],
+            lambda: f"attnx::attention: expected sinks of shape (H,) = ({H},), got {list(sinks.shape)}",
+        )
+        torch._check(
+            sinks.device == query.device,
+            lambda: f"attnx::attention: expected sinks on query's device {query.device}, got {sinks.device}",
+        )
 
 
 @torch.library.register_fake("attnx::attention")
@@ -409,8 +494,14 @@ def _attention_fake(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed)
+    _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed,
+                          window_left, window_right, key_lengths, softcap, sinks)
     B, H, L, _ = query.shape
     Dv = value.shape[3]
     # The kernel's layout: out in memory order (B, L, H, Dv), lse contiguous.
@@ -454,55 +545,74 @@ def _attention_backward_fake(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed)
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    grad_attn_mask: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed,
+                          window_left, window_right, key_lengths, softcap, sinks)
     B, H, L, D = query.shape
-    S, Dv = key.shape[2], value.shape[3]
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[3]
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     _check_attention_backward_tensor(grad_out, "grad_out", [B, H, L, Dv], "(B, H, L, Dv)", query.dtype, query)
     _check_attention_backward_tensor(out, "out", [B, H, L, Dv], "(B, H, L, Dv)", query.dtype, query)
     _check_attention_backward_tensor(lse, "lse", [B, H, L], "(B, H, L)", acc, query)
-    # The kernel's layout: out's, memory order (B, N, H, E).
+    # The kernel's layout: out's, memory order (B, N, H, E); the mask's gradient contiguous in its shape.
+    want_mask_grad = grad_attn_mask and attn_mask is not None and attn_mask.dtype != torch.bool
     return (
         query.new_empty((B, L, H, D)).transpose(1, 2),
-        query.new_empty((B, S, H, D)).transpose(1, 2),
-        query.new_empty((B, S, H, Dv)).transpose(1, 2),
+        query.new_empty((B, S, Hkv, D)).transpose(1, 2),
+        query.new_empty((B, S, Hkv, Dv)).transpose(1, 2),
+        attn_mask.new_empty(attn_mask.shape) if want_mask_grad else query.new_empty(0),
+        sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0),
     )
 
 
 def _attention_setup_context(ctx, inputs, output) -> None:
-    query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed = inputs
+    (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left,
+     window_right, key_lengths, softcap, sinks) = inputs
     out, lse = output
     # Like SDPA's logsumexp: an output for the backward (and for combining partial attentions), not a path for
     # gradients; marking it keeps a loss that uses it from silently missing that term.
     ctx.mark_non_differentiable(lse)
-    ctx.masks_requiring_grad = [
-        name for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
-        if mask is not None and mask.requires_grad
-    ]
-    ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
+    ctx.padding_mask_requires_grad = key_padding_mask is not None and key_padding_mask.requires_grad
+    ctx.attn_mask_is_float = attn_mask is not None and attn_mask.dtype != torch.bool
+    ctx.has_sinks = sinks is not None
+    ctx.args = (is_causal, scale, dropout_p, window_left, window_right, softcap)
     # Everything the backward recomputes the probabilities and the dropout mask from; nothing of size
     # (B, H, L, S).
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed)
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed, key_lengths,
+                          sinks)
 
 
 def _attention_backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
-    if ctx.masks_requiring_grad:
-        names = " and ".join(ctx.masks_requiring_grad)
+    if ctx.padding_mask_requires_grad:
         raise RuntimeError(
-            f"attnx.attention: no gradient for float masks; {names} requires grad. Detach the mask, or "
-            "compute its gradient through attnx.reference.attention (which materialises the (B, H, L, S) "
-            "scores)."
+            "attnx.attention: no gradient for a float key_padding_mask, which requires grad. Detach it, or "
+            "pass it as a (B, 1, 1, S) attn_mask, whose gradient attnx computes."
         )
-    query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed = ctx.saved_tensors
+    (query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed, key_lengths,
+     sinks) = ctx.saved_tensors
+    is_causal, scale, dropout_p, window_left, window_right, softcap = ctx.args
     needs = ctx.needs_input_grad
-    grads = (None, None, None)
-    if any(needs[:3]):
+    want_mask = needs[3] and ctx.attn_mask_is_float
+    want_sinks = needs[13] and ctx.has_sinks
+    grads = (None,) * 5
+    if any(needs[:3]) or want_mask or want_sinks:
         grads = torch.ops.attnx.attention_backward.default(
-            grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal, ctx.scale,
-            ctx.dropout_p, dropout_seed,
+            grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+            dropout_seed, window_left, window_right, key_lengths, softcap, sinks, want_mask,
         )
-    return (*(g if need else None for g, need in zip(grads, needs[:3], strict=True)), *(None,) * 6)
+    dq, dk, dv, dmask, dsinks = grads
+    return (
+        *(g if need else None for g, need in zip((dq, dk, dv), needs[:3], strict=True)),
+        dmask if want_mask else None,
+        *(None,) * 9,
+        dsinks if want_sinks else None,
+    )
 
 
 def _no_double_backward(ctx, *grads):

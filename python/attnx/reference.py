@@ -27,36 +27,57 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: Tensor | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention with nn.MultiheadAttention's mask semantics; returns ``(out, lse)``.
 
-    query ``(B, H, L, D)``, key ``(B, H, S, D)``, value ``(B, H, S, Dv)``.
-    attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
+    query ``(B, H, L, D)``, key ``(B, Hkv, S, D)``, value ``(B, Hkv, S, Dv)``. ``Hkv`` divides ``H``
+    (grouped KV heads; ``Hkv == H`` is plain multi-head attention): query head ``h`` reads kv head
+    ``h // (H // Hkv)``.
+
+    The score of query ``l`` and key ``s`` is ``x = scale * q_l . k_s`` (``scale`` defaults to
+    ``1 / sqrt(D)``); with ``softcap > 0`` it becomes ``softcap * tanh(x / softcap)``; then the masks are
+    added. attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
     ``(B, H, L, S)``. key_padding_mask: ``(B, S)``. For both, bool ``True`` means *masked out* (the opposite
-    of SDPA's bool mask) and a float mask is added to the scores; the two combine. ``is_causal`` masks key
-    ``s > l`` (top-left aligned, as SDPA). ``scale`` defaults to ``1 / sqrt(D)``.
+    of SDPA's bool mask) and a float mask is added to the scores; the two combine.
+
+    Which keys a row sees at all (:func:`key_range_mask`): ``is_causal`` masks key ``s > l`` (top-left
+    aligned, as SDPA). With ``S_b`` valid keys in batch ``b`` (``key_lengths[b]``, an integer ``(B,)``
+    tensor, or ``S``), keys ``s >= S_b`` are masked, and query row ``l`` sits at key position
+    ``l + S_b - L`` (the last ``L`` positions, FlashAttention's bottom-right alignment): a window
+    ``(window_left, window_right)`` keeps key ``s`` iff ``l + S_b - L - window_left <= s <= l + S_b - L +
+    window_right``, ``-1`` leaving that side unbounded (``(-1, 0)`` is bottom-right causal attention).
+
+    sinks: ``(H,)`` logits, one per query head, that join each row's softmax denominator: the probabilities
+    are ``exp(score - lse)`` with ``lse = log(exp(sink_h) + sum_s exp(score_s))``, so a sink takes
+    probability mass but adds no value.
 
     ``dropout_p`` in ``[0, 1]``: each probability is kept where :func:`dropout_keep_mask` of ``dropout_seed``
     (an int64 tensor ``(seed, offset)``) says so and scaled by ``1 / (1 - dropout_p)``, dropped (0) elsewhere,
     before it multiplies value; ``dropout_p == 1`` drops everything (out 0), as ``F.dropout``. ``lse`` is that
     of the undropped scores.
 
-    Returns out ``(B, H, L, Dv)`` in query's dtype and the logsumexp of the scaled, masked scores, ``lse``
-    ``(B, H, L)``, in float32 (float64 for float64 inputs). A row whose keys are all masked (or S == 0) gives
-    out 0 and ``lse = +inf``, so that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row NaN
-    out and lse.
+    Returns out ``(B, H, L, Dv)`` in query's dtype and the logsumexp ``lse`` ``(B, H, L)`` (sink included) in
+    float32 (float64 for float64 inputs). A row that sees no key (every key masked, or S == 0) gives out 0 and
+    ``lse = +inf``, sink or not, so that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row
+    NaN out and lse. Differentiable (through autograd) in query, key, value, a float attn_mask and sinks.
     """
     B, H, L, D = query.shape
-    S = key.shape[-2]
+    Hkv, S = key.shape[1], key.shape[2]
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     if scale is None:
         scale = D**-0.5 if D > 0 else 1.0  # D == 0: every score is an empty sum, 0 whatever the scale
+    if Hkv != H:  # clarity over memory: the kernels index the shared kv head instead
+        key, value = key.repeat_interleave(H // Hkv, dim=1), value.repeat_interleave(H // Hkv, dim=1)
     scores = torch.matmul(query.to(acc), key.to(acc).transpose(-2, -1)) * scale  # (B, H, L, S)
-    bias = torch.zeros(L, S, dtype=acc, device=query.device)
-    if is_causal:
-        bias = bias.masked_fill(
-            torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1), float("-inf")
-        )
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    seen = key_range_mask(B, L, S, is_causal, window_left, window_right, key_lengths, query.device)
+    bias = torch.zeros(seen.shape, dtype=acc, device=query.device).masked_fill(~seen, float("-inf"))
     for mask in (_as_4d_attn_mask(attn_mask, B, H), _as_4d_padding_mask(key_padding_mask)):
         if mask is not None:
             bias = bias + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
@@ -67,7 +88,10 @@ def attention(
     # spec of the backward). A NaN anywhere else in a row (a NaN input or mask value) propagates to its
     # output.
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1)
+    logits = scores.masked_fill(empty, 0.0)
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.to(acc).view(1, H, 1, 1).expand(B, H, L, 1)], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     if dropout_p > 0:
         if dropout_seed is None:
@@ -77,6 +101,34 @@ def attention(
     out = torch.matmul(probs, value.to(acc)).to(query.dtype)
     lse = lse.masked_fill(empty.squeeze(-1), float("inf"))
     return out, lse.to(acc)
+
+
+def key_range_mask(
+    B: int,
+    L: int,
+    S: int,
+    is_causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The keys each query row may see before the masks are read, as a bool ``(B, 1, L, S)`` tensor (True =
+    seen): ``s <= l`` under ``is_causal``; ``s < S_b``; ``l + S_b - L - window_left <= s <= l + S_b - L +
+    window_right`` (each bound ignored when -1). See :func:`attention`."""
+    lengths = torch.full((B,), S) if key_lengths is None else key_lengths.to("cpu", torch.int64)
+    lengths = lengths.view(B, 1, 1, 1)
+    row = torch.arange(L).view(1, 1, L, 1)
+    col = torch.arange(S).view(1, 1, 1, S)
+    seen = col < lengths
+    diagonal = row + lengths - L  # the key position of query row l
+    if window_left >= 0:
+        seen = seen & (col >= diagonal - window_left)
+    if window_right >= 0:
+        seen = seen & (col <= diagonal + window_right)
+    if is_causal:
+        seen = seen & (col <= row)
+    return seen.to(device)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -216,7 +268,9 @@ def mha(
                          dropout_seed=dropout_seed)
     if need_weights:
         scores = _mha_scores(q, k, attn_mask, key_padding_mask, is_causal)
-        weights = torch.exp(scores - lse.unsqueeze(-1))
+        # Normalised by each row's maximum and sum, as torch's softmax: exp(score - lse) with a rounded lse
+        # would be off by lse's rounding error, visible where scores are large.
+        weights = torch.softmax(scores, dim=-1)
         if dropout_p > 0:
             keep = dropout_keep_mask(dropout_seed, *weights.shape, dropout_p).to(weights.device)
             weights = weights * keep / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(weights)

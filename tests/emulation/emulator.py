@@ -147,6 +147,9 @@ class AttentionParams(ctypes.Structure):
         ("dropout_seed", u32 * 2), ("dropout_offset", u32 * 2), ("dropout_threshold", u32), ("dropout", i32),
         ("dropout_p", ctypes.c_float), ("dropout_scale", ctypes.c_float),
         ("dropout_scale_lo", ctypes.c_float),
+        ("kv_heads", i64), ("window_left", i64), ("window_right", i64), ("key_lengths_stride", i64),
+        ("key_lengths_kind", i32), ("has_sinks", i32), ("softcap", ctypes.c_float),
+        ("softcap_lo", ctypes.c_float),
     ]
 
 
@@ -185,11 +188,24 @@ def split_scale(scale):
     return hi, lo
 
 
+KEY_LENGTHS_KINDS = {torch.int32: 1, torch.int64: 2}
+
+
 def make_params(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None, out=None,
-                lse=None, dropout_p=0.0, dropout_seed=None):
+                lse=None, dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None,
+                softcap=0.0, sinks=None):
+    """common/attention.cpp's attention_params. ``sinks``, when given, must already be the contiguous
+    accumulator-dtype (H,) tensor the kernels read."""
     B, H, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
-    p = AttentionParams(batch=B, heads=H, q_len=L, kv_len=S, head_dim=D, v_head_dim=Dv)
+    p = AttentionParams(batch=B, heads=H, q_len=L, kv_len=S, head_dim=D, v_head_dim=Dv, kv_heads=k.shape[1],
+                        window_left=window_left, window_right=window_right)
+    if key_lengths is not None:
+        p.key_lengths_kind = KEY_LENGTHS_KINDS[key_lengths.dtype]
+        p.key_lengths_stride = key_lengths.stride(0)
+    p.has_sinks = int(sinks is not None)
+    if softcap > 0:
+        p.softcap, p.softcap_lo = split_scale(softcap)
     p.q_stride[:], p.k_stride[:], p.v_stride[:] = q.stride(), k.stride(), v.stride()
     if out is not None:
         p.out_stride[:] = out.stride()

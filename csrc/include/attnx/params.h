@@ -70,12 +70,41 @@ struct AttentionParams {
   float dropout_p;
   float dropout_scale;
   float dropout_scale_lo;
+
+  // Grouped key/value heads (GQA; MQA when 1): key and value have kv_heads heads, which divides `heads`;
+  // query head h reads kv head h / (heads / kv_heads), through k_stride[1] / v_stride[1] (which step kv
+  // heads). Never a copy: a group's query heads index the same key and value rows.
+  int64_t kv_heads;
+  // Which keys each query row may see, besides the masks (attnx/key_range.h). With S_b valid keys in batch b
+  // (S, or key_lengths[b]), query row l sits at key position l + S_b - L (aligned bottom-right, as in
+  // FlashAttention: a decoding step's single query is the last position) and sees key s iff
+  // l + S_b - L - window_left <= s <= l + S_b - L + window_right, each bound ignored when it is -1; keys at
+  // or past S_b are never seen. is_causal keeps its top-left meaning on top.
+  int64_t window_left;
+  int64_t window_right;
+  int64_t key_lengths_stride;  // along B; key_lengths (B,) is read as int32 or int64, per key_lengths_kind
+  int32_t key_lengths_kind;    // KeyLengthsKind
+  // Attention sinks: one logit per query head, sinks (H,) in the accumulator type, contiguous. A sink joins
+  // every row's softmax denominator (lse includes it) and takes probability mass, but adds no value.
+  int32_t has_sinks;
+  // Soft-capping: when softcap > 0, every scaled score x becomes softcap * tanh(x / softcap) before the masks
+  // are added. Split like `scale`: float64 kernels use (double)softcap + (double)softcap_lo.
+  float softcap;
+  float softcap_lo;
+};
+
+// How per-batch key lengths are stored.
+enum KeyLengthsKind : int32_t {
+  kKeyLengthsNone = 0,  // every batch has S valid keys
+  kKeyLengthsInt32 = 1,
+  kKeyLengthsInt64 = 2,
 };
 
 #if !defined(__METAL_VERSION__)
-// The layout Metal sees: 31 int64 fields, then 14 four-byte fields (the dropout fields appended last, so that
-// every earlier offset is unchanged), padded to the 8-byte alignment.
-static_assert(sizeof(AttentionParams) == 304, "AttentionParams layout changed: update the Metal side too");
+// The layout Metal sees: 31 int64 fields, 14 four-byte fields (the dropout fields), then 4 int64 and 4
+// four-byte fields (GQA, the key range, sinks and soft-capping): each group appended last, so that every
+// earlier offset is unchanged.
+static_assert(sizeof(AttentionParams) == 352, "AttentionParams layout changed: update the Metal side too");
 
 // Where an attention call's tensors start (storage offsets applied); their layouts are in AttentionParams.
 struct AttentionPointers {
@@ -85,7 +114,9 @@ struct AttentionPointers {
   const void* attn_mask;         // nullptr when absent
   const void* key_padding_mask;  // nullptr when absent
   void* out;
-  void* lse;  // float32, or float64 for float64 inputs
+  void* lse;                // float32, or float64 for float64 inputs
+  const void* key_lengths;  // (B,) int32 or int64; nullptr when absent
+  const void* sinks;        // (H,) in the accumulator type, contiguous; nullptr when absent
 };
 #endif
 
@@ -100,7 +131,7 @@ struct AttentionBackwardParams {
 };
 
 #if !defined(__METAL_VERSION__)
-static_assert(sizeof(AttentionBackwardParams) == 304 + 16 * 8,
+static_assert(sizeof(AttentionBackwardParams) == 352 + 16 * 8,
               "AttentionBackwardParams layout changed: update the Metal side too");
 #endif
 
