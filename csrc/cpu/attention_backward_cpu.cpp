@@ -2,6 +2,7 @@
 // attention_backward_cpu_kernel_impl.h, compiled with the forward kernel for each ISA level (see
 // attention_backward_cpu_kernel.h) and picked at run time like the forward.
 #include <ATen/Version.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <string>

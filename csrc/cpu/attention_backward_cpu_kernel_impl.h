@@ -13,13 +13,17 @@
 // dropped output, so delta = rowsum(dO * O) already is rowsum(dP * Z * P)):
 //   dV = (Z * P)^T dO,  dS = P * (Z * dP - delta).
 //
-// Work item = (b, h, a chunk of consecutive key tiles). The item owns dK and dV of its keys: for each key
-// tile it runs over every query tile, accumulates the tile's dK and dV in (bk, D) scratch and writes them
-// once. Every key tile also adds to dQ of the whole head. With one chunk per head (the default, when B*H
-// items keep the threads busy) the item accumulates dQ in per-thread scratch and writes it at the end; with
-// several (B*H small) each item accumulates into its own slot of a (B*H*chunks, D, L) buffer and a second
-// pass sums the slots. No two threads ever write the same memory, so there are no atomics and results do not
-// depend on scheduling.
+// Work item = (b, kv head, a chunk of consecutive key tiles). The item owns dK and dV of its keys: it runs
+// the query heads of the kv head's group one after another (grouped KV heads: dK and dV are sums over the
+// group, formed here without atomics), each over every key tile of the chunk and every query tile that sees
+// it, accumulating dK and dV in (chunk keys, D) scratch written once at the end. Every key tile also adds to
+// dQ of its head. With one chunk per kv head (the default, when the items keep the threads busy) the item
+// accumulates a head's dQ in per-thread scratch and writes it when the head is done; with several (few kv
+// heads) each item accumulates into its own slot of a (B*H*chunks, D, L) buffer and a second pass sums the
+// slots. A float attn_mask's gradient is dS summed over the dims the mask broadcasts along; an item then
+// covers every batch (kv head) whose dS adds into the same elements, so that it alone writes them. No two
+// threads ever write the same memory, so there are no atomics and results do not depend on scheduling.
+// Key tiles and query tiles outside each other's key range (is_causal, key lengths, the window) are skipped.
 //
 // Orientation. Tiles are key-major: S^T (bk, bq) = K (bk, D) @ (scale Q)^T (D, bq). P^T and dS^T are then the
 // A operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq)
@@ -70,16 +74,20 @@ bool operand_in_place(int64_t row_stride, int64_t col_stride, int64_t rows, int6
 }
 
 // One key row of a (bk, bq) tile pair, in place and vectorised: s[j], a scaled score, becomes
-// p = exp(s[j] + bias - lse[j]) and dp[j] becomes dS = p * (dp[j] - delta[j]), for lo <= j < n; both are 0
-// for j < lo (causally masked). The bias is the mask row `bias` (key padding included) when not null, else
-// the scalar row_bias (key padding plus a mask that is the same for every query; 0 without masks).
+// p = exp(s[j] + bias - lse[j]) and dp[j] becomes dS = p * (dp[j] - delta[j]), for lo <= j < hi; both are 0
+// for the other j < n (queries that do not see this key: is_causal, key lengths, the window). The bias is the
+// mask row `bias` (key padding included) when not null, else the scalar row_bias (key padding plus a mask
+// that is the same for every query; 0 without masks).
 template <typename acc_t>
 void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias, const acc_t* lse,
-                          const acc_t* delta, int64_t lo, int64_t n) {
+                          const acc_t* delta, int64_t lo, int64_t hi, int64_t n) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
   std::fill_n(s, lo, acc_t(0));
   std::fill_n(dp, lo, acc_t(0));
+  std::fill(s + hi, s + n, acc_t(0));
+  std::fill(dp + hi, dp + n, acc_t(0));
+  n = hi;
   int64_t j = lo;
   if (bias) {
     for (; j + W <= n; j += W) {
@@ -107,11 +115,14 @@ void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias
 // s[j] becomes the dropped probability z p, which dV sees, and dp[j] becomes dS = p * (z * dp[j] - delta[j]).
 template <typename acc_t>
 void softmax_backward_row_dropout(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias, const acc_t* lse,
-                                  const acc_t* delta, const acc_t* z, int64_t lo, int64_t n) {
+                                  const acc_t* delta, const acc_t* z, int64_t lo, int64_t hi, int64_t n) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
   std::fill_n(s, lo, acc_t(0));
   std::fill_n(dp, lo, acc_t(0));
+  std::fill(s + hi, s + n, acc_t(0));
+  std::fill(dp + hi, dp + n, acc_t(0));
+  n = hi;
   const Vec vb(row_bias);
   int64_t j = lo;
   for (; j + W <= n; j += W) {
@@ -126,6 +137,36 @@ void softmax_backward_row_dropout(acc_t* s, acc_t* dp, const acc_t* bias, acc_t 
     s[j] = p * z[j];
     dp[j] = p * (z[j] * dp[j] - delta[j]);
   }
+}
+
+// Soft-capping on a row of scaled scores: s[j] = cap * tanh(s[j] / cap), and deriv[j] = 1 - tanh^2, the
+// factor that turns dS of the capped score into dS of the scaled one.
+template <typename acc_t>
+void softcap_backward_row(acc_t* s, acc_t* deriv, int64_t n, acc_t cap) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const Vec vcap(cap), one(acc_t(1));
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec t = (Vec::loadu(s + j) / vcap).tanh();
+    (t * vcap).store(s + j);
+    (one - t * t).store(deriv + j);
+  }
+  for (; j < n; ++j) {
+    const acc_t t = std::tanh(s[j] / cap);
+    s[j] = cap * t;
+    deriv[j] = acc_t(1) - t * t;
+  }
+}
+
+// dst[j] *= f[j] for j < n.
+template <typename acc_t>
+void mul_row(acc_t* dst, const acc_t* f, int64_t n) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  int64_t j = 0;
+  for (; j + W <= n; j += W) (Vec::loadu(dst + j) * Vec::loadu(f + j)).store(dst + j);
+  for (; j < n; ++j) dst[j] *= f[j];
 }
 
 template <typename acc_t>
@@ -145,7 +186,13 @@ struct BackwardPlan {
   int64_t bk;           // keys per tile
   int64_t q_tiles;      // ceil(L / bq)
   int64_t k_tiles;      // ceil(S / bk)
-  int64_t chunks;       // work items per (b, h), each a run of chunk_tiles key tiles
+  int64_t group;        // query heads per kv head, H / Hkv
+  // Work items are (batch slot, kv-head slot, chunk). A slot is one batch (kv head), or all of them when the
+  // mask's gradient is summed over the batch (heads): the item that owns a gradient element of a broadcast
+  // mask then runs every (b, h) that adds into it, so no two threads write one element.
+  int64_t batch_slots;  // B, or 1
+  int64_t head_slots;   // Hkv, or 1
+  int64_t chunks;       // work items per (batch slot, kv-head slot), each a run of chunk_tiles key tiles
   int64_t chunk_tiles;  // key tiles per chunk
   int64_t ld_q;         // leading dimension of the whole-head transposed buffers (Q^T, dO^T, dQ^T)
   int64_t ld_t;         // leading dimension of the (bk, bq) tiles
@@ -153,12 +200,13 @@ struct BackwardPlan {
   int64_t bh_m;         // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
   int64_t heads_m;      // attn_mask's distinct heads: H, or 1 when broadcast over heads
   bool mask_rows;       // attn_mask differs between queries: each tile pair builds a bias tile
+  bool mask_grad;       // attn_mask's gradient is summed into AttentionBackwardData::grad_attn_mask
   bool q_in_place;      // Q's rows are read in place as GEMM operands (else packed once per item)
   bool do_in_place;     // likewise for dO
 };
 
-BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, size_t acc_size, bool q_in_place,
-                                bool do_in_place) {
+BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, const int64_t* grad_mask_size,
+                                size_t acc_size, bool q_in_place, bool do_in_place) {
   const AttentionParams& p = bp.fwd;
   BackwardPlan plan{};
   const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
@@ -166,12 +214,19 @@ BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, size_t acc_si
   plan.bq = std::clamp<int64_t>(L, 1, kBackwardQueriesPerTile);
   plan.q_tiles = (L + plan.bq - 1) / plan.bq;
   plan.k_tiles = (S + plan.bk - 1) / plan.bk;
-  // One item per head unless that leaves threads idle: then split the keys of each head, so that there are
-  // about two items per thread (keys are what an item owns; queries are shared through the dQ slots).
+  plan.group = p.kv_heads > 0 ? H / p.kv_heads : 1;
+  plan.mask_grad = grad_mask_size != nullptr;
+  plan.batch_slots = plan.mask_grad && grad_mask_size[0] == 1 ? 1 : B;
+  plan.head_slots = plan.mask_grad && grad_mask_size[1] == 1 ? 1 : p.kv_heads;
+  // One item per slot pair unless that leaves threads idle: then split the keys of each, so that there are
+  // about two items per thread (keys are what an item owns; queries are shared through the dQ slots). A mask
+  // gradient summed over keys (an (..., L, 1) mask) is written by every key tile: one chunk then.
   const int64_t threads = at::get_num_threads();
+  const int64_t slots = plan.batch_slots * plan.head_slots;
+  const bool keys_summed = plan.mask_grad && grad_mask_size[3] == 1 && S > 1;
   plan.chunks = 1;
-  if (B * H > 0 && B * H < 2 * threads && plan.k_tiles > 1) {
-    plan.chunks = std::min(plan.k_tiles, (2 * threads + B * H - 1) / (B * H));
+  if (slots > 0 && slots < 2 * threads && plan.k_tiles > 1 && !keys_summed) {
+    plan.chunks = std::min(plan.k_tiles, (2 * threads + slots - 1) / slots);
   }
   plan.chunk_tiles = plan.k_tiles == 0 ? 0 : (plan.k_tiles + plan.chunks - 1) / plan.chunks;
   if (plan.chunk_tiles > 0) plan.chunks = (plan.k_tiles + plan.chunk_tiles - 1) / plan.chunk_tiles;
@@ -204,10 +259,12 @@ struct BackwardScratch {
   acc_t* s;         // (bk, ld_t) S^T, then P^T
   acc_t* dp;        // (bk, ld_t) dP^T, then dS^T
   acc_t* bias;      // (bk, ld_t) attn_mask (+ key padding) of the pair, transposed; with mask_rows only
-  acc_t* rows;      // (bq, ld_k) the same, one query per row, before the transpose; with mask_rows only
+  acc_t* rows;      // (bq, ld_k) the same, one query per row, before the transpose; with mask_rows, and with
+                    // mask_grad for dS transposed back to query rows
   acc_t* key_bias;  // (bk,) key padding, plus attn_mask when it is the same for every query
-  acc_t* dk;        // (bk, D) dK / scale of the key tile
-  acc_t* dv;        // (bk, Dv) dV of the key tile
+  acc_t* dk;        // (chunk_tiles * bk, D) dK / scale of the item's keys, summed over the kv head's group
+  acc_t* dv;        // (chunk_tiles * bk, Dv) dV of the item's keys, likewise
+  acc_t* deriv;     // (bk, ld_t) the soft-cap's derivative 1 - tanh^2 of the pair; with softcap only
   acc_t* drop_rows;  // (bq, ld_k) dropout factors of a tile pair, one query per row; with dropout only
   acc_t* drop;       // (bk, ld_t) the same, transposed to the tile's key-major layout; with dropout only
   acc_t* tmp;       // (bq, max(D, Dv)) a query tile being packed or written
@@ -218,7 +275,8 @@ struct BackwardScratch {
   BackwardScratch(const AttentionParams& p, const BackwardPlan& plan) {
     const int64_t L = p.q_len, D = p.head_dim, Dv = p.v_head_dim, bq = plan.bq, bk = plan.bk;
     const int64_t line = kLine<acc_t>;
-    constexpr int kRegions = 19;
+    const int64_t chunk_keys = std::max<int64_t>(plan.chunk_tiles, 1) * bk;
+    constexpr int kRegions = 20;
     const int64_t sizes[kRegions] = {
         D * plan.ld_q,
         Dv * plan.ld_q,
@@ -233,12 +291,13 @@ struct BackwardScratch {
         bk * plan.ld_t,
         bk * plan.ld_t,
         plan.mask_rows ? bk * plan.ld_t : 0,
-        plan.mask_rows ? bq * plan.ld_k : 0,
+        plan.mask_rows || plan.mask_grad ? bq * plan.ld_k : 0,
         bk,
-        bk * D,
-        bk * Dv,
+        chunk_keys * D,
+        chunk_keys * Dv,
         p.dropout ? bq * plan.ld_k : 0,
         p.dropout ? bk * plan.ld_t : 0,
+        p.softcap > 0.0f ? bk * plan.ld_t : 0,
     };
     const int64_t tmp_size = bq * std::max(D, Dv);
     int64_t total = line + round_up(tmp_size, line);  // slack to align the first region
@@ -255,7 +314,7 @@ struct BackwardScratch {
     delta = regions[5];
     dqt = regions[6], k = regions[7], kt = regions[8], v = regions[9], s = regions[10], dp = regions[11];
     bias = regions[12], rows = regions[13], key_bias = regions[14], dk = regions[15], dv = regions[16];
-    drop_rows = regions[17], drop = regions[18];
+    drop_rows = regions[17], drop = regions[18], deriv = regions[19];
     tmp = next;
   }
 };
@@ -273,23 +332,27 @@ class AttentionBackwardCpu {
         p_(bp.fwd),
         d_(d),
         plan_(make_backward_plan(
-            bp, sizeof(acc_t),
+            bp, d.grad_attn_mask ? d.grad_attn_mask_size : nullptr, sizeof(acc_t),
             operand_in_place<scalar_t, acc_t>(p_.q_stride[2], p_.q_stride[3], p_.q_len, p_.head_dim),
             operand_in_place<scalar_t, acc_t>(bp.grad_out_stride[2], bp.grad_out_stride[3], p_.q_len,
                                               p_.v_head_dim))),
         scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p_.scale) + p_.scale_lo)
                                              : static_cast<acc_t>(p_.scale)),
-        dropout_scale_(dropout_scale<acc_t>(p_)) {}
+        dropout_scale_(dropout_scale<acc_t>(p_)),
+        softcap_(std::is_same_v<acc_t, double>
+                     ? static_cast<acc_t>(static_cast<double>(p_.softcap) + p_.softcap_lo)
+                     : static_cast<acc_t>(p_.softcap)) {}
 
   void run() {
-    const int64_t BH = p_.batch * p_.heads, H = p_.heads, D = p_.head_dim;
+    const int64_t BH = p_.batch * p_.heads, D = p_.head_dim;
     if (BH == 0) return;
     skip_ = TileSkipFlags<acc_t>(p_, d_.attn_mask, d_.key_padding_mask, plan_);
-    const int64_t chunks = plan_.chunks, items = BH * chunks;
+    const int64_t chunks = plan_.chunks, slots_n = plan_.batch_slots * plan_.head_slots;
+    const int64_t items = slots_n * chunks;
     const int64_t slot = D * plan_.ld_q;
     if (chunks > 1) {
       slots_storage_ =
-          at::empty({items * slot}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+          at::empty({BH * chunks * slot}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
     }
     acc_t* slots = chunks > 1 ? slots_storage_.mutable_data_ptr<acc_t>() : nullptr;
 
@@ -300,11 +363,15 @@ class AttentionBackwardCpu {
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       BackwardScratch<acc_t> ws(p_, plan_);
       for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-        const int64_t c = i / BH, bh = i % BH;
-        acc_t* dqt = chunks == 1 ? ws.dqt : slots + (bh * chunks + c) * slot;
-        run_item(bh / H, bh % H, c, dqt, ws);
-        if (chunks == 1) {
-          for (int64_t qt = 0; qt < plan_.q_tiles; ++qt) write_dq_tile(bh / H, bh % H, qt, dqt, ws.tmp);
+        const int64_t c = i / slots_n, sl = i % slots_n;
+        const int64_t bs = sl / plan_.head_slots, hs = sl % plan_.head_slots;
+        // A slot covers one batch (kv head), or all of them (see BackwardPlan).
+        const int64_t b_end = plan_.batch_slots == p_.batch ? bs + 1 : p_.batch;
+        const int64_t hk_end = plan_.head_slots == p_.kv_heads ? hs + 1 : p_.kv_heads;
+        for (int64_t b = bs; b < b_end; ++b) {
+          for (int64_t hk = hs; hk < hk_end; ++hk) {
+            run_item(b, hk, c, slots, ws);
+          }
         }
       }
     });
@@ -312,20 +379,42 @@ class AttentionBackwardCpu {
   }
 
  private:
-
-  // Key tiles [c * chunk_tiles, ...) of head (b, h): their dK and dV, and their contribution to the head's
-  // dQ^T
-  // (/ scale) in dqt (D, ld_q), which this zeroes first.
-  void run_item(int64_t b, int64_t h, int64_t c, acc_t* dqt, BackwardScratch<acc_t>& ws) {
-    const int64_t L = p_.q_len, D = p_.head_dim;
+  // Key tiles [c * chunk_tiles, ...) of kv head (b, hk): their dK and dV, summed over the query heads of the
+  // kv head's group, which run one after another (no atomics: the item owns these keys' gradients), and each
+  // head's contribution to its dQ^T (/ scale): in ws.dqt, written at the end of the head, with one chunk per
+  // head; else in the head's slot for this chunk (zeroed here), summed by reduce_dq_slots.
+  void run_item(int64_t b, int64_t hk, int64_t c, acc_t* slots, BackwardScratch<acc_t>& ws) {
+    const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim, bk = plan_.bk;
     const int64_t kt_begin = c * plan_.chunk_tiles;
     const int64_t kt_end = std::min(plan_.k_tiles, kt_begin + plan_.chunk_tiles);
-    for (int64_t d = 0; d < D; ++d) std::fill_n(dqt + d * plan_.ld_q, L, acc_t(0));
-    // Under is_causal, queries before the chunk's first key see none of its keys.
-    const int64_t qt_first = p_.is_causal ? std::min(plan_.q_tiles, kt_begin * plan_.bk / plan_.bq) : 0;
-    const int64_t r0 = std::min(L, qt_first * plan_.bq);
-    if (kt_begin < kt_end && r0 < L) pack_head(b, h, r0, ws);
-    for (int64_t kt = kt_begin; kt < kt_end; ++kt) run_key_tile(b, h, kt, dqt, ws);
+    const int64_t kv_len_b = batch_kv_len(p_, d_.key_lengths, b);
+    const int64_t k_first = kt_begin * bk, k_last = std::min(kt_end * bk, kv_len_b) - 1;
+    std::fill_n(ws.dk, (kt_end - kt_begin) * bk * D, acc_t(0));
+    std::fill_n(ws.dv, (kt_end - kt_begin) * bk * Dv, acc_t(0));
+    // Queries before the first that sees one of the chunk's keys see none of them.
+    const int64_t q_first =
+        k_first <= k_last ? range_query_begin(k_first, L, kv_len_b, p_.window_right, p_.is_causal) : L;
+    const int64_t r0 = std::min(L, q_first / plan_.bq * plan_.bq);
+    const int64_t slot = D * plan_.ld_q;
+    for (int64_t h = hk * plan_.group; h < (hk + 1) * plan_.group; ++h) {
+      acc_t* dqt = plan_.chunks == 1 ? ws.dqt : slots + ((b * p_.heads + h) * plan_.chunks + c) * slot;
+      for (int64_t d = 0; d < D; ++d) std::fill_n(dqt + d * plan_.ld_q, L, acc_t(0));
+      if (r0 < L) {
+        pack_head(b, h, r0, ws);
+        for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
+          run_key_tile(b, h, kt, kv_len_b, dqt, ws.dk + (kt - kt_begin) * bk * D,
+                       ws.dv + (kt - kt_begin) * bk * Dv, ws);
+        }
+      }
+      if (plan_.chunks == 1) {
+        for (int64_t qt = 0; qt < plan_.q_tiles; ++qt) write_dq_tile(b, h, qt, dqt, ws.tmp);
+      }
+    }
+    for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
+      const int64_t k0 = kt * bk;
+      write_key_tile(b, hk, k0, std::min(bk, p_.kv_len - k0), ws.dk + (kt - kt_begin) * bk * D,
+                     ws.dv + (kt - kt_begin) * bk * Dv);
+    }
   }
 
   // Queries [r0, L) of head (b, h) into the scratch: (scale Q)^T and dO^T transposed, Q and dO as row-major
@@ -394,46 +483,52 @@ class AttentionBackwardCpu {
     return ws.key_bias;
   }
 
-  // Key tile kt of head (b, h) against every query tile that sees it; writes the tile's dK and dV.
-  void run_key_tile(int64_t b, int64_t h, int64_t kt, acc_t* dqt, BackwardScratch<acc_t>& ws) {
+  // Key tile kt of head (b, h) against every query tile that sees it: adds to the tile's dK and dV in dk
+  // (nk, D) and dv (nk, Dv).
+  void run_key_tile(int64_t b, int64_t h, int64_t kt, int64_t kv_len_b, acc_t* dqt, acc_t* dk, acc_t* dv,
+                    BackwardScratch<acc_t>& ws) {
     const int64_t L = p_.q_len, S = p_.kv_len, D = p_.head_dim, Dv = p_.v_head_dim;
     const int64_t k0 = kt * plan_.bk, nk = std::min(plan_.bk, S - k0);
     const int64_t *ks = p_.k_stride, *vs = p_.v_stride;
-    std::fill_n(ws.dk, nk * D, acc_t(0));
-    std::fill_n(ws.dv, nk * Dv, acc_t(0));
-    const bool padded = skip_.padding_skips(b, kt);
-    if (!padded) {
-      const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + h * ks[1] + k0 * ks[2];
-      const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + h * vs[1] + k0 * vs[2];
-      Operand<acc_t> ka{}, va{};
-      if (D > 0) {
-        ka = b_operand(k, ks[2], ks[3], nk, D, ws.k);
-        transpose(ka.ptr, ka.ld, ws.kt, plan_.ld_k, nk, D);
-      }
-      if (Dv > 0) va = b_operand(v, vs[2], vs[3], nk, Dv, ws.v);
-      const acc_t* kb = key_bias(b, h, k0, nk, ws);
-      // Under is_causal, query l sees key s only when l >= s: tiles that end before k0 see none of these
-      // keys.
-      const int64_t qt_first = p_.is_causal ? k0 / plan_.bq : 0;
-      for (int64_t qt = qt_first; qt < plan_.q_tiles; ++qt) {
-        if (skip_.mask_skips(b, h, qt, kt)) continue;
-        const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
-        run_pair(b, h, q0, nq, k0, nk, ka, va, kb, dqt, ws);
-      }
+    // Keys at or past kv_len_b are seen by no query; the rest of the tile is seen by queries
+    // [q_begin, q_end) between them (attnx/key_range.h).
+    const int64_t k_last = std::min(k0 + nk, kv_len_b) - 1;
+    if (k_last < k0 || skip_.padding_skips(b, kt)) return;
+    const int64_t q_begin = range_query_begin(k0, L, kv_len_b, p_.window_right, p_.is_causal);
+    const int64_t q_end = range_query_end(k_last, L, kv_len_b, p_.window_left);
+    if (q_begin >= q_end) return;
+    const int64_t hk = kv_head(p_, h);
+    const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + hk * ks[1] + k0 * ks[2];
+    const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + hk * vs[1] + k0 * vs[2];
+    Operand<acc_t> ka{}, va{};
+    if (D > 0) {
+      ka = b_operand(k, ks[2], ks[3], nk, D, ws.k);
+      transpose(ka.ptr, ka.ld, ws.kt, plan_.ld_k, nk, D);
     }
-    write_key_tile(b, h, k0, nk, ws);
+    if (Dv > 0) va = b_operand(v, vs[2], vs[3], nk, Dv, ws.v);
+    const acc_t* kb = key_bias(b, h, k0, nk, ws);
+    for (int64_t qt = q_begin / plan_.bq; qt * plan_.bq < q_end; ++qt) {
+      if (skip_.mask_skips(b, h, qt, kt)) continue;
+      const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
+      run_pair(b, h, q0, nq, k0, nk, kv_len_b, ka, va, kb, dqt, dk, dv, ws);
+    }
   }
 
   // Queries [q0, q0 + nq) against keys [k0, k0 + nk): recompute P^T, form dS^T, accumulate dV, dK, dQ^T.
-  void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb, acc_t* dqt,
-                BackwardScratch<acc_t>& ws) {
+  void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk, int64_t kv_len_b,
+                const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb, acc_t* dqt, acc_t* dk,
+                acc_t* dv, BackwardScratch<acc_t>& ws) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, ld_t = plan_.ld_t;
+    const int64_t L = p_.q_len;
     // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T.
     if (D > 0) {
       tile_gemm(nk, nq, D, ka.ptr, ka.ld, ws.qt + q0, ld_q, ws.s, ld_t, /*add_c=*/false);
     } else {
       for (int64_t r = 0; r < nk; ++r) std::fill_n(ws.s + r * ld_t, nq, acc_t(0));
+    }
+    const bool capped = softcap_ > acc_t(0);
+    if (capped) {
+      for (int64_t r = 0; r < nk; ++r) softcap_backward_row(ws.s + r * ld_t, ws.deriv + r * ld_t, nq, softcap_);
     }
     if (Dv > 0) {
       tile_gemm(nk, nq, Dv, va.ptr, va.ld, ws.dot + q0, ld_q, ws.dp, ld_t, /*add_c=*/false);
@@ -466,41 +561,73 @@ class AttentionBackwardCpu {
       transpose(ws.drop_rows, plan_.ld_k, ws.drop, ld_t, nq, nk);
     }
 
-    const bool causal = p_.is_causal != 0;
     for (int64_t r = 0; r < nk; ++r) {
-      // Under is_causal, key k0 + r is masked for queries before it.
-      const int64_t lo = causal ? std::clamp<int64_t>(k0 + r - q0, 0, nq) : 0;
+      // The queries that see key k0 + r: [lo, hi) of the tile (is_causal, key lengths, the window).
+      const int64_t s = k0 + r;
+      const int64_t hi = std::clamp<int64_t>(range_query_end(s, L, kv_len_b, p_.window_left) - q0, 0, nq);
+      const int64_t lo = std::clamp<int64_t>(
+          range_query_begin(s, L, kv_len_b, p_.window_right, p_.is_causal) - q0, 0, hi);
       const acc_t* row_mask = bias ? bias + r * ld_t : nullptr;
       const acc_t row_bias = (kb && !bias) ? kb[r] : acc_t(0);
       if (p_.dropout) {
         softmax_backward_row_dropout(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
-                                     ws.delta + q0, ws.drop + r * ld_t, lo, nq);
+                                     ws.delta + q0, ws.drop + r * ld_t, lo, hi, nq);
       } else {
         softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
-                             ws.delta + q0, lo, nq);
+                             ws.delta + q0, lo, hi, nq);
       }
+    }
+    // dS is the gradient of the score the masks were added to: the mask's gradient; the soft-cap's derivative
+    // then carries it to the scaled score that Q and K produced.
+    if (plan_.mask_grad) add_mask_grad(b, h, q0, nq, k0, nk, ws);
+    if (capped) {
+      for (int64_t r = 0; r < nk; ++r) mul_row(ws.dp + r * ld_t, ws.deriv + r * ld_t, nq);
     }
 
     // dV (nk, Dv) += P^T dO;  dK (nk, D) += dS^T Q;  dQ^T (D, nq) += K^T dS^T. (scale: applied when written.)
     if (Dv > 0) {
-      tile_gemm(nk, Dv, nq, ws.s, ld_t, ws.do_op.ptr + q0 * ws.do_op.ld, ws.do_op.ld, ws.dv, Dv,
-                /*add_c=*/true);
+      tile_gemm(nk, Dv, nq, ws.s, ld_t, ws.do_op.ptr + q0 * ws.do_op.ld, ws.do_op.ld, dv, Dv, /*add_c=*/true);
     }
     if (D > 0) {
-      tile_gemm(nk, D, nq, ws.dp, ld_t, ws.q_op.ptr + q0 * ws.q_op.ld, ws.q_op.ld, ws.dk, D, /*add_c=*/true);
+      tile_gemm(nk, D, nq, ws.dp, ld_t, ws.q_op.ptr + q0 * ws.q_op.ld, ws.q_op.ld, dk, D, /*add_c=*/true);
       tile_gemm(D, nq, nk, ws.kt, plan_.ld_k, ws.dp, ld_t, dqt + q0, ld_q, /*add_c=*/true);
     }
   }
 
-  void write_key_tile(int64_t b, int64_t h, int64_t k0, int64_t nk, const BackwardScratch<acc_t>& ws) const {
+  // dS^T of the tile pair (nk, nq) in ws.dp, added to attn_mask's gradient: element (b, h, l, s) goes to the
+  // buffer's (b, h, l, s), each index taken as 0 along a dim the gradient is summed over. Only this item
+  // writes there (BackwardPlan's slots), so a plain add is race-free.
+  void add_mask_grad(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
+                     BackwardScratch<acc_t>& ws) const {
+    const int64_t* g = d_.grad_attn_mask_size;
+    auto* base = static_cast<acc_t*>(d_.grad_attn_mask) +
+                 ((g[0] == 1 ? 0 : b) * g[1] + (g[1] == 1 ? 0 : h)) * g[2] * g[3];
+    // Back to query rows, so that a row of the gradient is one vectorised add.
+    transpose(ws.dp, plan_.ld_t, ws.rows, plan_.ld_k, nk, nq);
+    for (int64_t i = 0; i < nq; ++i) {
+      const acc_t* src = ws.rows + i * plan_.ld_k;
+      acc_t* dst = base + (g[2] == 1 ? 0 : q0 + i) * g[3];
+      if (g[3] == 1) {
+        acc_t sum = 0;
+        for (int64_t j = 0; j < nk; ++j) sum += src[j];
+        dst[0] += sum;
+      } else {
+        add_row(dst + k0, src, nk);
+      }
+    }
+  }
+
+  // dK (scaled here) and dV of keys [k0, k0 + nk) of kv head (b, hk), from dk (nk, D) and dv (nk, Dv).
+  void write_key_tile(int64_t b, int64_t hk, int64_t k0, int64_t nk, const acc_t* dk_acc,
+                      const acc_t* dv_acc) const {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim;
     const int64_t *gk = bp_.grad_key_stride, *gv = bp_.grad_value_stride;
-    auto* dk = static_cast<scalar_t*>(d_.grad_key) + b * gk[0] + h * gk[1] + k0 * gk[2];
-    auto* dv = static_cast<scalar_t*>(d_.grad_value) + b * gv[0] + h * gv[1] + k0 * gv[2];
+    auto* dk = static_cast<scalar_t*>(d_.grad_key) + b * gk[0] + hk * gk[1] + k0 * gk[2];
+    auto* dv = static_cast<scalar_t*>(d_.grad_value) + b * gv[0] + hk * gv[1] + k0 * gv[2];
     for (int64_t r = 0; r < nk; ++r) {
       for (int64_t j = 0; j < D; ++j)
-        dk[r * gk[2] + j * gk[3]] = static_cast<scalar_t>(ws.dk[r * D + j] * scale_);
-      for (int64_t j = 0; j < Dv; ++j) dv[r * gv[2] + j * gv[3]] = static_cast<scalar_t>(ws.dv[r * Dv + j]);
+        dk[r * gk[2] + j * gk[3]] = static_cast<scalar_t>(dk_acc[r * D + j] * scale_);
+      for (int64_t j = 0; j < Dv; ++j) dv[r * gv[2] + j * gv[3]] = static_cast<scalar_t>(dv_acc[r * Dv + j]);
     }
   }
 
@@ -545,6 +672,7 @@ class AttentionBackwardCpu {
   BackwardPlan plan_;
   const acc_t scale_;
   const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
+  const acc_t softcap_;        // 0: no soft-capping
   at::Tensor slots_storage_;
   TileSkipFlags<acc_t> skip_;
 };

@@ -39,6 +39,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "attnx/key_range.h"
 #include "attnx/params.h"
 #include "attnx/philox.h"
 #include "attnx/softmax.h"

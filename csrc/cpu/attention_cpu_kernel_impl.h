@@ -285,14 +285,21 @@ acc_t reduce_sum(const Vectorized<acc_t>& v) {
       [](const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) { return a + b; }, v);
 }
 
-// s[j] += bias[j] for j < lim (bias may be null: scores unchanged), s[j] += -inf for lim <= j < n (causally
-// masked: adding keeps a NaN score NaN, as in the reference); returns max_j s[j], NaN if any is NaN.
+// s[j] += bias[j] for lo <= j < hi (bias may be null: scores unchanged), s[j] += -inf for j < lo and
+// hi <= j < n (keys outside the row's key range: adding keeps a NaN score NaN, as in the reference); returns
+// max_j s[j], NaN if any is NaN.
 template <typename acc_t>
-acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lim, int64_t n) {
+acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lo, int64_t hi, int64_t n) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
   Vec vmax(kNegInf<acc_t>);
-  int64_t j = 0;
+  acc_t m = kNegInf<acc_t>;
+  for (int64_t j = 0; j < lo; ++j) {
+    s[j] += kNegInf<acc_t>;
+    m = nan_max(m, s[j]);
+  }
+  const int64_t lim = hi;
+  int64_t j = lo;
   if (bias) {
     for (; j + W <= lim; j += W) {
       const Vec x = Vec::loadu(s + j) + Vec::loadu(bias + j);
@@ -302,7 +309,7 @@ acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lim, int64_t n) {
   } else {
     for (; j + W <= lim; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
   }
-  acc_t m = reduce_max(vmax);
+  m = nan_max(m, reduce_max(vmax));
   for (; j < lim; ++j) {
     if (bias) s[j] += bias[j];
     m = nan_max(m, s[j]);
@@ -312,6 +319,17 @@ acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lim, int64_t n) {
     m = nan_max(m, s[j]);
   }
   return m;
+}
+
+// s[j] = cap * tanh(s[j] / cap) for j < n: soft-capping, on the scaled scores before the masks.
+template <typename acc_t>
+void softcap_row(acc_t* s, int64_t n, acc_t cap) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const Vec vcap(cap);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) ((Vec::loadu(s + j) / vcap).tanh() * vcap).store(s + j);
+  for (; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
 }
 
 // s[j] = exp(s[j] - base) for j < n; returns the sum of the results.
@@ -433,6 +451,35 @@ void scale_row(acc_t* x, int64_t n, acc_t factor) {
   int64_t j = 0;
   for (; j + W <= n; j += W) (Vec::loadu(x + j) * vf).store(x + j);
   for (; j < n; ++j) x[j] *= factor;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Which keys rows see (attnx/key_range.h) and which kv head a query head reads.
+
+// S_b: the valid keys of batch b.
+inline int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths, int64_t b) {
+  if (p.key_lengths_kind == kKeyLengthsNone) return p.kv_len;
+  const int64_t i = b * p.key_lengths_stride;
+  const int64_t n = p.key_lengths_kind == kKeyLengthsInt32 ? int64_t{static_cast<const int32_t*>(key_lengths)[i]}
+                                                           : static_cast<const int64_t*>(key_lengths)[i];
+  return range_kv_len(n, p.kv_len);
+}
+
+// Keys [begin, end): those that rows first .. last (inclusive) of a batch with kv_len_b valid keys see
+// between them; for first == last, the keys of one row. Empty when begin >= end.
+struct KeySpan {
+  int64_t begin;
+  int64_t end;
+};
+
+inline KeySpan row_keys(const AttentionParams& p, int64_t kv_len_b, int64_t first, int64_t last) {
+  return {range_key_begin(first, p.q_len, kv_len_b, p.window_left),
+          range_key_end(last, p.q_len, kv_len_b, p.window_right, p.is_causal)};
+}
+
+// The kv head that query head h reads (grouped KV heads: a group of H / Hkv query heads shares one).
+inline int64_t kv_head(const AttentionParams& p, int64_t h) {
+  return h / (p.heads / p.kv_heads);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -613,7 +660,10 @@ class AttentionCpu {
         plan_(make_plan(p, sizeof(acc_t))),
         scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p.scale) + p.scale_lo)
                                              : static_cast<acc_t>(p.scale)),
-        dropout_scale_(dropout_scale<acc_t>(p)) {}
+        dropout_scale_(dropout_scale<acc_t>(p)),
+        softcap_(std::is_same_v<acc_t, double>
+                     ? static_cast<acc_t>(static_cast<double>(p.softcap) + p.softcap_lo)
+                     : static_cast<acc_t>(p.softcap)) {}
 
   void run() {
     const int64_t B = p_.batch, H = p_.heads;
@@ -675,19 +725,22 @@ class AttentionCpu {
 
   // Query tiles [blk * block, ...) of (b, h). The loop over key tiles is outside the loop over query tiles:
   // each key tile is transposed (and value tile converted) once for up to `block` query tiles, and stays in
-  // cache while they use it; the queries and accumulators of the block stay in L2.
+  // cache while they use it; the queries and accumulators of the block stay in L2. Only the key tiles that the
+  // block's key range reaches are visited (is_causal, key lengths, the window: a window of w keys costs
+  // O(w), not O(S), per row).
   void run_item(int64_t b, int64_t h, int64_t blk, Scratch<acc_t>& ws) {
-    const int64_t L = p_.q_len, S = p_.kv_len, D = p_.head_dim, Dv = p_.v_head_dim;
+    const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim;
     const int64_t bq = plan_.bq, lds = plan_.ld_s;
     const int64_t qt_begin = blk * plan_.block, qt_end = std::min(plan_.q_tiles, qt_begin + plan_.block);
     const int64_t r0 = qt_begin * bq, rows_n = std::min(L, qt_end * bq) - r0;  // the item's query rows
     const int64_t *qs = p_.q_stride, *ks = p_.k_stride, *vs = p_.v_stride;
-    const bool causal = p_.is_causal != 0;
     const bool mask_rows = p_.attn_mask_kind != kMaskNone && p_.attn_mask_stride[2] != 0;
+    const int64_t hk = kv_head(p_, h);
+    const int64_t kv_len_b = batch_kv_len(p_, d_.key_lengths, b);
 
     const auto* q = static_cast<const scalar_t*>(d_.query) + b * qs[0] + h * qs[1] + r0 * qs[2];
-    const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + h * ks[1];
-    const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + h * vs[1];
+    const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + hk * ks[1];
+    const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + hk * vs[1];
     // The scale goes into the queries once, instead of into every score.
     pack_block(q, qs[2], qs[3], rows_n, D, scale_, ws.q, D);
     for (int64_t i = 0; i < rows_n; ++i) ws.rows[i] = softmax_row_init<acc_t>();
@@ -697,18 +750,19 @@ class AttentionCpu {
     // A single query row (decoding) reads the keys row by row instead of transposing them: its scores are
     // the dot products of q with each key (dot_rows).
     const bool single_row = rows_n == 1;
-    // Causal: keys past the block's last query are masked for all of it.
-    const int64_t kv_end = causal ? std::min(S, r0 + rows_n) : S;
-    for (int64_t kt = 0, k0 = 0; k0 < kv_end; ++kt, k0 += plan_.bk) {
-      const int64_t nk = std::min(plan_.bk, kv_end - k0);
+    const KeySpan block_keys = row_keys(p_, kv_len_b, r0, r0 + rows_n - 1);
+    for (int64_t kt = block_keys.begin / plan_.bk, k0 = kt * plan_.bk; k0 < block_keys.end;
+         ++kt, k0 += plan_.bk) {
+      // Keys past the block's range are outside every row's: the tile is cut there.
+      const int64_t nk = std::min(plan_.bk, block_keys.end - k0);
       bool loaded = false;  // ws.kt (or ka), va and `shared` hold this key tile
       Operand<acc_t> ka{}, va{};
       const acc_t* shared = nullptr;
       for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
-        if ((causal && k0 > q0 + nq - 1) || tile_skipped(b, h, qt, kt)) continue;
-        // Causal: keys past this tile's last query are masked for all of it.
-        const int64_t nk_q = causal ? std::min(nk, q0 + nq - k0) : nk;
+        const KeySpan tile_keys = row_keys(p_, kv_len_b, q0, q0 + nq - 1);
+        if (tile_keys.end <= k0 || tile_keys.begin >= k0 + nk || tile_skipped(b, h, qt, kt)) continue;
+        const int64_t nk_q = std::min(nk, tile_keys.end - k0);
         if (!loaded) {
           if (D > 0 && single_row) {
             ka = b_operand(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k);
@@ -720,7 +774,7 @@ class AttentionCpu {
           shared = shared_bias(b, h, k0, nk, ws);
           loaded = true;
         }
-        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, ka, single_row, va, shared, ws, mask_rows);
+        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, kv_len_b, ka, single_row, va, shared, ws, mask_rows);
       }
     }
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
@@ -733,10 +787,9 @@ class AttentionCpu {
   // transposed (D, nk), or as (nk, D) rows when keys_as_rows (then nq == 1); va the values; `shared` the bias
   // common to all rows (see shared_bias).
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                    const Operand<acc_t>& ka, bool keys_as_rows, const Operand<acc_t>& va,
+                    int64_t kv_len_b, const Operand<acc_t>& ka, bool keys_as_rows, const Operand<acc_t>& va,
                     const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
-    const bool causal = p_.is_causal != 0;
     acc_t* s = ws.s;
     // S (nq, nk) = (scale Q) K^T.
     if (D > 0 && keys_as_rows) {
@@ -749,6 +802,7 @@ class AttentionCpu {
 
     for (int64_t i = 0; i < nq; ++i) {
       acc_t* row = s + i * lds;
+      if (softcap_ > acc_t(0)) softcap_row(row, nk, softcap_);
       const acc_t* bias = shared;
       if (mask_rows) {
         const int64_t* st = p_.attn_mask_stride;
@@ -758,8 +812,10 @@ class AttentionCpu {
         });
         bias = ws.row_bias;
       }
-      const int64_t lim = causal ? std::clamp<int64_t>(q0 + i - k0 + 1, 0, nk) : nk;
-      const acc_t tile_max = add_bias_and_max(row, bias, lim, nk);
+      const KeySpan keys = row_keys(p_, kv_len_b, q0 + i, q0 + i);
+      const int64_t hi = std::clamp<int64_t>(keys.end - k0, 0, nk);
+      const int64_t lo = std::clamp<int64_t>(keys.begin - k0, 0, hi);
+      const acc_t tile_max = add_bias_and_max(row, bias, lo, hi, nk);
       SoftmaxRow<acc_t>& state = ws.rows[i0 + i];
       const SoftmaxStep<acc_t> step = softmax_step(state, tile_max);
       const acc_t tile_sum = exp_and_sum(row, nk, step.base);
@@ -780,10 +836,12 @@ class AttentionCpu {
     const int64_t *os = p_.out_stride, *ls = p_.lse_stride;
     auto* out = static_cast<scalar_t*>(d_.out) + b * os[0] + h * os[1];
     auto* lse = static_cast<acc_t*>(d_.lse) + b * ls[0] + h * ls[1];
+    const bool sink = p_.has_sinks != 0;
+    const acc_t sink_logit = sink ? static_cast<const acc_t*>(d_.sinks)[h] : acc_t(0);
     for (int64_t i = 0; i < nq; ++i) {
       const SoftmaxRow<acc_t> row = ws.rows[i0 + i];
       const int64_t l = q0 + i;
-      lse[l * ls[2]] = softmax_lse(row);
+      lse[l * ls[2]] = sink ? softmax_lse_sink(row, sink_logit) : softmax_lse(row);
       scalar_t* dst = out + l * os[2];
       if (softmax_row_empty(row)) {
         // Every key masked: out is 0 (written as such: a NaN or inf value times p = 0 may sit in ws.o).
@@ -791,7 +849,7 @@ class AttentionCpu {
         continue;
       }
       acc_t* o = ws.o + (i0 + i) * Dv;
-      scale_row(o, Dv, softmax_out_scale(row));
+      scale_row(o, Dv, sink ? softmax_out_scale_sink(row, sink_logit) : softmax_out_scale(row));
       for (int64_t j = 0; j < Dv; ++j) dst[j * os[3]] = static_cast<scalar_t>(o[j]);
     }
   }
@@ -801,6 +859,7 @@ class AttentionCpu {
   Plan plan_;
   const acc_t scale_;
   const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
+  const acc_t softcap_;        // 0: no soft-capping
   TileSkipFlags<acc_t> skip_;
 };
 

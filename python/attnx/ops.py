@@ -597,7 +597,8 @@ def _attention_backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
     (query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed, key_lengths,
      sinks) = ctx.saved_tensors
     is_causal, scale, dropout_p, window_left, window_right, softcap = ctx.args
-    needs = ctx.needs_input_grad
+    # Trailing arguments left at their defaults are not autograd inputs: needs_input_grad may be shorter.
+    needs = (*ctx.needs_input_grad, *(False,) * (14 - len(ctx.needs_input_grad)))
     want_mask = needs[3] and ctx.attn_mask_is_float
     want_sinks = needs[13] and ctx.has_sinks
     grads = (None,) * 5

@@ -135,4 +135,30 @@ ATTNX_HOST_DEVICE inline T softmax_lse(SoftmaxRow<T> row) {
   return row.max + softmax_log(row.sum);  // NaN stays NaN
 }
 
+// Attention sinks: a sink logit joins the row's denominator as one more score that adds no value. Folded in
+// once, at the end, so that the loop over keys is the same with and without a sink. M = max(m, sink) keeps
+// both exponentials <= 1. An empty row stays empty (out 0, lse = +inf: it saw no key, whatever the sink); a
+// row with a NaN or +inf score keeps softmax_out_scale's and softmax_lse's answers.
+template <typename T>
+ATTNX_HOST_DEVICE inline bool softmax_sink_applies(SoftmaxRow<T> row) {
+  return !softmax_row_empty(row) && !is_nan(row.max) && row.max != T(INFINITY);
+}
+
+// softmax_out_scale with a sink: exp(m - M) / (l exp(m - M) + exp(sink - M)).
+template <typename T>
+ATTNX_HOST_DEVICE inline T softmax_out_scale_sink(SoftmaxRow<T> row, T sink) {
+  if (!softmax_sink_applies(row)) return softmax_out_scale(row);
+  const T big = nan_max(row.max, sink);
+  const T keys = softmax_exp(row.max - big);
+  return keys / (row.sum * keys + softmax_exp(sink - big));
+}
+
+// softmax_lse with a sink: log(exp(sink) + sum_s exp(score_s)) = M + log(l exp(m - M) + exp(sink - M)).
+template <typename T>
+ATTNX_HOST_DEVICE inline T softmax_lse_sink(SoftmaxRow<T> row, T sink) {
+  if (!softmax_sink_applies(row)) return softmax_lse(row);
+  const T big = nan_max(row.max, sink);
+  return big + softmax_log(row.sum * softmax_exp(row.max - big) + softmax_exp(sink - big));
+}
+
 }  // namespace attnx
