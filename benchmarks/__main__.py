@@ -14,7 +14,16 @@ import time
 
 import torch
 
-from . import bench_attention, bench_b1, bench_backward, bench_cuda, bench_mha, bench_scaling, bench_train
+from . import (
+    bench_attention,
+    bench_b1,
+    bench_backward,
+    bench_cuda,
+    bench_features,
+    bench_mha,
+    bench_scaling,
+    bench_train,
+)
 from .common import RESULTS_DIR, progress, write_results
 
 # name -> module with TITLE, DEVICES (the devices it has cases for) and run(device, quick[, smoke]) returning
@@ -27,6 +36,7 @@ BENCHMARKS = {
     "attention": bench_attention,
     "backward": bench_backward,
     "cuda": bench_cuda,
+    "features": bench_features,
 }
 
 

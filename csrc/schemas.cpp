@@ -77,7 +77,8 @@ TORCH_LIBRARY(attnx, m) {
   // mha's backward in one dispatch: grad_out (L, B, E) ((B, L, E) with batch_first) and, when the weights were
   // asked for and used, grad_weights; mha's arguments; mha_forward's lse, q, k, v and attn. Returns the
   // gradients of query, key, value (each in its argument's shape), in_proj_weight, in_proj_bias,
-  // q/k/v_proj_weight, bias_k, bias_v, out_proj_weight, out_proj_bias, static_k and static_v, in that order,
+  // q/k/v_proj_weight, bias_k, bias_v, out_proj_weight, out_proj_bias, static_k, static_v and a float
+  // attn_mask (in its shape and dtype, summed over the dims it broadcasts along), in that order,
   // each where output_mask asks for it and an empty tensor elsewhere. When query, key and value are one
   // tensor, grad_query is the gradient of all three.
   m.def(

@@ -450,8 +450,8 @@ def _bad_cases():
     q, k, v = make_qkv(2, 3, 5, 7, 8, 4)
     return {
         "query rank": ((q[0], k, v), {}, "expected query of shape (B, H, L, D), got a 3-D tensor"),
-        "key rank": ((q, k[0], v), {}, "expected key of shape (B, H, S, D), got a 3-D tensor"),
-        "value rank": ((q, k, v[..., None]), {}, "expected value of shape (B, H, S, Dv), got a 5-D tensor"),
+        "key rank": ((q, k[0], v), {}, "expected key of shape (B, Hkv, S, D), got a 3-D tensor"),
+        "value rank": ((q, k, v[..., None]), {}, "expected value of shape (B, Hkv, S, Dv), got a 5-D tensor"),
         "query dtype": (
             (q.long(), k.long(), v.long()), {},
             "expected query of dtype float32, float64, bfloat16 or float16, got Long",
@@ -459,11 +459,15 @@ def _bad_cases():
         "key dtype": ((q, k.double(), v), {}, "expected key of query's dtype Float, got Double"),
         "value dtype": ((q, k, v.half()), {}, "expected value of query's dtype Float, got Half"),
         "device": ((q, k.to("meta"), v), {}, "expected key on query's device cpu, got meta"),
-        "batch": ((q, k[:1], v[:1]), {}, "expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
-        "heads": ((q, k[:, :2], v), {}, "expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
-        "head dim": ((q, k[..., :4], v), {}, "expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
-        "value S": ((q, k, v[:, :, :6]), {}, "expected value of shape (B, H, S, Dv) = (2, 3, 7, Dv)"),
-        "value B": ((q, k, v[:1]), {}, "expected value of shape (B, H, S, Dv) = (2, 3, 7, Dv)"),
+        "batch": ((q, k[:1], v[:1]), {}, "expected key of shape (B, Hkv, S, D) = (2, Hkv, S, 8)"),
+        "heads": (
+            (q, k[:, :2], v[:, :2]), {},
+            "expected the number of key/value heads (Hkv = 2) to divide the number of query heads (H = 3)",
+        ),
+        "value heads": ((q, k, v[:, :1]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
+        "head dim": ((q, k[..., :4], v), {}, "expected key of shape (B, Hkv, S, D) = (2, Hkv, S, 8)"),
+        "value S": ((q, k, v[:, :, :6]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
+        "value B": ((q, k, v[:1]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
         "mask 2-D": (
             (q, k, v), {"attn_mask": torch.zeros(5, 6)},
             "expected attn_mask of shape (L, S) = (5, 7), (B*H, L, S) = (6, 5, 7) or 4-D broadcastable to "

@@ -307,16 +307,17 @@ def test_gradcheck(case):
 # Autograd behaviour: what is saved, what is not differentiable, errors.
 
 
-def test_float_mask_requiring_grad_is_an_error():
+def test_float_masks_requiring_grad():
+    # attn_mask gets its gradient (tested in depth in test_attention_features.py); a float key_padding_mask
+    # that requires grad is a clear error.
     q, k, v = (t.requires_grad_() for t in make_leaves(1, 2, 4, 5, 8, 8))
     mask = torch.randn(4, 5, requires_grad=True)
-    out, _ = attnx.attention(q, k, v, attn_mask=mask)
-    with pytest.raises(RuntimeError, match=r"attnx.attention: no gradient for float masks; attn_mask req"):
-        out.sum().backward()
+    attnx.attention(q, k, v, attn_mask=mask)[0].sum().backward()
+    assert mask.grad is not None and mask.grad.shape == mask.shape
     kpm = torch.randn(1, 5, requires_grad=True)
     # Only the mask requires grad.
     out, _ = attnx.attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm)
-    with pytest.raises(RuntimeError, match=r"no gradient for float masks; key_padding_mask requires grad"):
+    with pytest.raises(RuntimeError, match=r"no gradient for a float key_padding_mask, which requires grad"):
         out.sum().backward()
     # A mask that does not require grad is fine, float or bool.
     attnx.attention(q, k, v, attn_mask=mask.detach(), key_padding_mask=kpm.detach() > 0)[0].sum().backward()
@@ -369,10 +370,11 @@ def _backward_args(B=2, H=3, L=5, S=7, D=8, Dv=4, dtype=torch.float32, layout="b
 
 
 def test_gradient_layout():
-    grads = attnx.attention_backward(*_backward_args(2, 3, 5, 7, 8, 4))
+    *grads, grad_mask, grad_sinks = attnx.attention_backward(*_backward_args(2, 3, 5, 7, 8, 4))
     assert [g.shape for g in grads] == [(2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 4)]
     for g in grads:  # memory order (B, N, H, E), like out
         assert g.transpose(1, 2).is_contiguous()
+    assert grad_mask.numel() == 0 and grad_sinks.numel() == 0  # neither asked for
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -459,7 +461,7 @@ def _bad_cases():
                       "attnx::attention_backward: expected lse of shape (B, H, L) = [2, 3, 5], "
                       "got [2, 1, 5]"),
         "key shape": ((grad_out, q, k[:, :, :, :4], v, out, lse),
-                      "attnx::attention: expected key of shape (B, H, S, D) = (2, 3, S, 8)"),
+                      "attnx::attention: expected key of shape (B, Hkv, S, D) = (2, Hkv, S, 8)"),
     }
 
 

@@ -437,3 +437,22 @@ def test_mismatched_mask_types_warn_like_torch():
     )
     expected = warning_messages(torch_fn)
     assert expected and warning_messages(attnx_fn) == expected
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_weights_are_exact_at_large_scores(average):
+    # float32 scores of magnitude ~4e3 that differ by a few units (as in torch's own samples): weights computed
+    # as exp(score - lse) would carry lse's rounding (2^-12 at that magnitude) into every weight, where
+    # torch's softmax normalises by the row's maximum and sum. attnx's weights must agree with torch's to
+    # torch's own rounding.
+    L, B = 5, 3
+    in_proj = torch.cat([torch.eye(E)] * 3)  # q = k = v = x: scores are x . x' / sqrt(D) per head
+    x = 45 + 0.05 * torch.randn(L, B, E)
+    kwargs = dict(need_weights=True, average_attn_weights=average)
+    args = (x, x, x, E, H, in_proj, None, None, None, False, 0.0, torch.eye(E), None)
+    _, want = F.multi_head_attention_forward(*args, **kwargs)
+    _, got = functional.multi_head_attention_forward(*args, **kwargs)
+    head = x[..., :D].transpose(0, 1)  # (B, L, D): head 0
+    scores = head @ head.transpose(-1, -2) / D**0.5
+    assert scores.min() > 4000 and want.min() > 1e-4  # large scores, none of them negligible
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)

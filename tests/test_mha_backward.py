@@ -206,12 +206,37 @@ def test_opcheck(extras):
     torch.library.opcheck(torch.ops.attnx.mha_forward.default, detached)
 
 
-def test_float_mask_requiring_grad_is_a_clear_error():
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn"])
+@pytest.mark.parametrize("mask_rank", [2, 3])
+def test_float_mask_gradient(mask_rank, extras, need_weights):
+    # A learned bias passed as attn_mask, (L, S) or (B*H, L, S): its gradient from the fused backward, plus
+    # what flows back through the weights output when it is used; appended keys' columns are not the mask's.
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    shape = (L, S) if mask_rank == 2 else (B * H, L, S)
+    bias = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    kpm, _, _ = make_masks("kpm_bool", B, H, L, S, torch.float64)
+    got, want = [], []
+    for fn, out_list in ((ops.mha, got), (reference.mha, want)):
+        leaf = bias.clone().requires_grad_()
+        args, leaves = _leaves(_args(query, key, value, w, kpm=kpm, am=leaf, extras=extras,
+                                     need_weights=need_weights, average=False))
+        out, _, weights = fn(*args)
+        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)).sum()
+        if need_weights:
+            loss = loss + (weights.nan_to_num(0.0) * weights.new_ones(weights.shape).cumsum(-1)).sum()
+        out_list.extend(torch.autograd.grad(loss, [leaf, *leaves]))
+    assert got[0].shape == bias.shape
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+def test_float_key_padding_mask_requiring_grad_is_a_clear_error():
     query, key, value, w = _inputs("kv_shared", "seq_first", torch.float64)
-    kpm, am, _ = make_masks("am2_float", B, H, L, S, torch.float64)
-    args, _ = _leaves(_args(query, key, value, w, am=am.requires_grad_()))
+    kpm, _, _ = make_masks("kpm_float", B, H, L, S, torch.float64)
+    args, _ = _leaves(_args(query, key, value, w, kpm=kpm.nan_to_num(neginf=-3.0).requires_grad_()))
     out, _, _ = ops.mha(*args)
-    with pytest.raises(RuntimeError, match="attnx.mha: no gradient for float masks; attn_mask requires grad"):
+    with pytest.raises(RuntimeError, match="attnx.mha: no gradient for a float key_padding_mask"):
         out.sum().backward()
 
 

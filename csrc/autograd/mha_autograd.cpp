@@ -73,9 +73,9 @@ const auto& mha_backward_op() {
 constexpr int kNumArgs = 24;
 constexpr std::array<int, kNumArgs> kGradSlot = {
     0, 1, 2, /*num_heads*/ -1, 3, 4, 5, 6, 7, 8, 9, /*add_zero_attn*/ -1, 10, 11,
-    /*key_padding_mask*/ -1, /*attn_mask*/ -1, /*is_causal*/ -1, 12, 13, /*need_weights*/ -1, /*average*/ -1,
+    /*key_padding_mask*/ -1, /*attn_mask*/ 14, /*is_causal*/ -1, 12, 13, /*need_weights*/ -1, /*average*/ -1,
     /*dropout_p*/ -1, /*dropout_seed*/ -1, /*batch_first*/ -1};
-constexpr int kKeyPaddingMaskArg = 14, kAttnMaskArg = 15;
+constexpr int kKeyPaddingMaskArg = 14;
 
 // The saved optional arguments come back as undefined tensors where they were absent.
 OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
@@ -116,12 +116,9 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const std::vector<int64_t> edge = ctx->saved_data["edge"].toIntVector();
     const auto needs = [&](int arg) { return edge[arg] >= 0 && ctx->needs_input_grad(edge[arg]); };
-    for (int arg : {kKeyPaddingMaskArg, kAttnMaskArg}) {
-      TORCH_CHECK(!needs(arg), "attnx.mha: no gradient for float masks; ",
-                  arg == kAttnMaskArg ? "attn_mask" : "key_padding_mask",
-                  " requires grad. Detach the mask, or compute its gradient through attnx.reference.mha (which "
-                  "materialises the (B, H, L, S) scores).");
-    }
+    TORCH_CHECK(!needs(kKeyPaddingMaskArg),
+                "attnx.mha: no gradient for a float key_padding_mask, which requires grad. Detach it, or pass it "
+                "as part of a float attn_mask, whose gradient attnx computes.");
     variable_list result(kNumArgs);
     const at::Tensor& grad_weights = grads[2];
     if (!grads[0].defined() && !grad_weights.defined()) return result;
@@ -137,7 +134,7 @@ class MhaFunction : public torch::autograd::Function<MhaFunction> {
                                     ? grads[0]
                                     : at::zeros({query.size(0), query.size(1), out_proj_weight.size(0)},
                                                 out_proj_weight.options());
-    std::vector<int64_t> output_mask(14, 0);
+    std::vector<int64_t> output_mask(15, 0);
     for (int arg = 0; arg < kNumArgs; ++arg) {
       if (kGradSlot[arg] >= 0) output_mask[kGradSlot[arg]] = needs(arg);
     }

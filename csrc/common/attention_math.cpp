@@ -46,6 +46,16 @@ at::Tensor key_range_mask(int64_t B, int64_t L, int64_t S, bool is_causal, int64
   return seen;
 }
 
+// key (or value) with the rows at or past each batch's key length zeroed: those keys are never read (a
+// static cache's unfilled slots may hold NaN, which 0 * NaN would carry into the products). A copy, only with
+// key_lengths.
+at::Tensor valid_keys(const at::Tensor& t, const std::optional<at::Tensor>& key_lengths) {
+  if (!key_lengths) return t;
+  const at::Tensor beyond = at::arange(t.size(2), key_lengths->options().dtype(at::kLong)).view({1, 1, -1, 1}) >=
+                            key_lengths->to(at::kLong).view({-1, 1, 1, 1});
+  return t.masked_fill(beyond, 0);
+}
+
 // The scaled scores scale * Q K^T, (B, H, L, S) in the accumulator dtype, soft-capped when softcap is set.
 at::Tensor capped_scores(const at::Tensor& query, const at::Tensor& key, at::ScalarType acc, double scale,
                          std::optional<double> softcap) {
@@ -90,7 +100,9 @@ at::Tensor attention_probabilities(const at::Tensor& query, const at::Tensor& ke
                                    double scale, int64_t window_left, int64_t window_right,
                                    const std::optional<at::Tensor>& key_lengths,
                                    std::optional<double> softcap) {
-  at::Tensor scores = add_masks(capped_scores(query, key, lse.scalar_type(), scale, softcap), attn_mask,
+  at::Tensor scores = add_masks(capped_scores(query, valid_keys(key, key_lengths), lse.scalar_type(), scale,
+                                              softcap),
+                                attn_mask,
                                 key_padding_mask, is_causal, window_left, window_right, key_lengths);
   // A fully masked row has scores -inf and lse +inf: exp(-inf) = 0, never NaN.
   return scores.sub_(lse.unsqueeze(-1)).exp_();
@@ -132,15 +144,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   const double s = default_scale(query, scale);
   const auto acc = lse.scalar_type();
   const int64_t H = query.size(1), Hkv = key.size(1);
-  const at::Tensor q = group_rows(query.to(acc), Hkv), k = key.to(acc), d_out = group_rows(grad_out.to(acc), Hkv);
-  const at::Tensor capped = capped_scores(query, key, acc, s, softcap);
+  const at::Tensor key_read = valid_keys(key, key_lengths), value_read = valid_keys(value, key_lengths);
+  const at::Tensor q = group_rows(query.to(acc), Hkv), k = key_read.to(acc);
+  const at::Tensor d_out = group_rows(grad_out.to(acc), Hkv);
+  const at::Tensor capped = capped_scores(query, key_read, acc, s, softcap);
   const at::Tensor p = group_rows(
       add_masks(capped.clone(), attn_mask, key_padding_mask, is_causal, window_left, window_right, key_lengths)
           .sub_(lse.unsqueeze(-1))
           .exp_(),
       Hkv);
   const at::Tensor delta = group_rows((grad_out.to(acc) * out.to(acc)).sum(-1, /*keepdim=*/true), Hkv);
-  at::Tensor ds = p * (at::matmul(d_out, value.to(acc).transpose(-2, -1)) - delta);  // (B, Hkv, G*L, S)
+  at::Tensor ds = p * (at::matmul(d_out, value_read.to(acc).transpose(-2, -1)) - delta);  // (B, Hkv, G*L, S)
   at::Tensor mask_grad;
   const at::Tensor empty = query.new_empty({0});
   if (grad_attn_mask && attn_mask && attn_mask->scalar_type() != at::kBool) {

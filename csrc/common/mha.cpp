@@ -313,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 enum MhaGrad : int64_t {
   kGradQuery, kGradKey, kGradValue, kGradInProjWeight, kGradInProjBias, kGradQProjWeight, kGradKProjWeight,
   kGradVProjWeight, kGradBiasK, kGradBiasV, kGradOutProjWeight, kGradOutProjBias, kGradStaticK, kGradStaticV,
-  kNumMhaGrads
+  kGradAttnMask, kNumMhaGrads
 };
 
 // (N, B, F) -> (B*N, F) rows in (batch, position) order: a view when the memory allows it, else one copy.
@@ -322,18 +322,24 @@ at::Tensor batch_major_rows(const at::Tensor& t) { return t.transpose(0, 1).resh
 // (B, H, N, Dh) -> (B*N, H*Dh) rows in (batch, position) order; a view for attention's (B, N, H, Dh) layouts.
 at::Tensor head_rows(const at::Tensor& t) { return t.permute({0, 2, 1, 3}).reshape({-1, t.size(1) * t.size(3)}); }
 
-// The gradient of the attention weights output flowed back into grad_q and grad_k (in place): the softmax
-// backward dS = P * (dP - rowsum(dP * P)) on P recomputed from lse. Only reached when the caller asked for the
-// weights and used them, so the (B, H, L, S') tensors it builds are the size of what it asked for.
+// The gradient of the attention weights output flowed back into grad_q and grad_k (in place), and into
+// grad_mask (attn_mask's gradient, (L, S') or (B*H, L, S')) when it is defined: the softmax backward
+// dS = P * (dP - rowsum(dP * P)) on P recomputed from lse. Only reached when the caller asked for the weights
+// and used them, so the (B, H, L, S') tensors it builds are the size of what it asked for.
 void add_weights_grad(const at::Tensor& grad_weights, bool average_attn_weights, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& lse, const OptTensor& attn_mask,
-                      const OptTensor& key_padding_mask, bool is_causal, at::Tensor& grad_q, at::Tensor& grad_k) {
+                      const OptTensor& key_padding_mask, bool is_causal, at::Tensor& grad_q, at::Tensor& grad_k,
+                      at::Tensor& grad_mask) {
   const auto acc = lse.scalar_type();
   const at::Tensor p = attention_weights(q, k, lse, attn_mask, key_padding_mask, is_causal);
   at::Tensor dp = grad_weights.to(acc);
   if (average_attn_weights) dp = dp.unsqueeze(1).div(double(q.size(1)));  // mean over heads
   // A fully masked row's weights are NaN whatever q and k are: no gradient flows from them.
   at::Tensor ds = (p * (dp - (dp * p).sum(-1, /*keepdim=*/true))).masked_fill_(lse.isposinf().unsqueeze(-1), 0);
+  if (grad_mask.defined()) {
+    const at::Tensor g = grad_mask.dim() == 2 ? ds.sum({0, 1}) : ds.flatten(0, 1);
+    grad_mask.add_(g.to(grad_mask.scalar_type()));
+  }
   const double scale = 1.0 / std::sqrt(double(q.size(3)));
   grad_q.add_(at::matmul(ds, k.to(acc)).mul_(scale).to(grad_q.scalar_type()));
   grad_k.add_(at::matmul(ds.transpose(-2, -1), q.to(acc)).mul_(scale).to(grad_k.scalar_type()));
@@ -378,14 +384,18 @@ std::vector<at::Tensor> mha_backward(
   at::Tensor grad_attn = grad_out_rows.mm(out_proj_weight).view({B, L, H, Dh}).permute({0, 2, 1, 3});
 
   // Attention, probabilities recomputed from lse.
+  // A float attn_mask (a learned bias) gets dS summed as the mask broadcasts, from the fused backward.
+  const bool mask_grad = wanted(kGradAttnMask) && attn_mask && attn_mask->scalar_type() != at::kBool;
   auto [grad_q, grad_k, grad_v, grad_mask] =
       attnx_attention_backward(grad_attn, q, k, v, attn, lse, attn_mask, key_padding_mask, is_causal, dropout_p,
-                               dropout_seed, /*grad_attn_mask=*/false);
+                               dropout_seed, mask_grad);
   if (grad_weights && grad_weights->defined() && grad_weights->numel() > 0) {
     TORCH_CHECK(need_weights, "attnx::mha_backward: got grad_weights for a call without need_weights");
     add_weights_grad(*grad_weights, average_attn_weights, q, k, lse, attn_mask, key_padding_mask, is_causal, grad_q,
-                     grad_k);
+                     grad_k, grad_mask);
   }
+  // The columns of the appended keys (bias_k, add_zero_attn) were padding, not the caller's mask.
+  if (mask_grad) grads[kGradAttnMask] = appended ? grad_mask.narrow(-1, 0, S).contiguous() : grad_mask;
   grad_attn.reset();
 
   // Appended keys: the zero key has no parameter; bias_k / bias_v sit at position S of every sequence.

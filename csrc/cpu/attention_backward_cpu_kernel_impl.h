@@ -488,12 +488,13 @@ class AttentionBackwardCpu {
   void run_key_tile(int64_t b, int64_t h, int64_t kt, int64_t kv_len_b, acc_t* dqt, acc_t* dk, acc_t* dv,
                     BackwardScratch<acc_t>& ws) {
     const int64_t L = p_.q_len, S = p_.kv_len, D = p_.head_dim, Dv = p_.v_head_dim;
-    const int64_t k0 = kt * plan_.bk, nk = std::min(plan_.bk, S - k0);
+    const int64_t k0 = kt * plan_.bk;
     const int64_t *ks = p_.k_stride, *vs = p_.v_stride;
-    // Keys at or past kv_len_b are seen by no query; the rest of the tile is seen by queries
-    // [q_begin, q_end) between them (attnx/key_range.h).
-    const int64_t k_last = std::min(k0 + nk, kv_len_b) - 1;
-    if (k_last < k0 || skip_.padding_skips(b, kt)) return;
+    // Keys at or past kv_len_b are seen by no query and never read (a static cache's unfilled slots may hold
+    // anything): the tile is cut there. The rest of it is seen by queries [q_begin, q_end) between them
+    // (attnx/key_range.h).
+    const int64_t nk = std::min(plan_.bk, std::min(S, kv_len_b) - k0), k_last = k0 + nk - 1;
+    if (nk <= 0 || skip_.padding_skips(b, kt)) return;
     const int64_t q_begin = range_query_begin(k0, L, kv_len_b, p_.window_right, p_.is_causal);
     const int64_t q_end = range_query_end(k_last, L, kv_len_b, p_.window_left);
     if (q_begin >= q_end) return;

@@ -757,6 +757,7 @@ def _mha_forward_fake(
 _MHA_GRADS = (
     "query", "key", "value", "in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight",
     "v_proj_weight", "bias_k", "bias_v", "out_proj_weight", "out_proj_bias", "static_k", "static_v",
+    "attn_mask",
 )
 
 
@@ -776,7 +777,8 @@ def _mha_backward_fake(
     args = dict(query=query, key=key, value=value, in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias,
                 q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight,
                 bias_k=bias_k, bias_v=bias_v, out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias,
-                static_k=static_k, static_v=static_v)
+                static_k=static_k, static_v=static_v,
+                attn_mask=attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None)
     one_input = query is key and key is value
     wanted = dict(zip(_MHA_GRADS, output_mask, strict=True))
     if one_input:

@@ -30,7 +30,7 @@ def attention(
     window_left: int = -1,
     window_right: int = -1,
     key_lengths: Tensor | None = None,
-    softcap: float = 0.0,
+    softcap: float | None = None,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention with nn.MultiheadAttention's mask semantics; returns ``(out, lse)``.
@@ -50,7 +50,8 @@ def attention(
     tensor, or ``S``), keys ``s >= S_b`` are masked, and query row ``l`` sits at key position
     ``l + S_b - L`` (the last ``L`` positions, FlashAttention's bottom-right alignment): a window
     ``(window_left, window_right)`` keeps key ``s`` iff ``l + S_b - L - window_left <= s <= l + S_b - L +
-    window_right``, ``-1`` leaving that side unbounded (``(-1, 0)`` is bottom-right causal attention).
+    window_right``, ``-1`` leaving that side unbounded (``(-1, 0)`` is bottom-right causal attention). Keys
+    at or past ``S_b`` are never read: a static KV cache's unfilled slots may hold anything, NaN included.
 
     sinks: ``(H,)`` logits, one per query head, that join each row's softmax denominator: the probabilities
     are ``exp(score - lse)`` with ``lse = log(exp(sink_h) + sum_s exp(score_s))``, so a sink takes
@@ -71,10 +72,13 @@ def attention(
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     if scale is None:
         scale = D**-0.5 if D > 0 else 1.0  # D == 0: every score is an empty sum, 0 whatever the scale
+    if key_lengths is not None:  # keys past S_b: never read (zeroed here, so that NaN there cannot leak)
+        beyond = (torch.arange(S) >= key_lengths.to("cpu", torch.int64).view(B, 1, 1, 1)).to(key.device)
+        key, value = key.masked_fill(beyond, 0), value.masked_fill(beyond, 0)
     if Hkv != H:  # clarity over memory: the kernels index the shared kv head instead
         key, value = key.repeat_interleave(H // Hkv, dim=1), value.repeat_interleave(H // Hkv, dim=1)
     scores = torch.matmul(query.to(acc), key.to(acc).transpose(-2, -1)) * scale  # (B, H, L, S)
-    if softcap > 0:
+    if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     seen = key_range_mask(B, L, S, is_causal, window_left, window_right, key_lengths, query.device)
     bias = torch.zeros(seen.shape, dtype=acc, device=query.device).masked_fill(~seen, float("-inf"))
