@@ -577,7 +577,8 @@ def test_embedded_source_is_self_contained():
     # no quoted #include left for Apple's compiler to resolve; and it compiles as one file under the shim.
     source = embed.metal_source()
     assert not re.search(r'^\s*#\s*include\s+"', source, re.MULTILINE)
-    for name in ("params.h", "softmax.h", "metal_config.h", "common.h", "attention.metal", "linear.metal"):
+    for name in ("params.h", "softmax.h", "metal_config.h", "key_range.h", "common.h", "attention.metal",
+                 "linear.metal"):
         assert len(re.findall(rf"^// ---- .*\b{re.escape(name)}$", source, re.MULTILINE)) == 1, name
     header = embed.header(source)
     assert header.count('R"attnx_metal(') == 1 and header.rstrip().endswith("}  // namespace attnx::mps")
