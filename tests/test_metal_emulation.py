@@ -432,6 +432,33 @@ def test_attention_strided_key_lengths(emu):
         check(emu, *make_gqa(3, 2, 1, Lq, 40, 8, 8), key_lengths=lengths, window_right=1)
 
 
+def test_attention_key_lengths_out_of_range_are_clamped(emu):
+    # The GPU cannot report a bad length without a sync: the kernels clamp into [0, S] (range_kv_len).
+    for Lq in KERNELS.values():
+        q, k, v = make_qkv(3, 2, Lq, 20, 8, 8)
+        out, lse = emu.attention(q, k, v, key_lengths=torch.tensor([-3, 25, 7], dtype=torch.int32),
+                                 window_right=0)
+        ref_out, ref_lse = reference.attention(q.double(), k.double(), v.double(), window_right=0,
+                                               key_lengths=torch.tensor([0, 20, 7]))
+        _assert_bounded(out, ref_out, ref_out, ATOL[q.dtype], "out")
+        _assert_bounded(lse, ref_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+
+
+@pytest.mark.parametrize("window", [(40, 0), (-1, 5)], ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_key_ranges_with_padding_that_skips_tiles(emu, kernel, window):
+    # The tiled kernel's tiles start mid-range (at the block's first key); key_padding_mask removes whole
+    # tiles of them in batch 0 and the last keys of batch 1, whose key length also cuts the range.
+    q, k, v = make_qkv(2, 2, KERNELS[kernel], 100, 16, 16)
+    kpm = torch.zeros(2, 100, dtype=torch.bool)
+    kpm[0, 40:75] = True
+    kpm[1, 50:] = True
+    check(emu, q, k, v, key_padding_mask=kpm, window_left=window[0], window_right=window[1],
+          key_lengths=torch.tensor([100, 70]), kernel=kernel)
+    check(emu, q, k, v, key_padding_mask=torch.zeros(2, 100).masked_fill(kpm, float("-inf")),
+          window_left=window[0], window_right=window[1], is_causal=True, kernel=kernel)
+
+
 def test_attention_float64_sinks_are_refused(emu):
     q, k, v = make_qkv(1, 2, 3, 4, 8, 8)
     with pytest.raises(TypeError, match="float64"):
