@@ -16,9 +16,21 @@
 //                     softmax runs lane-per-key on S in threadgroup memory (simd_max / simd_sum per row).
 //                     Rows are rescaled through a per-simdgroup 8x8 scratch, so nothing depends on which lane
 //                     holds which element of a simdgroup matrix.
-// Skipped work: keys past the last query of the threadgroup under is_causal; keys (vector) or key tiles
-// (tiled) that key_padding_mask removes entirely. Any other masked score is -inf and contributes exp(-inf) =
-// 0, so NaN in a mask or an input propagates to its row as in the reference.
+// Features are parameters of both kernels (AttentionParams), never separate kernels:
+//   - grouped KV heads: query head h reads kv head h / (H / kv_heads) in place, through k_stride[1] and
+//     v_stride[1]; nothing is repeated or copied;
+//   - key ranges (attnx/key_range.h): per-batch key lengths (int32 or int64, clamped into [0, S]: a GPU
+//     cannot report a bad length without a sync), the bottom-right window and the top-left is_causal give
+//     each row one key interval, and a block of rows one interval too (both ends grow with the row). The
+//     vector kernel loops over its row's interval only; the tiled kernel over the key tiles of its block's
+//     interval, with the keys outside a row's own interval masked element by element. Cost grows with the
+//     window, not with S;
+//   - soft-capping: softcap * tanh(x / softcap) on the scaled score x, before the masks are added;
+//   - sinks: one logit per query head that joins the softmax denominator at the end (row_end below).
+// Skipped work besides: keys (vector) or key tiles (tiled) that key_padding_mask removes entirely. Any other
+// masked score is -inf and contributes exp(-inf) = 0, so NaN in a mask or an input propagates to its row as
+// in the reference. A row that sees no key gets out 0 and lse +inf, with or without a sink.
+#include "attnx/key_range.h"
 #include "common.h"
 
 namespace attnx {
@@ -30,24 +42,80 @@ inline int64_t bh_offset(const constant int64_t* stride, int64_t b, int64_t h) {
   return b * stride[0] + h * stride[1];
 }
 
+// The key/value head that query head h reads: heads / kv_heads consecutive query heads share one.
+inline int64_t kv_head(int64_t h, int64_t heads, int64_t kv_heads) {
+  return h / (heads / kv_heads);
+}
+
+// S_b, the keys batch b has: key_lengths[index] (int32 or int64, per `kind`) clamped into [0, S], or S.
+inline int64_t batch_kv_len(int32_t kind, const device uchar* key_lengths, int64_t index, int64_t kv_len) {
+  switch (kind) {
+    case kKeyLengthsInt32:
+      return range_kv_len(int64_t(((const device int32_t*)key_lengths)[index]), kv_len);
+    case kKeyLengthsInt64:
+      return range_kv_len(((const device int64_t*)key_lengths)[index], kv_len);
+    default:
+      return kv_len;
+  }
+}
+
+// A scaled score after soft-capping (cap > 0), before the masks are added. precise::tanh: the fast-math tanh
+// is not specified to saturate cleanly for large |x|, and the cap exists for exactly those scores.
+inline float soft_cap(float x, float cap) {
+  return cap > 0.0f ? cap * metal::precise::tanh(x / cap) : x;
+}
+
+// How a finished row becomes its output and lse: out = accumulator * factor (written as 0 for an empty row,
+// without reading the accumulator).
+struct RowEnd {
+  bool empty;
+  float factor;
+  float lse;
+};
+
+// With a sink, the row's denominator is l + exp(sink - m): lse = logaddexp(m + log(l), sink) and out = acc /
+// (l + exp(sink - m)), evaluated around max(m, sink) so that neither exp overflows. Only a row with a finite
+// maximum changes: an empty row keeps out 0 and lse +inf, sink or not (the reference's rule), and a NaN or
+// +inf score keeps its NaN out.
+inline RowEnd row_end(SoftmaxRow<float> row, bool has_sink, float sink) {
+  RowEnd end;
+  end.empty = softmax_row_empty(row);
+  end.factor = softmax_out_scale(row);
+  end.lse = softmax_lse(row);
+  if (has_sink && row.max > -INFINITY && row.max < INFINITY) {
+    if (sink == INFINITY) {  // the sink takes all the mass (exp(inf - inf) would be NaN below)
+      end.factor = 0.0f;
+      end.lse = INFINITY;
+      return end;
+    }
+    const float base = nan_max(row.max, sink);  // a NaN sink makes the row NaN, as in the reference
+    const float a = softmax_exp(row.max - base);
+    const float denominator = row.sum * a + softmax_exp(sink - base);
+    end.factor = a / denominator;
+    end.lse = base + softmax_log(denominator);
+  }
+  return end;
+}
+
 template <typename T, int kBucket>
 kernel void attention_vector(const device T* query [[buffer(0)]], const device T* key [[buffer(1)]],
                              const device T* value [[buffer(2)]], const device uchar* attn_mask [[buffer(3)]],
                              const device uchar* key_padding_mask [[buffer(4)]], device T* out [[buffer(5)]],
-                             device float* lse [[buffer(6)]], const constant AttentionParams& p [[buffer(7)]],
-                             ATTNX_THREAD_POSITIONS) {
+                             device float* lse [[buffer(6)]], const device uchar* key_lengths [[buffer(7)]],
+                             const device float* sinks [[buffer(8)]],
+                             const constant AttentionParams& p [[buffer(9)]], ATTNX_THREAD_POSITIONS) {
   constexpr int kCols = kBucket / kSimdWidth;  // query and output elements per lane
   // Each simdgroup's output accumulator and (max, sum), merged at the end.
   ATTNX_THREADGROUP_ARRAY(float, o_s, (kVectorSimdgroups * kBucket));
   ATTNX_THREADGROUP_ARRAY(float, stats_s, (2 * kVectorSimdgroups));
 
   const int64_t l = tgid.x, bh = tgid.y;
-  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const int64_t b = bh / p.heads, h = bh % p.heads, hkv = kv_head(h, p.heads, p.kv_heads);
   const int64_t D = p.head_dim, Dv = p.v_head_dim;
-  const float scale = p.scale;
+  const float scale = p.scale, softcap = p.softcap;
   const device T* q = query + bh_offset(p.q_stride, b, h) + l * p.q_stride[2];
-  const device T* k = key + bh_offset(p.k_stride, b, h);
-  const device T* v = value + bh_offset(p.v_stride, b, h);
+  const device T* k = key + bh_offset(p.k_stride, b, hkv);
+  const device T* v = value + bh_offset(p.v_stride, b, hkv);
   const int64_t am_row = bh_offset(p.attn_mask_stride, b, h) + l * p.attn_mask_stride[2];
   const int64_t kpm_row = b * p.key_padding_mask_stride[0];
 
@@ -59,9 +127,11 @@ kernel void attention_vector(const device T* query [[buffer(0)]], const device T
   }
 
   SoftmaxRow<float> row = softmax_row_init<float>();
-  // Under is_causal, key s is masked for s > l: the loop stops at the diagonal.
-  const int64_t kv_end = p.is_causal && l + 1 < p.kv_len ? l + 1 : p.kv_len;
-  for (int64_t s = sg; s < kv_end; s += kVectorSimdgroups) {
+  // The row's keys (key lengths, window, is_causal): the loop visits nothing else.
+  const int64_t kv_len_b = batch_kv_len(p.key_lengths_kind, key_lengths, b * p.key_lengths_stride, p.kv_len);
+  const int64_t key_begin = range_key_begin(l, p.q_len, kv_len_b, p.window_left);
+  const int64_t key_end = range_key_end(l, p.q_len, kv_len_b, p.window_right, p.is_causal);
+  for (int64_t s = key_begin + sg; s < key_end; s += kVectorSimdgroups) {
     // scores + (attn_mask + key_padding_mask), summed in the reference's order. s is the simdgroup's: every
     // branch below is uniform across its lanes.
     float bias = 0.0f;
@@ -78,7 +148,7 @@ kernel void attention_vector(const device T* query [[buffer(0)]], const device T
       const int64_t d = lane + i * kSimdWidth;
       if (d < D) partial += qv[i] * float(k[s * p.k_stride[2] + d * p.k_stride[3]]);
     }
-    const float score = simd_sum(partial) * scale + bias;
+    const float score = soft_cap(simd_sum(partial) * scale, softcap) + bias;
     const SoftmaxStep<float> step = softmax_step(row, score);
     const float pr = softmax_exp(score - step.base);
     row = softmax_advance(row, step, pr);
@@ -106,8 +176,7 @@ kernel void attention_vector(const device T* query [[buffer(0)]], const device T
     weight[g] = stats_s[2 * g] == -INFINITY ? 0.0f : softmax_exp(stats_s[2 * g] - base);
     if (stats_s[2 * g] != -INFINITY) merged.sum += stats_s[2 * g + 1] * weight[g];
   }
-  const bool empty = softmax_row_empty(merged);
-  const float factor = softmax_out_scale(merged);
+  const RowEnd end = row_end(merged, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f);
   device T* dst = out + bh_offset(p.out_stride, b, h) + l * p.out_stride[2];
   for (int64_t c = tid; c < Dv; c += kVectorThreads) {
     float acc = 0.0f;
@@ -115,17 +184,18 @@ kernel void attention_vector(const device T* query [[buffer(0)]], const device T
       if (weight[g] != 0.0f) acc += o_s[g * kBucket + c] * weight[g];
     }
     // Written as 0, not as acc * 0: acc may hold 0 * inf = NaN from masked keys of an infinite value.
-    dst[c * p.out_stride[3]] = T(empty ? 0.0f : acc * factor);
+    dst[c * p.out_stride[3]] = T(end.empty ? 0.0f : acc * end.factor);
   }
-  if (tid == 0) lse[bh_offset(p.lse_stride, b, h) + l * p.lse_stride[2]] = softmax_lse(merged);
+  if (tid == 0) lse[bh_offset(p.lse_stride, b, h) + l * p.lse_stride[2]] = end.lse;
 }
 
 template <typename T, int kBucket>
 kernel void attention_tiled(const device T* query [[buffer(0)]], const device T* key [[buffer(1)]],
                             const device T* value [[buffer(2)]], const device uchar* attn_mask [[buffer(3)]],
                             const device uchar* key_padding_mask [[buffer(4)]], device T* out [[buffer(5)]],
-                            device float* lse [[buffer(6)]], const constant AttentionParams& p [[buffer(7)]],
-                            ATTNX_THREAD_POSITIONS) {
+                            device float* lse [[buffer(6)]], const device uchar* key_lengths [[buffer(7)]],
+                            const device float* sinks [[buffer(8)]],
+                            const constant AttentionParams& p [[buffer(9)]], ATTNX_THREAD_POSITIONS) {
   constexpr int kFrags = kBucket / 8;  // 8x8 matrices along the head dim
   constexpr int ld = kBucket + 4;      // row stride of the staged tiles (padding against bank conflicts)
   static_assert(kTiledRows == kTiledKeys, "kv_s also stages the query and output rows");
@@ -138,14 +208,13 @@ kernel void attention_tiled(const device T* query [[buffer(0)]], const device T*
   ATTNX_THREADGROUP_ARRAY(float, alpha_s, kTiledRows);
 
   const int64_t q0 = int64_t(tgid.x) * kTiledRows, bh = tgid.y;
-  const int64_t b = bh / p.heads, h = bh % p.heads;
-  const int64_t L = p.q_len, S = p.kv_len, D = p.head_dim, Dv = p.v_head_dim;
+  const int64_t b = bh / p.heads, h = bh % p.heads, hkv = kv_head(h, p.heads, p.kv_heads);
+  const int64_t L = p.q_len, D = p.head_dim, Dv = p.v_head_dim;
   const int64_t rows = L - q0 < kTiledRows ? L - q0 : int64_t(kTiledRows);  // query rows of this threadgroup
-  const float scale = p.scale;
-  const bool causal = p.is_causal != 0;
+  const float scale = p.scale, softcap = p.softcap;
   const device T* q = query + bh_offset(p.q_stride, b, h);
-  const device T* k = key + bh_offset(p.k_stride, b, h);
-  const device T* v = value + bh_offset(p.v_stride, b, h);
+  const device T* k = key + bh_offset(p.k_stride, b, hkv);
+  const device T* v = value + bh_offset(p.v_stride, b, hkv);
   const int64_t am_base = bh_offset(p.attn_mask_stride, b, h);
   const int64_t kpm_base = b * p.key_padding_mask_stride[0];
 
@@ -167,8 +236,13 @@ kernel void attention_tiled(const device T* query [[buffer(0)]], const device T*
   threadgroup float* s_rows = s_s + sg * 8 * kTiledKeys;
   bool o_started = false;  // some tile has been added to O (uniform: every simdgroup sees the same tiles)
 
-  const int64_t kv_end = causal && q0 + rows < S ? q0 + rows : S;
-  for (int64_t k0 = 0; k0 < kv_end; k0 += kTiledKeys) {
+  // The keys of the threadgroup's rows (key lengths, window, is_causal): from its first row's first key to
+  // its last row's last, since both ends grow with the row. Only these tiles are visited (uniformly: the
+  // interval is the threadgroup's); keys outside a row's own interval are masked in the softmax below.
+  const int64_t kv_len_b = batch_kv_len(p.key_lengths_kind, key_lengths, b * p.key_lengths_stride, p.kv_len);
+  const int64_t kv_begin = range_key_begin(q0, L, kv_len_b, p.window_left);
+  const int64_t kv_end = range_key_end(q0 + rows - 1, L, kv_len_b, p.window_right, p.is_causal);
+  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTiledKeys) {
     const int nk = kv_end - k0 < kTiledKeys ? int(kv_end - k0) : int(kTiledKeys);
     const int64_t key_index = k0 + lane;  // the key of this lane in the softmax
 
@@ -215,8 +289,10 @@ kernel void attention_tiled(const device T* query [[buffer(0)]], const device T*
                               am_base + l * p.attn_mask_stride[2] + key_index * p.attn_mask_stride[3]) +
                    padding;
           }
-          s = s_rows[r * kTiledKeys + lane] * scale + bias;
-          if (causal && key_index > l) s += -INFINITY;  // adding keeps a NaN score NaN
+          s = soft_cap(s_rows[r * kTiledKeys + lane] * scale, softcap) + bias;
+          const int64_t row_begin = range_key_begin(l, L, kv_len_b, p.window_left);
+          const int64_t row_end_key = range_key_end(l, L, kv_len_b, p.window_right, p.is_causal);
+          if (key_index < row_begin || key_index >= row_end_key) s += -INFINITY;  // adding keeps NaN NaN
         }
         const SoftmaxStep<float> step = softmax_step(st[r], simd_max(s));
         pr = softmax_exp(s - step.base);
@@ -274,16 +350,17 @@ kernel void attention_tiled(const device T* query [[buffer(0)]], const device T*
   simdgroup_barrier(mem_flags::mem_threadgroup);
   device T* o_base = out + bh_offset(p.out_stride, b, h);
   device float* lse_base = lse + bh_offset(p.lse_stride, b, h);
+  const float sink = p.has_sinks != 0 ? sinks[h] : 0.0f;
   for (int r = 0; r < 8; ++r) {
     const int64_t row = sg * 8 + r, l = q0 + row;
     if (row >= rows) break;
-    const bool empty = softmax_row_empty(st[r]);
-    const float factor = softmax_out_scale(st[r]);
+    const RowEnd end = row_end(st[r], p.has_sinks != 0, sink);
     for (int64_t c = lane; c < Dv; c += kSimdWidth) {
       // Written as 0, not as o * 0: o may hold 0 * inf = NaN from masked keys of an infinite value.
-      o_base[l * p.out_stride[2] + c * p.out_stride[3]] = T(empty ? 0.0f : kv_s[row * ld + c] * factor);
+      o_base[l * p.out_stride[2] + c * p.out_stride[3]] =
+          T(end.empty ? 0.0f : kv_s[row * ld + c] * end.factor);
     }
-    if (lane == 0) lse_base[l * p.lse_stride[2]] = softmax_lse(st[r]);
+    if (lane == 0) lse_base[l * p.lse_stride[2]] = end.lse;
   }
 }
 

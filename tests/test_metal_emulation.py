@@ -5,8 +5,9 @@ per threadgroup, threadgroup_barrier as a barrier of the group's threads, simd c
 lane arrives at the same call site, 8x8 simdgroup matrices; the threads are fibers here, std::threads in the
 ThreadSanitizer build) and launched from csrc/mps/metal_plan.h, the launch plan the MPS glue uses. This checks
 algorithm and indexing: strides (the B=1 transpose, slices, stride 0), every mask kind, causal, fully masked
-rows, NaN, every dtype, both attention kernels and both linear kernels. It cannot check that Apple's compiler
-accepts the files, nor speed: tests/test_mps.py does that on a Mac.
+rows, NaN, every dtype, both attention kernels and both linear kernels; and the attention features both
+kernels take as parameters: grouped KV heads, key lengths, windows, soft-capping and sinks. It cannot check
+that Apple's compiler accepts the files, nor speed: tests/test_mps.py does that on a Mac.
 
 Shapes are small: every emulated threadgroup is 128 threads, and every lane of a simdgroup matrix product
 computes all 64 elements."""
@@ -253,6 +254,218 @@ def test_attention_empty_sizes(emu, sizes):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Grouped KV heads, key ranges (key lengths, windows), soft-capping and sinks: parameters of both kernels.
+# Query lengths per kernel: vector 1 (a decoding step) and 5; tiled 40 (two threadgroups, the second partial).
+
+
+def make_gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
+    """query (B, H, L, D) and key, value (B, Hkv, S, D|Dv) in `layout` (test_attention's layouts; with
+    "expanded_kv" the Hkv kv heads are one head expanded through stride 0)."""
+    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
+    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
+    return q, k, v
+
+
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_grouped_kv_heads(emu, kernel, heads, layout):
+    H, Hkv = heads
+    q, k, v = make_gqa(2, H, Hkv, KERNELS[kernel], 37, 24, 20, layout=layout)
+    check(emu, q, k, v, kernel=kernel)
+    check(emu, q, k, v, is_causal=True, kernel=kernel)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_grouped_kv_heads_b1_transposed(emu, kernel, dtype):
+    # The B=1 transpose (a size-1 batch dim with a non-contiguous stride) on query and on the shared kv heads.
+    q, k, v = make_gqa(1, 4, 2, KERNELS[kernel], 30, 16, 16, dtype=dtype, layout="lbhd")
+    assert q.stride(0) == 4 * 16 and k.stride(0) == 2 * 16
+    check(emu, q, k, v, kernel=kernel)
+    check(emu, q, k, v, out_layout="bhld", kernel=kernel)
+
+
+WINDOWS = [(-1, -1), (-1, 0), (3, 0), (2, 2), (0, -1), (20, 3)]
+LENGTHS = [None, torch.int32, torch.int64]
+
+
+def _key_lengths(dtype, B, S):
+    """Per-batch key lengths cycling through 0, S and values in between; None for dtype None."""
+    if dtype is None:
+        return None
+    return torch.tensor([[0, S, S // 2 + 1, 1][b % 4] for b in range(B)], dtype=dtype)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("kernel, Lq", [("vector", 1), ("vector", 5), ("tiled", 40)])
+def test_attention_key_ranges(emu, kernel, Lq, window, lengths, is_causal):
+    # S = 75: three key tiles, the last partial; a window that reaches two of them starts mid-tile.
+    B, S = 4, 75
+    q, k, v = make_gqa(B, 2, 1, Lq, S, 16, 12, layout="blhd")
+    check(emu, q, k, v, window_left=window[0], window_right=window[1],
+          key_lengths=_key_lengths(lengths, B, S), is_causal=is_causal, kernel=kernel)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("kernel, Lq", [("vector", 7), ("tiled", 40)])
+def test_attention_key_ranges_more_queries_than_keys(emu, kernel, Lq, window, lengths):
+    # L > S: under a bottom-right window the first rows sit before key 0 and see nothing: out 0, lse +inf.
+    B, S = 2, 4
+    q, k, v = make_qkv(B, 2, Lq, S, 8, 8)
+    key_lengths = _key_lengths(lengths, B, S)
+    out, lse = check(emu, q, k, v, window_left=window[0], window_right=window[1], key_lengths=key_lengths,
+                     kernel=kernel)
+    for b in range(B):
+        S_b = S if key_lengths is None else int(key_lengths[b])
+        # Rows l < L - S_b - window_right sit too far before key 0 to reach it; the others see key 0 or more.
+        empty = Lq if S_b == 0 else max(Lq - S_b - window[1], 0) if window[1] >= 0 else 0
+        assert (out[b, :, :empty] == 0).all() and torch.isposinf(lse[b, :, :empty]).all()
+        assert torch.isfinite(lse[b, :, empty:]).all()
+
+
+@pytest.mark.parametrize("kernel, Lq", [("vector", 1), ("vector", 6), ("tiled", 12)])
+def test_attention_chunked_prefill(emu, kernel, Lq):
+    # The last L of S_b positions (a chunk of a prompt, or one decoding step, over a KV cache of S slots):
+    # bottom-right causal (-1, 0), with and without a sliding window, per-batch lengths.
+    B, S = 3, 50
+    q, k, v = make_gqa(B, 4, 2, Lq, S, 16, 16, layout="packed")
+    key_lengths = torch.tensor([S, 20, Lq], dtype=torch.int32)
+    for window_left in (-1, 8):
+        check(emu, q, k, v, window_left=window_left, window_right=0, key_lengths=key_lengths, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel, Lq", [("vector", 1), ("vector", 5), ("tiled", 40)])
+def test_attention_keys_outside_the_range_are_never_read(emu, kernel, Lq):
+    # Keys past key_lengths[b] (unused KV-cache slots) and keys before every row's window are skipped, not
+    # masked: NaN there changes nothing. With the window (3, 0), no row of batch b sees a key below
+    # S_b - L - 3 (the tiled kernel's first threadgroup starts its tiles there: 32 in batch 0).
+    B, S = 2, 75
+    q, k, v = make_qkv(B, 2, Lq, S, 16, 16)
+    key_lengths = torch.tensor([S, 60], dtype=torch.int64)
+    kwargs = dict(window_left=3, window_right=0, key_lengths=key_lengths, kernel=kernel)
+    clean, clean_lse = check(emu, q, k, v, **kwargs)
+    for t in (k, v):
+        for b, S_b in enumerate(key_lengths.tolist()):
+            t[b, :, : S_b - Lq - 3] = float("nan")
+            t[b, :, S_b:] = float("nan")
+    out, lse = emu.attention(q, k, v, **{n: a for n, a in kwargs.items() if n != "kernel"})
+    assert torch.equal(out, clean) and torch.equal(lse, clean_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_softcap(emu, kernel, dtype):
+    # scale 1 on D = 16: scores of size ~4, so a cap of 1.5 saturates many of them.
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _rows(*make_qkv(B, H, L, S, D, D, dtype=dtype, layout="blhd"), kernel)
+    check(emu, q, k, v, softcap=1.5, scale=1.0, kernel=kernel)
+    mask = _cut_mask(_mask("bool_ls", gen), kernel)
+    check(emu, q, k, v, softcap=1.5, scale=1.0, attn_mask=mask, key_padding_mask=_padding("float", gen),
+          is_causal=True, kernel=kernel)
+    check(emu, q, k, v, softcap=30.0, attn_mask=_cut_mask(_mask("float_bhls", gen), kernel), kernel=kernel)
+
+
+SINKS = {
+    "randn": lambda: torch.randn(H, generator=torch.Generator().manual_seed(5)) * 2,
+    "large": lambda: torch.tensor([30.0, -30.0, 0.0]),  # one sink that takes almost all the mass
+    "neginf": lambda: torch.tensor([float("-inf"), 1.0, -1.0]),  # -inf: no sink for that head
+}
+
+
+@pytest.mark.parametrize("sinks", SINKS)
+@pytest.mark.parametrize("masks", [None, "bool", "float"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_sinks(emu, kernel, masks, sinks):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = _rows(*make_qkv(B, H, L, S, D, D, layout="blhd"), kernel)
+    kwargs = {}
+    if masks is not None:
+        kwargs["attn_mask"] = _cut_mask(_mask(f"{masks}_ls", gen), kernel)
+        kwargs["key_padding_mask"] = _padding(masks, gen)
+    check(emu, q, k, v, sinks=SINKS[sinks](), kernel=kernel, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_sinks_fully_masked_rows(emu, kernel, dtype):
+    # A row that sees no key gets out 0 and lse +inf, sink or not: by its masks (query 2), by its batch's key
+    # length 0 (batch 1), or by the window (none here: every row of batch 0 sees its own position).
+    Lq = KERNELS[kernel]
+    q, k, v = make_qkv(2, 2, Lq, 9, 8, 8, dtype=dtype)
+    mask = torch.zeros(Lq, 9, dtype=torch.bool)
+    mask[2] = True
+    sinks = torch.tensor([0.5, -1.0]).to(dtype)
+    out, lse = check(emu, q, k, v, attn_mask=mask, key_lengths=torch.tensor([9, 0]), sinks=sinks,
+                     kernel=kernel)
+    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    assert torch.isfinite(lse[0, :, :2]).all()
+
+
+@pytest.mark.parametrize("layout", ["blhd", "lbhd", "expanded_kv", "strided_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_all_features_with_masks(emu, kernel, dtype, layout):
+    # Everything at once: grouped KV heads, per-batch int32 key lengths, a window, soft-capping, sinks, a bool
+    # attn_mask (B*H, L, S) and a float key_padding_mask.
+    gen = torch.Generator().manual_seed(7)
+    Bn, Hq, Hkv, Lq, Sn = 2, 4, 2, KERNELS[kernel], 70
+    q, k, v = make_gqa(Bn, Hq, Hkv, Lq, Sn, 24, 16, dtype=dtype, layout=layout)
+    attn_mask = torch.rand(Bn * Hq, Lq, Sn, generator=gen) < 0.2
+    kpm = torch.randn(Bn, Sn, generator=gen).to(dtype)
+    sinks = torch.randn(Hq, generator=gen)
+    for window in [(30, 2), (-1, 0)]:
+        check(emu, q, k, v, attn_mask=attn_mask, key_padding_mask=kpm, window_left=window[0],
+              window_right=window[1], key_lengths=torch.tensor([Sn, 45], dtype=torch.int32), softcap=2.0,
+              scale=0.5, sinks=sinks, kernel=kernel)
+
+
+def test_attention_strided_key_lengths(emu):
+    # key_lengths read in place through its stride (a column of a (B, 2) tensor).
+    lengths = torch.tensor([[3, 99], [40, 99], [0, 99]], dtype=torch.int64)[:, 0]
+    assert lengths.stride(0) == 2
+    for Lq in KERNELS.values():
+        check(emu, *make_gqa(3, 2, 1, Lq, 40, 8, 8), key_lengths=lengths, window_right=1)
+
+
+def test_attention_key_lengths_out_of_range_are_clamped(emu):
+    # The GPU cannot report a bad length without a sync: the kernels clamp into [0, S] (range_kv_len).
+    for Lq in KERNELS.values():
+        q, k, v = make_qkv(3, 2, Lq, 20, 8, 8)
+        out, lse = emu.attention(q, k, v, key_lengths=torch.tensor([-3, 25, 7], dtype=torch.int32),
+                                 window_right=0)
+        ref_out, ref_lse = reference.attention(q.double(), k.double(), v.double(), window_right=0,
+                                               key_lengths=torch.tensor([0, 20, 7]))
+        _assert_bounded(out, ref_out, ref_out, ATOL[q.dtype], "out")
+        _assert_bounded(lse, ref_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+
+
+@pytest.mark.parametrize("window", [(40, 0), (-1, 5)], ids=str)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_key_ranges_with_padding_that_skips_tiles(emu, kernel, window):
+    # The tiled kernel's tiles start mid-range (at the block's first key); key_padding_mask removes whole
+    # tiles of them in batch 0 and the last keys of batch 1, whose key length also cuts the range.
+    q, k, v = make_qkv(2, 2, KERNELS[kernel], 100, 16, 16)
+    kpm = torch.zeros(2, 100, dtype=torch.bool)
+    kpm[0, 40:75] = True
+    kpm[1, 50:] = True
+    check(emu, q, k, v, key_padding_mask=kpm, window_left=window[0], window_right=window[1],
+          key_lengths=torch.tensor([100, 70]), kernel=kernel)
+    check(emu, q, k, v, key_padding_mask=torch.zeros(2, 100).masked_fill(kpm, float("-inf")),
+          window_left=window[0], window_right=window[1], is_causal=True, kernel=kernel)
+
+
+def test_attention_float64_sinks_are_refused(emu):
+    q, k, v = make_qkv(1, 2, 3, 4, 8, 8)
+    with pytest.raises(TypeError, match="float64"):
+        emu.attention(q, k, v, sinks=torch.zeros(2, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------------------
 # linear: both kernels, every input layout of tests/layouts.py, weight and bias layouts.
 
 LINEAR_ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -391,7 +604,8 @@ def test_embedded_source_is_self_contained():
     # no quoted #include left for Apple's compiler to resolve; and it compiles as one file under the shim.
     source = embed.metal_source()
     assert not re.search(r'^\s*#\s*include\s+"', source, re.MULTILINE)
-    for name in ("params.h", "softmax.h", "metal_config.h", "common.h", "attention.metal", "linear.metal"):
+    for name in ("params.h", "softmax.h", "metal_config.h", "key_range.h", "common.h", "attention.metal",
+                 "linear.metal"):
         assert len(re.findall(rf"^// ---- .*\b{re.escape(name)}$", source, re.MULTILINE)) == 1, name
     header = embed.header(source)
     assert header.count('R"attnx_metal(') == 1 and header.rstrip().endswith("}  // namespace attnx::mps")

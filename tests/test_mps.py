@@ -25,12 +25,14 @@ def _to(device, *tensors):
     return [None if t is None else t.to(device) for t in tensors]
 
 
-def check(device, q, k, v, attn_mask=None, key_padding_mask=None, **kwargs):
+def check(device, q, k, v, attn_mask=None, key_padding_mask=None, key_lengths=None, sinks=None, **kwargs):
     """attnx.attention on `device` vs the reference on CPU copies (float64 and the inputs' dtype)."""
     require_kernel("attnx::attention", device)
-    masks = {"attn_mask": attn_mask, "key_padding_mask": key_padding_mask}
-    dq, dk, dv, dm, dp = _to(device, q, k, v, attn_mask, key_padding_mask)
-    out, lse = attnx.attention(dq, dk, dv, attn_mask=dm, key_padding_mask=dp, **kwargs)
+    masks = {"attn_mask": attn_mask, "key_padding_mask": key_padding_mask, "key_lengths": key_lengths,
+             "sinks": sinks}
+    dq, dk, dv, dm, dp, dl, ds = _to(device, q, k, v, attn_mask, key_padding_mask, key_lengths, sinks)
+    out, lse = attnx.attention(dq, dk, dv, attn_mask=dm, key_padding_mask=dp, key_lengths=dl, sinks=ds,
+                               **kwargs)
     masks64 = {n: _upcast(m) for n, m in masks.items()}
     ref64 = reference.attention(_upcast(q), _upcast(k), _upcast(v), **masks64, **kwargs)
     ref = reference.attention(q, k, v, **masks, **kwargs)
@@ -75,12 +77,88 @@ def test_attention_fully_masked_rows(device):
     assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
 
 
+# Grouped KV heads, key ranges, soft-capping and sinks (tests/test_metal_emulation.py has the finer cases).
+
+
+def _gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
+    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
+    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
+    return q, k, v
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("layout", ["contiguous", "blhd", "lbhd", "expanded_kv", "strided_last"])
+@pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
+@pytest.mark.parametrize("kernel", QUERY_LENGTHS)
+def test_attention_grouped_kv_heads(device, kernel, heads, layout):
+    q, k, v = _gqa(2, *heads, QUERY_LENGTHS[kernel], 77, 64, 64, layout=layout)
+    check(device, q, k, v, is_causal=True)
+    q, k, v = _gqa(1, *heads, QUERY_LENGTHS[kernel], 40, 64, 64, layout="lbhd")  # the B=1 transpose
+    check(device, q, k, v)
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("lengths", [None, torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3, 0), (2, 2), (0, -1), (40, 3)], ids=str)
+@pytest.mark.parametrize("kernel, lq", [("vector", 1), ("vector", 5), ("tiled", 70)])
+def test_attention_key_ranges(device, kernel, lq, window, lengths):
+    B, S = 4, 100
+    key_lengths = None if lengths is None else torch.tensor([0, S, 37, 1], dtype=lengths)
+    q, k, v = _gqa(B, 4, 2, lq, S, 64, 64, layout="blhd")
+    for is_causal in (False, True):
+        check(device, q, k, v, window_left=window[0], window_right=window[1], key_lengths=key_lengths,
+              is_causal=is_causal)
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("kernel, lq", [("vector", 7), ("tiled", 40)])
+def test_attention_rows_outside_the_window(device, kernel, lq):
+    # L > S with a bottom-right causal window: rows l < L - S see no key (out 0, lse +inf), sinks or not.
+    q, k, v = make_qkv(2, 2, lq, 5, 16, 16)
+    for sinks in (None, torch.tensor([0.5, -1.0])):
+        out, lse = check(device, q, k, v, window_right=0, sinks=sinks)
+        assert (out[:, :, : lq - 5] == 0).all() and torch.isposinf(lse[:, :, : lq - 5]).all()
+        assert torch.isfinite(lse[:, :, lq - 5 :]).all()
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", QUERY_LENGTHS)
+def test_attention_softcap_and_sinks(device, kernel, dtype):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = make_qkv(2, 3, QUERY_LENGTHS[kernel], 41, 16, 16, dtype=dtype, layout="blhd")
+    mask = torch.rand(QUERY_LENGTHS[kernel], 41, generator=gen) < 0.3
+    kpm = torch.randn(2, 41, generator=gen)
+    sinks = torch.randn(3, generator=gen).to(dtype)
+    check(device, q, k, v, softcap=1.5, scale=1.0)
+    check(device, q, k, v, softcap=1.5, scale=1.0, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    check(device, q, k, v, sinks=sinks)
+    kpm_all = torch.zeros(2, 41, dtype=torch.bool)
+    kpm_all[1] = True  # batch 1 sees no key: out 0, lse +inf despite the sink
+    out, lse = check(device, q, k, v, sinks=sinks, attn_mask=mask, key_padding_mask=kpm_all)
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+@pytest.mark.parametrize("device", MPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", QUERY_LENGTHS)
+def test_attention_all_features(device, kernel, dtype):
+    gen = torch.Generator().manual_seed(3)
+    lq, S = QUERY_LENGTHS[kernel], 90
+    q, k, v = _gqa(2, 4, 2, lq, S, 64, 48, dtype=dtype, layout="strided_last")
+    check(device, q, k, v, attn_mask=torch.rand(2 * 4, lq, S, generator=gen) < 0.2,
+          key_padding_mask=torch.randn(2, S, generator=gen).to(dtype), window_left=50, window_right=2,
+          key_lengths=torch.tensor([S, 61]), softcap=2.0, sinks=torch.randn(4, generator=gen))
+
+
 @pytest.mark.parametrize("device", MPS)
 def test_attention_refuses_what_metal_cannot_do(device):
     require_kernel("attnx::attention", device)
     q, k, v = make_qkv(1, 1, 3, 4, 8, 8)
     with pytest.raises(RuntimeError, match="float64"):
         attnx.attention(*_to(device, q, k, v), attn_mask=torch.zeros(3, 4, dtype=torch.float64).to("cpu"))
+    with pytest.raises(RuntimeError, match="float64 sinks"):
+        attnx.attention(*_to(device, q, k, v), sinks=torch.zeros(1, dtype=torch.float64))
     q, k, v = make_qkv(1, 1, 3, 4, 264, 8)
     with pytest.raises(RuntimeError, match="up to 256"):
         attnx.attention(*_to(device, q, k, v))

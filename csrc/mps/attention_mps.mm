@@ -28,14 +28,14 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
     TORCH_CHECK(!*mask || (*mask)->scalar_type() != at::kDouble,
                 "attnx::attention: float64 masks are not supported on MPS (Metal has no double)");
   }
+  TORCH_CHECK(!sinks || sinks->scalar_type() != at::kDouble,
+              "attnx::attention: float64 sinks are not supported on MPS (Metal has no double)");
+  // Grouped KV heads, key_lengths (int32 or int64, read in place and clamped into [0, S] by the kernels:
+  // reading their values here would cost a device sync), windows, softcap and sinks are parameters of both
+  // kernels. sinks reach them as float32 (H,) contiguous (pb.sinks_acc).
   AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
                                           dropout_p, dropout_seed, window_left, window_right, key_lengths,
                                           softcap, sinks);
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      pb.params.kv_heads == pb.params.heads && window_left < 0 && window_right < 0 && !key_lengths &&
-          !softcap && !sinks,
-      "attnx::attention: grouped KV heads, windows, key_lengths, softcap and sinks are not implemented on "
-      "MPS yet");
   const AttentionParams params = pb.params;
   const mps::AttentionPlan plan = mps::plan_attention(params, dtype);
   TORCH_CHECK(plan.kernel != mps::AttentionKernel::kNone,
@@ -46,8 +46,8 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
 
   const id<MTLComputePipelineState> pso = mps::pipeline(plan.launch.name);
   mps::check_launch(pso, plan.launch, "attnx::attention");
-  // Absent masks are bound to query's buffer: never read (their kind is kMaskNone), but every buffer argument
-  // of the kernel is bound.
+  // Absent masks, key_lengths and sinks are bound to query's buffer: never read (their kind is kMaskNone,
+  // kKeyLengthsNone, has_sinks 0), but every buffer argument of the kernel is bound.
   struct Buffers {
     mps::BufferRef ref[mps::kAttentionBuffers];
   } buffers{};
@@ -58,6 +58,8 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
   buffers.ref[mps::kAttentionKeyPaddingMask] = mps::buffer_ref(key_padding_mask ? *key_padding_mask : query);
   buffers.ref[mps::kAttentionOut] = mps::buffer_ref(pb.out);
   buffers.ref[mps::kAttentionLse] = mps::buffer_ref(pb.lse);
+  buffers.ref[mps::kAttentionKeyLengths] = mps::buffer_ref(key_lengths ? *key_lengths : query);
+  buffers.ref[mps::kAttentionSinks] = mps::buffer_ref(sinks ? pb.sinks_acc : query);
   const mps::Launch launch = plan.launch;
 
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();

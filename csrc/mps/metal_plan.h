@@ -39,9 +39,11 @@ enum AttentionBuffer : int {
   kAttentionMask = 3,            // bound to query's buffer when absent (never read then)
   kAttentionKeyPaddingMask = 4,  // likewise
   kAttentionOut = 5,
-  kAttentionLse = 6,     // float32
-  kAttentionParams = 7,  // AttentionParams, by value (setBytes)
-  kAttentionBuffers = 8,
+  kAttentionLse = 6,         // float32
+  kAttentionKeyLengths = 7,  // (B,) int32 or int64 (AttentionParams::key_lengths_kind); query's when absent
+  kAttentionSinks = 8,       // (H,) float32, contiguous; query's buffer when absent
+  kAttentionParams = 9,      // AttentionParams, by value (setBytes)
+  kAttentionBuffers = 10,
 };
 
 enum LinearBuffer : int {

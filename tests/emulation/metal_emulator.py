@@ -152,7 +152,7 @@ class MetalEmulator:
         lib.attnx_metal_emu_kernel_name.restype = ctypes.c_char_p
         lib.attnx_metal_emu_last_threadgroup_bytes.restype = ctypes.c_size_t
         lib.attnx_metal_emu_attention.argtypes = [ctypes.POINTER(AttentionParams), ctypes.c_int,
-                                                  *[ctypes.c_void_p] * 7]
+                                                  *[ctypes.c_void_p] * 9]
         lib.attnx_metal_emu_linear.argtypes = [ctypes.POINTER(LinearParams), ctypes.c_int,
                                                *[ctypes.c_void_p] * 4]
         lib.attnx_metal_emu_linear_input_layout.argtypes = [ctypes.c_int, ctypes.POINTER(i64),
@@ -196,17 +196,24 @@ class MetalEmulator:
         return p if ok else None
 
     def attention(self, q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                  out_layout="blhd"):
+                  out_layout="blhd", window_left=-1, window_right=-1, key_lengths=None, softcap=0.0,
+                  sinks=None):
         """attnx.attention on the emulated Metal kernels: (out, lse) as the MPS op returns them.
 
         ``out_layout="bhld"`` writes into a contiguous (B, H, L, Dv) out instead of the op's (B, L, H, Dv)
-        memory order, to check that the kernels honour out's strides.
+        memory order, to check that the kernels honour out's strides. key (B, Hkv, S, D) and value may have
+        fewer heads than query (grouped KV heads); key_lengths (B,) int32 or int64 is read in place, through
+        its stride; sinks (H,) is converted to contiguous float32 as the glue does (common/attention.cpp's
+        sinks_for_kernels).
         """
         if q.dtype not in DTYPES:
             raise TypeError(f"attnx::attention: no Metal kernel for dtype {q.dtype}")
-        for mask in (attn_mask, key_padding_mask):
+        for mask in (attn_mask, key_padding_mask, sinks):
             if mask is not None and mask.dtype == torch.float64:
-                raise TypeError("attnx::attention: no Metal kernel reads float64 masks")
+                raise TypeError("attnx::attention: no Metal kernel reads float64 masks or sinks")
+        if key_lengths is not None and key_lengths.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"attnx::attention: expected key_lengths of dtype int32 or int64, got "
+                            f"{key_lengths.dtype}")
         B, H, L, _ = q.shape
         Dv = v.shape[3]
         if out_layout == "blhd":
@@ -214,7 +221,10 @@ class MetalEmulator:
         else:
             out = torch.empty(B, H, L, Dv, dtype=q.dtype)
         lse = torch.empty(B, H, L, dtype=torch.float32)
-        p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse)
+        sinks_acc = None if sinks is None else sinks.to(torch.float32).contiguous()
+        p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse,
+                        window_left=window_left, window_right=window_right, key_lengths=key_lengths,
+                        softcap=softcap, sinks=sinks_acc)
         self.last_plan = self.plan_attention(p, q.dtype)
 
         def ptr(t):
@@ -222,7 +232,7 @@ class MetalEmulator:
 
         err = self.lib.attnx_metal_emu_attention(ctypes.byref(p), DTYPES[q.dtype], ptr(q), ptr(k), ptr(v),
                                                  ptr(attn_mask), ptr(key_padding_mask), ptr(out),
-                                                 ptr(lse))
+                                                 ptr(lse), ptr(key_lengths), ptr(sinks_acc))
         if err != 0:
             raise RuntimeError(f"emulated Metal launch failed: {ERRORS.get(err, err)}")
         return out, lse

@@ -63,7 +63,8 @@ int attnx_metal_emu_launch(const char* name, const int64_t* grid, int threads, v
 
 // 0 on success; 1 unknown kernel name, 2 bad threadgroup size (from the launch), 3 no kernel in the plan.
 int attnx_metal_emu_attention(const AttentionParams* p, int dtype, void* query, void* key, void* value,
-                              void* attn_mask, void* key_padding_mask, void* out, void* lse) {
+                              void* attn_mask, void* key_padding_mask, void* out, void* lse,
+                              void* key_lengths, void* sinks) {
   const mps::AttentionPlan plan = mps::plan_attention(*p, static_cast<mps::DType>(dtype));
   if (plan.kernel == mps::AttentionKernel::kNone) return 3;
   if (mps::launch_empty(plan.launch)) return 0;
@@ -76,6 +77,8 @@ int attnx_metal_emu_attention(const AttentionParams* p, int dtype, void* query, 
   buffers[mps::kAttentionKeyPaddingMask] = key_padding_mask;
   buffers[mps::kAttentionOut] = out;
   buffers[mps::kAttentionLse] = lse;
+  buffers[mps::kAttentionKeyLengths] = key_lengths;  // likewise nullptr when absent
+  buffers[mps::kAttentionSinks] = sinks;
   buffers[mps::kAttentionParams] = &params;
   return attnx_emu_metal::launch(plan.launch.name, plan.launch.grid, plan.launch.threads, buffers);
 }

@@ -4,7 +4,8 @@
 // access that no threadgroup_barrier / simdgroup_barrier orders against another thread's write is reported as
 // a data race, whether or not the OS happened to interleave the threads badly. Values do not matter here (the
 // pytest suite checks them): each launch covers several key tiles, both masks, causal, partial tiles, and
-// every kernel (vector and tiled attention, gemv and gemm linear).
+// every kernel (vector and tiled attention, gemv and gemm linear); two attention launches per kernel add
+// grouped KV heads, key lengths, a window, soft-capping and sinks.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -16,7 +17,8 @@
 
 extern "C" {
 int attnx_metal_emu_attention(const attnx::AttentionParams* p, int dtype, void* query, void* key, void* value,
-                              void* attn_mask, void* key_padding_mask, void* out, void* lse);
+                              void* attn_mask, void* key_padding_mask, void* out, void* lse,
+                              void* key_lengths, void* sinks);
 int attnx_metal_emu_linear(const attnx::LinearParams* p, int dtype, void* input, void* weight, void* bias,
                            void* out);
 }
@@ -51,17 +53,36 @@ void contiguous(int64_t* st, int64_t H, int64_t N, int64_t E) {
   st[0] = H * N * E;
 }
 
-int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal) {
+// Grouped KV heads, key ranges, soft-capping and sinks; the defaults are plain attention.
+struct Features {
+  int64_t kv_heads = 0;  // 0: as many as query heads
+  int64_t window_left = -1, window_right = -1;
+  bool key_lengths = false;  // batch b has S - 7 b keys (int64)
+  float softcap = 0.0f;
+  bool sinks = false;
+};
+
+int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
+              Features f = Features{}) {
   std::mt19937 gen(0);
+  const int64_t Hkv = f.kv_heads > 0 ? f.kv_heads : H;
   attnx::AttentionParams p{};
   p.batch = B, p.heads = H, p.q_len = L, p.kv_len = S, p.head_dim = D, p.v_head_dim = D;
+  p.kv_heads = Hkv;
   contiguous(p.q_stride, H, L, D);
-  contiguous(p.k_stride, H, S, D);
-  contiguous(p.v_stride, H, S, D);
+  contiguous(p.k_stride, Hkv, S, D);
+  contiguous(p.v_stride, Hkv, S, D);
   contiguous(p.out_stride, H, L, D);
   p.lse_stride[0] = H * L, p.lse_stride[1] = L, p.lse_stride[2] = 1;
-  auto q = randn(B * H * L * D, dtype, gen), k = randn(B * H * S * D, dtype, gen),
-       v = randn(B * H * S * D, dtype, gen);
+  p.window_left = f.window_left, p.window_right = f.window_right;
+  std::vector<int64_t> lengths(B);
+  for (int64_t b = 0; b < B; ++b) lengths[b] = S - 7 * b;
+  if (f.key_lengths) p.key_lengths_kind = attnx::kKeyLengthsInt64, p.key_lengths_stride = 1;
+  p.softcap = f.softcap;
+  std::vector<float> sinks(H, 0.5f);
+  p.has_sinks = f.sinks;
+  auto q = randn(B * H * L * D, dtype, gen), k = randn(B * Hkv * S * D, dtype, gen),
+       v = randn(B * Hkv * S * D, dtype, gen);
   auto out = randn(B * H * L * D, dtype, gen);
   std::vector<float> lse(B * H * L);
   // A random (L, S) bool mask and a float key_padding_mask that removes the first tile of batch 0.
@@ -75,7 +96,9 @@ int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, 
   p.is_causal = causal;
   p.scale = 0.25f;
   const int err = attnx_metal_emu_attention(&p, dtype, q.data(), k.data(), v.data(), attn_mask.data(),
-                                            padding.data(), out.data(), lse.data());
+                                            padding.data(), out.data(), lse.data(),
+                                            f.key_lengths ? lengths.data() : nullptr,
+                                            f.sinks ? sinks.data() : nullptr);
   if (err != 0) std::fprintf(stderr, "attention launch failed: %d\n", err);
   return err != 0;
 }
@@ -103,6 +126,15 @@ int main() {
   failures += attention(kBFloat16, 1, 1, 2, 40, 200, true);  // vector, bucket 256
   failures += attention(kFloat32, 2, 1, 40, 70, 24, false);  // tiled: 2 threadgroups, 3 key tiles
   failures += attention(kBFloat16, 1, 1, 33, 50, 64, true);  // tiled, causal
+  Features gqa_window;  // 4 query heads on 2 kv heads, a window that skips tiles, key lengths, sinks
+  gqa_window.kv_heads = 2, gqa_window.window_left = 20, gqa_window.window_right = 3;
+  gqa_window.key_lengths = true, gqa_window.sinks = true;
+  Features mqa_softcap;  // 2 query heads on 1 kv head, bottom-right causal, soft-capping
+  mqa_softcap.kv_heads = 1, mqa_softcap.window_right = 0, mqa_softcap.softcap = 2.0f;
+  failures += attention(kFloat32, 2, 4, 3, 70, 24, false, gqa_window);   // vector
+  failures += attention(kFloat32, 2, 4, 40, 90, 24, false, gqa_window);  // tiled
+  failures += attention(kBFloat16, 1, 2, 2, 40, 32, true, mqa_softcap);  // vector
+  failures += attention(kBFloat16, 1, 2, 40, 50, 32, false, mqa_softcap);  // tiled
   failures += linear(kFloat32, 5, 70, 9);                    // gemv
   failures += linear(kBFloat16, 40, 45, 33);                 // gemm: partial tiles in M, N and K
   std::printf("%d failed launches\n", failures);
