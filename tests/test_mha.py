@@ -441,10 +441,10 @@ def test_mismatched_mask_types_warn_like_torch():
 
 @pytest.mark.parametrize("average", [True, False])
 def test_weights_are_exact_at_large_scores(average):
-    # float32 scores of magnitude ~4e3 that differ by a few units (as in torch's own samples): weights computed
-    # as exp(score - lse) would carry lse's rounding (2^-12 at that magnitude) into every weight, where
-    # torch's softmax normalises by the row's maximum and sum. attnx's weights must agree with torch's to
-    # torch's own rounding.
+    # float32 scores of magnitude ~4e3 that differ by a few units (as in torch's own samples): weights
+    # computed as exp(score - lse) would carry lse's rounding (2^-12 at that magnitude) into every weight,
+    # where torch's softmax normalises by the row's maximum and sum. attnx's weights must agree with torch's
+    # to torch's own rounding.
     L, B = 5, 3
     in_proj = torch.cat([torch.eye(E)] * 3)  # q = k = v = x: scores are x . x' / sqrt(D) per head
     x = 45 + 0.05 * torch.randn(L, B, E)

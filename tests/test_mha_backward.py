@@ -222,7 +222,8 @@ def test_float_mask_gradient(mask_rank, extras, need_weights):
         args, leaves = _leaves(_args(query, key, value, w, kpm=kpm, am=leaf, extras=extras,
                                      need_weights=need_weights, average=False))
         out, _, weights = fn(*args)
-        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)).sum()
+        g = torch.Generator().manual_seed(5)
+        loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
         if need_weights:
             loss = loss + (weights.nan_to_num(0.0) * weights.new_ones(weights.shape).cumsum(-1)).sum()
         out_list.extend(torch.autograd.grad(loss, [leaf, *leaves]))
