@@ -73,27 +73,14 @@ struct RowEnd {
   float lse;
 };
 
-// With a sink, the row's denominator is l + exp(sink - m): lse = logaddexp(m + log(l), sink) and out = acc /
-// (l + exp(sink - m)), evaluated around max(m, sink) so that neither exp overflows. Only a row with a finite
-// maximum changes: an empty row keeps out 0 and lse +inf, sink or not (the reference's rule), and a NaN or
+// With a sink, the row's denominator is l + exp(sink - m) (softmax.h's *_sink functions, shared with the
+// other backends): an empty row keeps out 0 and lse +inf, sink or not (the reference's rule), and a NaN or
 // +inf score keeps its NaN out.
 inline RowEnd row_end(SoftmaxRow<float> row, bool has_sink, float sink) {
   RowEnd end;
   end.empty = softmax_row_empty(row);
-  end.factor = softmax_out_scale(row);
-  end.lse = softmax_lse(row);
-  if (has_sink && row.max > -INFINITY && row.max < INFINITY) {
-    if (sink == INFINITY) {  // the sink takes all the mass (exp(inf - inf) would be NaN below)
-      end.factor = 0.0f;
-      end.lse = INFINITY;
-      return end;
-    }
-    const float base = nan_max(row.max, sink);  // a NaN sink makes the row NaN, as in the reference
-    const float a = softmax_exp(row.max - base);
-    const float denominator = row.sum * a + softmax_exp(sink - base);
-    end.factor = a / denominator;
-    end.lse = base + softmax_log(denominator);
-  }
+  end.factor = has_sink ? softmax_out_scale_sink(row, sink) : softmax_out_scale(row);
+  end.lse = has_sink ? softmax_lse_sink(row, sink) : softmax_lse(row);
   return end;
 }
 

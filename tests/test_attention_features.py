@@ -372,28 +372,30 @@ def test_fake_shapes_with_gqa():
 
 
 def _bad_cases():
-    q, k, v = make_gqa(2, 6, 3, 5, 7, 8, 4)
+    q, k, v = make_gqa(2, 6, 4, 5, 7, 8, 4)
+    k3, v3 = k[:, :3], v[:, :3]
     return {
-        "heads not dividing": ((q, k[:, :2], v[:, :2]), {},
-                               "expected the number of key/value heads (Hkv = 2) to divide the number of "
+        "heads not dividing": ((q, k, v), {},
+                               "expected the number of key/value heads (Hkv = 4) to divide the number of "
                                "query heads (H = 6)"),
-        "window below -1": ((q, k, v), {"window_left": -2},
+        "window below -1": ((q, k3, v3), {"window_left": -2},
                             "expected window_left and window_right >= -1 (-1 = unbounded), got (-2, -1)"),
-        "key_lengths dtype": ((q, k, v), {"key_lengths": torch.tensor([1.0, 2.0])},
+        "key_lengths dtype": ((q, k3, v3), {"key_lengths": torch.tensor([1.0, 2.0])},
                               "expected key_lengths of dtype int32 or int64, got Float"),
-        "key_lengths shape": ((q, k, v), {"key_lengths": torch.tensor([1, 2, 3])},
+        "key_lengths shape": ((q, k3, v3), {"key_lengths": torch.tensor([1, 2, 3])},
                               "expected key_lengths of shape (B,) = (2,), got [3]"),
-        "key_lengths device": ((q, k, v), {"key_lengths": torch.tensor([1, 2], device="meta")},
+        "key_lengths device": ((q, k3, v3), {"key_lengths": torch.tensor([1, 2], device="meta")},
                                "expected key_lengths on query's device cpu, got meta"),
-        "key_lengths range": ((q, k, v), {"key_lengths": torch.tensor([1, 8])},
+        "key_lengths range": ((q, k3, v3), {"key_lengths": torch.tensor([1, 8])},
                               "expected key_lengths in [0, S] = [0, 7], got key_lengths[1] = 8"),
-        "key_lengths negative": ((q, k, v), {"key_lengths": torch.tensor([-1, 2], dtype=torch.int32)},
+        "key_lengths negative": ((q, k3, v3), {"key_lengths": torch.tensor([-1, 2], dtype=torch.int32)},
                                  "got key_lengths[0] = -1"),
-        "softcap zero": ((q, k, v), {"softcap": 0.0}, "expected softcap to be a finite number > 0"),
-        "softcap inf": ((q, k, v), {"softcap": float("inf")}, "expected softcap to be a finite number > 0"),
-        "softcap nan": ((q, k, v), {"softcap": float("nan")}, "expected softcap to be a finite number > 0"),
-        "sinks shape": ((q, k, v), {"sinks": torch.zeros(3)}, "expected sinks of shape (H,) = (6,), got [3]"),
-        "sinks dtype": ((q, k, v), {"sinks": torch.zeros(6, dtype=torch.int64)},
+        "softcap zero": ((q, k3, v3), {"softcap": 0.0}, "expected softcap to be a finite number > 0"),
+        "softcap inf": ((q, k3, v3), {"softcap": float("inf")}, "expected softcap to be a finite number > 0"),
+        "softcap nan": ((q, k3, v3), {"softcap": float("nan")}, "expected softcap to be a finite number > 0"),
+        "sinks shape": ((q, k3, v3), {"sinks": torch.zeros(3)},
+                        "expected sinks of shape (H,) = (6,), got [3]"),
+        "sinks dtype": ((q, k3, v3), {"sinks": torch.zeros(6, dtype=torch.int64)},
                         "expected sinks of a floating dtype"),
     }
 

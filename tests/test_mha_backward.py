@@ -184,7 +184,7 @@ def test_fake_kernels_match(projection, layout, extras):
     args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True)
     real = torch.ops.attnx.mha_forward(*args)
     grad_out = torch.randn(L, B, E)
-    mask = [1] * 14
+    mask = [1] * len(ops._MHA_GRADS)
     real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, 0.0, None, *real[3:], real[1], mask)
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -217,10 +217,11 @@ def test_float_mask_gradient(mask_rank, extras, need_weights):
     bias = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     kpm, _, _ = make_masks("kpm_bool", B, H, L, S, torch.float64)
     got, want = [], []
+    base = _args(query, key, value, w, kpm=kpm, am=bias, extras=extras, need_weights=need_weights,
+                 average=False)
     for fn, out_list in ((ops.mha, got), (reference.mha, want)):
         leaf = bias.clone().requires_grad_()
-        args, leaves = _leaves(_args(query, key, value, w, kpm=kpm, am=leaf, extras=extras,
-                                     need_weights=need_weights, average=False))
+        args, leaves = _leaves([leaf if a is bias else a for a in base])
         out, _, weights = fn(*args)
         g = torch.Generator().manual_seed(5)
         loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
@@ -358,7 +359,7 @@ def test_batch_first_fake_kernels_match(projection, extras):
         tail = (0.0, None, True)  # dropout_p, dropout_seed, batch_first
         real = torch.ops.attnx.mha_forward(*args, *tail)
         grad_out = torch.randn(batch, length, E)
-        mask = [1] * 14
+        mask = [1] * len(ops._MHA_GRADS)
         real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, 0.0, None, *real[3:], real[1], mask,
                                                   True)
         inputs = args[:1] if projection == "self" else args[:3]  # one tensor as all three: one gradient

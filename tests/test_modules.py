@@ -167,6 +167,25 @@ def test_is_causal_hint_applies_the_same_mask_as_torch():
         assert_close(actual[1], expected[1], torch.float64)
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("mask_shape", ["2d", "3d"])
+def test_learned_attn_mask_gets_torch_s_gradient(mask_shape, need_weights):
+    """A float attn_mask that requires grad (a learned position bias) gets the gradient torch's module gives
+    it, from attnx's fused backward."""
+    reference, module = module_pair(torch.float64, add_bias_kv=True, batch_first=True)
+    query, key, value, L, S = inputs("cross", 3, True, torch.float64)
+    shape = (L, S) if mask_shape == "2d" else (3 * H, L, S)
+    bias = torch.randn(shape, dtype=torch.float64)
+    grads = []
+    for m in (reference, module):
+        am = bias.clone().requires_grad_()
+        out, weights = m(query, key, value, attn_mask=am, need_weights=need_weights)
+        loss = out.square().sum() + (weights.square().sum() if need_weights else 0)
+        loss.backward()
+        grads.append(am.grad)
+    assert_close(grads[1], grads[0], torch.float64)
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_gradients_match_torch(batch_first):
     """The drop-in is differentiable like torch's: same gradients for inputs and every parameter."""

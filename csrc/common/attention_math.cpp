@@ -156,7 +156,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   const at::Tensor delta = group_rows((grad_out.to(acc) * out.to(acc)).sum(-1, /*keepdim=*/true), Hkv);
   at::Tensor ds = p * (at::matmul(d_out, value_read.to(acc).transpose(-2, -1)) - delta);  // (B, Hkv, G*L, S)
   at::Tensor mask_grad;
-  const at::Tensor empty = query.new_empty({0});
   if (grad_attn_mask && attn_mask && attn_mask->scalar_type() != at::kBool) {
     const MaskGradShape g = mask_grad_shape(*attn_mask, query.size(0), H);
     mask_grad = mask_grad_from_buffer(
@@ -166,8 +165,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   pb.grad_value.copy_(at::matmul(p.transpose(-2, -1), d_out));
   pb.grad_query.copy_(ungroup_rows(at::matmul(ds, k), H).mul_(s));
   pb.grad_key.copy_(at::matmul(ds.transpose(-2, -1), q).mul_(s));
-  return {pb.grad_query, pb.grad_key, pb.grad_value, mask_grad.defined() ? mask_grad : empty,
-          sinks ? sinks_grad(grad_out, out, lse, *sinks) : empty};
+  return {pb.grad_query, pb.grad_key, pb.grad_value, mask_grad.defined() ? mask_grad : query.new_empty({0}),
+          sinks ? sinks_grad(grad_out, out, lse, *sinks) : query.new_empty({0})};
 }
 
 }  // namespace

@@ -66,10 +66,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   }
   static const cpu::AttentionBackwardKernel kernel = select_backward_kernel();
   kernel(pb.params, data);
-  const at::Tensor empty = query.new_empty({0});
+  // Distinct empty tensors where a gradient was not asked for: outputs never alias each other.
   return {pb.grad_query, pb.grad_key, pb.grad_value,
-          want_mask_grad ? mask_grad_from_buffer(mask_grad, *attn_mask) : empty,
-          sinks ? sinks_grad(grad_out, out, lse, *sinks) : empty};
+          want_mask_grad ? mask_grad_from_buffer(mask_grad, *attn_mask) : query.new_empty({0}),
+          sinks ? sinks_grad(grad_out, out, lse, *sinks) : query.new_empty({0})};
 }
 
 }  // namespace attnx

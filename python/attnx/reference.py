@@ -73,7 +73,8 @@ def attention(
     if scale is None:
         scale = D**-0.5 if D > 0 else 1.0  # D == 0: every score is an empty sum, 0 whatever the scale
     if key_lengths is not None:  # keys past S_b: never read (zeroed here, so that NaN there cannot leak)
-        beyond = (torch.arange(S) >= key_lengths.to("cpu", torch.int64).view(B, 1, 1, 1)).to(key.device)
+        beyond = torch.arange(S).view(S, 1) >= key_lengths.to("cpu", torch.int64).view(B, 1, 1, 1)
+        beyond = beyond.to(key.device)  # (B, 1, S, 1)
         key, value = key.masked_fill(beyond, 0), value.masked_fill(beyond, 0)
     if Hkv != H:  # clarity over memory: the kernels index the shared kv head instead
         key, value = key.repeat_interleave(H // Hkv, dim=1), value.repeat_interleave(H // Hkv, dim=1)
@@ -273,8 +274,11 @@ def mha(
     if need_weights:
         scores = _mha_scores(q, k, attn_mask, key_padding_mask, is_causal)
         # Normalised by each row's maximum and sum, as torch's softmax: exp(score - lse) with a rounded lse
-        # would be off by lse's rounding error, visible where scores are large.
-        weights = torch.softmax(scores, dim=-1)
+        # would be off by lse's rounding error, visible where scores are large. A fully masked row's scores
+        # are replaced by 0 first, so that autograd through the softmax stays finite (its weights are NaN
+        # below, whatever the softmax gives, and get no gradient).
+        empty = torch.isposinf(lse).unsqueeze(-1)
+        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
         if dropout_p > 0:
             keep = dropout_keep_mask(dropout_seed, *weights.shape, dropout_p).to(weights.device)
             weights = weights * keep / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(weights)

@@ -144,10 +144,12 @@ ATTNX_HOST_DEVICE inline bool softmax_sink_applies(SoftmaxRow<T> row) {
   return !softmax_row_empty(row) && !is_nan(row.max) && row.max != T(INFINITY);
 }
 
-// softmax_out_scale with a sink: exp(m - M) / (l exp(m - M) + exp(sink - M)).
+// softmax_out_scale with a sink: exp(m - M) / (l exp(m - M) + exp(sink - M)). A sink of +inf takes all the
+// mass (out 0), where exp(inf - inf) would be NaN; a NaN sink makes the row NaN.
 template <typename T>
 ATTNX_HOST_DEVICE inline T softmax_out_scale_sink(SoftmaxRow<T> row, T sink) {
   if (!softmax_sink_applies(row)) return softmax_out_scale(row);
+  if (sink == T(INFINITY)) return T(0);
   const T big = nan_max(row.max, sink);
   const T keys = softmax_exp(row.max - big);
   return keys / (row.sum * keys + softmax_exp(sink - big));
@@ -157,6 +159,7 @@ ATTNX_HOST_DEVICE inline T softmax_out_scale_sink(SoftmaxRow<T> row, T sink) {
 template <typename T>
 ATTNX_HOST_DEVICE inline T softmax_lse_sink(SoftmaxRow<T> row, T sink) {
   if (!softmax_sink_applies(row)) return softmax_lse(row);
+  if (sink == T(INFINITY)) return sink;
   const T big = nan_max(row.max, sink);
   return big + softmax_log(row.sum * softmax_exp(row.max - big) + softmax_exp(sink - big));
 }
