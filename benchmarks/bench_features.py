@@ -140,7 +140,7 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
         "target_met": met,
     }
     texts.append(f"decode {s} (fp32, one step)\n" + table(
-        ["impl", "time", "attnx / impl (95% CI)", "peak extra MiB"],
+        ["impl", "time (ms)", "attnx / impl (95% CI)", "peak extra MiB"],
         [["attnx", fmt_ms(t["attnx"].median), "", fmt_mib(mem[0])],
          ["sdpa enable_gqa", fmt_ms(t["sdpa_gqa"].median), str(r_gqa), fmt_mib(mem[1])],
          ["sdpa repeat_interleave", fmt_ms(t["sdpa_repeat"].median), str(r_rep), fmt_mib(mem[2])]],
@@ -165,7 +165,7 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
         "peak_extra_bytes": {"attnx": mem[0], "sdpa_mask": mem[1]}, "target_met": met,
     }
     texts.append(f"window {s} (fp32, causal sliding window; SDPA's mask built before timing)\n" + table(
-        ["impl", "time", "peak extra MiB"],
+        ["impl", "time (ms)", "peak extra MiB"],
         [["attnx window", fmt_ms(t["attnx"].median), fmt_mib(mem[0])],
          ["sdpa + (L, S) bool mask", fmt_ms(t["sdpa_mask"].median), fmt_mib(mem[1])],
          [f"attnx full L=S={s['full_L']}", fmt_ms(t["attnx_full"].median), ""]],
@@ -191,7 +191,7 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
             "peak_extra_bytes": {"attnx": mem[0], "sdpa": mem[1]}, "target_met": met,
         }
         texts.append(f"bias {s} (fp32, (1, H, L, S) bias requiring grad, forward + backward)\n" + table(
-            ["impl", "time", "attnx / impl (95% CI)", "peak extra MiB"],
+            ["impl", "time (ms)", "attnx / impl (95% CI)", "peak extra MiB"],
             [["attnx", fmt_ms(t["attnx"].median), "", fmt_mib(mem[0])],
              ["sdpa", fmt_ms(t["sdpa"].median), str(r), fmt_mib(mem[1])]],
         ) + f"\ntarget time <= SDPA's and memory <= SDPA's: {target(met)}")

@@ -13,7 +13,7 @@ import torch
 
 import attnx
 from attnx import reference
-from test_attention import ATOL, LSE_ATOL, _assert_bounded, _layout, _upcast
+from test_attention import _layout, _upcast, check
 from test_attention_backward import ATOL as GRAD_ATOL
 from test_attention_backward import _assert_bounded as _assert_grad_bounded
 
@@ -28,19 +28,6 @@ def make_gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous", s
     k = _layout((B, Hkv, S, D), layout, dtype, gen, which="k")
     v = _layout((B, Hkv, S, Dv), layout, dtype, gen, which="v")
     return q, k, v
-
-
-def check(q, k, v, **kwargs):
-    """attnx.attention's out and lse against the reference (float64 and same-dtype); returns (out, lse)."""
-    out, lse = attnx.attention(q, k, v, **kwargs)
-    ref64_out, ref64_lse = reference.attention(
-        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
-    )
-    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
-    assert out.shape == ref_out.shape and out.dtype == q.dtype
-    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
-    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
-    return out, lse
 
 
 def check_grads(q, k, v, grad_names=("q", "k", "v"), **kwargs):
