@@ -588,6 +588,105 @@ def test_inconsistent_params_are_refused(emu, kernel):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The composite the CUDA glue runs above head dim 256 (csrc/cuda/attention_composite.h): ATen ops only, so it
+# is compiled here for the CPU and run on CPU tensors against the reference, features included.
+
+_COMPOSITE_HARNESS = r"""
+// header digest: %s
+#include "cuda/attention_composite.h"
+
+std::vector<at::Tensor> composite(at::Tensor q, at::Tensor k, at::Tensor v,
+                                  std::optional<at::Tensor> attn_mask,
+                                  std::optional<at::Tensor> key_padding_mask, bool is_causal,
+                                  int64_t window_left, int64_t window_right,
+                                  std::optional<at::Tensor> key_lengths, std::optional<double> scale,
+                                  std::optional<double> softcap, std::optional<at::Tensor> sinks) {
+  // The fields the composite reads, as common/attention.cpp's prepare_attention sets them.
+  attnx::AttentionProblem pb{};
+  attnx::AttentionParams& p = pb.params;
+  p.batch = q.size(0), p.heads = q.size(1), p.q_len = q.size(2), p.head_dim = q.size(3);
+  p.kv_heads = k.size(1), p.kv_len = k.size(2), p.v_head_dim = v.size(3);
+  p.is_causal = is_causal, p.window_left = window_left, p.window_right = window_right;
+  pb.dtype = q.scalar_type();
+  const auto acc = pb.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  if (sinks) pb.sinks_acc = sinks->to(acc).contiguous();
+  pb.out = at::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, q.options()).transpose(1, 2);
+  pb.lse = at::empty({p.batch, p.heads, p.q_len}, q.options().dtype(acc));
+  attnx::cuda::attention_composite(q, k, v, attn_mask, key_padding_mask, key_lengths, scale, softcap, pb);
+  return {pb.out, pb.lse};
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def composite():
+    import hashlib
+    import os
+
+    from torch.utils import cpp_extension
+
+    csrc = os.path.join(emulator.ROOT, "csrc")
+    with open(os.path.join(csrc, "cuda", "attention_composite.h"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]  # load_inline hashes its source, not the headers
+    build_dir = os.path.join(emulator.BUILD_DIR, "composite")
+    os.makedirs(build_dir, exist_ok=True)
+    try:
+        module = cpp_extension.load_inline(
+            f"attnx_composite_{digest}", [_COMPOSITE_HARNESS % digest], functions=["composite"],
+            extra_include_paths=[csrc, os.path.join(csrc, "include")], extra_cflags=["-O1"],
+            build_directory=build_dir)
+    except (RuntimeError, OSError) as e:
+        if "ninja" in str(e).lower():
+            pytest.skip(f"cannot build a torch extension here: {e}")
+        raise
+    return module.composite
+
+
+def check_composite(composite, q, k, v, **kwargs):
+    """The composite's (out, lse) for attnx.attention's keyword arguments, checked as check() does."""
+    args = {"attn_mask": None, "key_padding_mask": None, "is_causal": False, "window_left": -1,
+            "window_right": -1, "key_lengths": None, "scale": None, "softcap": None, "sinks": None, **kwargs}
+    out, lse = composite(q, k, v, *args.values())
+    kwargs = {**args, "softcap": args["softcap"] or 0.0}
+    ref64_out, ref64_lse = reference.attention(
+        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
+    )
+    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
+    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
+    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_composite_features(composite, dtype):
+    gen = torch.Generator().manual_seed(6)
+    B, H, L, S = 3, 6, 30, 50
+    q, k, v = make_gqa(B, H, 3, L, S, 40, 24, dtype=dtype, layout="lbhd")
+    bool_mask = torch.rand(B * H, L, S, generator=gen) < 0.2
+    float_mask = torch.randn(L, S, generator=gen).to(dtype)
+    kpm = torch.rand(B, S, generator=gen) < 0.2
+    sinks = _sinks(H, dtype)
+    for window in WINDOWS:
+        for is_causal in (False, True):
+            for extra in (
+                {},
+                {"sinks": sinks},
+                {"attn_mask": bool_mask, "key_padding_mask": kpm, "softcap": 3.0, "sinks": sinks,
+                 "key_lengths": _key_lengths([S, 0, L - 4], "int64")},
+                {"attn_mask": float_mask, "softcap": 2.0, "scale": 1.0,
+                 "key_lengths": _key_lengths([S, 7, 0], "int32")},
+            ):
+                kwargs = {"is_causal": is_causal, "window_left": window[0], "window_right": window[1],
+                          **extra}
+                out, lse = check_composite(composite, q, k, v, **kwargs)
+                _assert_unseen_rows_empty(out, lse, B, L, S, **kwargs)
+    # A head dim the kernels do not cover, as the glue sends it here.
+    q, k, v = make_gqa(2, 4, 1, 9, 20, 288, 264, dtype=dtype)
+    check_composite(composite, q, k, v, is_causal=True, window_left=4,
+                    key_lengths=_key_lengths([20, 5], "int32"), softcap=5.0, sinks=_sinks(4, dtype))
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Races: both kernels under ThreadSanitizer (tests/emulation/race_check.cpp). The emulated barriers and warp
 # exchanges are atomics TSan follows, so a shared-memory access that no __syncthreads/__syncwarp orders is
 # reported whatever the interleaving.

@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // Under is_causal the last query blocks see the most keys: they get the lowest block indices, so they start
   // first and the short blocks fill in at the end. Otherwise consecutive blocks share (b, h), hence K and V
   // in L2.
-  // (32-bit arithmetic: a launch has fewer than 2^31 blocks, kMaxBlocks, and 64-bit divisions cost registers.)
+  // (32-bit arithmetic: a launch has fewer than 2^31 blocks, kMaxBlocks, and 64-bit divisions cost
+  // registers.)
   const uint32_t block = blockIdx.x;
   const uint32_t q_blocks = static_cast<uint32_t>(plan.q_blocks), bh_count = static_cast<uint32_t>(plan.bh);
   uint32_t qb, bh;

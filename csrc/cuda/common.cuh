@@ -135,8 +135,8 @@ __device__ __forceinline__ A mask_value(int32_t kind, const void* mask, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The problem's features that are parameters of every kernel: grouped KV heads, key ranges (attnx/key_range.h),
-// soft-capping and sinks.
+// The problem's features that are parameters of every kernel: grouped KV heads, key ranges
+// (attnx/key_range.h), soft-capping and sinks.
 
 // The kv head query head h reads: query heads come in groups of heads / kv_heads per kv head (the launchers
 // check that kv_heads divides heads). Key and value are indexed there in place, never repeated. In 32-bit
@@ -149,7 +149,8 @@ __device__ __forceinline__ int64_t kv_head_of(const AttentionParams& p, int64_t 
 
 // S_b: the valid keys of batch b, key_lengths[b] clamped into [0, S] (a GPU cannot report a bad value without
 // a sync, so it is clamped, as attnx/key_range.h specifies), or S without key lengths.
-__device__ __forceinline__ int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths, int64_t b) {
+__device__ __forceinline__ int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths,
+                                                int64_t b) {
   switch (p.key_lengths_kind) {
     case kKeyLengthsInt32:
       return range_kv_len(static_cast<const int32_t*>(key_lengths)[b * p.key_lengths_stride], p.kv_len);
