@@ -3,7 +3,8 @@
 //
 // Checked on an H100 against the float64 reference (tests/test_cuda.py; compute-sanitizer ran on the version
 // before cp.async and ldmatrix); the CPU emulation runs this source in CI with mma.sync, ldmatrix and cp.async
-// replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h).
+// replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h). Grouped KV heads, key ranges,
+// soft-capping and sinks came later and have run only in that emulation, never on a GPU.
 //
 // FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query
 // rows), 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from
