@@ -9,6 +9,7 @@ Also worth running by hand on a GPU machine:
     compute-sanitizer --tool racecheck python -m pytest tests/test_cuda.py -k "attention_masks" -x
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -236,6 +237,16 @@ _MMA_SCRIPT = textwrap.dedent(
                 mask = torch.randn(shape[2], shape[3], device="cuda")
                 check(q, k, v)
                 check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    # Grouped KV heads, a window with key lengths, soft-capping, sinks and masks, on the kernel chosen.
+    for dtype in (torch.float16, torch.bfloat16):
+        q = to_device(make_qkv(2, 6, 100, 150, 64, 64, dtype=dtype, layout="blhd")[0], "cuda")
+        _, k, v = to_device(make_qkv(2, 2, 100, 150, 64, 64, dtype=dtype, layout="blhd", seed=1), "cuda")
+        kpm = torch.rand(2, 150, device="cuda") < 0.3
+        lengths = torch.tensor([150, 80], device="cuda")
+        sinks = torch.linspace(-1.0, 2.0, 6, device="cuda")
+        for window in ((-1, 0), (20, 3), (-1, -1)):
+            check(q, k, v, key_padding_mask=kpm, window_left=window[0], window_right=window[1],
+                  key_lengths=lengths, softcap=5.0, sinks=sinks)
     # What the mma kernel does not cover still runs, on the SIMT kernel: float32, head dim 256.
     check(*to_device(make_qkv(2, 3, 37, 53, 64, 64, dtype=torch.float32), "cuda"), is_causal=True)
     check(*to_device(make_qkv(1, 2, 37, 53, 256, 256, dtype=torch.float16), "cuda"), is_causal=True)
@@ -284,6 +295,161 @@ def test_attention_dropout_seeding_and_errors(device):
     q, k, v = qkv(device, 1, 1, 3, 5, 264, 8)  # above the kernel's head dims: the composite has no dropout
     with pytest.raises(RuntimeError, match="expected head dims up to 256 on CUDA with dropout_p > 0"):
         attnx.attention(q, k, v, dropout_p=0.5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# attnx.attention with grouped KV heads, key ranges (windows, per-batch key lengths), soft-capping and sinks:
+# parameters of both kernels (fp16/bf16 take the mma kernel here; test_attention_kernel_choice runs them on
+# the SIMT kernel too) and of the composite above head dim 256.
+
+WINDOWS = [(-1, 0), (3, 0), (2, 2), (0, -1), (-1, -1)]
+
+
+def gqa(device, B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
+    """query (B, H, L, D) and key/value with Hkv heads, in `layout`, on `device`."""
+    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
+    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
+    return to_device((q, k, v), device)
+
+
+def _sinks(H, dtype, device):
+    return torch.linspace(-1.0, 2.0, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                          device=device)
+
+
+def _assert_unseen_rows_empty(out, lse, **kwargs):
+    """Rows that see no key by the key range alone have out 0 and lse +inf."""
+    B, H, L, _ = out.shape
+    S = kwargs["S"]
+    seen = reference.key_range_mask(B, L, S, kwargs.get("is_causal", False), kwargs.get("window_left", -1),
+                                    kwargs.get("window_right", -1), kwargs.get("key_lengths"))
+    empty = ~seen.any(dim=-1).expand(B, H, L)
+    assert (out.cpu()[empty] == 0).all() and torch.isposinf(lse.cpu()[empty]).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
+def test_attention_grouped_kv_heads(device, heads, dtype, layout):
+    H, Hkv = heads
+    q, k, v = gqa(device, 2, H, Hkv, 37, 70, 64, 64, dtype=dtype, layout=layout)
+    check(q, k, v)
+    check(q, k, v, is_causal=True, key_padding_mask=torch.rand(2, 70, device=device) < 0.3)
+
+
+@pytest.mark.parametrize("lengths", [None, torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_windows_and_key_lengths(device, dtype, window, lengths):
+    # Batch 1 sees no key; batch 2 has fewer keys than queries (its first rows see nothing under a bounded
+    # right side). Several query blocks and key tiles of either kernel.
+    B, L, S = 3, 150, 230
+    key_lengths = None if lengths is None else torch.tensor([S, 0, 100], dtype=lengths, device=device)
+    kwargs = {"window_left": window[0], "window_right": window[1], "key_lengths": key_lengths}
+    for is_causal in (False, True):
+        q, k, v = gqa(device, B, 4, 2, L, S, 64, 64, dtype=dtype, layout="blhd")
+        out, lse = check(q, k, v, is_causal=is_causal, **kwargs)
+        _assert_unseen_rows_empty(out, lse, S=S, is_causal=is_causal, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_decoding_and_chunked_prefill(device, dtype):
+    S = 300
+    key_lengths = torch.tensor([S, 7, 0, 129], dtype=torch.int64, device=device)
+    for L in (1, 16, 100):
+        for window in ((-1, 0), (64, 0), (-1, -1)):
+            q, k, v = gqa(device, 4, 8, 2, L, S, 128, 128, dtype=dtype, layout="blhd")
+            out, lse = check(q, k, v, window_left=window[0], window_right=window[1], key_lengths=key_lengths)
+            assert (out[2] == 0).all() and torch.isposinf(lse[2]).all()
+
+
+def test_attention_key_lengths_clamped_and_never_read_past(device):
+    # On a GPU the lengths are not read on the host: a value past S is clamped to S. Keys past a batch's
+    # length (a KV cache's unwritten slots) are never read: NaN there does not reach the output.
+    q, k, v = gqa(device, 2, 4, 1, 40, 90, 32, 32)
+    want = attnx.attention(q, k, v, key_lengths=torch.tensor([90, 90], device=device))
+    got = attnx.attention(q, k, v, key_lengths=torch.tensor([500, 90], device=device))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    lengths = torch.tensor([70, 11], dtype=torch.int32, device=device)
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[0, :, 70:] = dirty_v[0, :, 70:] = float("nan")
+    dirty_k[1, :, 11:] = dirty_v[1, :, 11:] = float("nan")
+    for window in ((-1, 0), (5, 0), (-1, -1)):
+        kwargs = {"window_left": window[0], "window_right": window[1], "key_lengths": lengths}
+        torch.testing.assert_close(attnx.attention(q, dirty_k, dirty_v, **kwargs),
+                                   attnx.attention(q, k, v, **kwargs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_softcap(device, dtype):
+    gen = torch.Generator().manual_seed(4)
+    L, S = 70, 130
+    cap = 10 / 3 if dtype == torch.float64 else 2.5
+    q, k, v = gqa(device, 2, 3, 3, L, S, 64, 64, dtype=dtype, layout="blhd")
+    check(q, k, v, softcap=cap, scale=1.0)
+    mask = to_device(torch.rand(L, S, generator=gen) < 0.3, device)
+    kpm = to_device(torch.randn(2, S, generator=gen), device)
+    check(q, k, v, softcap=cap, scale=1.0, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    check(q, k, v, softcap=50.0, attn_mask=to_device(torch.randn(L, S, generator=gen).to(dtype), device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_sinks(device, dtype):
+    L, S = 70, 130
+    q, k, v = gqa(device, 2, 4, 2, L, S, 64, 64, dtype=dtype, layout="blhd")
+    sinks = _sinks(4, dtype, device)
+    check(q, k, v, sinks=sinks)
+    sinks[1], sinks[2] = 40.0, -math.inf  # far above every score; no sink at all
+    check(q, k, v, sinks=sinks)
+    # Sinks in another floating dtype are converted by the glue.
+    check(q, k, v, sinks=sinks.to(dtype) if dtype != torch.float64 else sinks.float())
+    mask = torch.zeros(L, S, dtype=torch.bool, device=device)
+    mask[3] = True  # query 3 sees no key: out 0, lse +inf, sink or not
+    kpm = torch.zeros(2, S, device=device)
+    kpm[1] = -math.inf  # batch 1 sees no key
+    out, lse = check(q, k, v, sinks=sinks, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 288], ids=str)
+@pytest.mark.parametrize("mask", ["bool", "float"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_all_features_together(device, dtype, mask, head_dim):
+    # Head dim 288 runs the composite (no kernel above 256); 64 the kernels.
+    gen = torch.Generator().manual_seed(5)
+    B, H, L, S = 3, 6, 90, 140
+    q, k, v = gqa(device, B, H, 3, L, S, head_dim, 48, dtype=dtype, layout="lbhd")
+    if mask == "bool":
+        attn_mask = torch.rand(B * H, L, S, generator=gen) < 0.2
+        kpm = torch.rand(B, S, generator=gen) < 0.2
+    else:
+        attn_mask = torch.randn(B * H, L, S, generator=gen).to(dtype)
+        kpm = torch.randn(B, S, generator=gen).masked_fill(torch.rand(B, S, generator=gen) < 0.2, -math.inf)
+    kwargs = {"attn_mask": to_device(attn_mask, device), "key_padding_mask": to_device(kpm, device),
+              "window_left": 30, "window_right": 2,
+              "key_lengths": torch.tensor([S, 0, L - 4], device=device), "softcap": 4.0,
+              "sinks": _sinks(H, dtype, device), "scale": 0.2}
+    for is_causal in (False, True):
+        out, lse = check(q, k, v, is_causal=is_causal, **kwargs)
+        _assert_unseen_rows_empty(out, lse, S=S, is_causal=is_causal, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_all_features_with_dropout(device, dtype):
+    q, k, v = gqa(device, 2, 4, 2, 37, 53, 24, 24, dtype=dtype)
+    check(q, k, v, window_left=6, window_right=0, key_lengths=torch.tensor([53, 30], device=device),
+          softcap=3.0, sinks=_sinks(4, dtype, device), dropout_p=0.3, dropout_seed=torch.tensor([11, 5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_attention_big_window(device, dtype):
+    # A sliding window over long sequences: each query block visits only the key tiles its window reaches.
+    B, H, L, S = 2, 4, 1030, 1500
+    q, k, v = gqa(device, B, H, 2, L, S, 128, 128, dtype=dtype, layout="blhd")
+    key_lengths = torch.tensor([S, 1200], device=device)
+    check(q, k, v, window_left=127, window_right=0, key_lengths=key_lengths, softcap=30.0,
+          sinks=_sinks(H, dtype, device))
 
 
 # ------------------------------------------------------------------------------------------------------------

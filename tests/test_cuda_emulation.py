@@ -10,6 +10,7 @@ does that on a GPU.
 Shapes are tiny: every emulated block is 128 OS threads, and each warp shuffle is a barrier of 32 of them.
 """
 
+import ctypes
 import math
 import subprocess
 
@@ -353,6 +354,336 @@ def test_dropout_is_not_on_the_mma_kernel(emu):
     assert emu.plan(emulator.make_params(q, k, v, dropout_p=0.1, dropout_seed=_seed(1)), torch.float16).bucket
     with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
         emu.attention(q, k, v, dropout_p=0.1, dropout_seed=_seed(1), kernel="mma")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Grouped KV heads, key ranges (windows, per-batch key lengths), soft-capping and sinks: parameters of both
+# kernels. Each case runs on the SIMT kernel in every dtype and on the mma kernel in float16 and bfloat16.
+
+KERNEL_DTYPES = [pytest.param("simt", dt, id=f"simt-{dt}") for dt in DTYPES] + [
+    pytest.param("mma", dt, id=f"mma-{dt}") for dt in MMA_DTYPES
+]
+# One float32 SIMT case and one float16 mma case, for the parameters that do not depend on the dtype.
+KERNELS = [pytest.param("simt", torch.float32, id="simt"), pytest.param("mma", torch.float16, id="mma")]
+WINDOWS = [(-1, 0), (3, 0), (2, 2), (0, -1), (-1, -1)]
+
+
+def _lens(kernel):
+    """(L, S): two query blocks and two key tiles of the kernel, each pair with a partial last one."""
+    return (20, 45) if kernel == "simt" else (70, 100)
+
+
+def make_gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
+    """query (B, H, L, D) and key/value with Hkv heads, all in `layout` ("expanded_kv": one stored kv head
+    broadcast over the Hkv heads by stride 0)."""
+    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
+    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
+    return q, k, v
+
+
+def _key_lengths(values, kind):
+    """values as a (B,) key_lengths tensor: None, "int32", or "int64" read through a stride of 2."""
+    if kind is None:
+        return None
+    if kind == "int32":
+        return torch.tensor(values, dtype=torch.int32)
+    return torch.tensor([x for v in values for x in (v, -7)], dtype=torch.int64)[::2]
+
+
+def _sinks(H, dtype):
+    """(H,) sink logits around the scores' range: -1 .. 2."""
+    return torch.linspace(-1.0, 2.0, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _assert_unseen_rows_empty(out, lse, B, L, S, **kwargs):
+    """Rows that see no key by the key range alone (reference.key_range_mask) have out 0 and lse +inf."""
+    seen = reference.key_range_mask(B, L, S, kwargs.get("is_causal", False), kwargs.get("window_left", -1),
+                                    kwargs.get("window_right", -1), kwargs.get("key_lengths"))
+    empty = ~seen.any(dim=-1).expand(B, out.shape[1], L)  # (B, H, L)
+    assert (out[empty] == 0).all() and torch.isposinf(lse[empty]).all()
+    return int(empty.sum())
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
+@pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES)
+def test_grouped_kv_heads(emu, kernel, dtype, heads):
+    H, Hkv = heads
+    L, S = _lens(kernel)
+    check(emu, *make_gqa(2, H, Hkv, L, S, 24, 24, dtype=dtype, layout="blhd"), is_causal=True, kernel=kernel)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_grouped_kv_heads_layouts(emu, kernel, dtype, layout):
+    L, S = _lens(kernel)
+    q, k, v = make_gqa(2, 4, 2, L, S, 16, 16, dtype=dtype, layout=layout)
+    if layout == "expanded_kv":
+        assert k.stride(1) == 0 and v.stride(1) == 0  # both kv heads are one stored head
+    check(emu, q, k, v, kernel=kernel)
+
+
+@pytest.mark.parametrize("lengths", [None, "int32", "int64"], ids=str)
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_windows_and_key_lengths(emu, kernel, dtype, window, lengths):
+    # Batch 0 sees every key, batch 1 none, batch 2 fewer keys than queries: with the bottom-right diagonal,
+    # its first queries sit before key 0 and (for a bounded right side) see nothing at all.
+    L, S = _lens(kernel)
+    key_lengths = _key_lengths([S, 0, L * 2 // 3], lengths)
+    kwargs = {"window_left": window[0], "window_right": window[1], "key_lengths": key_lengths}
+    q, k, v = make_gqa(3, 2, 2, L, S, 16, 16, dtype=dtype, layout="blhd")
+    out, lse = check(emu, q, k, v, kernel=kernel, **kwargs)
+    if lengths is not None:
+        assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    empty_rows = _assert_unseen_rows_empty(out, lse, 3, L, S, **kwargs)
+    if window[1] == 0 and lengths is not None:
+        assert empty_rows > 2 * L  # batch 1, and the first rows of batch 2
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (4, 1), (0, 3)], ids=str)
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_windows_with_causal_and_more_queries_than_keys(emu, kernel, dtype, window):
+    # is_causal keeps its top-left diagonal on top of the bottom-right window; L > S puts rows outside both.
+    L, _ = _lens(kernel)
+    S = L * 3 // 4
+    for is_causal in (False, True):
+        kwargs = {"is_causal": is_causal, "window_left": window[0], "window_right": window[1],
+                  "key_lengths": _key_lengths([S, S - 5], "int32")}
+        out, lse = check(emu, *make_gqa(2, 2, 1, L, S, 16, 16, dtype=dtype), kernel=kernel, **kwargs)
+        _assert_unseen_rows_empty(out, lse, 2, L, S, **kwargs)
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES)
+def test_decoding_and_chunked_prefill(emu, kernel, dtype):
+    # Decoding: one query, the last position of each batch's keys. Chunked prefill: the last L < S queries.
+    _, S = _lens(kernel)
+    for L in (1, 5, 17):
+        for window in ((-1, 0), (8, 0), (-1, -1)):
+            kwargs = {"window_left": window[0], "window_right": window[1],
+                      "key_lengths": _key_lengths([S, 7, 0, S - 1], "int64")}
+            out, lse = check(emu, *make_gqa(4, 4, 2, L, S, 32, 16, dtype=dtype), kernel=kernel, **kwargs)
+            assert (out[2] == 0).all() and torch.isposinf(lse[2]).all()
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+def test_keys_past_key_lengths_are_never_read(emu, kernel, dtype):
+    # A KV cache's slots past a batch's length may hold anything: NaN there must not reach the output. (The
+    # float64 reference computes every score and would carry NaN * 0; it runs on the cleaned inputs.)
+    L, S = _lens(kernel)
+    lengths = [S - 3, 20, 9]
+    q, k, v = make_gqa(3, 2, 1, L, S, 16, 16, dtype=dtype)
+    dirty_k, dirty_v = k.clone(), v.clone()
+    for b, n in enumerate(lengths):
+        dirty_k[b, :, n:] = float("nan")
+        dirty_v[b, :, n:] = float("nan")
+    for window in ((-1, 0), (5, 0), (-1, -1)):
+        kwargs = {"window_left": window[0], "window_right": window[1],
+                  "key_lengths": _key_lengths(lengths, "int32")}
+        out, lse = emu.attention(q, dirty_k, dirty_v, kernel=kernel, **kwargs)
+        clean_out, clean_lse = emu.attention(q, k, v, kernel=kernel, **kwargs)
+        torch.testing.assert_close(out, clean_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, clean_lse, rtol=0, atol=0)
+        check(emu, q, k, v, kernel=kernel, **kwargs)
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES)
+def test_softcap(emu, kernel, dtype):
+    # scale 1 makes the scores ~N(0, 16): most of them are capped hard. float64 takes a cap that is not a
+    # float (carried as softcap + softcap_lo).
+    gen = torch.Generator().manual_seed(4)
+    L, S = _lens(kernel)
+    cap = 10 / 3 if dtype == torch.float64 else 2.5
+    q, k, v = make_gqa(2, 3, 3, L, S, 16, 16, dtype=dtype, layout="blhd")
+    check(emu, q, k, v, softcap=cap, scale=1.0, kernel=kernel)
+    mask = torch.rand(L, S, generator=gen) < 0.3
+    kpm = torch.randn(2, S, generator=gen)
+    check(emu, q, k, v, softcap=cap, scale=1.0, attn_mask=mask, key_padding_mask=kpm, is_causal=True,
+          kernel=kernel)
+    check(emu, q, k, v, softcap=50.0, attn_mask=torch.randn(L, S, generator=gen).to(dtype), kernel=kernel)
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES)
+def test_sinks(emu, kernel, dtype):
+    L, S = _lens(kernel)
+    q, k, v = make_gqa(2, 4, 2, L, S, 16, 16, dtype=dtype, layout="blhd")
+    sinks = _sinks(4, dtype)
+    check(emu, q, k, v, sinks=sinks, kernel=kernel)
+    # A sink far above every score (the row's probabilities ~exp(-40)), and a -inf sink (no sink at all).
+    sinks[1], sinks[2] = 40.0, -math.inf
+    check(emu, q, k, v, sinks=sinks, kernel=kernel)
+    # With masks: query 3 of every head sees no key, and batch 1 none at all; the sink does not make them
+    # rows: out 0, lse +inf.
+    mask = torch.zeros(L, S, dtype=torch.bool)
+    mask[3] = True
+    mask[5, ::2] = True
+    kpm = torch.zeros(2, S)
+    kpm[1] = -math.inf
+    out, lse = check(emu, q, k, v, sinks=sinks, attn_mask=mask, key_padding_mask=kpm, is_causal=True,
+                     kernel=kernel)
+    assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    assert torch.isfinite(lse[0, :, 5]).all()
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+@pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES)
+def test_all_features_together(emu, kernel, dtype, mask):
+    # Grouped heads (6 over 3), a window, key lengths (one batch empty), soft-capping, sinks, an attn_mask of
+    # nn.MultiheadAttention's (B*H, L, S) form and a key_padding_mask, on strided inputs.
+    gen = torch.Generator().manual_seed(5)
+    L, S = _lens(kernel)
+    B, H = 3, 6
+    q, k, v = make_gqa(B, H, 3, L, S, 24, 16, dtype=dtype, layout="lbhd")
+    if mask == "bool":
+        attn_mask = torch.rand(B * H, L, S, generator=gen) < 0.2
+        kpm = torch.rand(B, S, generator=gen) < 0.2
+    else:
+        attn_mask = torch.randn(B * H, L, S, generator=gen).to(dtype)
+        kpm = torch.randn(B, S, generator=gen).masked_fill(torch.rand(B, S, generator=gen) < 0.2, -math.inf)
+    kwargs = {"attn_mask": attn_mask, "key_padding_mask": kpm, "window_left": 9, "window_right": 2,
+              "key_lengths": _key_lengths([S, 0, L - 4], "int64"), "softcap": 4.0,
+              "sinks": _sinks(H, dtype), "scale": 0.4}
+    out, lse = check(emu, q, k, v, kernel=kernel, **kwargs)
+    _assert_unseen_rows_empty(out, lse, B, L, S, **kwargs)
+    check(emu, q, k, v, kernel=kernel, is_causal=True, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_features_with_dropout(emu, dtype):
+    # The SIMT kernel's dropout draws by (b, h, l, s) of the query head: the same mask as the reference's.
+    q, k, v = make_gqa(2, 4, 2, 20, 45, 16, 16, dtype=dtype)
+    check(emu, q, k, v, window_left=6, window_right=0, key_lengths=_key_lengths([45, 30], "int32"),
+          softcap=3.0, sinks=_sinks(4, dtype), dropout_p=0.3, dropout_seed=_seed(11, 5))
+
+
+@pytest.mark.parametrize("kernel", ["simt", "mma"])
+def test_inconsistent_params_are_refused(emu, kernel):
+    # The launchers check what the kernels would otherwise divide by or dereference.
+    q, k, v = make_gqa(1, 4, 2, 3, 5, 16, 16, dtype=torch.float16)
+    out = torch.empty(1, 4, 3, 16, dtype=torch.float16)
+    lse = torch.empty(1, 4, 3)
+    lengths, sinks = torch.tensor([5], dtype=torch.int32), torch.zeros(4)
+    ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None, out.data_ptr(), lse.data_ptr()]
+
+    def launch(p, key_lengths=None, sink_ptr=None):
+        return emu.lib.attnx_emu_attention(ctypes.byref(p), emulator.DTYPES[torch.float16],
+                                           emulator.KERNELS[kernel], *ptrs, key_lengths, sink_ptr)
+
+    def params(**kwargs):
+        return emulator.make_params(q, k, v, out=out, lse=lse, **kwargs)
+
+    assert launch(params()) == 0
+    assert launch(params(key_lengths=lengths), lengths.data_ptr()) == 0
+    assert launch(params(sinks=sinks), None, sinks.data_ptr()) == 0
+    invalid = next(code for code, name in emulator.CUDA_ERRORS.items() if name == "cudaErrorInvalidValue")
+    for kv_heads in (0, 3, 8):
+        p = params()
+        p.kv_heads = kv_heads
+        assert launch(p) == invalid, kv_heads
+    assert launch(params(key_lengths=lengths)) == invalid  # no key_lengths pointer
+    assert launch(params(sinks=sinks)) == invalid  # no sinks pointer
+    p = params()
+    p.window_left = -2
+    assert launch(p) == invalid
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The composite the CUDA glue runs above head dim 256 (csrc/cuda/attention_composite.h): ATen ops only, so it
+# is compiled here for the CPU and run on CPU tensors against the reference, features included.
+
+_COMPOSITE_HARNESS = r"""
+// header digest: %s
+#include "cuda/attention_composite.h"
+
+std::vector<at::Tensor> composite(at::Tensor q, at::Tensor k, at::Tensor v,
+                                  std::optional<at::Tensor> attn_mask,
+                                  std::optional<at::Tensor> key_padding_mask, bool is_causal,
+                                  int64_t window_left, int64_t window_right,
+                                  std::optional<at::Tensor> key_lengths, std::optional<double> scale,
+                                  std::optional<double> softcap, std::optional<at::Tensor> sinks) {
+  // The fields the composite reads, as common/attention.cpp's prepare_attention sets them.
+  attnx::AttentionProblem pb{};
+  attnx::AttentionParams& p = pb.params;
+  p.batch = q.size(0), p.heads = q.size(1), p.q_len = q.size(2), p.head_dim = q.size(3);
+  p.kv_heads = k.size(1), p.kv_len = k.size(2), p.v_head_dim = v.size(3);
+  p.is_causal = is_causal, p.window_left = window_left, p.window_right = window_right;
+  pb.dtype = q.scalar_type();
+  const auto acc = pb.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  if (sinks) pb.sinks_acc = sinks->to(acc).contiguous();
+  pb.out = at::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, q.options()).transpose(1, 2);
+  pb.lse = at::empty({p.batch, p.heads, p.q_len}, q.options().dtype(acc));
+  attnx::cuda::attention_composite(q, k, v, attn_mask, key_padding_mask, key_lengths, scale, softcap, pb);
+  return {pb.out, pb.lse};
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def composite():
+    import hashlib
+    import os
+
+    from torch.utils import cpp_extension
+
+    csrc = os.path.join(emulator.ROOT, "csrc")
+    with open(os.path.join(csrc, "cuda", "attention_composite.h"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]  # load_inline hashes its source, not the headers
+    build_dir = os.path.join(emulator.BUILD_DIR, "composite")
+    os.makedirs(build_dir, exist_ok=True)
+    try:
+        module = cpp_extension.load_inline(
+            f"attnx_composite_{digest}", [_COMPOSITE_HARNESS % digest], functions=["composite"],
+            extra_include_paths=[csrc, os.path.join(csrc, "include")], extra_cflags=["-O1"],
+            build_directory=build_dir)
+    except (RuntimeError, OSError) as e:
+        if "ninja" in str(e).lower():
+            pytest.skip(f"cannot build a torch extension here: {e}")
+        raise
+    return module.composite
+
+
+def check_composite(composite, q, k, v, **kwargs):
+    """The composite's (out, lse) for attnx.attention's keyword arguments, checked as check() does."""
+    args = {"attn_mask": None, "key_padding_mask": None, "is_causal": False, "window_left": -1,
+            "window_right": -1, "key_lengths": None, "scale": None, "softcap": None, "sinks": None, **kwargs}
+    out, lse = composite(q, k, v, *args.values())
+    kwargs = {**args, "softcap": args["softcap"] or 0.0}
+    ref64_out, ref64_lse = reference.attention(
+        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
+    )
+    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
+    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
+    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_composite_features(composite, dtype):
+    gen = torch.Generator().manual_seed(6)
+    B, H, L, S = 3, 6, 30, 50
+    q, k, v = make_gqa(B, H, 3, L, S, 40, 24, dtype=dtype, layout="lbhd")
+    bool_mask = torch.rand(B * H, L, S, generator=gen) < 0.2
+    float_mask = torch.randn(L, S, generator=gen).to(dtype)
+    kpm = torch.rand(B, S, generator=gen) < 0.2
+    sinks = _sinks(H, dtype)
+    for window in WINDOWS:
+        for is_causal in (False, True):
+            for extra in (
+                {},
+                {"sinks": sinks},
+                {"attn_mask": bool_mask, "key_padding_mask": kpm, "softcap": 3.0, "sinks": sinks,
+                 "key_lengths": _key_lengths([S, 0, L - 4], "int64")},
+                {"attn_mask": float_mask, "softcap": 2.0, "scale": 1.0,
+                 "key_lengths": _key_lengths([S, 7, 0], "int32")},
+            ):
+                kwargs = {"is_causal": is_causal, "window_left": window[0], "window_right": window[1],
+                          **extra}
+                out, lse = check_composite(composite, q, k, v, **kwargs)
+                _assert_unseen_rows_empty(out, lse, B, L, S, **kwargs)
+    # A head dim the kernels do not cover, as the glue sends it here.
+    q, k, v = make_gqa(2, 4, 1, 9, 20, 288, 264, dtype=dtype)
+    check_composite(composite, q, k, v, is_causal=True, window_left=4,
+                    key_lengths=_key_lengths([20, 5], "int32"), softcap=5.0, sinks=_sinks(4, dtype))
 
 
 # ------------------------------------------------------------------------------------------------------------

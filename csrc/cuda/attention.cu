@@ -12,9 +12,17 @@
 // in float (double for float64), from the probabilities each warp passes through shared memory. out and lse
 // are written once per row at the end.
 //
-// Skipped work: key tiles past the block's last query under is_causal, and key tiles that key_padding_mask
-// removes entirely (every warp reads the same 32 mask elements, so the decision is the block's). Masks
-// change nothing else: a masked score is -inf and contributes exp(-inf) = 0.
+// Which keys a row sees at all (attnx/key_range.h: is_causal, the bottom-right window, per-batch key lengths)
+// is one interval of keys per row whose ends grow with the row, so the block's rows together see one interval
+// [kv_begin, kv_end): the tile loop runs over it only (its cost grows with the window, not with S), and each
+// row compares its key against its own interval. Key tiles that key_padding_mask removes entirely are skipped
+// too (every warp reads the same 32 mask elements, so the decision is the block's). Masks change nothing
+// else: a masked score is -inf and contributes exp(-inf) = 0. A key outside a row's interval is not seen at
+// all, whatever its score (NaN included).
+//
+// Grouped KV heads: query head h reads kv head h / (H / Hkv) in place. Soft-capping (cap * tanh(x / cap) of
+// the scaled score x, before the masks) is one more step per score. Sinks join the denominator at the end
+// (softmax_finish in common.cuh).
 //
 // Dropout: after the warp's row sum (the softmax normalises by the undropped mass), lane j drops its key's
 // probability by the element's Philox draw (attnx/philox.h, one block per element: the draws are a pure
@@ -56,28 +64,33 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // Under is_causal the last query blocks see the most keys: they get the lowest block indices, so they start
   // first and the short blocks fill in at the end. Otherwise consecutive blocks share (b, h), hence K and V
   // in L2.
-  const int64_t block = blockIdx.x;
-  int64_t qb, bh;
+  // (32-bit arithmetic: a launch has fewer than 2^31 blocks, kMaxBlocks, and 64-bit divisions cost
+  // registers.)
+  const uint32_t block = blockIdx.x;
+  const uint32_t q_blocks = static_cast<uint32_t>(plan.q_blocks), bh_count = static_cast<uint32_t>(plan.bh);
+  uint32_t qb, bh;
   if (p.is_causal) {
-    qb = plan.q_blocks - 1 - block / plan.bh;
-    bh = block % plan.bh;
+    qb = q_blocks - 1 - block / bh_count;
+    bh = block % bh_count;
   } else {
-    qb = block % plan.q_blocks;
-    bh = block / plan.q_blocks;
+    qb = block % q_blocks;
+    bh = block / q_blocks;
   }
-  const int64_t b = bh / p.heads, h = bh % p.heads;
-  const int64_t q0 = qb * plan.rows_per_block;
+  const uint32_t heads = static_cast<uint32_t>(p.heads);
+  const int64_t b = bh / heads, h = bh % heads, hk = kv_head_of(p, h);
+  const int64_t q0 = static_cast<int64_t>(qb) * plan.rows_per_block;
   const int64_t rows_in_block = L - q0 < plan.rows_per_block ? L - q0 : plan.rows_per_block;
-  const bool causal = p.is_causal != 0;
+  const int64_t Sb = batch_kv_len(p, ptr.key_lengths, b);
 
   const scalar_t* const q = static_cast<const scalar_t*>(ptr.query) + b * p.q_stride[0] + h * p.q_stride[1];
-  const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + h * p.k_stride[1];
-  const scalar_t* const v = static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + h * p.v_stride[1];
+  const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const scalar_t* const v = static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + hk * p.v_stride[1];
   const int64_t am_base = b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1];
   const int64_t kpm_base = b * p.key_padding_mask_stride[0];
   const acc_t scale = sizeof(acc_t) == 8 ? acc_t(double(p.scale) + double(p.scale_lo)) : acc_t(p.scale);
   const acc_t dropout_scale = sizeof(acc_t) == 8 ? acc_t(double(p.dropout_scale) + double(p.dropout_scale_lo))
                                                  : acc_t(p.dropout_scale);
+  const SoftCap<acc_t> cap = soft_cap_of<acc_t>(p);
   const uint64_t dropout_row0 = static_cast<uint64_t>(bh) * static_cast<uint64_t>(L);  // row of query 0
 
   // The block's queries, one row per warp at a time, lanes along D (coalesced when the last stride is 1).
@@ -89,9 +102,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
   }
 
-  // This warp's rows: row r is query l[r]; rows past L (in the last block) take part in every collective but
-  // read and write nothing.
-  int64_t l[R];
+  // This warp's rows: row r is query l[r] and sees keys [key_lo[r], key_hi[r]); rows past L (in the last
+  // block) take part in every collective but read and write nothing (an empty interval).
+  int64_t l[R], key_lo[R], key_hi[R];
   bool active[R];
   SoftmaxRow<acc_t> state[R];
   acc_t o[R][kCols];
@@ -100,14 +113,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     const int row = warp * R + r;
     l[r] = q0 + row;
     active[r] = row < rows_in_block;
+    key_lo[r] = active[r] ? range_key_begin(l[r], L, Sb, p.window_left) : 0;
+    key_hi[r] = active[r] ? range_key_end(l[r], L, Sb, p.window_right, p.is_causal) : 0;
     state[r] = softmax_row_init<acc_t>();
 #pragma unroll
     for (int c = 0; c < kCols; ++c) o[r][c] = acc_t(0);
   }
 
-  // Under is_causal, keys past the block's last query are masked for every row of it.
-  const int64_t kv_end = causal ? (S < q0 + rows_in_block ? S : q0 + rows_in_block) : S;
-  for (int64_t k0 = 0; k0 < kv_end; k0 += kTileKeys) {
+  // The keys any row of the block sees: from its first row's first key to its last row's end.
+  const int64_t kv_begin = range_key_begin(q0, L, Sb, p.window_left);
+  const int64_t kv_end = range_key_end(q0 + rows_in_block - 1, L, Sb, p.window_right, p.is_causal);
+  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTileKeys) {
     const int nk = kv_end - k0 < kTileKeys ? static_cast<int>(kv_end - k0) : kTileKeys;
     const int64_t key = k0 + lane;  // this lane's key
 
@@ -160,10 +176,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       acc_t pr = acc_t(0);
-      // A row sees this tile unless it is past L or, under is_causal, before the tile's first key.
-      if (active[r] && !(causal && k0 > l[r])) {
-        acc_t s = kNegInf;  // keys past the end contribute exp(-inf) = 0
-        if (lane < nk) {
+      // A row reads this tile when its key interval meets the tile (never for rows past L).
+      if (key_lo[r] < k0 + nk && k0 < key_hi[r]) {
+        acc_t s = kNegInf;  // keys past the tile's end or outside the row's interval contribute exp(-inf) = 0
+        if (lane < nk && key_lo[r] <= key && key < key_hi[r]) {
           // scores + (attn_mask + key_padding_mask), summed in the reference's order.
           acc_t bias = padding;
           if (p.attn_mask_kind != kMaskNone) {
@@ -171,8 +187,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
                                      am_base + l[r] * p.attn_mask_stride[2] + key * p.attn_mask_stride[3]) +
                    padding;
           }
-          s = dot[r] * scale + bias;
-          if (causal && key > l[r]) s += kNegInf;  // adding keeps a NaN score NaN, as the reference's bias
+          s = dot[r] * scale;
+          if (cap.cap > acc_t(0)) s = soft_cap(s, cap);
+          s += bias;
         }
         const acc_t tile_max = warp_max(s);
         const SoftmaxStep<acc_t> step = softmax_step(state[r], tile_max);
@@ -218,14 +235,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
   }
 
-  // out = o / l and lse = m + log(l); a row that saw no unmasked key gets out 0 and lse +inf.
+  // out = o / l and lse = m + log(l) (the sink joins l); a row that saw no unmasked key gets out 0 and lse
+  // +inf.
+  const acc_t sink = p.has_sinks ? static_cast<const acc_t*>(ptr.sinks)[h] : acc_t(0);
   scalar_t* const out = static_cast<scalar_t*>(ptr.out) + b * p.out_stride[0] + h * p.out_stride[1];
   acc_t* const lse = static_cast<acc_t*>(ptr.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (!active[r]) continue;
     const bool empty = softmax_row_empty(state[r]);
-    const acc_t factor = softmax_out_scale(state[r]);
+    const RowResult<acc_t> result = softmax_finish(state[r], p.has_sinks != 0, sink);
+    const acc_t factor = result.factor;
     scalar_t* dst = out + l[r] * p.out_stride[2];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -237,7 +257,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? acc_t(0) : o[r][g * kOutVec + u] * factor);
       }
     }
-    if (lane == 0) lse[l[r] * p.lse_stride[2]] = softmax_lse(state[r]);
+    if (lane == 0) lse[l[r] * p.lse_stride[2]] = result.lse;
   }
 }
 
@@ -259,6 +279,7 @@ cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, 
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel) {
   if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, stream);
+  if (!params_consistent(p, ptr)) return cudaErrorInvalidValue;
   const AttentionPlan plan = plan_attention(p, dtype);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.blocks == 0) return cudaSuccess;

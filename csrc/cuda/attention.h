@@ -17,8 +17,8 @@ enum class Kernel {
 // Runs attention on `stream` with `kernel` and the launch of its plan (plan_attention / plan_attention_mma).
 // Returns the launch's error (cudaGetLastError right after it), cudaSuccess when there is nothing to compute,
 // and cudaErrorInvalidValue when the kernel does not cover the problem (plan_attention(p, dtype).bucket == 0:
-// D or Dv above kMaxHeadDim; for kMma, !mma_supports(p, dtype)). The caller checks that an sm80+ device runs
-// kMma.
+// D or Dv above kMaxHeadDim; for kMma, !mma_supports(p, dtype)) or the params are inconsistent
+// (!params_consistent(p, ptr)). The caller checks that an sm80+ device runs kMma.
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel = Kernel::kSimt);
 

@@ -17,6 +17,7 @@
 
 #include "common/attention.h"
 #include "cuda/attention.h"
+#include "cuda/attention_composite.h"
 
 namespace attnx {
 
@@ -52,61 +53,6 @@ cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, c10::Dev
   return major >= 8 ? cuda::Kernel::kMma : cuda::Kernel::kSimt;
 }
 
-// A mask as the additive term it stands for, in the accumulator dtype: bool true = -inf, a float as it is.
-at::Tensor additive(const at::Tensor& mask, at::ScalarType acc) {
-  if (mask.scalar_type() == at::kBool) {
-    return at::zeros(mask.sizes(), mask.options().dtype(acc)).masked_fill_(mask, -INFINITY);
-  }
-  return mask.to(acc);
-}
-
-// Head dims above the kernel's kMaxHeadDim: the reference's formula on ATen ops (cuBLAS GEMMs), over chunks
-// of queries sized so that the scores of one chunk, (B, H, rows, S) in the accumulator dtype, stay within 256
-// MiB. Nothing (B, H, L, S)-sized exists; masks are sliced per chunk, never merged beyond one chunk. Slower
-// than a fused kernel, but such head dims are rare.
-void attention_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                         const std::optional<at::Tensor>& attn_mask,
-                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                         std::optional<double> scale, AttentionProblem& pb) {
-  const AttentionParams& p = pb.params;
-  const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
-  const at::ScalarType acc = attention_acc_dtype(pb.dtype);
-  const double s = scale ? *scale : (p.head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(p.head_dim)) : 1.0);
-  const int64_t row_bytes = std::max<int64_t>(B * H * S * static_cast<int64_t>(c10::elementSize(acc)), 1);
-  const int64_t rows = std::clamp<int64_t>((int64_t{256} << 20) / row_bytes, 1, std::max<int64_t>(L, 1));
-
-  std::optional<at::Tensor> mask4;  // attn_mask as a 4-D view broadcastable to (B, H, L, S)
-  if (attn_mask) {
-    mask4 = attn_mask->dim() == 2   ? attn_mask->unsqueeze(0).unsqueeze(0)
-            : attn_mask->dim() == 3 ? attn_mask->unflatten(0, {B, H})
-                                    : *attn_mask;
-  }
-  std::optional<at::Tensor> padding;  // (B, 1, 1, S)
-  if (key_padding_mask) padding = additive(*key_padding_mask, acc).view({B, 1, 1, S});
-  const at::Tensor kt = key.to(acc).transpose(-2, -1);
-  const at::Tensor v = value.to(acc);
-
-  for (int64_t l0 = 0; l0 < L; l0 += rows) {
-    const int64_t n = std::min(rows, L - l0);
-    at::Tensor scores = at::matmul(query.narrow(2, l0, n).to(acc), kt).mul_(s);  // (B, H, n, S)
-    // scores + (causal + attn_mask + key_padding_mask), summed in the reference's order.
-    at::Tensor bias = at::zeros({n, S}, scores.options());
-    if (is_causal) {
-      const auto opts = scores.options().dtype(at::kLong);
-      const at::Tensor above = at::arange(S, opts).unsqueeze(0) > at::arange(l0, l0 + n, opts).unsqueeze(1);
-      bias.masked_fill_(above, -INFINITY);
-    }
-    if (mask4) bias = bias + additive(mask4->size(2) == 1 ? *mask4 : mask4->narrow(2, l0, n), acc);
-    if (padding) bias = bias + *padding;
-    scores.add_(bias);
-    at::Tensor lse = at::logsumexp(scores, -1, /*keepdim=*/true);  // -inf for a fully masked row
-    const at::Tensor empty = lse.isneginf();
-    at::Tensor probs = scores.sub_(lse).exp_().masked_fill_(empty, 0);
-    pb.out.narrow(2, l0, n).copy_(at::matmul(probs, v));
-    pb.lse.narrow(2, l0, n).copy_(lse.squeeze(-1).masked_fill_(empty.squeeze(-1), INFINITY));
-  }
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
@@ -126,17 +72,13 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
   AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
                                           dropout_p, dropout_seed, window_left, window_right, key_lengths,
                                           softcap, sinks);
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      pb.params.kv_heads == pb.params.heads && window_left < 0 && window_right < 0 && !key_lengths &&
-          !softcap && !sinks,
-      "attnx::attention: grouped KV heads, windows, key_lengths, softcap and sinks are not implemented on "
-      "CUDA yet");
   const cuda::DType dtype = kernel_dtype(pb.dtype);
   if (cuda::plan_attention(pb.params, dtype).bucket == 0) {
     TORCH_CHECK(!pb.params.dropout, "attnx::attention: expected head dims up to ", cuda::kMaxHeadDim,
                 " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
                 pb.params.head_dim, ", Dv=", pb.params.v_head_dim);
-    attention_composite(query, key, value, attn_mask, key_padding_mask, is_causal, scale, pb);
+    cuda::attention_composite(query, key, value, attn_mask, key_padding_mask, key_lengths, scale, softcap,
+                              pb);
     return {pb.out, pb.lse};
   }
   const AttentionPointers ptr{pb.query,          pb.key,           pb.value,       pb.attn_mask,
@@ -147,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
       cuda::launch_attention(pb.params, dtype, ptr, c10::cuda::getCurrentCUDAStream(device),
                              select_kernel(pb.params, dtype, device));
   TORCH_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
-              ", H=", pb.params.heads, ", L=", pb.params.q_len, ", S=", pb.params.kv_len,
-              ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ", pb.dtype,
+              ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,
+              ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ", pb.dtype,
               "): ", cudaGetErrorString(err));
   return {pb.out, pb.lse};
 }

@@ -3,7 +3,8 @@
 //
 // Checked on an H100 against the float64 reference (tests/test_cuda.py; compute-sanitizer ran on the version
 // before cp.async and ldmatrix); the CPU emulation runs this source in CI with mma.sync, ldmatrix and cp.async
-// replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h).
+// replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h). Grouped KV heads, key ranges,
+// soft-capping and sinks came later and have run only in that emulation, never on a GPU.
 //
 // FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query
 // rows), 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from
@@ -13,8 +14,10 @@
 // (8 n-tiles of 8 keys, K's B fragments by ldmatrix), scale and both masks read in place, the online softmax
 // of softmax.h per row (a row's 64 scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
 // O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
-// fragment of one k-step; V's B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel
-// (causal, key padding).
+// fragment of one k-step; V's B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel: the
+// loop runs over the keys the block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window,
+// per-batch key lengths), past tiles key_padding_mask removes entirely. Grouped KV heads index the kv head in
+// place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish).
 #include "cuda/attention.h"
 #include "cuda/common.cuh"
 
@@ -42,12 +45,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, t = lane % 4;  // fragment coordinates: row group, thread in group
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
-  const int64_t L = p.q_len, S = p.kv_len;
+  const int64_t L = p.q_len;
   const bool causal = p.is_causal != 0;
-  const int64_t q_blocks = plan.q_blocks, bh_count = plan.bh;
-
-  const int64_t block = blockIdx.x;
-  int64_t qb, bh;
+  // Block coordinates in 32-bit arithmetic: a launch has fewer than 2^31 blocks (kMaxBlocks), so they fit,
+  // and 64-bit divisions cost the tile loop registers.
+  const uint32_t q_blocks = static_cast<uint32_t>(plan.q_blocks), bh_count = static_cast<uint32_t>(plan.bh);
+  const uint32_t block = blockIdx.x;
+  uint32_t qb, bh;
   if (causal) {  // heaviest query blocks first, as in the SIMT kernel
     qb = q_blocks - 1 - block / bh_count;
     bh = block % bh_count;
@@ -55,16 +59,19 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     qb = block % q_blocks;
     bh = block / q_blocks;
   }
-  const int64_t b = bh / p.heads, h = bh % p.heads;
-  const int64_t q0 = qb * kRowsPerBlock;
+  const uint32_t heads = static_cast<uint32_t>(p.heads);
+  const int64_t b = bh / heads, h = bh % heads, hk = kv_head_of(p, h);
+  const int64_t q0 = static_cast<int64_t>(qb) * kRowsPerBlock;
   const int64_t rows_in_block = L - q0 < kRowsPerBlock ? L - q0 : kRowsPerBlock;
+  const int64_t Sb = batch_kv_len(p, ptr.key_lengths, b);
 
   const scalar_t* const q = static_cast<const scalar_t*>(ptr.query) + b * p.q_stride[0] + h * p.q_stride[1];
-  const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + h * p.k_stride[1];
-  const scalar_t* const v = static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + h * p.v_stride[1];
+  const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const scalar_t* const v = static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + hk * p.v_stride[1];
   const int64_t am_base = b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1];
   const int64_t kpm_base = b * p.key_padding_mask_stride[0];
   const float scale = p.scale;
+  const SoftCap<float> cap = soft_cap_of<float>(p);
   const scalar_t zero = from_acc<scalar_t>(0.0f);
 
   // This lane's two query rows: fragment rows g and g + 8 of the warp's 16.
@@ -75,7 +82,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     active[r] = l[r] < L;
   }
 
-  const int64_t kv_end = causal ? (S < q0 + rows_in_block ? S : q0 + rows_in_block) : S;
+  // The keys any row of the block sees: from its first row's first key to its last row's end.
+  const int64_t kv_begin = range_key_begin(q0, L, Sb, p.window_left);
+  const int64_t kv_end = range_key_end(q0 + rows_in_block - 1, L, Sb, p.window_right, p.is_causal);
   const auto tile_keys = [&](int64_t k0) {
     return kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
   };
@@ -127,7 +136,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     cp_async_commit();
   };
 
-  int64_t k0 = next_tile(0);
+  int64_t k0 = kv_begin < kv_end ? next_tile(kv_begin) : kv_end;
   if (k0 < kv_end) stage_tile(0, k0, tile_keys(k0));
 
   // Q fragments, zero past D and past L: register i holds rows g (i even) or g + 8 (i odd), columns
@@ -190,19 +199,24 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
     }
 
-    // Scale and masks: element i of n-tile j is row l[i / 2], key k0 + 8j + 2t + i % 2. A tile with no mask,
-    // 64 keys, the warp's 16 rows all in range and (under is_causal) every key at or before the warp's first
-    // row only needs the scale: the common case takes that short path (uniform over the warp).
+    // Scale, soft-capping and masks: element i of n-tile j is row l[i / 2], key k0 + 8j + 2t + i % 2. A tile
+    // with no mask, 64 keys, the warp's 16 rows all below L and every key in every one of their intervals
+    // only needs the scale (and the cap): the common case takes that short path (uniform over the warp).
     float row_max[2] = {kNegInf, kNegInf};
+    // (The interval ends grow with the row: every row of the warp sees keys from its last row's first key
+    // to its first row's end. Recomputed per tile from kernel parameters rather than held in registers
+    // across the loop, as are the rows' intervals below: the loop is register-bound.)
     const bool plain = p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
                        nk == kMmaTileKeys && warp_row0 + kMmaRowsPerWarp <= L &&
-                       !(causal && k0 + kMmaTileKeys - 1 > warp_row0);
+                       range_key_begin(warp_row0 + kMmaRowsPerWarp - 1, L, Sb, p.window_left) <= k0 &&
+                       k0 + kMmaTileKeys <= range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
     if (plain) {
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           s[j][i] *= scale;
+          if (cap.cap > 0.0f) s[j][i] = soft_cap_fast(s[j][i], cap);
           row_max[i / 2] = nan_max(row_max[i / 2], s[j][i]);
         }
       }
@@ -222,8 +236,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        // Rows past L, and rows before the tile's first key under is_causal, read no mask.
-        const bool row_reads = active[r] && !(causal && k0 > l[r]);
+        // The row's keys in this tile, [lo, hi) in tile coordinates (32-bit: the per-element tests are
+        // against the unrolled constants jj). Rows past L, and rows whose key interval misses the tile, read
+        // no mask.
+        const int64_t key_lo = range_key_begin(l[r], L, Sb, p.window_left);
+        const int64_t key_hi = range_key_end(l[r], L, Sb, p.window_right, p.is_causal);
+        const int lo = static_cast<int>(range_min(range_max(key_lo - k0, 0), nk));
+        const int hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
+        const bool row_reads = active[r] && lo < hi;
         const int64_t am_row = am_base + l[r] * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
 #pragma unroll
         for (int j = 0; j < kSTiles; ++j) {
@@ -231,16 +251,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           for (int e = 0; e < 2; ++e) {
             const int i = 2 * r + e;
             const int jj = 8 * j + 2 * t + e;
-            float x = kNegInf;
-            if (row_reads && jj < nk) {
+            float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
+            if (row_reads && lo <= jj && jj < hi) {
               float bias = kpm[j][e];
               if (p.attn_mask_kind != kMaskNone) {
                 bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
                                          am_row + (8 * j + e) * p.attn_mask_stride[3]) +
                        bias;
               }
-              x = s[j][i] * scale + bias;
-              if (causal && k0 + jj > l[r]) x += kNegInf;
+              x = s[j][i] * scale;
+              if (cap.cap > 0.0f) x = soft_cap_fast(x, cap);
+              x += bias;
             }
             s[j][i] = x;
             row_max[r] = nan_max(row_max[r], x);
@@ -299,14 +320,16 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     k0 = k_next;
   }
 
-  // out = O / l, lse = m + log(l); fully masked rows: out 0, lse +inf.
+  // out = O / l, lse = m + log(l) (the sink joins l); fully masked rows: out 0, lse +inf.
+  const float sink = p.has_sinks ? static_cast<const float*>(ptr.sinks)[h] : 0.0f;
   scalar_t* const out = static_cast<scalar_t*>(ptr.out) + b * p.out_stride[0] + h * p.out_stride[1];
   float* const lse = static_cast<float*>(ptr.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (!active[r]) continue;
     const bool empty = softmax_row_empty(state[r]);
-    const float factor = softmax_out_scale(state[r]);
+    const RowResult<float> result = softmax_finish(state[r], p.has_sinks != 0, sink);
+    const float factor = result.factor;
     scalar_t* dst = out + l[r] * p.out_stride[2];
 #pragma unroll
     for (int n = 0; n < kOTiles; ++n) {
@@ -316,7 +339,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         if (c < Dv) dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? 0.0f : o[n][i] * factor);
       }
     }
-    if (t == 0) lse[l[r] * p.lse_stride[2]] = softmax_lse(state[r]);
+    if (t == 0) lse[l[r] * p.lse_stride[2]] = result.lse;
   }
 }
 
@@ -333,7 +356,7 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
 
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  cudaStream_t stream) {
-  if (!mma_supports(p, dtype)) return cudaErrorInvalidValue;
+  if (!mma_supports(p, dtype) || !params_consistent(p, ptr)) return cudaErrorInvalidValue;
   const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr);
   if (plan.blocks == 0) return cudaSuccess;
   if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;

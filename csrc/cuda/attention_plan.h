@@ -74,6 +74,19 @@ inline int64_t round_up(int64_t x, int64_t m) {
 // The largest grid.x a launch may have.
 constexpr int64_t kMaxBlocks = 2147483647;
 
+// True when the feature fields of `p` agree with each other and with `ptr`: kv_heads divides heads (and is
+// positive when heads is), key_lengths and sinks are there when the params say so. The launchers refuse the
+// launch (cudaErrorInvalidValue) otherwise, rather than divide by zero or read a null pointer on the device.
+inline bool params_consistent(const AttentionParams& p, const AttentionPointers& ptr) {
+  if (p.heads > 0 && (p.kv_heads <= 0 || p.heads % p.kv_heads != 0)) return false;
+  if (p.key_lengths_kind != kKeyLengthsNone) {
+    if (ptr.key_lengths == nullptr) return false;
+    if (p.key_lengths_kind != kKeyLengthsInt32 && p.key_lengths_kind != kKeyLengthsInt64) return false;
+  }
+  if (p.has_sinks != 0 && ptr.sinks == nullptr) return false;
+  return p.window_left >= -1 && p.window_right >= -1;
+}
+
 inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
   AttentionPlan plan{};
   const int acc = acc_bytes(dtype);

@@ -20,6 +20,7 @@
 #include "cuda_shim.h"
 #endif
 
+#include "attnx/key_range.h"
 #include "attnx/params.h"
 #include "attnx/softmax.h"
 
@@ -131,6 +132,95 @@ __device__ __forceinline__ A mask_value(int32_t kind, const void* mask, int64_t 
     default:
       return A(0);
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The problem's features that are parameters of every kernel: grouped KV heads, key ranges
+// (attnx/key_range.h), soft-capping and sinks.
+
+// The kv head query head h reads: query heads come in groups of heads / kv_heads per kv head (the launchers
+// check that kv_heads divides heads). Key and value are indexed there in place, never repeated. In 32-bit
+// arithmetic: a launch has fewer than 2^31 blocks, hence fewer heads, and a 64-bit division costs the tile
+// loop tens of registers (measured: 189 -> 232 in the mma kernel at bucket 64).
+__device__ __forceinline__ int64_t kv_head_of(const AttentionParams& p, int64_t h) {
+  const uint32_t group = static_cast<uint32_t>(p.heads) / static_cast<uint32_t>(p.kv_heads);
+  return static_cast<int64_t>(static_cast<uint32_t>(h) / group);
+}
+
+// S_b: the valid keys of batch b, key_lengths[b] clamped into [0, S] (a GPU cannot report a bad value without
+// a sync, so it is clamped, as attnx/key_range.h specifies), or S without key lengths.
+__device__ __forceinline__ int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths,
+                                                int64_t b) {
+  switch (p.key_lengths_kind) {
+    case kKeyLengthsInt32:
+      return range_kv_len(static_cast<const int32_t*>(key_lengths)[b * p.key_lengths_stride], p.kv_len);
+    case kKeyLengthsInt64:
+      return range_kv_len(static_cast<const int64_t*>(key_lengths)[b * p.key_lengths_stride], p.kv_len);
+    default:
+      return p.kv_len;
+  }
+}
+
+__device__ __forceinline__ float tanh_acc(float x) {
+  return tanhf(x);
+}
+__device__ __forceinline__ double tanh_acc(double x) {
+  return tanh(x);
+}
+
+// Soft-capping constants in the accumulator type: cap = softcap (float64: softcap + softcap_lo, the double
+// the caller passed) and its reciprocal; cap = 0 when the problem has none.
+template <typename A>
+struct SoftCap {
+  A cap;
+  A inv_cap;
+};
+
+template <typename A>
+__device__ __forceinline__ SoftCap<A> soft_cap_of(const AttentionParams& p) {
+  SoftCap<A> c;
+  c.cap = sizeof(A) == 8 ? A(double(p.softcap) + double(p.softcap_lo)) : A(p.softcap);
+  c.inv_cap = c.cap > A(0) ? A(1) / c.cap : A(0);
+  return c;
+}
+
+// cap * tanh(x / cap) for a scaled score x: bounded by cap, ~x for |x| << cap. NaN stays NaN, +-inf gives
+// +-cap, as the reference's tanh.
+template <typename A>
+__device__ __forceinline__ A soft_cap(A x, SoftCap<A> c) {
+  return c.cap * tanh_acc(x * c.inv_cap);
+}
+
+// What turns a row's running statistics into its results: out = o * factor, lse.
+template <typename A>
+struct RowResult {
+  A factor;
+  A lse;
+};
+
+// The row's results, with the sink's logit in the denominator when `has_sink`: lse = log(exp(sink) + sum_s
+// exp(score_s)), computed around max(m, sink) so that neither exp overflows. A row that saw no key keeps out 0
+// and lse +inf (the sink does not make it a row); a NaN or +inf score, or a NaN sink, gives what softmax.h
+// and the reference give (NaN, or out 0 with lse +inf for a +inf sink, which takes all the mass).
+template <typename A>
+__device__ __forceinline__ RowResult<A> softmax_finish(SoftmaxRow<A> row, bool has_sink, A sink) {
+  RowResult<A> r;
+  if (!has_sink || softmax_row_empty(row) || is_nan(row.max) || row.max == A(INFINITY)) {
+    r.factor = softmax_out_scale(row);
+    r.lse = softmax_lse(row);
+    return r;
+  }
+  const A top = nan_max(row.max, sink);  // row.max is finite here: row.sum = sum_s exp(score_s - row.max)
+  if (top == A(INFINITY)) {
+    r.factor = A(0);
+    r.lse = A(INFINITY);
+    return r;
+  }
+  const A keys = softmax_exp(row.max - top);
+  const A sum = row.sum * keys + softmax_exp(sink - top);
+  r.factor = keys / sum;
+  r.lse = top + softmax_log(sum);
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -279,6 +369,18 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// tanh(x) = 1 - 2 / (exp(2x) + 1) on the SFU (ex2.approx and an approximate division): absolute error ~1e-6,
+// which soft-capping multiplies by the cap (a score error of ~cap * 1e-6, far below what float16/bfloat16
+// inputs carry), in a few instructions where tanhf takes a branchy polynomial and the registers for it.
+// +-inf and large |x| give +-1 (exp overflows to inf, or underflows to 0); NaN stays NaN.
+__device__ __forceinline__ float fast_tanh(float x) {
+#if defined(ATTNX_CUDA_EMULATION)
+  return 1.0f - 2.0f / (expf(2.0f * x) + 1.0f);
+#else
+  return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);
+#endif
+}
+
 // exp(x) through the SFU's ex2.approx (2 instructions; relative error ~2^-21, far below the 2^-8 of the
 // float16/bfloat16 probabilities it feeds); expf under the emulation. -inf gives 0 and NaN stays NaN.
 __device__ __forceinline__ float fast_exp(float x) {
@@ -287,6 +389,11 @@ __device__ __forceinline__ float fast_exp(float x) {
 #else
   return __expf(x);
 #endif
+}
+
+// soft_cap with fast_tanh: the tensor-core kernel's, whose probabilities are rounded to 16 bits anyway.
+__device__ __forceinline__ float soft_cap_fast(float x, SoftCap<float> c) {
+  return c.cap * fast_tanh(x * c.inv_cap);
 }
 
 }  // namespace attnx::cuda

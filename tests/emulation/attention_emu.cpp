@@ -19,11 +19,14 @@ void attnx_emu_plan(const attnx::AttentionParams* p, int dtype, attnx::cuda::Att
   *plan = attnx::cuda::plan_attention(*p, static_cast<attnx::cuda::DType>(dtype));
 }
 
-// Returns the cudaError_t of the launch (0 = cudaSuccess). kernel: 0 = SIMT, 1 = mma.
+// Returns the cudaError_t of the launch (0 = cudaSuccess). kernel: 0 = SIMT, 1 = mma. key_lengths and sinks
+// may be null (absent).
 int attnx_emu_attention(const attnx::AttentionParams* p, int dtype, int kernel, const void* query,
                         const void* key, const void* value, const void* attn_mask,
-                        const void* key_padding_mask, void* out, void* lse) {
-  const attnx::AttentionPointers ptr{query, key, value, attn_mask, key_padding_mask, out, lse};
+                        const void* key_padding_mask, void* out, void* lse, const void* key_lengths,
+                        const void* sinks) {
+  const attnx::AttentionPointers ptr{query,    key, value, attn_mask, key_padding_mask,
+                                     out,      lse, key_lengths, sinks};
   return static_cast<int>(attnx::cuda::launch_attention(*p, static_cast<attnx::cuda::DType>(dtype), ptr,
                                                         /*stream=*/nullptr,
                                                         static_cast<attnx::cuda::Kernel>(kernel)));

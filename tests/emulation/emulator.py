@@ -243,7 +243,7 @@ class Emulator:
         assert self.lib.attnx_emu_sizeof_plan() == ctypes.sizeof(AttentionPlan), "attention_plan.h changed"
         self.lib.attnx_emu_attention.restype = ctypes.c_int
         self.lib.attnx_emu_attention.argtypes = [
-            ctypes.POINTER(AttentionParams), ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 7
+            ctypes.POINTER(AttentionParams), ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 9
         ]
 
     def plan(self, params, dtype):
@@ -252,10 +252,16 @@ class Emulator:
         return plan
 
     def attention(self, q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                  dropout_p=0.0, dropout_seed=None, out_layout="blhd", kernel="simt"):
+                  dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None,
+                  softcap=0.0, sinks=None, out_layout="blhd", kernel="simt"):
         """attnx.attention on the emulated CUDA kernel: (out, lse) as the CUDA op returns them.
 
         ``kernel``: "simt" (attention.cu) or "mma" (attention_mma.cu, with mma.sync emulated).
+
+        key (B, Hkv, S, D) and value (B, Hkv, S, Dv) may have fewer heads than query (grouped KV heads);
+        ``key_lengths`` is an int32 or int64 (B,) tensor of any stride, read in place; ``sinks`` (H,) of any
+        floating dtype is converted to the contiguous accumulator-dtype tensor the kernels read, as the glue
+        does (common/attention.cpp's sinks_for_kernels). ``softcap`` 0 or None: no soft-capping.
 
         ``out_layout="bhld"`` writes into a contiguous (B, H, L, Dv) out instead of the op's (B, L, H, Dv)
         memory order, to check that the kernel honours out's strides.
@@ -267,15 +273,17 @@ class Emulator:
         else:
             out = torch.empty(B, H, L, Dv, dtype=q.dtype)
         lse = torch.empty(B, H, L, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        if sinks is not None:
+            sinks = sinks.to(lse.dtype).contiguous()
         p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout_p,
-                        dropout_seed)
+                        dropout_seed, window_left, window_right, key_lengths, softcap or 0.0, sinks)
 
         def ptr(t):
             return None if t is None else t.data_ptr()
 
         err = self.lib.attnx_emu_attention(
             ctypes.byref(p), DTYPES[q.dtype], KERNELS[kernel], ptr(q), ptr(k), ptr(v), ptr(attn_mask),
-            ptr(key_padding_mask), ptr(out), ptr(lse),
+            ptr(key_padding_mask), ptr(out), ptr(lse), ptr(key_lengths), ptr(sinks),
         )
         if err != 0:
             raise RuntimeError(f"emulated launch failed: {CUDA_ERRORS.get(err, err)}")

@@ -3,7 +3,8 @@
 // The emulation's barriers and warp exchanges are atomics that TSan understands, so a shared-memory access
 // that no __syncthreads/__syncwarp orders against another thread's write is reported as a data race, whether
 // or not the OS happened to interleave the threads badly. Values do not matter here (the pytest suite checks
-// them): each launch covers several key tiles, masks, causal skipping and partial tiles.
+// them): each launch covers several key tiles, masks, causal skipping and partial tiles; some add grouped KV
+// heads, a window with per-batch key lengths (tile loops that start past key 0), soft-capping and sinks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -47,18 +48,36 @@ void contiguous(int64_t* st, int64_t H, int64_t N, int64_t D) {
   st[0] = H * N * D;
 }
 
+// The features beyond masks: kv heads (0: as many as query heads), the window, key lengths (B of them, or
+// none), soft-capping, sinks.
+struct Features {
+  int64_t kv_heads = 0;
+  int64_t window_left = -1, window_right = -1;
+  std::vector<int32_t> key_lengths;
+  float softcap = 0.0f;
+  bool sinks = false;
+};
+
 template <typename T>
-int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal) {
+int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
+        const Features& f = {}) {
   std::mt19937 gen(0);
+  const int64_t Hkv = f.kv_heads > 0 ? f.kv_heads : H;
   AttentionParams p{};
   p.batch = B, p.heads = H, p.q_len = L, p.kv_len = S, p.head_dim = D, p.v_head_dim = D;
+  p.kv_heads = Hkv;
   contiguous(p.q_stride, H, L, D);
-  contiguous(p.k_stride, H, S, D);
-  contiguous(p.v_stride, H, S, D);
+  contiguous(p.k_stride, Hkv, S, D);
+  contiguous(p.v_stride, Hkv, S, D);
   contiguous(p.out_stride, H, L, D);
   p.lse_stride[0] = H * L, p.lse_stride[1] = L, p.lse_stride[2] = 1;
-  const auto q = randn<T>(B * H * L * D, gen), k = randn<T>(B * H * S * D, gen),
-             v = randn<T>(B * H * S * D, gen);
+  p.window_left = f.window_left, p.window_right = f.window_right;
+  if (!f.key_lengths.empty()) p.key_lengths_kind = attnx::kKeyLengthsInt32, p.key_lengths_stride = 1;
+  p.softcap = f.softcap;
+  p.has_sinks = f.sinks;
+  std::vector<double> sinks(H, 0.5);  // room for float64's; the float kernels read the first H floats
+  const auto q = randn<T>(B * H * L * D, gen), k = randn<T>(B * Hkv * S * D, gen),
+             v = randn<T>(B * Hkv * S * D, gen);
   std::vector<T> out(B * H * L * D);
   std::vector<double> lse(B * H * L);  // room for float64's
   // A random (L, S) bool mask and a float key_padding_mask that removes whole tiles of batch 0.
@@ -71,8 +90,15 @@ int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, 
   p.key_padding_mask_stride[1] = 1;
   p.is_causal = causal;
   p.scale = 0.25f;
-  const attnx::AttentionPointers ptr{q.data(),       k.data(),   v.data(),  attn_mask.data(),
-                                     padding.data(), out.data(), lse.data()};
+  const attnx::AttentionPointers ptr{q.data(),
+                                     k.data(),
+                                     v.data(),
+                                     attn_mask.data(),
+                                     padding.data(),
+                                     out.data(),
+                                     lse.data(),
+                                     f.key_lengths.empty() ? nullptr : f.key_lengths.data(),
+                                     f.sinks ? sinks.data() : nullptr};
   const cudaError_t err = attnx::cuda::launch_attention(p, dtype, ptr, nullptr, kernel);
   if (err != cudaSuccess) std::fprintf(stderr, "launch failed: %d\n", static_cast<int>(err));
   return err == cudaSuccess ? 0 : 1;
@@ -88,6 +114,14 @@ int main() {
   failures += run<__nv_bfloat16>(DType::kBFloat16, Kernel::kSimt, 1, 1, 17, 70, 64, false);
   failures += run<__half>(DType::kFloat16, Kernel::kMma, 2, 1, 70, 200, 64, false);
   failures += run<__nv_bfloat16>(DType::kBFloat16, Kernel::kMma, 1, 1, 130, 140, 32, true);
+  // Grouped heads, a bottom-right window over per-batch key lengths, soft-capping and sinks.
+  Features f;
+  f.kv_heads = 1, f.window_left = 40, f.window_right = 0, f.key_lengths = {100, 77}, f.softcap = 5.0f;
+  f.sinks = true;
+  failures += run<float>(DType::kFloat32, Kernel::kSimt, 2, 2, 20, 100, 24, false, f);
+  failures += run<double>(DType::kFloat64, Kernel::kSimt, 2, 2, 9, 100, 40, false, f);
+  f.window_left = 70;
+  failures += run<__half>(DType::kFloat16, Kernel::kMma, 2, 2, 70, 200, 64, false, f);
   std::printf("%d failed launches\n", failures);
   return failures;
 }
