@@ -198,28 +198,13 @@ struct RowResult {
   A lse;
 };
 
-// The row's results, with the sink's logit in the denominator when `has_sink`: lse = log(exp(sink) + sum_s
-// exp(score_s)), computed around max(m, sink) so that neither exp overflows. A row that saw no key keeps out 0
-// and lse +inf (the sink does not make it a row); a NaN or +inf score, or a NaN sink, gives what softmax.h
-// and the reference give (NaN, or out 0 with lse +inf for a +inf sink, which takes all the mass).
+// The row's results, with the sink's logit in the denominator when `has_sink` (softmax.h's *_sink functions,
+// shared by every backend): a row that saw no key keeps out 0 and lse +inf (the sink does not make it a row).
 template <typename A>
 __device__ __forceinline__ RowResult<A> softmax_finish(SoftmaxRow<A> row, bool has_sink, A sink) {
   RowResult<A> r;
-  if (!has_sink || softmax_row_empty(row) || is_nan(row.max) || row.max == A(INFINITY)) {
-    r.factor = softmax_out_scale(row);
-    r.lse = softmax_lse(row);
-    return r;
-  }
-  const A top = nan_max(row.max, sink);  // row.max is finite here: row.sum = sum_s exp(score_s - row.max)
-  if (top == A(INFINITY)) {
-    r.factor = A(0);
-    r.lse = A(INFINITY);
-    return r;
-  }
-  const A keys = softmax_exp(row.max - top);
-  const A sum = row.sum * keys + softmax_exp(sink - top);
-  r.factor = keys / sum;
-  r.lse = top + softmax_log(sum);
+  r.factor = has_sink ? softmax_out_scale_sink(row, sink) : softmax_out_scale(row);
+  r.lse = has_sink ? softmax_lse_sink(row, sink) : softmax_lse(row);
   return r;
 }
 

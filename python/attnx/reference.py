@@ -121,7 +121,7 @@ def key_range_mask(
     """The keys each query row may see before the masks are read, as a bool ``(B, 1, L, S)`` tensor (True =
     seen): ``s <= l`` under ``is_causal``; ``s < S_b``; ``l + S_b - L - window_left <= s <= l + S_b - L +
     window_right`` (each bound ignored when -1). See :func:`attention`."""
-    lengths = torch.full((B,), S) if key_lengths is None else key_lengths.to("cpu", torch.int64)
+    lengths = torch.full((B,), S) if key_lengths is None else key_lengths.to("cpu", torch.int64).clamp(0, S)
     lengths = lengths.view(B, 1, 1, 1)
     row = torch.arange(L).view(1, 1, L, 1)
     col = torch.arange(S).view(1, 1, 1, S)
