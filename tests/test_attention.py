@@ -90,9 +90,9 @@ def _assert_bounded(actual, ref64, ref_same, atol, what):
     assert err <= bound, f"{what}: max error {err:.3e} > {K_BOUND} * {ref_err:.3e} + {atol:.0e}"
 
 
-def check(q, k, v, **kwargs):
-    """Runs the op and compares out and lse with the reference; returns (out, lse)."""
-    out, lse = attnx.attention(q, k, v, **kwargs)
+def assert_matches_reference(out, lse, q, k, v, **kwargs):
+    """(out, lse) of some implementation of attention(q, k, v, **kwargs) against the reference, in float64
+    and in the inputs' dtype (the bound above); returns (out, lse)."""
     ref64_out, ref64_lse = reference.attention(
         _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
     )
@@ -102,6 +102,11 @@ def check(q, k, v, **kwargs):
     _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
     _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
     return out, lse
+
+
+def check(q, k, v, **kwargs):
+    """Runs the op and compares out and lse with the reference; returns (out, lse)."""
+    return assert_matches_reference(*attnx.attention(q, k, v, **kwargs), q, k, v, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------------

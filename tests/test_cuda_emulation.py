@@ -19,7 +19,12 @@ import torch
 
 from attnx import reference
 from emulation import emulator
-from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv
+from test_attention import (
+    _mask,
+    _padding,
+    assert_matches_reference,
+    make_qkv,
+)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -36,13 +41,7 @@ def emu():
 def check(emu, q, k, v, out_layout="blhd", kernel="simt", **kwargs):
     """Runs the emulated kernel and compares out and lse with the reference, as test_attention.check does."""
     out, lse = emu.attention(q, k, v, out_layout=out_layout, kernel=kernel, **kwargs)
-    ref64_out, ref64_lse = reference.attention(
-        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
-    )
-    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
-    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
-    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
-    return out, lse
+    return assert_matches_reference(out, lse, q, k, v, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -647,14 +646,7 @@ def check_composite(composite, q, k, v, **kwargs):
     args = {"attn_mask": None, "key_padding_mask": None, "is_causal": False, "window_left": -1,
             "window_right": -1, "key_lengths": None, "scale": None, "softcap": None, "sinks": None, **kwargs}
     out, lse = composite(q, k, v, *args.values())
-    kwargs = {**args, "softcap": args["softcap"] or 0.0}
-    ref64_out, ref64_lse = reference.attention(
-        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
-    )
-    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
-    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
-    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
-    return out, lse
+    return assert_matches_reference(out, lse, q, k, v, **args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -24,7 +24,15 @@ from attnx import reference
 from emulation import metal_emulator
 from layouts import LAYOUTS as LINEAR_LAYOUTS
 from layouts import make
-from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv
+from test_attention import (
+    ATOL,
+    LSE_ATOL,
+    _assert_bounded,
+    _mask,
+    _padding,
+    assert_matches_reference,
+    make_qkv,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metal"))
 import embed  # noqa: E402  (metal/embed.py, the build step that embeds the sources)
@@ -57,13 +65,7 @@ def check(emu, q, k, v, out_layout="blhd", kernel=None, **kwargs):
     out, lse = emu.attention(q, k, v, out_layout=out_layout, **kwargs)
     if kernel is not None:
         assert metal_emulator.ATTENTION_KERNELS[emu.last_plan.kernel] == kernel
-    ref64_out, ref64_lse = reference.attention(
-        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
-    )
-    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
-    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
-    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
-    return out, lse
+    return assert_matches_reference(out, lse, q, k, v, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------------
