@@ -111,17 +111,6 @@ at::Tensor mask_grad_from_buffer(const at::Tensor& buffer, const at::Tensor& att
 at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& sinks);
 
-// attention's probabilities exp(scale * q k^T + masks - lse), (B, H, L, S) in lse's dtype, recomputed from the
-// lse attnx::attention returned; 0 on a fully masked row (lse = +inf). Materialises (B, H, L, S): for callers
-// that asked for the weights, and for the math fallback of attention_backward.
-// Keys and values of Hkv < H heads are read through views that repeat them over their group (stride 0).
-at::Tensor attention_probabilities(const at::Tensor& query, const at::Tensor& key, const at::Tensor& lse,
-                                   const std::optional<at::Tensor>& attn_mask,
-                                   const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                                   double scale, int64_t window_left = -1, int64_t window_right = -1,
-                                   const std::optional<at::Tensor>& key_lengths = std::nullopt,
-                                   std::optional<double> softcap = std::nullopt);
-
 // mha's attention weights when asked for them: softmax(scale * q k^T + masks), (B, H, L, S) in `acc`,
 // normalised by each row's maximum and sum as torch's softmax is (exact where exp(score - lse) is not); NaN
 // on a fully masked row, as torch's.

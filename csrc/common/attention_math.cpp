@@ -94,20 +94,6 @@ double default_scale(const at::Tensor& query, std::optional<double> scale) {
 
 }  // namespace
 
-at::Tensor attention_probabilities(const at::Tensor& query, const at::Tensor& key, const at::Tensor& lse,
-                                   const std::optional<at::Tensor>& attn_mask,
-                                   const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                                   double scale, int64_t window_left, int64_t window_right,
-                                   const std::optional<at::Tensor>& key_lengths,
-                                   std::optional<double> softcap) {
-  at::Tensor scores = add_masks(capped_scores(query, valid_keys(key, key_lengths), lse.scalar_type(), scale,
-                                              softcap),
-                                attn_mask,
-                                key_padding_mask, is_causal, window_left, window_right, key_lengths);
-  // A fully masked row has scores -inf and lse +inf: exp(-inf) = 0, never NaN.
-  return scores.sub_(lse.unsqueeze(-1)).exp_();
-}
-
 at::Tensor attention_weights_exact(const at::Tensor& query, const at::Tensor& key, at::ScalarType acc,
                                    const std::optional<at::Tensor>& attn_mask,
                                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
@@ -158,6 +144,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   at::Tensor mask_grad;
   if (grad_attn_mask && attn_mask && attn_mask->scalar_type() != at::kBool) {
     const MaskGradShape g = mask_grad_shape(*attn_mask, query.size(0), H);
+    // Contiguous in the mask's shape, as the CPU kernel and the fake return it (sum_to_size gives a view of
+    // ds when the mask broadcasts along nothing).
     mask_grad = mask_grad_from_buffer(
         ungroup_rows(ds, H).sum_to_size({g.size[0], g.size[1], g.size[2], g.size[3]}).contiguous(), *attn_mask);
   }

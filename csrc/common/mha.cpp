@@ -394,7 +394,8 @@ std::vector<at::Tensor> mha_backward(
     add_weights_grad(*grad_weights, average_attn_weights, q, k, lse, attn_mask, key_padding_mask, is_causal, grad_q,
                      grad_k, grad_mask);
   }
-  // The columns of the appended keys (bias_k, add_zero_attn) were padding, not the caller's mask.
+  // The columns of the appended keys (bias_k, add_zero_attn) were padding, not the caller's mask: cut off, and
+  // copied once so that the gradient is contiguous in the mask's shape, the one layout the fake kernel states.
   if (mask_grad) grads[kGradAttnMask] = appended ? grad_mask.narrow(-1, 0, S).contiguous() : grad_mask;
   grad_attn.reset();
 
