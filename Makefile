@@ -12,13 +12,23 @@ PY := $(VENV)/bin/python
 # Plain `torch` resolves to the CUDA build where one is available, so the CUDA kernels compile too.
 TORCH ?= torch
 BENCH_ARGS ?=
+# The model libraries that tests/test_transformers.py, test_convert_timm.py and test_convert_open_clip.py run
+# against (the versions they were verified with). timm and open_clip need torchvision, whose build must match
+# torch's: test-cpu-torch installs transformers alone and those tests skip there, saying why.
+MODEL_LIBS ?= transformers==5.23.0 timm==1.0.31 open-clip-torch==3.3.0 torchvision==0.29.1
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test test-cpu-torch bench bench-deps build clean tools lint
+.PHONY: test test-cpu-torch bench bench-deps build clean tools lint models
 
-test: build tools lint
+test: build tools lint models
 	$(PY) -m pytest
+
+models: $(VENV)/.models
+
+$(VENV)/.models: $(VENV)/.deps
+	$(PY) -m pip install --quiet $(MODEL_LIBS)
+	touch $@
 
 # ruff with the config in pyproject.toml; a finding fails the test run.
 lint: $(VENV)/.deps
@@ -40,7 +50,7 @@ test-cpu-torch:
 	rm -rf build/cpu-torch && mkdir -p build/cpu-torch
 	cp -r csrc metal python tests benchmarks setup.py pyproject.toml README.md Makefile build/cpu-torch/
 	rm -f build/cpu-torch/python/attnx/_C*.so build/cpu-torch/python/attnx/_build_info.py
-	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0
+	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0 MODEL_LIBS=transformers==5.23.0
 
 bench: build bench-deps
 	$(PY) -m benchmarks $(BENCH_ARGS)
