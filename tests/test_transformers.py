@@ -180,6 +180,17 @@ def test_register_returns_the_name_and_every_way_of_selecting_it_works():
     assert model.config._attn_implementation == "attnx"
 
 
+def test_from_pretrained_selects_attnx(tmp_path):
+    model = _build(DECODERS["llama-gqa"])
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, attn_implementation="attnx", dtype=torch.float64).eval()
+    assert loaded.config._attn_implementation == "attnx"
+    inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("left"))
+    with torch.no_grad():
+        actual = loaded(**inputs).logits
+    _assert_close_where_kept(actual, _outputs(model, inputs, "eager", "logits"), inputs["attention_mask"])
+
+
 def test_enable_switches_every_submodel():
     model = _build(ENCODERS["clip"])
     assert attnx_hf.enable(model) is model
