@@ -32,7 +32,7 @@ $(VENV)/.models: $(VENV)/.deps
 
 # ruff with the config in pyproject.toml; a finding fails the test run.
 lint: $(VENV)/.deps
-	$(PY) -m ruff check python tests benchmarks setup.py metal
+	$(PY) -m ruff check python tests benchmarks upstream setup.py metal
 
 # The Metal emulation tier (tests/test_metal_emulation.py) compiles metal/*.metal with clang++. Installed here
 # when missing and this is a root shell with apt-get (CI's fresh machine); otherwise those tests skip, saying so.
@@ -48,7 +48,7 @@ tools:
 # The same suite against the CPU-only torch 2.13.0, built in a copy of the tree so the two builds share no file.
 test-cpu-torch:
 	rm -rf build/cpu-torch && mkdir -p build/cpu-torch
-	cp -r csrc metal python tests benchmarks setup.py pyproject.toml README.md Makefile build/cpu-torch/
+	cp -r csrc metal python tests benchmarks upstream setup.py pyproject.toml README.md Makefile build/cpu-torch/
 	rm -f build/cpu-torch/python/attnx/_C*.so build/cpu-torch/python/attnx/_build_info.py
 	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0 MODEL_LIBS=transformers==5.23.0
 
