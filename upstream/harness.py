@@ -60,7 +60,7 @@ def apply(patch: pathlib.Path, dest: pathlib.Path) -> dict[str, pathlib.Path]:
 
 def load(path: pathlib.Path, module_name: str) -> types.ModuleType:
     """Import the patched file ``path`` as a fresh module standing for ``module_name`` (the dotted name of
-    the torch module it patches). It is not registered in ``sys.modules``: the installed torch is unchanged."""
+    the torch module it patches). Not registered in ``sys.modules``: the installed torch is unchanged."""
     package = module_name.rpartition(".")[0]
     spec = importlib.util.spec_from_file_location(f"{module_name}__patched", path)
     module = importlib.util.module_from_spec(spec)
@@ -78,7 +78,8 @@ def swapped_in(**modules: types.ModuleType):
         for key, module in modules.items():
             name = key.replace("__", ".")
             parent, _, child = name.rpartition(".")
-            saved.append((name, sys.modules.get(name), parent, child, getattr(sys.modules[parent], child, None)))
+            before = getattr(sys.modules[parent], child, None)
+            saved.append((name, sys.modules.get(name), parent, child, before))
             sys.modules[name] = module
             setattr(sys.modules[parent], child, module)
         yield
