@@ -17,8 +17,10 @@ Swapping ``self_attn`` alone is not enough, because torch has two eval fast path
 
 Other libraries' attention modules are converted the same way, by retyping to attnx subclasses, when the
 library is imported (checked in ``sys.modules``; attnx never imports it first: a model cannot hold a module of
-a library that is not imported): timm's (:mod:`attnx.integrations.timm`). Each integration module gives
-``CONVERSIONS`` (library class -> attnx class) and ``accepts(module)``, the modules of those types it can run.
+a library that is not imported): timm's (:mod:`attnx.integrations.timm`) and open_clip's
+(:mod:`attnx.integrations.open_clip`, which also runs the text tower's causal mask as causal attention).
+Each integration module gives ``CONVERSIONS`` (library class -> attnx class) and ``accepts(module)``, the
+modules of those types it can run.
 """
 
 import importlib
@@ -41,7 +43,7 @@ _REVERSIONS = {attnx_cls: torch_cls for torch_cls, attnx_cls in _CONVERSIONS.ite
 _SAVED_NESTED = "_attnx_saved_use_nested_tensor"
 
 # Library (top-level module name) -> the attnx module that converts its attention modules.
-_INTEGRATIONS = {"timm": "attnx.integrations.timm"}
+_INTEGRATIONS = {"timm": "attnx.integrations.timm", "open_clip": "attnx.integrations.open_clip"}
 
 
 def _integrations(loaded_only: bool) -> list:
@@ -63,9 +65,9 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
     In place: each ``torch.nn.MultiheadAttention`` becomes :class:`attnx.nn.MultiheadAttention` and each
     ``torch.nn.TransformerEncoderLayer`` :class:`attnx.nn.TransformerEncoderLayer` (same objects, same
     Parameters), and ``nn.TransformerEncoder`` stops converting input to nested tensors. Outputs are those of
-    torch's slow path, in train and eval. timm's attention modules are converted too when timm is imported
-    (see the module doc and :mod:`attnx.integrations.timm`).
-    Idempotent. Returns ``model``.
+    torch's slow path, in train and eval. timm's and open_clip's attention modules are converted too when that
+    library is imported (see the module doc, :mod:`attnx.integrations.timm` and
+    :mod:`attnx.integrations.open_clip`). Idempotent. Returns ``model``.
     """
     integrations = _integrations(loaded_only=False)
     for module in model.modules():
@@ -87,7 +89,8 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
 
 def revert(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`convert`: torch's classes again, same objects and Parameters, torch's behaviour (fast paths
-    and nested tensors included), and timm's own classes for its modules. In place; returns ``model``."""
+    and nested tensors included), and timm's and open_clip's own classes for their modules. In place; returns
+    ``model``."""
     reversions = dict(_REVERSIONS)
     for integration in _integrations(loaded_only=True):
         reversions.update({attnx_cls: cls for cls, attnx_cls in integration.CONVERSIONS.items()})
