@@ -7,13 +7,14 @@ forward HOP returns:
   (``joint_graph=None``) and with the joint graph autograd passes; plus a causal GQA case with a captured
   bias at a longer sequence, where the patch takes several tiles;
 - peak memory: RSS high-water of one backward in a fresh process (inputs loaded from a file, so the
-  forward's own (B, H, L, S) matrices never count), minus the RSS before it;
+  forward's own (B, H, L, S) matrices never count; the high-water mark reset through
+  /proc/self/clear_refs just before the call), minus the RSS before it (Linux only);
 - time: interleaved rounds in one process, median of per-round ratios.
 """
 
+import gc
 import json
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -80,12 +81,21 @@ def child(path, variant):
                     score_mod, ex, x["buffers"]
                 )
         x["block_mask"] = x["block_mask"][:-1] + (t.MASKS[x.pop("mask")],)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        gc.collect()
+        pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the RSS high-water mark
+        before = _status_mib("VmRSS")
         start = time.perf_counter()
         t._call(fn, x)
         elapsed = time.perf_counter() - start
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_delta_mib": (after - before) / 1024, "seconds": elapsed}))
+        peak = _status_mib("VmHWM")
+    print(json.dumps({"peak_rss_delta_mib": peak - before, "seconds": elapsed}))
+
+
+def _status_mib(field):
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
 
 
 def fresh(x, mask, variant, threads):
