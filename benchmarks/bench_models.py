@@ -24,8 +24,6 @@ is the peak extra of one call in a fresh process (``benchmarks.memory``). CPU ru
 transformers is optional: without it the case prints that it is skipped.
 """
 
-import importlib.util
-
 import torch
 
 from .common import (
@@ -170,8 +168,8 @@ def _check_outputs(fns: dict, mask, atol: float, rtol: float) -> float:
 
 def _memory(device: str, case: str, shape: dict, smoke: bool) -> dict:
     jobs = [(FACTORY, False, dict(case=case, impl=i, shape=shape, warm=WARM, smoke=smoke)) for i in IMPLS]
-    # Each process builds its own model; two at a time only changes the wall time, not the figures.
-    return dict(zip(IMPLS, peak_extra_bytes_many(jobs, device, workers=2), strict=True))
+    # Each process builds its own model; several at a time only changes the wall time, not the figures.
+    return dict(zip(IMPLS, peak_extra_bytes_many(jobs, device, workers=3 if smoke else 2), strict=True))
 
 
 def _forward_case(device: str, case: str, shape: dict, reps: int, smoke: bool, time_target: float):
@@ -240,13 +238,15 @@ def _decode_case(device: str, shape: dict, reps: int, smoke: bool):
 
 
 def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
-    if importlib.util.find_spec("transformers") is None:
+    try:
+        import transformers
+    except ImportError:
         progress("transformers is not installed: skipped")
         return {"results": {"skipped": "transformers is not installed"},
                 "text": "skipped: transformers is not installed (pip install transformers)"}
-    import transformers
 
-    reps = 3 if smoke else 5 if quick else 11
+    reps = 2 if smoke else 5 if quick else 11
+    decode_reps = 2 if smoke else max(3, reps // 2)
     shapes = SMOKE if smoke else {"prefill": PREFILL, "decode": DECODE, "encoder": ENCODER}
     dtype = str(_dtype(device)).removeprefix("torch.")
     results = {"threads": torch.get_num_threads(), "transformers": transformers.__version__,
@@ -262,9 +262,9 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
                  f"{s['pad']}*i; median of {reps} interleaved reps\n{text}")
 
     s = shapes["decode"]
-    results["decode"], text = _decode_case(device, s, max(3, reps // 2), smoke)
+    results["decode"], text = _decode_case(device, s, decode_reps, smoke)
     texts.append(f"decode: the same model, greedy generate() of {s['new_tokens']} new tokens, prompts of "
-                 f"{s['L']} tokens, row i left-padded by {s['pad']}*i; median of {max(3, reps // 2)} "
+                 f"{s['L']} tokens, row i left-padded by {s['pad']}*i; median of {decode_reps} "
                  f"interleaved reps\n{text}")
 
     s = shapes["encoder"]
