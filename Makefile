@@ -55,11 +55,13 @@ test-cpu-torch:
 bench: build bench-deps
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
-# matplotlib draws the benchmark plots; the test suite does not need it, so `make test` does not install it.
+# matplotlib draws the benchmark plots and the models case runs transformers' models (the version the tests
+# use); the test suite does not need matplotlib, so `make test` does not install it. The recipe runs again when
+# this file changes, so a .venv set up before a library was added here gets it too.
 bench-deps: $(VENV)/.bench-deps
 
-$(VENV)/.bench-deps: $(VENV)/.deps
-	$(PY) -m pip install --quiet matplotlib
+$(VENV)/.bench-deps: $(VENV)/.deps Makefile
+	$(PY) -m pip install --quiet matplotlib $(filter transformers%,$(MODEL_LIBS))
 	touch $@
 
 build: $(VENV)/.built

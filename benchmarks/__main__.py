@@ -21,6 +21,7 @@ from . import (
     bench_cuda,
     bench_features,
     bench_mha,
+    bench_models,
     bench_scaling,
     bench_train,
 )
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "backward": bench_backward,
     "cuda": bench_cuda,
     "features": bench_features,
+    "models": bench_models,
 }
 
 

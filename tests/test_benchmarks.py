@@ -91,3 +91,21 @@ def test_paired_ratio_pairs_rounds_and_brackets_the_median():
     assert spread.to_json()["rounds"] == 100
     with pytest.raises(ValueError):  # timings from different runs do not pair
         paired_ratio(Timing([1.0, 2.0]), Timing([1.0]))
+
+
+def test_models_case_smoke_run(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: the models case is skipped")
+    command = [sys.executable, "-m", "benchmarks", "--smoke", "--only", "models", "--device", "cpu"]
+    result = subprocess.run(
+        command + ["--results-dir", str(tmp_path), "--no-plots"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "prefill: LlamaForCausalLM" in result.stdout and "encoder: BertModel" in result.stdout
+    (path,) = tmp_path.glob("cpu-*.json")
+    case = json.loads(path.read_text())["cases"]["models"]["results"]
+    assert case["threads"] >= 1 and case["transformers"]
+    for name in ("prefill", "encoder"):
+        assert set(case[name]["timings"]) == {"attnx", "sdpa", "eager"}
+        assert all(n >= 0 for n in case[name]["peak_extra_bytes"].values())
+    decode = case["decode"]
+    assert {"B=1", "target_met"} <= set(decode) and decode["B=1"]["tokens_per_s"]["attnx"] > 0
