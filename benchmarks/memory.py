@@ -4,7 +4,11 @@ CPU: the high-water mark of the resident set after the call minus the resident s
 small warm-up call has initialised the libraries (thread pools, BLAS buffers). On Linux the high-water mark
 (VmHWM) is reset right before the call (``/proc/self/clear_refs``): ``ru_maxrss`` would not do, since it
 survives exec and so starts at the RSS of the process that started this one. Large tensors are mmap-backed
-and returned to the system when freed, so the difference is the call's peak.
+and returned to the system when freed, so the difference is the call's peak. That holds only with a fixed
+mmap threshold: glibc raises its threshold whenever an mmap-backed block is freed (up to 32 MiB), after which
+blocks below it come from the heap, whose freed memory the process keeps, and the figure then depends on the
+order of earlier allocations (measured: 24 to 278 MiB for the same call). :func:`measure` fixes it at 128 KiB
+(glibc's default start), as ``MALLOC_MMAP_THRESHOLD_`` would.
 CUDA: ``torch.cuda.max_memory_allocated`` after resetting it, minus what was allocated before the call.
 
 MPS: not measured (torch has no peak counter for it); reported as ``None``.
@@ -16,6 +20,7 @@ Usage from a benchmark: ``peak_extra_bytes("benchmarks.bench_mha:eval_case", imp
 them side by side changes no figure, only the wall time.
 """
 
+import ctypes
 import importlib
 import json
 import os
@@ -45,7 +50,19 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
 
 
+def _fix_mmap_threshold() -> None:
+    """glibc: every block of 128 KiB or more mmap-backed, returned to the system when freed (see above)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            return
+        M_MMAP_THRESHOLD = -3
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+
+
 def measure(factory: str, device: str, kwargs: dict, grad: bool = False) -> dict:
+    _fix_mmap_threshold()
     module, name = factory.split(":")
     fn, warmup = getattr(importlib.import_module(module), name)(device=device, **kwargs)
     with torch.set_grad_enabled(grad):
