@@ -1,9 +1,10 @@
 """Typed wrappers, fake kernels and autograd for the ops under ``torch.ops.attnx``.
 
 This is the only module that touches ``torch.ops.attnx``. Fakes let torch.compile and export trace the ops
-without running them. Autograd is registered on the ops themselves, so compiled graphs see one op: here with
-``torch.library.register_autograd``, or in C++ (csrc/autograd/) for ops cheap enough that a Python autograd
-kernel would cost as much as the op (linear).
+without running them. Autograd is registered on the ops themselves, so compiled graphs see one op, in C++
+(csrc/autograd/: linear, attention and attention_backward, mha): a Python autograd kernel runs on every call,
+grad mode or not, and costs as much as the whole op at small shapes. The one left here,
+``torch.library.register_autograd`` on mha_backward, only makes a double backward fail loudly.
 """
 
 import math
@@ -323,7 +324,8 @@ def _linear_fake(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
 
 
 # ------------------------------------------------------------------------------------------------------------
-# attention: argument checks (mirror csrc/common/attention.cpp), fake kernels and autograd
+# attention: argument checks (mirror csrc/common/attention.cpp) and fake kernels;
+# autograd is csrc/autograd/attention_autograd.cpp
 
 _ATTENTION_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -569,65 +571,6 @@ def _attention_backward_fake(
         attn_mask.new_empty(attn_mask.shape) if want_mask_grad else query.new_empty(0),
         sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0),
     )
-
-
-def _attention_setup_context(ctx, inputs, output) -> None:
-    (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left,
-     window_right, key_lengths, softcap, sinks) = inputs
-    out, lse = output
-    # Like SDPA's logsumexp: an output for the backward (and for combining partial attentions), not a path for
-    # gradients; marking it keeps a loss that uses it from silently missing that term.
-    ctx.mark_non_differentiable(lse)
-    ctx.padding_mask_requires_grad = key_padding_mask is not None and key_padding_mask.requires_grad
-    ctx.attn_mask_is_float = attn_mask is not None and attn_mask.dtype != torch.bool
-    ctx.has_sinks = sinks is not None
-    ctx.args = (is_causal, scale, dropout_p, window_left, window_right, softcap)
-    # Everything the backward recomputes the probabilities and the dropout mask from; nothing of size
-    # (B, H, L, S).
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed, key_lengths,
-                          sinks)
-
-
-def _attention_backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
-    if ctx.padding_mask_requires_grad:
-        raise RuntimeError(
-            "attnx.attention: no gradient for a float key_padding_mask, which requires grad. Detach it, or "
-            "pass it as a (B, 1, 1, S) attn_mask, whose gradient attnx computes."
-        )
-    (query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed, key_lengths,
-     sinks) = ctx.saved_tensors
-    is_causal, scale, dropout_p, window_left, window_right, softcap = ctx.args
-    # Trailing arguments left at their defaults are not autograd inputs: needs_input_grad may be shorter.
-    needs = (*ctx.needs_input_grad, *(False,) * (14 - len(ctx.needs_input_grad)))
-    want_mask = needs[3] and ctx.attn_mask_is_float
-    want_sinks = needs[13] and ctx.has_sinks
-    grads = (None,) * 5
-    if any(needs[:3]) or want_mask or want_sinks:
-        grads = torch.ops.attnx.attention_backward.default(
-            grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-            dropout_seed, window_left, window_right, key_lengths, softcap, sinks, want_mask,
-        )
-    dq, dk, dv, dmask, dsinks = grads
-    return (
-        *(g if need else None for g, need in zip((dq, dk, dv), needs[:3], strict=True)),
-        dmask if want_mask else None,
-        *(None,) * 9,
-        dsinks if want_sinks else None,
-    )
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "attnx.attention: double backward is not implemented (attnx::attention_backward is not "
-        "differentiable)"
-    )
-
-
-torch.library.register_autograd(
-    "attnx::attention", _attention_backward, setup_context=_attention_setup_context
-)
-# Fails loudly where a double backward (create_graph=True, then a second backward) reaches the backward op.
-torch.library.register_autograd("attnx::attention_backward", _no_double_backward)
 
 
 # ------------------------------------------------------------------------------------------------------------
