@@ -1,10 +1,9 @@
-"""Typed wrappers, fake kernels and autograd for the ops under ``torch.ops.attnx``.
+"""Typed wrappers and fake kernels for the ops under ``torch.ops.attnx``.
 
 This is the only module that touches ``torch.ops.attnx``. Fakes let torch.compile and export trace the ops
 without running them. Autograd is registered on the ops themselves, so compiled graphs see one op, in C++
-(csrc/autograd/: linear, attention and attention_backward, mha): a Python autograd kernel runs on every call,
-grad mode or not, and costs as much as the whole op at small shapes. The one left here,
-``torch.library.register_autograd`` on mha_backward, only makes a double backward fail loudly.
+(csrc/autograd/): a Python autograd kernel would run on every call, grad mode or not, and cost as much as the
+whole op at small shapes.
 """
 
 import math
@@ -574,7 +573,8 @@ def _attention_backward_fake(
 
 
 # ------------------------------------------------------------------------------------------------------------
-# mha: fake kernel (the checks that shape the outputs; the kernel checks the rest) and the missing backward
+# mha: fake kernels (the checks that shape the outputs; the kernel checks the rest);
+# autograd is csrc/autograd/mha_autograd.cpp
 
 
 def _mha_out_fake(query, num_heads, key_len, need_weights, average_attn_weights):
@@ -740,12 +740,3 @@ def _mha_backward_fake(
         else:
             grads.append(t.new_empty(t.shape))
     return grads
-
-
-def _no_mha_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "attnx.mha: double backward is not implemented (attnx::mha_backward is not differentiable)"
-    )
-
-
-torch.library.register_autograd("attnx::mha_backward", _no_mha_double_backward)
