@@ -357,6 +357,51 @@ def test_saves_no_attention_sized_tensor():
     assert {tuple(t.shape) for t in saved} == {(B, H, L, D), (B, H, S, D), (B, H, L), (L, S), (B, S)}
 
 
+def _python_functions_run(fn) -> list:
+    """The Python functions that run inside fn(), apart from fn and torch.ops' OpOverload.__call__."""
+    codes = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            codes.append(frame.f_code)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return [f"{c.co_filename}:{c.co_name}" for c in codes
+            if c is not fn.__code__ and not c.co_filename.endswith(os.path.join("torch", "_ops.py"))]
+
+
+@pytest.mark.parametrize("op_name", ["attention", "attention_backward"])
+def test_autograd_is_a_cpp_kernel(op_name):
+    # Autograd for both ops is C++ (csrc/autograd/attention_autograd.cpp): a Python autograd kernel would run
+    # on every call, gradients or not, and cost as much as the op at small shapes.
+    qualname = f"attnx::{op_name}"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd")
+    autograd_line = next(line for line in torch._C._dispatch_dump(qualname).splitlines()
+                         if line.startswith("Autograd"))
+    assert "attention_autograd.cpp" in autograd_line and "unboxed" in autograd_line, autograd_line
+
+    q, k, v = make_leaves(1, 2, 4, 5, 8, 8)
+    op = getattr(torch.ops.attnx, op_name).default
+    if op_name == "attention":
+        args = (q, k, v)
+    else:
+        out, lse = attnx.attention(q, k, v)
+        args = (torch.randn_like(out), q, k, v, out, lse)
+    # No Python code below torch.ops, in grad mode with nothing requiring grad, under no_grad, and when
+    # gradients are needed.
+    assert _python_functions_run(lambda: op(*args)) == []
+    with torch.no_grad():
+        assert _python_functions_run(lambda: op(*args)) == []
+    q.requires_grad_()
+    assert _python_functions_run(lambda: op(*args)) == []
+    if op_name == "attention":
+        assert "AttentionFunction" in op(*args)[0].grad_fn.name()  # the C++ autograd Function's node
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Layout of the gradients, fake kernel, opcheck, errors.
 

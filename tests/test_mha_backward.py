@@ -242,6 +242,14 @@ def test_float_key_padding_mask_requiring_grad_is_a_clear_error():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("op_name", ["mha", "mha_backward"])
+def test_autograd_is_a_cpp_kernel(op_name):
+    # csrc/autograd/mha_autograd.cpp: a Python autograd kernel would run on every call, gradients or not.
+    dump = torch._C._dispatch_dump(f"attnx::{op_name}").splitlines()
+    autograd_line = next(line for line in dump if line.startswith("Autograd"))
+    assert "mha_autograd.cpp" in autograd_line and "unboxed" in autograd_line, autograd_line
+
+
 def test_double_backward_is_a_clear_error():
     query, key, value, w = _inputs("self", "seq_first", torch.float64)
     args, leaves = _leaves(_args(query, key, value, w))

@@ -129,6 +129,27 @@ def test_size_one_and_empty_dims(batch, length, source):
     _check(_args(query, key, value, w, need_weights=True))
 
 
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_inference_mode_with_ordinary_tensors(extras):
+    """Under inference_mode, ordinary (not inference) inputs: mha runs below view tracking, as without
+    gradients; the results are those of no_grad, as inference tensors that alias no input."""
+    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    kpm, am, _ = make_masks("both_bool", B, H, L, 5 if extras == "static_kv" else S, torch.float64)
+    args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True)
+    with torch.no_grad():
+        want = ops.mha(*args)
+        want_forward = torch.ops.attnx.mha_forward.default(*args)
+    with torch.inference_mode():
+        got = ops.mha(*args)
+        got_forward = torch.ops.attnx.mha_forward.default(*args)
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    for g, e in zip((*got, *got_forward), (*want, *want_forward), strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0, equal_nan=True)
+        assert g.is_inference()
+        assert g.numel() == 0 or not any(g.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+                                         for a in inputs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_low_precision(dtype):
     query, key, value, w = _inputs("self", "batch_first", dtype)

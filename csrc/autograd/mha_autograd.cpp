@@ -1,4 +1,5 @@
-// attnx: autograd for attnx::mha, registered on the op's Autograd key for every backend.
+// attnx: autograd for attnx::mha (and mha_backward's double-backward guard), registered on the ops' Autograd key
+// for every backend.
 //
 // A forward that needs gradients runs attnx::mha_forward (mha's outputs plus attention's inputs and output) and
 // its backward one attnx::mha_backward: two dispatches for a whole layer, and nothing of size (B, H, L, S)
@@ -24,18 +25,20 @@ using MhaForwardOutputs =
 
 // mha's arguments, in schema order: the one list the typed op handles below share (mha_backward takes them with
 // batch_first moved to its end).
-#define ATTNX_MHA_PARAMS                                                                                           \
+#define ATTNX_MHA_COMMON_PARAMS                                                                                    \
   const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, int64_t num_heads,                      \
       const OptTensor &in_proj_weight, const OptTensor &in_proj_bias, const OptTensor &q_proj_weight,             \
       const OptTensor &k_proj_weight, const OptTensor &v_proj_weight, const OptTensor &bias_k,                    \
       const OptTensor &bias_v, bool add_zero_attn, const at::Tensor &out_proj_weight,                            \
       const OptTensor &out_proj_bias, const OptTensor &key_padding_mask, const OptTensor &attn_mask,              \
       bool is_causal, const OptTensor &static_k, const OptTensor &static_v, bool need_weights,                     \
-      bool average_attn_weights, double dropout_p, const OptTensor &dropout_seed, bool batch_first
-#define ATTNX_MHA_ARGS                                                                                             \
+      bool average_attn_weights, double dropout_p, const OptTensor &dropout_seed
+#define ATTNX_MHA_PARAMS ATTNX_MHA_COMMON_PARAMS, bool batch_first
+#define ATTNX_MHA_COMMON_ARGS                                                                                      \
   query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,        \
       bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,      \
-      static_k, static_v, need_weights, average_attn_weights, dropout_p, dropout_seed, batch_first
+      static_k, static_v, need_weights, average_attn_weights, dropout_p, dropout_seed
+#define ATTNX_MHA_ARGS ATTNX_MHA_COMMON_ARGS, batch_first
 // The types of mha's arguments up to dropout_seed, which mha_backward takes in the same order (its batch_first
 // comes last, after mha_forward's outputs).
 #define ATTNX_MHA_COMMON_TYPES                                                                                     \
@@ -173,7 +176,50 @@ MhaOutputs mha_autograd(ATTNX_MHA_PARAMS) {
   return {out[0], out[1], out[2]};
 }
 
+// mha_backward is not differentiable: its outputs carry a node that fails loudly where a double backward
+// (create_graph=True, then a second backward) reaches it, rather than gradients silently missing a term.
+#define ATTNX_MHA_BACKWARD_PARAMS                                                                                  \
+  const at::Tensor &grad_out, const OptTensor &grad_weights, ATTNX_MHA_COMMON_PARAMS, const at::Tensor &q,        \
+      const at::Tensor &k, const at::Tensor &v, const at::Tensor &attn, const at::Tensor &lse,                    \
+      at::IntArrayRef output_mask, bool batch_first
+#define ATTNX_MHA_BACKWARD_ARGS \
+  grad_out, grad_weights, ATTNX_MHA_COMMON_ARGS, q, k, v, attn, lse, output_mask, batch_first
+
+class MhaBackwardFunction : public torch::autograd::Function<MhaBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* /*ctx*/, ATTNX_MHA_BACKWARD_PARAMS) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return mha_backward_op().call(ATTNX_MHA_BACKWARD_ARGS);
+  }
+
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grads*/) {
+    TORCH_CHECK(false, "attnx.mha: double backward is not implemented (attnx::mha_backward is not differentiable)");
+    return {};
+  }
+};
+
+std::vector<at::Tensor> mha_backward_autograd(ATTNX_MHA_BACKWARD_PARAMS) {
+  const auto requires_grad = [](const OptTensor& t) { return t && t->defined() && t->requires_grad(); };
+  const bool differentiable =
+      at::GradMode::is_enabled() &&
+      (grad_out.requires_grad() || requires_grad(grad_weights) || query.requires_grad() || key.requires_grad() ||
+       value.requires_grad() || requires_grad(in_proj_weight) || requires_grad(in_proj_bias) ||
+       requires_grad(q_proj_weight) || requires_grad(k_proj_weight) || requires_grad(v_proj_weight) ||
+       requires_grad(bias_k) || requires_grad(bias_v) || out_proj_weight.requires_grad() ||
+       requires_grad(out_proj_bias) || requires_grad(key_padding_mask) || requires_grad(attn_mask) ||
+       requires_grad(static_k) || requires_grad(static_v) || q.requires_grad() || k.requires_grad() ||
+       v.requires_grad() || attn.requires_grad() || lse.requires_grad());
+  if (!differentiable) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return mha_backward_op().call(ATTNX_MHA_BACKWARD_ARGS);
+  }
+  return MhaBackwardFunction::apply(ATTNX_MHA_BACKWARD_ARGS);
+}
+
 }  // namespace
 }  // namespace attnx
 
-TORCH_LIBRARY_IMPL(attnx, Autograd, m) { m.impl("mha", &attnx::mha_autograd); }
+TORCH_LIBRARY_IMPL(attnx, Autograd, m) {
+  m.impl("mha", &attnx::mha_autograd);
+  m.impl("mha_backward", &attnx::mha_backward_autograd);
+}

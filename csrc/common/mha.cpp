@@ -172,6 +172,11 @@ MhaState mha_forward_impl(const at::Tensor& query_in, const at::Tensor& key_in, 
                           const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
                           bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed,
                           bool batch_first, bool keep_for_backward) {
+  // Below ADInplaceOrView, as mha's autograd kernel calls it: the views taken here (of the inputs, the
+  // projections, the weights) are internal, no output aliases an input, so they need no view tracking. Under
+  // inference_mode with ordinary (not inference) tensors, that tracking would otherwise run on every view,
+  // ~2 us per call at small shapes.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_mha_args(query_in, key_in, value_in, num_heads, in_proj_weight, q_proj_weight, k_proj_weight,
                  v_proj_weight, bias_k, bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v, batch_first);
   const SeqFirst views = seq_first(query_in, key_in, value_in, batch_first);
@@ -355,6 +360,7 @@ std::vector<at::Tensor> mha_backward(
     bool need_weights, bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed,
     const at::Tensor& q, const at::Tensor& k_saved, const at::Tensor& v_saved, const at::Tensor& attn,
     const at::Tensor& lse, at::IntArrayRef output_mask_in, bool batch_first) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in mha_forward_impl
   check_mha_args(query_in, key_in, value_in, num_heads, in_proj_weight, q_proj_weight, k_proj_weight,
                  v_proj_weight, bias_k, bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v, batch_first);
   // Sequence-first views from here on; the input gradients are transposed back at the end.

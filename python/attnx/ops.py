@@ -1,9 +1,9 @@
-"""Typed wrappers, fake kernels and autograd for the ops under ``torch.ops.attnx``.
+"""Typed wrappers and fake kernels for the ops under ``torch.ops.attnx``.
 
 This is the only module that touches ``torch.ops.attnx``. Fakes let torch.compile and export trace the ops
-without running them. Autograd is registered on the ops themselves, so compiled graphs see one op: here with
-``torch.library.register_autograd``, or in C++ (csrc/autograd/) for ops cheap enough that a Python autograd
-kernel would cost as much as the op (linear).
+without running them. Autograd is registered on the ops themselves, so compiled graphs see one op, in C++
+(csrc/autograd/): a Python autograd kernel would run on every call, grad mode or not, and cost as much as the
+whole op at small shapes.
 """
 
 import math
@@ -98,10 +98,23 @@ def attention(
     """
     if dropout_p > 0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(query.device)
-    return torch.ops.attnx.attention.default(
+    # Arguments at their defaults are left to the schema: torch.ops converts each one passed (~0.1 us apiece;
+    # all 14 cost a quarter of the whole call at decoding shapes).
+    if window_left == -1 and window_right == -1 and key_lengths is None and softcap is None and sinks is None:
+        if (attn_mask is None and key_padding_mask is None and is_causal is False and scale is None
+                and dropout_p == 0.0 and dropout_seed is None):
+            return _attention_op(query, key, value)
+        return _attention_op(
+            query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed
+        )
+    return _attention_op(
         query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed,
         window_left, window_right, key_lengths, softcap, sinks,
     )
+
+
+# Looked up once: attention's wrapper is called per layer and step, and costs little more than the op.
+_attention_op = torch.ops.attnx.attention.default
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
@@ -323,7 +336,8 @@ def _linear_fake(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
 
 
 # ------------------------------------------------------------------------------------------------------------
-# attention: argument checks (mirror csrc/common/attention.cpp), fake kernels and autograd
+# attention: argument checks (mirror csrc/common/attention.cpp) and fake kernels;
+# autograd is csrc/autograd/attention_autograd.cpp
 
 _ATTENTION_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -571,67 +585,9 @@ def _attention_backward_fake(
     )
 
 
-def _attention_setup_context(ctx, inputs, output) -> None:
-    (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left,
-     window_right, key_lengths, softcap, sinks) = inputs
-    out, lse = output
-    # Like SDPA's logsumexp: an output for the backward (and for combining partial attentions), not a path for
-    # gradients; marking it keeps a loss that uses it from silently missing that term.
-    ctx.mark_non_differentiable(lse)
-    ctx.padding_mask_requires_grad = key_padding_mask is not None and key_padding_mask.requires_grad
-    ctx.attn_mask_is_float = attn_mask is not None and attn_mask.dtype != torch.bool
-    ctx.has_sinks = sinks is not None
-    ctx.args = (is_causal, scale, dropout_p, window_left, window_right, softcap)
-    # Everything the backward recomputes the probabilities and the dropout mask from; nothing of size
-    # (B, H, L, S).
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed, key_lengths,
-                          sinks)
-
-
-def _attention_backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
-    if ctx.padding_mask_requires_grad:
-        raise RuntimeError(
-            "attnx.attention: no gradient for a float key_padding_mask, which requires grad. Detach it, or "
-            "pass it as a (B, 1, 1, S) attn_mask, whose gradient attnx computes."
-        )
-    (query, key, value, out, lse, attn_mask, key_padding_mask, dropout_seed, key_lengths,
-     sinks) = ctx.saved_tensors
-    is_causal, scale, dropout_p, window_left, window_right, softcap = ctx.args
-    # Trailing arguments left at their defaults are not autograd inputs: needs_input_grad may be shorter.
-    needs = (*ctx.needs_input_grad, *(False,) * (14 - len(ctx.needs_input_grad)))
-    want_mask = needs[3] and ctx.attn_mask_is_float
-    want_sinks = needs[13] and ctx.has_sinks
-    grads = (None,) * 5
-    if any(needs[:3]) or want_mask or want_sinks:
-        grads = torch.ops.attnx.attention_backward.default(
-            grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-            dropout_seed, window_left, window_right, key_lengths, softcap, sinks, want_mask,
-        )
-    dq, dk, dv, dmask, dsinks = grads
-    return (
-        *(g if need else None for g, need in zip((dq, dk, dv), needs[:3], strict=True)),
-        dmask if want_mask else None,
-        *(None,) * 9,
-        dsinks if want_sinks else None,
-    )
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "attnx.attention: double backward is not implemented (attnx::attention_backward is not "
-        "differentiable)"
-    )
-
-
-torch.library.register_autograd(
-    "attnx::attention", _attention_backward, setup_context=_attention_setup_context
-)
-# Fails loudly where a double backward (create_graph=True, then a second backward) reaches the backward op.
-torch.library.register_autograd("attnx::attention_backward", _no_double_backward)
-
-
 # ------------------------------------------------------------------------------------------------------------
-# mha: fake kernel (the checks that shape the outputs; the kernel checks the rest) and the missing backward
+# mha: fake kernels (the checks that shape the outputs; the kernel checks the rest);
+# autograd is csrc/autograd/mha_autograd.cpp
 
 
 def _mha_out_fake(query, num_heads, key_len, need_weights, average_attn_weights):
@@ -797,12 +753,3 @@ def _mha_backward_fake(
         else:
             grads.append(t.new_empty(t.shape))
     return grads
-
-
-def _no_mha_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "attnx.mha: double backward is not implemented (attnx::mha_backward is not differentiable)"
-    )
-
-
-torch.library.register_autograd("attnx::mha_backward", _no_mha_double_backward)
