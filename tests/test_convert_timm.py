@@ -1,14 +1,12 @@
 """attnx.convert / attnx.revert on timm models: timm's attention modules run attnx's op, with the outputs and
 gradients of timm's own (SDPA) path, masks included, and revert restores them exactly."""
 
-import collections
 import copy
 import subprocess
 import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 timm = pytest.importorskip("timm", reason="timm is not installed: its converters are not tested")
 
@@ -17,19 +15,10 @@ from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
 import attnx  # noqa: E402
 from attnx.integrations import timm as attnx_timm  # noqa: E402
+from test_convert import DispatchRecorder  # noqa: E402
 
 B, IMG, PATCH, E, HEADS, DEPTH = 3, 32, 8, 64, 4, 2
 N = (IMG // PATCH) ** 2 + 1  # tokens: patches and the class token
-
-
-class DispatchRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.name()] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def vit(dtype=torch.float64, **kwargs):

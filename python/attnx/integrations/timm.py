@@ -71,6 +71,17 @@ def _attention(
     return out
 
 
+def _output(module: torch.nn.Module, x: Tensor, gate: Tensor | None) -> Tensor:
+    """timm's steps after attention: heads merged (a view of attnx's ``(B, N, H, D)`` layout), ``norm``,
+    ``gate``, ``proj``, ``proj_drop``."""
+    B, _, N, _ = x.shape
+    x = x.transpose(1, 2).reshape(B, N, module.attn_dim)
+    x = module.norm(x)
+    if gate is not None:
+        x = x * gate
+    return module.proj_drop(module.proj(x))
+
+
 class Attention(timm_attention.Attention):
     """``timm.layers.attention.Attention`` whose attention is :func:`attnx.attention` (see the module doc).
 
@@ -90,14 +101,7 @@ class Attention(timm_attention.Attention):
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        x = _attention(self, q, k, v, attn_mask, is_causal)
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
+        return _output(self, _attention(self, q, k, v, attn_mask, is_causal), gate)
 
 
 class AttentionRope(timm_attention.AttentionRope):
@@ -130,14 +134,7 @@ class AttentionRope(timm_attention.AttentionRope):
             half = getattr(self, "rotate_half", False)
             q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], 2).type_as(v)
             k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], 2).type_as(v)
-        x = _attention(self, q, k, v, attn_mask, is_causal)
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
+        return _output(self, _attention(self, q, k, v, attn_mask, is_causal), gate)
 
 
 def accepts(module: torch.nn.Module) -> bool:
