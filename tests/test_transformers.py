@@ -310,7 +310,7 @@ def test_seq2seq_greedy_generate_is_token_identical(name):
     assert torch.equal(run("attnx", cache_implementation="static"), expected)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-sliding", "gemma2", "gpt-oss"])
+@pytest.mark.parametrize("name", sorted(DECODERS))
 def test_chunked_prefill_matches_one_pass(name):
     model = _build(DECODERS[name])
     ids, mask = torch.randint(3, VOCAB, (B, L)), _padding("left")
