@@ -220,6 +220,24 @@ def test_decoder_forward_matches_eager(name, padding):
     )
 
 
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+)
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma2", "gpt-oss"])
+def test_decoder_forward_in_lower_precision(name, dtype, tol):
+    """The dtypes models run in: within the spread of transformers' own sdpa path around eager."""
+    cls, cfg = DECODERS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cls._from_config(cfg, attn_implementation="eager", dtype=dtype,
+                                 experts_implementation="eager").eval()
+    mask = _padding("left")
+    inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=mask)
+    keep = mask.bool()
+    actual, expected = (_outputs(model, inputs, impl, "logits")[keep].float() for impl in ("attnx", "eager"))
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("name", sorted(SEQ2SEQ))
 def test_seq2seq_forward_matches_eager(name, padding):
