@@ -9,7 +9,7 @@ function; its module is ``sys.modules["attnx.convert"]``.)
 
 import torch  # noqa: F401  (loads libtorch, which attnx._C links against)
 
-from attnx import _C  # noqa: F401  (loads the library: registers torch.ops.attnx.*)
+from attnx import _loader  # noqa: F401  (loads attnx._C, which registers torch.ops.attnx.*, or says why not)
 
 # isort: split
 # Kept apart from _C's import so that sorting never merges or reorders them: _C must be loaded first,
