@@ -107,7 +107,7 @@ def run_throughput(quick: bool) -> tuple:
 def run(device: str = "cuda", quick: bool = False) -> dict:
     if device != "cuda" or not torch.cuda.is_available():
         raise RuntimeError("bench_cuda needs a CUDA device")
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("attnx::attention", "CUDA"):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("attnx::_attention", "CUDA"):
         raise RuntimeError("this build of attnx has no CUDA kernels (see python -m attnx.info)")
     results, text = run_throughput(quick)
     return {

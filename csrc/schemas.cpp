@@ -1,7 +1,14 @@
 // attnx: the op surface. Every schema is defined here and nowhere else; backends only add
 // TORCH_LIBRARY_IMPL(attnx, <Key>) blocks at the bottom of their own files.
+//
+// linear, attention and mha are differentiable, and each is three ops. The public one (`attention`) is a
+// router (common/routes.cpp): with grad mode off it runs the kernel op (`_attention`), which has no autograd
+// kernel and so costs nothing beyond the kernel; with grad mode on it runs the same kernels under a second name
+// (`_attention_autograd`, for mha: `mha_forward`), whose autograd is registered from Python (attnx/ops.py). A
+// Python autograd kernel runs on every call of its op, grad mode or not (~10 us), as much as the whole op at
+// decoding shapes: the router keeps it off no-grad calls.
 #include <Python.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 // `import attnx._C` only has to load this library so that the static registrars below run; the module itself
 // is empty, which keeps it free of pybind11 and within Python's limited API.
@@ -10,10 +17,13 @@ PyMODINIT_FUNC PyInit__C(void) {
   return PyModule_Create(&module_def);
 }
 
-TORCH_LIBRARY(attnx, m) {
+STABLE_TORCH_LIBRARY(attnx, m) {
   // F.linear for every input layout: leading dims that form one dense block (in any order) fold into a single
   // GEMM without a copy; the output keeps the memory order of input's leading dims.
-  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+#define ATTNX_LINEAR_SIGNATURE "(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor"
+  m.def("linear" ATTNX_LINEAR_SIGNATURE);
+  m.def("_linear" ATTNX_LINEAR_SIGNATURE);
+  m.def("_linear_autograd" ATTNX_LINEAR_SIGNATURE);
   // Fused scaled dot-product attention on (B, H, L, D) queries and (B, Hkv, S, D) / (B, Hkv, S, Dv) keys and
   // values of any strides, Hkv dividing H (grouped KV heads: query head h reads kv head h / (H / Hkv), never a
   // copy), with nn.MultiheadAttention's masks (bool True = masked out, float added; (L, S), (B*H, L, S) or 4-D
@@ -27,11 +37,14 @@ TORCH_LIBRARY(attnx, m) {
   // (keys at or past key_lengths[b] are ignored) and a window (window_left, window_right) around the
   // bottom-right-aligned diagonal, -1 = unbounded. softcap > 0 turns each scaled score x into
   // softcap * tanh(x / softcap) before the masks. sinks (H,) join each row's softmax denominator (and lse).
-  m.def(
-      "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
-      "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, float dropout_p=0.0, "
-      "Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, Tensor? key_lengths=None, "
-      "float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+#define ATTNX_ATTENTION_SIGNATURE                                                                         \
+  "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "     \
+  "bool is_causal=False, float? scale=None, float dropout_p=0.0, Tensor? dropout_seed=None, "            \
+  "int window_left=-1, int window_right=-1, Tensor? key_lengths=None, float? softcap=None, "              \
+  "Tensor? sinks=None) -> (Tensor out, Tensor lse)"
+  m.def("attention" ATTNX_ATTENTION_SIGNATURE);
+  m.def("_attention" ATTNX_ATTENTION_SIGNATURE);
+  m.def("_attention_autograd" ATTNX_ATTENTION_SIGNATURE);
   // The gradients of attention's out, FlashAttention-2 style: the probabilities are recomputed tile by tile
   // from the saved lse and never stored. Same arguments and semantics as attention; grad_out and out
   // (B, H, L, Dv), lse (B, H, L) as attention returned them, any strides. Returns grad_query (B, H, L, D),
@@ -55,25 +68,20 @@ TORCH_LIBRARY(attnx, m) {
   // (not with need_weights). Returns out (L, B, E) ((B, L, E) with batch_first), lse (B, H, L) and the
   // attention weights when need_weights ((B, L, S') averaged over heads or (B, H, L, S')), else an empty
   // tensor. batch_first comes last so that positional calls written before it existed keep their meaning.
-  m.def(
-      "mha(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
-      "Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, "
-      "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "
-      "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "
-      "bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None, bool batch_first=False) -> "
-      "(Tensor out, Tensor lse, Tensor weights)");
-  // mha for autograd (what attnx::mha's autograd kernel runs when gradients are needed): mha's outputs plus
+#define ATTNX_MHA_ARGUMENTS                                                                                \
+  "(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, " \
+  "Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, "  \
+  "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "           \
+  "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "              \
+  "bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None, bool batch_first=False)"
+  m.def("mha" ATTNX_MHA_ARGUMENTS " -> (Tensor out, Tensor lse, Tensor weights)");
+  m.def("_mha" ATTNX_MHA_ARGUMENTS " -> (Tensor out, Tensor lse, Tensor weights)");
+  // mha for autograd (what attnx::mha runs in grad mode): mha's outputs plus
   // what its backward reads, nothing of size (B, H, L, S): attention's inputs q (B, H, L, Dh), k and v
   // (B, H, S', Dh) with the appended keys, and its output attn (B, H, L, Dh). k (v) is empty where static_k
   // (static_v) is attention's key as it is (no add_zero_attn): outputs never alias inputs.
-  m.def(
-      "mha_forward(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, "
-      "Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, "
-      "Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, "
-      "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, "
-      "bool need_weights, bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None, "
-      "bool batch_first=False) -> (Tensor out, Tensor lse, Tensor weights, Tensor q, Tensor k, Tensor v, "
-      "Tensor attn)");
+  m.def("mha_forward" ATTNX_MHA_ARGUMENTS
+        " -> (Tensor out, Tensor lse, Tensor weights, Tensor q, Tensor k, Tensor v, Tensor attn)");
   // mha's backward in one dispatch: grad_out (L, B, E) ((B, L, E) with batch_first) and, when the weights were
   // asked for and used, grad_weights; mha's arguments; mha_forward's lse, q, k, v and attn. Returns the
   // gradients of query, key, value (each in its argument's shape), in_proj_weight, in_proj_bias,

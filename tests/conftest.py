@@ -27,8 +27,13 @@ FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 def require_kernel(op: str, device: str) -> None:
-    """Skip (visibly) when ``op`` has no kernel for ``device``'s dispatch key in this build."""
+    """Skip (visibly) when ``op`` has no kernel for ``device``'s dispatch key in this build. The kernels of
+    the routed ops (``attnx::linear``, ``attention``, ``mha``) are those of ``_linear``, ``_attention``,
+    ``_mha``."""
     key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}[device]
+    namespace, name = op.split("::")
+    if name in ("linear", "attention", "mha"):
+        op = f"{namespace}::_{name}"
     if not torch._C._dispatch_has_kernel_for_dispatch_key(op, key):
         pytest.skip(f"{op} has no {key} kernel in this build")
 

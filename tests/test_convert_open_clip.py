@@ -34,7 +34,8 @@ class AttentionCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.name()] += 1
-        if func.name() in ("attnx::mha", "attnx::mha_forward", "attnx::attention"):
+        if func.name() in ("attnx::_mha", "attnx::mha_forward", "attnx::_attention",
+                           "attnx::_attention_autograd"):
             named = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | (kwargs or {})
             has_mask = named.get("attn_mask") is not None or named.get("key_padding_mask") is not None
             self.calls.append((func.name(), has_mask, bool(named.get("is_causal"))))
@@ -107,8 +108,8 @@ def test_types_after_convert():
     ]
 
 
-@pytest.mark.parametrize("cls, text_cfg, op", [(CLIP, TEXT_CFG, "attnx::mha"),
-                                               (CustomTextCLIP, CUSTOM_TEXT_CFG, "attnx::attention")],
+@pytest.mark.parametrize("cls, text_cfg, op", [(CLIP, TEXT_CFG, "attnx::_mha"),
+                                               (CustomTextCLIP, CUSTOM_TEXT_CFG, "attnx::_attention")],
                          ids=["clip", "custom_text"])
 def test_text_causal_mask_runs_as_causal_attention(cls, text_cfg, op):
     model = attnx.convert(clip(cls, text_cfg))
@@ -118,7 +119,7 @@ def test_text_causal_mask_runs_as_causal_attention(cls, text_cfg, op):
     assert not [name for name in recorder.counts if "scaled_dot_product" in name or "softmax" in name]
     with torch.no_grad(), AttentionCalls() as recorder:
         model.encode_image(images())
-    assert recorder.calls == [(op if cls is CLIP else "attnx::mha", False, False)] * LAYERS
+    assert recorder.calls == [(op if cls is CLIP else "attnx::_mha", False, False)] * LAYERS
 
 
 @pytest.mark.parametrize(

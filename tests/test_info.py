@@ -16,4 +16,7 @@ def test_info_lists_linear_kernels():
     assert "backends compiled: CPU" in out
     line = next(line for line in out.splitlines() if line.strip().startswith("attnx::linear"))
     assert line.split()[1:] == info.kernels("attnx::linear")
-    assert {"CPU", "Meta", "Autograd"} <= set(info.kernels("attnx::linear"))
+    assert info.kernels("attnx::linear") == ["CompositeImplicitAutograd"]  # the router
+    assert {"CPU", "Meta"} <= set(info.kernels("attnx::_linear"))
+    assert "Autograd" not in info.kernels("attnx::_linear")
+    assert {"CPU", "Meta", "Autograd"} <= set(info.kernels("attnx::_linear_autograd"))

@@ -21,7 +21,7 @@ using OptTensor = std::optional<at::Tensor>;
 
 at::Tensor attnx_linear(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnx::linear", "")
+                             .findSchemaOrThrow("attnx::_linear", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
   return op.call(input, weight, bias);
 }
@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> attnx_attention(const at::Tensor& q, const at
                                              bool is_causal, double dropout_p, const OptTensor& dropout_seed) {
   static const auto op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attnx::attention", "")
+          .findSchemaOrThrow("attnx::_attention", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const OptTensor&, const OptTensor&, bool,
                                                     std::optional<double>, double, const OptTensor&, int64_t,
@@ -511,7 +511,7 @@ std::vector<at::Tensor> mha_backward(
 }  // namespace attnx
 
 TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
-  m.impl("mha", &attnx::mha);
+  m.impl("_mha", &attnx::mha);
   m.impl("mha_forward", &attnx::mha_forward);
   m.impl("mha_backward", &attnx::mha_backward);
 }

@@ -59,5 +59,6 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
 }  // namespace attnx
 
 TORCH_LIBRARY_IMPL(attnx, CPU, m) {
-  m.impl("attention", &attnx::attention_cpu);
+  m.impl("_attention", &attnx::attention_cpu);
+  m.impl("_attention_autograd", &attnx::attention_cpu);
 }

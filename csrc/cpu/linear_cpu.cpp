@@ -118,4 +118,7 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
 
 }  // namespace attnx
 
-TORCH_LIBRARY_IMPL(attnx, CPU, m) { m.impl("linear", &attnx::linear_cpu); }
+TORCH_LIBRARY_IMPL(attnx, CPU, m) {
+  m.impl("_linear", &attnx::linear_cpu);
+  m.impl("_linear_autograd", &attnx::linear_cpu);
+}

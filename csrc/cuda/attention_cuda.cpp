@@ -98,5 +98,6 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
 }  // namespace attnx
 
 TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
-  m.impl("attention", &attnx::attention_cuda);
+  m.impl("_attention", &attnx::attention_cuda);
+  m.impl("_attention_autograd", &attnx::attention_cuda);
 }

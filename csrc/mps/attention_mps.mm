@@ -82,5 +82,6 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
 }  // namespace attnx
 
 TORCH_LIBRARY_IMPL(attnx, MPS, m) {
-  m.impl("attention", &attnx::attention_mps);
+  m.impl("_attention", &attnx::attention_mps);
+  m.impl("_attention_autograd", &attnx::attention_mps);
 }

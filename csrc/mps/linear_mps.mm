@@ -66,5 +66,6 @@ at::Tensor linear_mps(const at::Tensor& input, const at::Tensor& weight,
 }  // namespace attnx
 
 TORCH_LIBRARY_IMPL(attnx, MPS, m) {
-  m.impl("linear", &attnx::linear_mps);
+  m.impl("_linear", &attnx::linear_mps);
+  m.impl("_linear_autograd", &attnx::linear_mps);
 }

@@ -8,7 +8,10 @@ import attnx
 
 # Dispatch keys a kernel of an attnx op can be registered for, in the order they are reported.
 # CompositeExplicitAutograd: one kernel built from other ops, serving every backend those ops have.
-DISPATCH_KEYS = ("CPU", "CUDA", "MPS", "CompositeExplicitAutograd", "Meta", "Autograd")
+# CompositeImplicitAutograd: the routers of linear, attention and mha, which choose a kernel op by grad mode.
+DISPATCH_KEYS = (
+    "CPU", "CUDA", "MPS", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Meta", "Autograd",
+)
 
 
 def ops() -> list[str]:

@@ -1,0 +1,35 @@
+// attnx: helpers for code on the LibTorch stable ABI (torch/csrc/stable), which reaches torch through a C API.
+#pragma once
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace attnx::stable {
+
+// The message of an error that crossed torch's C API, as the op raised it: a Python exception raised below
+// the call (a Python autograd kernel's, say) arrives as "<type>: <message>\n\nAt:\n<traceback>"; a RuntimeError
+// is raised again as one, so only its message is kept.
+inline std::string error_message(std::string message) {
+  const size_t traceback = message.find("\n\nAt:\n");
+  if (traceback != std::string::npos) message.resize(traceback);
+  constexpr char kRuntimeError[] = "RuntimeError: ";
+  if (message.rfind(kRuntimeError, 0) == 0) message.erase(0, sizeof(kRuntimeError) - 1);
+  return message;
+}
+
+// Raises the error of a failed call into torch's C API (a dispatcher call whose op raised) as a RuntimeError
+// that carries the op's own message. (torch's STABLE_TORCH_ERROR_CODE_CHECK also prints the backtrace to stderr
+// and appends its own call site to the message.) The message is passed through from torch 2.13 on; torch 2.10
+// to 2.12 log it to stderr, and the exception then says so.
+inline void check(AOTITorchError error, const char* what) {
+  if (error == TORCH_SUCCESS) return;
+  const char* message = TORCH_DYNAMIC_VERSION_CALL_2_13_0(torch_exception_get_what_without_backtrace,
+                                                           torch::stable::detail::torch_shim_bc_const_char_ptr);
+  throw std::runtime_error(message ? error_message(message)
+                                   : std::string(what) + " failed (torch < 2.13 logs the error to stderr)");
+}
+
+}  // namespace attnx::stable
