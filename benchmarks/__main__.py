@@ -22,6 +22,7 @@ from . import (
     bench_features,
     bench_mha,
     bench_models,
+    bench_overhead,
     bench_scaling,
     bench_train,
 )
@@ -39,6 +40,7 @@ BENCHMARKS = {
     "cuda": bench_cuda,
     "features": bench_features,
     "models": bench_models,
+    "overhead": bench_overhead,
 }
 
 
