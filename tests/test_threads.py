@@ -17,8 +17,10 @@ Thread counts and determinism (CPU), as the kernels are written:
 - linear (and so mha and the module, whose projections are linear): MKL's GEMM, which does not promise the
   same bits for different thread counts (its conditional-numerical-reproducibility mode is off in torch).
   Equal to rounding only.
-For a fixed thread count every op is deterministic (no atomics in any sum, fixed reduction orders), which is
-what the concurrent test relies on: it compares bitwise.
+For a fixed thread count every op gives the same bits call after call, which is what the concurrent test
+relies on (it compares bitwise): attnx's sums have fixed orders (work items own their outputs, no atomics),
+and MKL takes the same path for the same shapes, thread count and alignment (torch's CPU buffers are 64-byte
+aligned).
 
 Concurrent first use: the process-wide state in csrc is the CPU kernel choice (``static const ... =
 select_kernel()`` in attention_cpu.cpp and attention_backward_cpu.cpp) and the dispatcher handles cached in
