@@ -321,11 +321,16 @@ enum MhaGrad : int64_t {
   kGradAttnMask, kNumMhaGrads
 };
 
-// (N, B, F) -> (B*N, F) rows in (batch, position) order: a view when the memory allows it, else one copy.
-at::Tensor batch_major_rows(const at::Tensor& t) { return t.transpose(0, 1).reshape({-1, t.size(2)}); }
+// (N, B, F) -> (B*N, F) rows in (batch, position) order: a view when the memory allows it, else one copy. (Sizes
+// spelled out, not -1, which is ambiguous when F == 0.)
+at::Tensor batch_major_rows(const at::Tensor& t) {
+  return t.transpose(0, 1).reshape({t.size(0) * t.size(1), t.size(2)});
+}
 
 // (B, H, N, Dh) -> (B*N, H*Dh) rows in (batch, position) order; a view for attention's (B, N, H, Dh) layouts.
-at::Tensor head_rows(const at::Tensor& t) { return t.permute({0, 2, 1, 3}).reshape({-1, t.size(1) * t.size(3)}); }
+at::Tensor head_rows(const at::Tensor& t) {
+  return t.permute({0, 2, 1, 3}).reshape({t.size(0) * t.size(2), t.size(1) * t.size(3)});
+}
 
 // The gradient of the attention weights output flowed back into grad_q and grad_k (in place), and into
 // grad_mask (attn_mask's gradient, (L, S') or (B*H, L, S')) when it is defined: the softmax backward

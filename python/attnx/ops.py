@@ -378,6 +378,7 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, grad):
         input, weight = ctx.saved_tensors
         N, K = weight.shape
+        M = math.prod(grad.shape[:-1])  # rows, spelled out: -1 is ambiguous when N or K is 0
         needs = ctx.needs_input_grad
         grad_input = grad_weight = grad_bias = None
         if needs[2]:
@@ -385,9 +386,9 @@ class _LinearFunction(torch.autograd.Function):
             # differentiable).
             grad_input = torch.ops.attnx.linear.default(grad, weight.t(), None)
         if needs[3]:
-            grad_weight = grad.reshape(-1, N).t().mm(input.reshape(-1, K))
+            grad_weight = grad.reshape(M, N).t().mm(input.reshape(M, K))
         if ctx.bias_size >= 0 and needs[4]:
-            grad_bias = grad.reshape(-1, N).sum(0)
+            grad_bias = grad.reshape(M, N).sum(0)
             if ctx.bias_size != N:  # a size-1 bias broadcast over N
                 grad_bias = grad_bias.sum().reshape(ctx.bias_size)
         return None, None, grad_input, grad_weight, grad_bias
