@@ -62,7 +62,8 @@ inline Vec<float> maximum(Vec<float> a, Vec<float> b) {
   const __mmask16 nan = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);
   return _mm512_or_ps(_mm512_max_ps(a.v, b.v), _mm512_castsi512_ps(_mm512_maskz_set1_epi32(nan, -1)));
 }
-// The primitives of the polynomial exp (below): min/max that return b for a NaN a, as the instructions do.
+// The primitives of the polynomial exp (below): min/max that return b when either is NaN, as the instructions
+// do.
 inline Vec<float> vmin(Vec<float> a, Vec<float> b) { return _mm512_min_ps(a.v, b.v); }
 inline Vec<float> vmax(Vec<float> a, Vec<float> b) { return _mm512_max_ps(a.v, b.v); }
 inline Vec<float> vfloor(Vec<float> a) {
@@ -318,9 +319,9 @@ inline Vec<float> vexp(Vec<float> x) {
 }
 
 // exp within about 1 ulp (Cephes' expf: ln 2 split in two, a degree-6 polynomial), for tanh below. For
-// x <= 88.
+// x <= 88; NaN stays NaN (the clamps take the NaN operand second, which min/max then return).
 inline Vec<float> vexp_accurate(Vec<float> x) {
-  const Vec<float> src = vmax(vmin(x, Vec<float>(88.3762626647949f)), Vec<float>(-88.3762626647949f));
+  const Vec<float> src = vmax(Vec<float>(-88.3762626647949f), vmin(Vec<float>(88.3762626647949f), x));
   const Vec<float> fx = vfloor(fmadd(src, Vec<float>(1.44269504088896341f), Vec<float>(0.5f)));
   Vec<float> r = fmadd(fx, Vec<float>(-0.693359375f), src);
   r = fmadd(fx, Vec<float>(2.12194440e-4f), r);
@@ -344,9 +345,9 @@ inline Vec<float> vtanh(Vec<float> x) {
   p = fmadd(p, z, Vec<float>(1.33314422036e-1f));
   p = fmadd(p, z, Vec<float>(-3.33332819422e-1f));
   const Vec<float> small = fmadd(p * z, x, x);
-  const Vec<float> e = vexp_accurate(vmin(ax + ax, Vec<float>(88.0f)));
+  const Vec<float> e = vexp_accurate(vmin(Vec<float>(88.0f), ax + ax));  // NaN stays NaN
   const Vec<float> large = Vec<float>(1.0f) - Vec<float>(2.0f) / (e + Vec<float>(1.0f));
-  // ax < 0.625 is false for NaN: the large branch, whose 1 - 2 / (NaN + 1) is NaN.
+  // ax < 0.625 is false for NaN: the large branch, whose 1 - 2 / (exp(NaN) + 1) is NaN.
   return select_lt(ax, Vec<float>(0.625f), small, vcopysign(large, x));
 }
 
