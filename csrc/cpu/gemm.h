@@ -9,7 +9,7 @@
 // meets every row block of A; K is cut into kKc-deep slices so that the panel fits L1 for deep products too
 // (the forward's P V, K = 512). Edges: row blocks of 1..MR rows, column blocks of 1..NV vectors whose last
 // vector is masked. Blocking per ISA (32 zmm registers for AVX-512, 16 ymm for AVX2):
-//   AVX-512: 4 x 64 (16 accumulators);  AVX2: 6 x 16 (12);  portable: 4 x 8.
+//   AVX-512: 4 x 64 (16 accumulators);  AVX2: 6 x 16 (12);  portable (16-byte vectors): 6 x 8 (12).
 #pragma once
 
 #ifndef CPU_CAPABILITY
@@ -27,8 +27,8 @@ constexpr int kNv = 4;
 constexpr int kMr = 6;
 constexpr int kNv = 2;
 #else
-constexpr int kMr = 4;
-constexpr int kNv = 1;
+constexpr int kMr = 6;
+constexpr int kNv = 2;
 #endif
 // Depth of one pass over a B panel: 256 rows of 64 floats are 64 KiB (L1 plus the prefetchers keep up);
 // a product of depth <= 2 kKc is not cut.

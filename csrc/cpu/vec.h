@@ -5,9 +5,9 @@
 // Everything here lives in attnx::cpu::CPU_CAPABILITY, so the inline functions of one ISA level never merge
 // with another's at link time, and the implementation is chosen from the ISA macros that the TU sees:
 //   AVX-512 F/DQ: 16 floats / 8 doubles (zmm); AVX2 + FMA: 8 floats / 4 doubles (ymm);
-//   otherwise a portable one of plain arrays (8 floats / 4 doubles) that the compiler vectorises for the
-//   baseline ISA (SSE2 on x86-64, NEON on AArch64), with std::exp / std::tanh per lane, as ATen's DEFAULT
-//   level does.
+//   otherwise a portable one of one 16-byte register (4 floats / 2 doubles) of the baseline ISA (SSE2 on
+//   x86-64, NEON on AArch64) through the GCC / Clang vector extensions, with std::exp / std::tanh per lane, as
+//   ATen's DEFAULT level does.
 // <immintrin.h> and the standard headers are included by attention_cpu_kernel.h, before any target is raised.
 #pragma once
 
@@ -187,16 +187,33 @@ inline double reduce_sum(Vec<double> a) {
 
 #else  // ATTNX_VEC_PORTABLE
 
-// Plain arrays with fixed trip counts: GCC and Clang vectorise these loops for the baseline ISA. Vec<T>
-// derives from PortableVec<T>, whose operations return Vec<T> (found by argument-dependent lookup).
+// One 16-byte register of the baseline ISA (SSE2 on x86-64, NEON on AArch64) through the GCC / Clang vector
+// extensions, which compile + - * / to single instructions for any target; plain arrays (that the compiler
+// may vectorise) for other compilers. fmadd is not fused: the baseline x86-64 ISA has no FMA. Vec<T> derives
+// from PortableVec<T>, whose operations return Vec<T> (found by argument-dependent lookup).
+#if defined(__GNUC__) || defined(__clang__)
+#define ATTNX_VEC_EXTENSIONS 1
+typedef float attnx_v4sf __attribute__((vector_size(16)));
+typedef double attnx_v2df __attribute__((vector_size(16)));
+template <typename T>
+using PortableStorage = std::conditional_t<std::is_same_v<T, float>, attnx_v4sf, attnx_v2df>;
+#else
+template <typename T>
+struct PortableStorage {
+  T lane[16 / sizeof(T)];
+  T& operator[](int i) { return lane[i]; }
+  T operator[](int i) const { return lane[i]; }
+};
+#endif
+
 template <typename T>
 struct PortableVec {
-  static constexpr int kSize = 32 / sizeof(T);
-  T v[kSize];
+  static constexpr int kSize = 16 / sizeof(T);
+  PortableStorage<T> v;
   static constexpr int size() { return kSize; }
   static Vec<T> loadu(const T* p) {
     Vec<T> r;
-    for (int i = 0; i < kSize; ++i) r.v[i] = p[i];
+    std::memcpy(&r.v, p, sizeof(r.v));
     return r;
   }
   static Vec<T> loadu(const T* p, int n) {
@@ -204,9 +221,7 @@ struct PortableVec {
     for (int i = 0; i < n; ++i) r.v[i] = p[i];
     return r;
   }
-  void store(T* p) const {
-    for (int i = 0; i < kSize; ++i) p[i] = v[i];
-  }
+  void store(T* p) const { std::memcpy(p, &v, sizeof(v)); }
   void store(T* p, int n) const {
     for (int i = 0; i < n; ++i) p[i] = v[i];
   }
@@ -216,6 +231,18 @@ struct PortableVec {
     for (int i = 0; i < kSize; ++i) r.v[i] = f(a.v[i], b.v[i]);
     return r;
   }
+#if defined(ATTNX_VEC_EXTENSIONS)
+  static Vec<T> wrap(PortableStorage<T> x) {
+    Vec<T> r;
+    r.v = x;
+    return r;
+  }
+  friend Vec<T> operator+(const Vec<T>& a, const Vec<T>& b) { return wrap(a.v + b.v); }
+  friend Vec<T> operator-(const Vec<T>& a, const Vec<T>& b) { return wrap(a.v - b.v); }
+  friend Vec<T> operator*(const Vec<T>& a, const Vec<T>& b) { return wrap(a.v * b.v); }
+  friend Vec<T> operator/(const Vec<T>& a, const Vec<T>& b) { return wrap(a.v / b.v); }
+  friend Vec<T> fmadd(const Vec<T>& a, const Vec<T>& b, const Vec<T>& c) { return wrap(a.v * b.v + c.v); }
+#else
   friend Vec<T> operator+(const Vec<T>& a, const Vec<T>& b) {
     return zip(a, b, [](T x, T y) { return x + y; });
   }
@@ -228,8 +255,8 @@ struct PortableVec {
   friend Vec<T> operator/(const Vec<T>& a, const Vec<T>& b) {
     return zip(a, b, [](T x, T y) { return x / y; });
   }
-  // Not fused: the baseline ISA has no FMA.
   friend Vec<T> fmadd(const Vec<T>& a, const Vec<T>& b, const Vec<T>& c) { return a * b + c; }
+#endif
   friend Vec<T> maximum(const Vec<T>& a, const Vec<T>& b) {
     return zip(a, b, [](T x, T y) { return (x != x || x > y) ? x : y; });
   }
@@ -244,7 +271,7 @@ template <>
 struct Vec<float> : PortableVec<float> {
   Vec() = default;
   Vec(float x) {
-    for (float& e : v) e = x;
+    for (int i = 0; i < kSize; ++i) v[i] = x;
   }
 };
 
@@ -252,7 +279,7 @@ template <>
 struct Vec<double> : PortableVec<double> {
   Vec() = default;
   Vec(double x) {
-    for (double& e : v) e = x;
+    for (int i = 0; i < kSize; ++i) v[i] = x;
   }
 };
 
