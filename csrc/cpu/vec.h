@@ -6,8 +6,8 @@
 // with another's at link time, and the implementation is chosen from the ISA macros that the TU sees:
 //   AVX-512 F/DQ: 16 floats / 8 doubles (zmm); AVX2 + FMA: 8 floats / 4 doubles (ymm);
 //   otherwise a portable one of one 16-byte register (4 floats / 2 doubles) of the baseline ISA (SSE2 on
-//   x86-64, NEON on AArch64) through the GCC / Clang vector extensions, with std::exp / std::tanh per lane, as
-//   ATen's DEFAULT level does.
+//   x86-64, NEON on AArch64) through the GCC / Clang vector extensions, with std::exp / std::tanh per
+//   lane, as ATen's DEFAULT level does.
 // <immintrin.h> and the standard headers are included by attention_cpu_kernel.h, before any target is raised.
 #pragma once
 
@@ -86,6 +86,11 @@ inline Vec<float> select_lt(Vec<float> a, Vec<float> b, Vec<float> x, Vec<float>
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OS), y.v, x.v);
 }
 inline float reduce_sum(Vec<float> a) { return _mm512_reduce_add_ps(a.v); }
+// The max over the lanes, NaN when any lane is NaN (the reduction's max instructions alone would drop it).
+inline float reduce_max(Vec<float> a) {
+  if (_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)) return std::numeric_limits<float>::quiet_NaN();
+  return _mm512_reduce_max_ps(a.v);
+}
 
 template <>
 struct Vec<double> {
@@ -157,6 +162,16 @@ inline float reduce_sum(Vec<float> a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+// The max over the lanes, NaN when any lane is NaN (the max instructions alone would drop it).
+inline float reduce_max(Vec<float> a) {
+  if (_mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))) {
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
 template <>
@@ -285,7 +300,7 @@ struct Vec<double> : PortableVec<double> {
 
 #endif
 
-// max over the lanes, NaN when any lane is NaN.
+// max over the lanes, NaN when any lane is NaN (Vec<float> on AVX2 / AVX-512 has its own, above).
 template <typename T>
 T reduce_max(Vec<T> a) {
   T buf[Vec<T>::size()];
@@ -380,7 +395,7 @@ inline Vec<float> vtanh(Vec<float> x) {
 
 #endif
 
-// ------------------------------------------------------------------------------------------------------------
+// -----------------------------------------------------------------------------------------------------------
 // Transposes.
 
 // dst (cols, rows) = src (rows, cols)^T, row-major with leading dimensions.
