@@ -13,7 +13,7 @@ namespace attnx::cpu {
 
 // Where each tensor's data starts (storage offsets applied); the layouts are in AttentionBackwardParams.
 struct AttentionBackwardData {
-  at::ScalarType dtype;  // of grad_out, query, key, value, out and the gradients
+  torch::headeronly::ScalarType dtype;  // of grad_out, query, key, value, out and the gradients
   const void* grad_out;
   const void* query;
   const void* key;

@@ -1,7 +1,7 @@
 // attnx: attnx::attention_backward's CPU kernel: FlashAttention-2's backward on the forward's tile helpers.
 //
 // Included once per ISA level, right after attention_cpu_kernel_impl.h and in the same translation unit: it
-// uses that file's helpers (masks read in place, packing and transposes, tile GEMMs on brgemm, vectorised
+// uses that file's helpers (masks read in place, packing and transposes, tile GEMMs on gemm.h, vectorised
 // exp), which live in the same CPU_CAPABILITY namespace. Defines
 // attnx::cpu::CPU_CAPABILITY::attention_backward_kernel.
 //
@@ -27,18 +27,15 @@
 //
 // Orientation. Tiles are key-major: S^T (bk, bq) = K (bk, D) @ (scale Q)^T (D, bq). P^T and dS^T are then the
 // A operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq)
-// takes dS^T as its B operand: all five GEMMs run on brgemm (which takes no transposes) without transposing
-// anything per tile pair. The transposes are paid once per item instead: (scale Q)^T and dO^T of the head are
-// packed (D, L) and (Dv, L), and dQ is accumulated transposed. The softmax's per-query quantities (lse,
+// takes dS^T as its B operand: all five GEMMs run on gemm.h's row-major C (+)= A B (which takes no
+// transposes) without transposing anything per tile pair. The transposes are paid once per item instead:
+// (scale Q)^T and dO^T of the head are packed (D, L) and (Dv, L), and dQ is accumulated transposed. The softmax's per-query quantities (lse,
 // delta, a mask row) run along a tile row, so the vectorised pass loads them as vectors.
 //
 // Memory beyond the inputs and the gradients: per thread, (D + Dv) x L packed queries and output gradients,
 // D x L of dQ^T (plus L x (D + Dv) when Q or dO cannot be read in place: another dtype, or rows that are not
 // contiguous) and (bk, bq) tiles; O(B*S/bk + mask tiles) skip flags; with several chunks per head, the
 // (B*H*chunks, D, L) dQ slots, chunks being chosen only when B*H < 2 * threads.
-
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 namespace attnx::cpu {
 namespace CPU_CAPABILITY {
@@ -59,8 +56,8 @@ inline int64_t padded_ld(int64_t n, size_t acc_size) {
 }
 
 // True when a (rows, cols) block of scalar_t with these strides can be a GEMM operand as it is: already in
-// the accumulator type, contiguous rows that do not overlap, a leading dimension brgemm takes (b_operand's
-// rule).
+// the accumulator type, contiguous rows that do not overlap, a leading dimension within int range
+// (b_operand's rule).
 template <typename scalar_t, typename acc_t>
 bool operand_in_place(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
   if constexpr (!std::is_same_v<scalar_t, acc_t>) {
@@ -81,8 +78,8 @@ bool operand_in_place(int64_t row_stride, int64_t col_stride, int64_t rows, int6
 template <typename acc_t>
 void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias, const acc_t* lse,
                           const acc_t* delta, int64_t lo, int64_t hi, int64_t n) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
   std::fill_n(s, lo, acc_t(0));
   std::fill_n(dp, lo, acc_t(0));
   std::fill(s + hi, s + n, acc_t(0));
@@ -91,16 +88,16 @@ void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias
   int64_t j = lo;
   if (bias) {
     for (; j + W <= n; j += W) {
-      const Vec p = vexp(Vec::loadu(s + j) + Vec::loadu(bias + j) - Vec::loadu(lse + j));
+      const V p = vexp(V::loadu(s + j) + V::loadu(bias + j) - V::loadu(lse + j));
       p.store(s + j);
-      (p * (Vec::loadu(dp + j) - Vec::loadu(delta + j))).store(dp + j);
+      (p * (V::loadu(dp + j) - V::loadu(delta + j))).store(dp + j);
     }
   } else {
-    const Vec vb(row_bias);
+    const V vb(row_bias);
     for (; j + W <= n; j += W) {
-      const Vec p = vexp(Vec::loadu(s + j) + vb - Vec::loadu(lse + j));
+      const V p = vexp(V::loadu(s + j) + vb - V::loadu(lse + j));
       p.store(s + j);
-      (p * (Vec::loadu(dp + j) - Vec::loadu(delta + j))).store(dp + j);
+      (p * (V::loadu(dp + j) - V::loadu(delta + j))).store(dp + j);
     }
   }
   for (; j < n; ++j) {
@@ -116,21 +113,21 @@ void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias
 template <typename acc_t>
 void softmax_backward_row_dropout(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias, const acc_t* lse,
                                   const acc_t* delta, const acc_t* z, int64_t lo, int64_t hi, int64_t n) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
   std::fill_n(s, lo, acc_t(0));
   std::fill_n(dp, lo, acc_t(0));
   std::fill(s + hi, s + n, acc_t(0));
   std::fill(dp + hi, dp + n, acc_t(0));
   n = hi;
-  const Vec vb(row_bias);
+  const V vb(row_bias);
   int64_t j = lo;
   for (; j + W <= n; j += W) {
-    const Vec vbias = bias ? Vec::loadu(bias + j) : vb;
-    const Vec p = vexp(Vec::loadu(s + j) + vbias - Vec::loadu(lse + j));
-    const Vec vz = Vec::loadu(z + j);
+    const V vbias = bias ? V::loadu(bias + j) : vb;
+    const V p = vexp(V::loadu(s + j) + vbias - V::loadu(lse + j));
+    const V vz = V::loadu(z + j);
     (p * vz).store(s + j);
-    (p * (vz * Vec::loadu(dp + j) - Vec::loadu(delta + j))).store(dp + j);
+    (p * (vz * V::loadu(dp + j) - V::loadu(delta + j))).store(dp + j);
   }
   for (; j < n; ++j) {
     const acc_t p = std::exp(s[j] + (bias ? bias[j] : row_bias) - lse[j]);
@@ -143,12 +140,12 @@ void softmax_backward_row_dropout(acc_t* s, acc_t* dp, const acc_t* bias, acc_t 
 // factor that turns dS of the capped score into dS of the scaled one.
 template <typename acc_t>
 void softcap_backward_row(acc_t* s, acc_t* deriv, int64_t n, acc_t cap) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  const Vec vcap(cap), one(acc_t(1));
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vcap(cap), one(acc_t(1));
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    const Vec t = (Vec::loadu(s + j) / vcap).tanh();
+    const V t = vtanh(V::loadu(s + j) / vcap);
     (t * vcap).store(s + j);
     (one - t * t).store(deriv + j);
   }
@@ -162,19 +159,19 @@ void softcap_backward_row(acc_t* s, acc_t* deriv, int64_t n, acc_t cap) {
 // dst[j] *= f[j] for j < n.
 template <typename acc_t>
 void mul_row(acc_t* dst, const acc_t* f, int64_t n) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
   int64_t j = 0;
-  for (; j + W <= n; j += W) (Vec::loadu(dst + j) * Vec::loadu(f + j)).store(dst + j);
+  for (; j + W <= n; j += W) (V::loadu(dst + j) * V::loadu(f + j)).store(dst + j);
   for (; j < n; ++j) dst[j] *= f[j];
 }
 
 template <typename acc_t>
 void add_row(acc_t* dst, const acc_t* src, int64_t n) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
   int64_t j = 0;
-  for (; j + W <= n; j += W) (Vec::loadu(dst + j) + Vec::loadu(src + j)).store(dst + j);
+  for (; j + W <= n; j += W) (V::loadu(dst + j) + V::loadu(src + j)).store(dst + j);
   for (; j < n; ++j) dst[j] += src[j];
 }
 
@@ -221,7 +218,7 @@ BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, const int64_t
   // One item per slot pair unless that leaves threads idle: then split the keys of each, so that there are
   // about two items per thread (keys are what an item owns; queries are shared through the dQ slots). A mask
   // gradient summed over keys (an (..., L, 1) mask) is written by every key tile: one chunk then.
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   const int64_t slots = plan.batch_slots * plan.head_slots;
   const bool keys_summed = plan.mask_grad && grad_mask_size[3] == 1 && S > 1;
   plan.chunks = 1;
@@ -243,7 +240,7 @@ BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, const int64_t
 
 template <typename acc_t>
 struct BackwardScratch {
-  at::Tensor storage;
+  AlignedBuffer<acc_t> storage;
   // Whole head (rows are queries l < L).
   acc_t* qt;     // (D, ld_q) (scale Q)^T
   acc_t* dot;    // (Dv, ld_q) dO^T
@@ -300,11 +297,10 @@ struct BackwardScratch {
         p.softcap > 0.0f ? bk * plan.ld_t : 0,
     };
     const int64_t tmp_size = bq * std::max(D, Dv);
-    int64_t total = line + round_up(tmp_size, line);  // slack to align the first region
+    int64_t total = round_up(tmp_size, line);
     for (int64_t n : sizes) total += round_up(n, line);
-    storage = at::empty({total}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    acc_t* next =
-        reinterpret_cast<acc_t*>(round_up(reinterpret_cast<intptr_t>(storage.mutable_data_ptr<acc_t>()), 64));
+    storage = AlignedBuffer<acc_t>(total);
+    acc_t* next = storage.data();
     acc_t* regions[kRegions];
     for (int i = 0; i < kRegions; ++i) {
       regions[i] = next;
@@ -351,16 +347,15 @@ class AttentionBackwardCpu {
     const int64_t items = slots_n * chunks;
     const int64_t slot = D * plan_.ld_q;
     if (chunks > 1) {
-      slots_storage_ =
-          at::empty({BH * chunks * slot}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      slots_storage_ = AlignedBuffer<acc_t>(BH * chunks * slot);
     }
-    acc_t* slots = chunks > 1 ? slots_storage_.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* slots = chunks > 1 ? slots_storage_.data() : nullptr;
 
     // Items are handed out one at a time from a shared counter, chunk by chunk: under is_causal the first key
     // chunk of a head sees the most queries, so the heavy items start first and the short ones fill in.
     std::atomic<int64_t> next{0};
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int64_t threads = std::min<int64_t>(num_threads(), items);
+    parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       BackwardScratch<acc_t> ws(p_, plan_);
       for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
         const int64_t c = i / slots_n, sl = i % slots_n;
@@ -650,10 +645,9 @@ class AttentionBackwardCpu {
   void reduce_dq_slots(acc_t* slots) const {
     const int64_t BH = p_.batch * p_.heads, H = p_.heads, D = p_.head_dim, ld_q = plan_.ld_q;
     const int64_t chunks = plan_.chunks, slot = D * ld_q, qt_n = plan_.q_tiles;
-    at::parallel_for(0, BH * qt_n, 1, [&](int64_t begin, int64_t end) {
-      at::Tensor tmp_storage =
-          at::empty({plan_.bq * D}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
-      acc_t* tmp = tmp_storage.mutable_data_ptr<acc_t>();
+    parallel_for(0, BH * qt_n, 1, [&](int64_t begin, int64_t end) {
+      AlignedBuffer<acc_t> tmp_storage(plan_.bq * D);
+      acc_t* tmp = tmp_storage.data();
       for (int64_t i = begin; i < end; ++i) {
         const int64_t bh = i / qt_n, qt = i % qt_n;
         const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, p_.q_len - q0);
@@ -674,28 +668,29 @@ class AttentionBackwardCpu {
   const acc_t scale_;
   const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
   const acc_t softcap_;        // 0: no soft-capping
-  at::Tensor slots_storage_;
+  AlignedBuffer<acc_t> slots_storage_;
   TileSkipFlags<acc_t> skip_;
 };
 
 }  // namespace
 
 void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardData& d) {
+  using torch::headeronly::ScalarType;
   switch (d.dtype) {
-    case at::kFloat:
+    case ScalarType::Float:
       AttentionBackwardCpu<float>(p, d).run();
       break;
-    case at::kDouble:
+    case ScalarType::Double:
       AttentionBackwardCpu<double>(p, d).run();
       break;
-    case at::kBFloat16:
-      AttentionBackwardCpu<at::BFloat16>(p, d).run();
+    case ScalarType::BFloat16:
+      AttentionBackwardCpu<torch::headeronly::BFloat16>(p, d).run();
       break;
-    case at::kHalf:
-      AttentionBackwardCpu<at::Half>(p, d).run();
+    case ScalarType::Half:
+      AttentionBackwardCpu<torch::headeronly::Half>(p, d).run();
       break;
     default:
-      TORCH_CHECK(false, "attnx::attention_backward: no CPU kernel for dtype ", d.dtype);
+      STD_TORCH_CHECK(false, "attnx::attention_backward: no CPU kernel for dtype ", d.dtype);
   }
 }
 

@@ -6,7 +6,7 @@
 #if ATTNX_CPU_X86_VARIANTS
 #pragma GCC push_options
 #pragma GCC target("avx2,avx,fma,f16c,bmi,bmi2,lzcnt,popcnt")
-// The pragma does not define the ISA macros that sleef.h and ATen's vector headers test.
+// The pragma does not define the ISA macros that vec.h tests to pick its implementation.
 #define __AVX__ 1
 #define __AVX2__ 1
 #define __FMA__ 1

@@ -5,29 +5,28 @@
 // namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels; attention_cpu.cpp picks
 // one at run time from at::get_cpu_capability() (so ATEN_CPU_CAPABILITY=avx2|default selects the others).
 //
-// Every header the kernel needs apart from ATen's vector headers is included here, before an ISA TU raises
-// its target: inline functions from these headers are then compiled for the baseline ISA in every TU, and
-// only the kernel and at::vec (each in a CPU_CAPABILITY namespace) carry wider instructions.
+// Every header the kernel needs is included here, before an ISA TU raises its target: inline functions from
+// these headers are then compiled for the baseline ISA in every TU, and only the kernel and its SIMD layer
+// (vec.h, gemm.h: each in a CPU_CAPABILITY namespace) carry wider instructions. The kernel is torch-free: the
+// standard library, attnx/*.h, torch/headeronly (ScalarType, Half, BFloat16, STD_TORCH_CHECK: ABI-stable) and
+// its own headers (parallel.h: threads, buffer.h: scratch, vec.h: SIMD, gemm.h: tile GEMMs).
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/native/CPUBlas.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#if defined(__x86_64__) || defined(_M_X64)
+// Every intrinsic carries its own target attribute, so the header is included for the baseline ISA (first:
+// Half.h includes it too). GCC 12 reports the deliberate `__Y = __Y` of _mm512_undefined_*() inside the
+// AVX-512 intrinsics as uninitialised wherever they are inlined: a false positive in the compiler's header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
 
-// Headers that ATen's vector headers pull in, so that they are compiled for the baseline ISA here.
-#include <ATen/NumericUtils.h>
-#include <ATen/native/Math.h>
-#include <ATen/native/cpu/zmath.h>
-#include <ATen/native/quantized/AffineQuantizerBase.h>
-#include <c10/util/BFloat16-math.h>
-#include <c10/util/Load.h>
-#include <c10/util/copysign.h>
-#include <c10/util/qint32.h>
-#include <c10/util/qint8.h>
-#include <c10/util/quint8.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Exception.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <array>
@@ -43,6 +42,8 @@
 #include "attnx/params.h"
 #include "attnx/philox.h"
 #include "attnx/softmax.h"
+#include "cpu/buffer.h"
+#include "cpu/parallel.h"
 
 // GCC on x86-64 builds the AVX2 and AVX-512 variants through `#pragma GCC target`; elsewhere only DEFAULT.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -55,7 +56,7 @@ namespace attnx::cpu {
 
 // The call's data pointers and the dtype of query, key, value and out.
 struct AttentionData : AttentionPointers {
-  at::ScalarType dtype;
+  torch::headeronly::ScalarType dtype;
 };
 
 using AttentionKernel = void (*)(const AttentionParams&, const AttentionData&);

@@ -1,4 +1,4 @@
-// attnx: attnx::attention's CPU kernel: flash-attention tiling with an online softmax, GEMMs on BLAS.
+// attnx: attnx::attention's CPU kernel: flash-attention tiling with an online softmax, GEMMs on gemm.h.
 //
 // Included once per ISA level by a TU that has defined CPU_CAPABILITY (see attention_cpu_kernel.h); defines
 // attnx::cpu::CPU_CAPABILITY::attention_kernel.
@@ -12,14 +12,13 @@
 // (BQ, BK) tile per thread, so extra memory is the per-thread scratch plus O(B * S / BK) and O(mask tiles)
 // skip flags; out and lse are written once per row at the end.
 
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
+#include "cpu/vec.h"
+// gemm.h after vec.h: its micro-kernels are built on Vec<float>.
+#include "cpu/gemm.h"
 
 namespace attnx::cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-using at::vec::Vectorized;
 
 template <typename acc_t>
 constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
@@ -61,10 +60,10 @@ inline void visit_mask(int32_t kind, const void* ptr, F&& f) {
       f(static_cast<const bool*>(ptr));
       break;
     case kMaskFloat16:
-      f(static_cast<const at::Half*>(ptr));
+      f(static_cast<const torch::headeronly::Half*>(ptr));
       break;
     case kMaskBFloat16:
-      f(static_cast<const at::BFloat16*>(ptr));
+      f(static_cast<const torch::headeronly::BFloat16*>(ptr));
       break;
     case kMaskFloat32:
       f(static_cast<const float*>(ptr));
@@ -110,34 +109,15 @@ bool block_masked(const mask_t* m, int64_t row_stride, int64_t col_stride, int64
 // ---------------------------------------------------------------------------------------------------------------
 // Tile GEMMs and their operands.
 //
-// fp32 tiles run on at::native::cpublas::brgemm, the exported batch-reduce GEMM of torch's CPU BLAS layer:
-// oneDNN's JIT microkernel where available (AVX2 and up), else torch's BLAS. It computes the row-major
-// C (+)= A B, with neither transposes nor alpha, so queries are packed pre-scaled and each key tile is
-// transposed into (D, BK). (The transposing cpublas::gemm overloads are not exported to extensions.) fp64 has
-// no brgemm; its tiles, used for reference-grade results rather than speed, run on a vectorised loop.
+// The tiles run on gemm.h's micro-kernels: the row-major C (+)= A B, with neither transposes nor alpha, so
+// queries are packed pre-scaled and each key tile is transposed into (D, BK). fp64 tiles, used for
+// reference-grade results rather than speed, run on a vectorised loop.
 
 // C (M, N) = A (M, K) @ B (K, N) (+ C when add_c), row-major with leading dimensions.
-inline void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                      int64_t ldb, float* C, int64_t ldc, bool add_c) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, A, B, C, /*is_vnni=*/false);
-}
-
-inline void tile_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
-                      int64_t ldb, double* C, int64_t ldc, bool add_c) {
-  using Vec = Vectorized<double>;
-  constexpr int64_t W = Vec::size();
-  for (int64_t i = 0; i < M; ++i) {
-    double* c = C + i * ldc;
-    if (!add_c) std::fill_n(c, N, 0.0);
-    for (int64_t k = 0; k < K; ++k) {
-      const double a = A[i * lda + k];
-      const double* b = B + k * ldb;
-      const Vec va(a);
-      int64_t j = 0;
-      for (; j + W <= N; j += W) at::vec::fmadd(va, Vec::loadu(b + j), Vec::loadu(c + j)).store(c + j);
-      for (; j < N; ++j) c[j] += a * b[j];
-    }
-  }
+template <typename acc_t>
+inline void tile_gemm(int64_t M, int64_t N, int64_t K, const acc_t* A, int64_t lda, const acc_t* B,
+                      int64_t ldb, acc_t* C, int64_t ldc, bool add_c) {
+  gemm(M, N, K, A, lda, B, ldb, C, ldc, add_c);
 }
 
 // s[j] = q . k[j] for the n rows k[j] = k + j * ldk of length D: one query row against the key rows
@@ -145,24 +125,21 @@ inline void tile_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t 
 // four rows at a time.
 template <typename acc_t>
 void dot_rows(const acc_t* q, const acc_t* k, int64_t ldk, int64_t n, int64_t D, acc_t* s) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  const auto sum = [](const Vec& v) {
-    return at::vec::vec_reduce_all<acc_t>([](const Vec& a, const Vec& b) { return a + b; }, v);
-  };
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const acc_t* k0 = k + j * ldk;
-    Vec a0(acc_t(0)), a1(acc_t(0)), a2(acc_t(0)), a3(acc_t(0));
+    V a0(acc_t(0)), a1(acc_t(0)), a2(acc_t(0)), a3(acc_t(0));
     int64_t d = 0;
     for (; d + W <= D; d += W) {
-      const Vec qv = Vec::loadu(q + d);
-      a0 = at::vec::fmadd(qv, Vec::loadu(k0 + d), a0);
-      a1 = at::vec::fmadd(qv, Vec::loadu(k0 + ldk + d), a1);
-      a2 = at::vec::fmadd(qv, Vec::loadu(k0 + 2 * ldk + d), a2);
-      a3 = at::vec::fmadd(qv, Vec::loadu(k0 + 3 * ldk + d), a3);
+      const V qv = V::loadu(q + d);
+      a0 = fmadd(qv, V::loadu(k0 + d), a0);
+      a1 = fmadd(qv, V::loadu(k0 + ldk + d), a1);
+      a2 = fmadd(qv, V::loadu(k0 + 2 * ldk + d), a2);
+      a3 = fmadd(qv, V::loadu(k0 + 3 * ldk + d), a3);
     }
-    acc_t r[4] = {sum(a0), sum(a1), sum(a2), sum(a3)};
+    acc_t r[4] = {reduce_sum(a0), reduce_sum(a1), reduce_sum(a2), reduce_sum(a3)};
     for (; d < D; ++d) {
       for (int i = 0; i < 4; ++i) r[i] += q[d] * k0[i * ldk + d];
     }
@@ -170,42 +147,16 @@ void dot_rows(const acc_t* q, const acc_t* k, int64_t ldk, int64_t n, int64_t D,
   }
   for (; j < n; ++j) {
     const acc_t* kj = k + j * ldk;
-    Vec a(acc_t(0));
+    V a(acc_t(0));
     int64_t d = 0;
-    for (; d + W <= D; d += W) a = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(kj + d), a);
-    acc_t r = sum(a);
+    for (; d + W <= D; d += W) a = fmadd(V::loadu(q + d), V::loadu(kj + d), a);
+    acc_t r = reduce_sum(a);
     for (; d < D; ++d) r += q[d] * kj[d];
     s[j] = r;
   }
 }
 
-// dst (cols, rows) = src (rows, cols)^T, both row-major with leading dimensions.
-template <typename acc_t>
-void transpose(const acc_t* src, int64_t ld_src, acc_t* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
-    return;
-  }
-#endif
-  int64_t r0 = 0;
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    for (; r0 + 8 <= rows; r0 += 8) {
-      int64_t c0 = 0;
-      for (; c0 + 8 <= cols; c0 += 8) {
-        at::vec::transpose_mxn<float, 8, 8>(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst);
-      }
-      for (int64_t c = c0; c < cols; ++c) {
-        for (int64_t r = r0; r < r0 + 8; ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
-      }
-    }
-  }
-#endif
-  for (int64_t r = r0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
-  }
-}
+// transpose() (dst (cols, rows) = src (rows, cols)^T) is vec.h's.
 
 // dst (rows, cols), leading dimension ld, = factor * src (rows, cols) read through its strides, converted.
 template <typename scalar_t, typename acc_t>
@@ -260,39 +211,17 @@ void transpose_keys(const scalar_t* src, int64_t row_stride, int64_t col_stride,
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Row passes over one (BQ, BK) score tile, vectorised with at::vec.
-
-inline Vectorized<float> vexp(const Vectorized<float>& x) {
-  // Within 20 ulp over the softmax's range (x <= 0), which the float tolerances absorb; the same exp as
-  // torch's CPU flash attention. Its NaN handling does not matter: a NaN score makes the row max NaN, and
-  // softmax_out_scale/softmax_lse then write NaN for the whole row.
-  return x.exp_u20();
-}
-
-inline Vectorized<double> vexp(const Vectorized<double>& x) {
-  return x.exp();
-}
-
-template <typename acc_t>
-acc_t reduce_max(const Vectorized<acc_t>& v) {
-  return at::vec::vec_reduce_all<acc_t>(
-      [](const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) { return at::vec::maximum(a, b); }, v);
-}
-
-template <typename acc_t>
-acc_t reduce_sum(const Vectorized<acc_t>& v) {
-  return at::vec::vec_reduce_all<acc_t>(
-      [](const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) { return a + b; }, v);
-}
+// Row passes over one (BQ, BK) score tile, vectorised with vec.h (whose vexp is the softmax's exp: ATen's
+// exp_u20, within 20 ulp over the softmax's range, x <= 0, which the float tolerances absorb).
 
 // s[j] += bias[j] for lo <= j < hi (bias may be null: scores unchanged), s[j] += -inf for j < lo and
 // hi <= j < n (keys outside the row's key range: adding keeps a NaN score NaN, as in the reference); returns
 // max_j s[j], NaN if any is NaN.
 template <typename acc_t>
 acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lo, int64_t hi, int64_t n) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  Vec vmax(kNegInf<acc_t>);
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  V vmax(kNegInf<acc_t>);
   acc_t m = kNegInf<acc_t>;
   for (int64_t j = 0; j < lo; ++j) {
     s[j] += kNegInf<acc_t>;
@@ -302,12 +231,12 @@ acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lo, int64_t hi, int6
   int64_t j = lo;
   if (bias) {
     for (; j + W <= lim; j += W) {
-      const Vec x = Vec::loadu(s + j) + Vec::loadu(bias + j);
+      const V x = V::loadu(s + j) + V::loadu(bias + j);
       x.store(s + j);
-      vmax = at::vec::maximum(vmax, x);
+      vmax = maximum(vmax, x);
     }
   } else {
-    for (; j + W <= lim; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
+    for (; j + W <= lim; j += W) vmax = maximum(vmax, V::loadu(s + j));
   }
   m = nan_max(m, reduce_max(vmax));
   for (; j < lim; ++j) {
@@ -324,24 +253,24 @@ acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lo, int64_t hi, int6
 // s[j] = cap * tanh(s[j] / cap) for j < n: soft-capping, on the scaled scores before the masks.
 template <typename acc_t>
 void softcap_row(acc_t* s, int64_t n, acc_t cap) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  const Vec vcap(cap);
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vcap(cap);
   int64_t j = 0;
-  for (; j + W <= n; j += W) ((Vec::loadu(s + j) / vcap).tanh() * vcap).store(s + j);
+  for (; j + W <= n; j += W) (vtanh(V::loadu(s + j) / vcap) * vcap).store(s + j);
   for (; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
 }
 
 // s[j] = exp(s[j] - base) for j < n; returns the sum of the results.
 template <typename acc_t>
 acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  const Vec vbase(base);
-  Vec vsum(acc_t(0));
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vbase(base);
+  V vsum(acc_t(0));
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    const Vec e = vexp(Vec::loadu(s + j) - vbase);
+    const V e = vexp(V::loadu(s + j) - vbase);
     e.store(s + j);
     vsum = vsum + e;
   }
@@ -445,11 +374,11 @@ void dropout_factors(const AttentionParams& p, int64_t row, int64_t s0, int64_t 
 
 template <typename acc_t>
 void scale_row(acc_t* x, int64_t n, acc_t factor) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  const Vec vf(factor);
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vf(factor);
   int64_t j = 0;
-  for (; j + W <= n; j += W) (Vec::loadu(x + j) * vf).store(x + j);
+  for (; j + W <= n; j += W) (V::loadu(x + j) * vf).store(x + j);
   for (; j < n; ++j) x[j] *= factor;
 }
 
@@ -501,7 +430,7 @@ struct Plan {
 Plan make_plan(const AttentionParams& p, size_t acc_size) {
   Plan plan{};
   const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   // A (bq, bk) tile of 128 queries by 512 keys: 512 keys keep the P V GEMM deep and the (bq, bk) scores
   // (256 KiB in fp32) in L2; 128 rows (rather than 256) waste less on tiles that causality cuts in two and
   // measured as fast without masks. Short sequences take one tile.
@@ -535,7 +464,7 @@ Plan make_plan(const AttentionParams& p, size_t acc_size) {
 
 template <typename acc_t>
 struct Scratch {
-  at::Tensor storage;
+  AlignedBuffer<acc_t> storage;
   acc_t* q;          // (rows, D) the item's queries, pre-scaled
   acc_t* o;          // (rows, Dv) the item's output accumulators
   acc_t* k;          // (bk, D) key tile converted, when it cannot be transposed in place
@@ -553,11 +482,10 @@ struct Scratch {
     constexpr int kRegions = 9;
     const int64_t sizes[kRegions] = {rows_n * D,     rows_n * Dv, bk * D, D * plan.ld_s, bk * Dv,
                                      bq * plan.ld_s, bk,          bk,     2 * rows_n};
-    int64_t total = line;  // slack to align the first region
+    int64_t total = 0;
     for (int64_t n : sizes) total += round_up(n, line);
-    storage = at::empty({total}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    acc_t* base = storage.mutable_data_ptr<acc_t>();
-    acc_t* next = reinterpret_cast<acc_t*>(round_up(reinterpret_cast<intptr_t>(base), 64));
+    storage = AlignedBuffer<acc_t>(total);
+    acc_t* next = storage.data();
     acc_t* regions[kRegions];
     for (int i = 0; i < kRegions; ++i) {
       regions[i] = next;
@@ -588,8 +516,8 @@ class TileSkipFlags {
     const int64_t L = p.q_len, S = p.kv_len, bq = plan.bq, bk = plan.bk, qt_n = plan.q_tiles,
                   kt_n = plan.k_tiles;
     if (p.key_padding_mask_kind != kMaskNone) {
-      padding_storage_ = at::empty({p.batch * kt_n}, at::kBool);
-      bool* flags = padding_storage_.mutable_data_ptr<bool>();
+      padding_storage_ = AlignedBuffer<bool>(p.batch * kt_n);
+      bool* flags = padding_storage_.data();
       const int64_t* st = p.key_padding_mask_stride;
       visit_mask(p.key_padding_mask_kind, key_padding_mask, [&](auto m) {
         for (int64_t b = 0; b < p.batch; ++b) {
@@ -603,11 +531,11 @@ class TileSkipFlags {
       padding_ = flags;
     }
     if (p.attn_mask_kind != kMaskNone) {
-      mask_storage_ = at::empty({plan.bh_m * qt_n * kt_n}, at::kBool);
-      bool* flags = mask_storage_.mutable_data_ptr<bool>();
+      mask_storage_ = AlignedBuffer<bool>(plan.bh_m * qt_n * kt_n);
+      bool* flags = mask_storage_.data();
       const int64_t* st = p.attn_mask_stride;
       visit_mask(p.attn_mask_kind, attn_mask, [&](auto m) {
-        at::parallel_for(0, plan.bh_m * qt_n, 1, [&](int64_t begin, int64_t end) {
+        parallel_for(0, plan.bh_m * qt_n, 1, [&](int64_t begin, int64_t end) {
           for (int64_t i = begin; i < end; ++i) {
             const int64_t bh = i / qt_n, qt = i % qt_n;
             const int64_t b = bh / plan.heads_m, h = bh % plan.heads_m;
@@ -639,7 +567,7 @@ class TileSkipFlags {
   }
 
  private:
-  at::Tensor padding_storage_, mask_storage_;
+  AlignedBuffer<bool> padding_storage_, mask_storage_;
   const bool* padding_ = nullptr;  // null without key_padding_mask
   const bool* mask_ = nullptr;     // null without attn_mask
   int64_t q_tiles_ = 0, k_tiles_ = 0, heads_m_ = 1;
@@ -675,8 +603,8 @@ class AttentionCpu {
     // the most keys: they go first, so that the short ones fill in at the end. A shared mask orders items
     // query-block first (see make_plan); otherwise a (b, h)'s blocks follow each other.
     std::atomic<int64_t> next{0};
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int64_t threads = std::min<int64_t>(num_threads(), items);
+    parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       Scratch<acc_t> ws(p_, plan_);
       for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
         int64_t bh, blk;
@@ -866,21 +794,22 @@ class AttentionCpu {
 }  // namespace
 
 void attention_kernel(const AttentionParams& p, const AttentionData& d) {
+  using torch::headeronly::ScalarType;
   switch (d.dtype) {
-    case at::kFloat:
+    case ScalarType::Float:
       AttentionCpu<float>(p, d).run();
       break;
-    case at::kDouble:
+    case ScalarType::Double:
       AttentionCpu<double>(p, d).run();
       break;
-    case at::kBFloat16:
-      AttentionCpu<at::BFloat16>(p, d).run();
+    case ScalarType::BFloat16:
+      AttentionCpu<torch::headeronly::BFloat16>(p, d).run();
       break;
-    case at::kHalf:
-      AttentionCpu<at::Half>(p, d).run();
+    case ScalarType::Half:
+      AttentionCpu<torch::headeronly::Half>(p, d).run();
       break;
     default:
-      TORCH_CHECK(false, "attnx::attention: no CPU kernel for dtype ", d.dtype);
+      STD_TORCH_CHECK(false, "attnx::attention: no CPU kernel for dtype ", d.dtype);
   }
 }
 
