@@ -23,11 +23,13 @@ Environment (unset: the default counts below, cases 0, 1, ...):
 - ``ATTNX_FUZZ_FIRST_CASE``: the first case number (default 0), so that a long run explores new cases:
   ``ATTNX_FUZZ_FIRST_CASE=1000000`` runs cases 1000000, 1000001, ...
 
-A long run, crash-safe (pytest-xdist restarts a worker that crashes, a segfault or an abort, and reports the
-case it was running as failed; the run goes on):
+A long run, crash-safe: pytest-xdist (``pip install pytest-xdist``) restarts a worker that crashes, a segfault
+or an abort, reports the case it was running as an error, with its id, in the summary and the JUnit XML, and
+the run goes on (up to ``--max-worker-restart`` crashes; its default, 4 per worker, is too few for a long
+run):
 
     ATTNX_FUZZ_CASES=100 ATTNX_FUZZ_FIRST_CASE=1000000 python -m pytest -q -p no:cacheprovider -n 2 \\
-        tests/test_fuzz.py --junitxml=build/fuzz.xml
+        --max-worker-restart=1000 --junitxml=build/fuzz.xml tests/test_fuzz.py
 """
 
 import contextlib
