@@ -52,8 +52,9 @@ DEFAULT_CASES = {
     "mha_forward": 100,
     "mha_backward": 50,
 }
-# The seeds of a test's cases: case N of test T seeds with SEED_BASE[T] + N. attention's are today's (case
-# numbers unchanged); the others sit 2^32 apart, so that no two tests share a configuration.
+# The seeds of a test's cases: case N of test T seeds with SEED_BASE[T] + N. attention's are those its cases
+# always had (so attention forward case N + 10000 draws the shapes of backward case N, forward's dtype and
+# empty dims aside); the others sit 2^32 apart, so that their cases never share a seed.
 SEED_BASE = {
     "attention_forward": 0,
     "attention_backward": 10_000,
