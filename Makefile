@@ -5,6 +5,8 @@
 #   make bench                      build, then run every benchmark (BENCH_ARGS=--quick for a short run,
 #                                   BENCH_ARGS="--only train" for one case; see benchmarks/README.md)
 #   make test-cpu-torch             the test suite against the CPU-only torch 2.13.0 (in build/cpu-torch)
+#   make sanitize                   the kernel tests on an ASan + UBSan build (in build/sanitize)
+#   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +21,7 @@ MODEL_LIBS ?= transformers==5.23.0 timm==1.0.31 open-clip-torch==3.3.0 torchvisi
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test test-cpu-torch bench bench-deps build clean tools lint models
+.PHONY: test test-cpu-torch sanitize fuzz bench bench-deps build clean tools lint models
 
 test: build tools lint models
 	$(PY) -m pytest
@@ -51,6 +53,47 @@ test-cpu-torch:
 	cp -r csrc metal python tests benchmarks upstream setup.py pyproject.toml README.md Makefile build/cpu-torch/
 	rm -f build/cpu-torch/python/attnx/_C*.so build/cpu-torch/python/attnx/_build_info.py
 	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0 MODEL_LIBS=transformers==5.23.0
+
+# AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
+# every report fatal, then the tests of every CPU kernel path (attention forward and backward with each feature,
+# dropout, linear, mha and its backward, the module, the seeded fuzz) and the CUDA emulation tier (its library
+# built with the same sanitizers) in a process that preloads the ASan runtime (and libstdc++ after it: without,
+# ASan's __cxa_throw interceptor fails a CHECK when triton's library throws). Leak detection is off: Python
+# keeps objects alive until exit by design (tests/test_leaks.py checks attnx's own memory). The one test that
+# measures peak RSS is left out: ASan's redzones and quarantine are part of any peak measured under it.
+SANITIZE_TESTS ?= tests/test_attention.py tests/test_attention_backward.py tests/test_attention_features.py \
+	tests/test_dropout.py tests/test_linear.py tests/test_mha_op.py tests/test_mha_backward.py tests/test_modules.py \
+	tests/test_fuzz.py tests/test_cuda_emulation.py
+SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+sanitize: build
+	rm -rf build/sanitize && mkdir -p build/sanitize
+	cp -r csrc metal python tests upstream setup.py pyproject.toml build/sanitize/
+	rm -f build/sanitize/python/attnx/_C*.so build/sanitize/python/attnx/_build_info.py
+	cd build/sanitize && ATTNX_SANITIZE=1 ATTNX_WITH_CUDA=0 $(abspath $(PY)) setup.py -q build_ext --inplace \
+		> build.log 2>&1 || (tail -n 60 build.log; exit 1)
+	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
+		$(SANITIZE_ENV) ATTNX_SANITIZE=1 \
+		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) \
+		-k "not test_no_quadratic_memory"
+
+# Seeded fuzzing at scale (tests/test_fuzz.py): FUZZ_CASES times each fuzz test's default case count, from case
+# FUZZ_FIRST_CASE on (raise it to explore new cases), on FUZZ_JOBS pytest-xdist workers. A case that crashes its
+# worker (segfault, abort) is reported as an error under its id and the run goes on with a fresh worker; every
+# case's result is in build/fuzz.xml, and the target fails if any case failed. A failure reproduces alone with
+#   ATTNX_FUZZ_FIRST_CASE=N $(PY) -m pytest 'tests/test_fuzz.py::test_mha_forward[case-N]'
+FUZZ_CASES ?= 100
+FUZZ_FIRST_CASE ?= 1000000
+FUZZ_JOBS ?= 2
+
+fuzz: build $(VENV)/.fuzz-deps
+	@mkdir -p build
+	ATTNX_FUZZ_CASES=$(FUZZ_CASES) ATTNX_FUZZ_FIRST_CASE=$(FUZZ_FIRST_CASE) $(PY) -m pytest -q -p no:cacheprovider \
+		-n $(FUZZ_JOBS) --max-worker-restart=1000 --junitxml=build/fuzz.xml tests/test_fuzz.py
+
+$(VENV)/.fuzz-deps: $(VENV)/.deps
+	$(PY) -m pip install --quiet pytest-xdist
+	touch $@
 
 bench: build bench-deps
 	$(PY) -m benchmarks $(BENCH_ARGS)

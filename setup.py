@@ -4,6 +4,8 @@
 Environment:
   ATTNX_WITH_CUDA / ATTNX_WITH_MPS   auto (default) | 0 | 1 (1 fails the build when the backend is impossible)
   ATTNX_DEBUG=1                      -O0 -g
+  ATTNX_SANITIZE=1                   AddressSanitizer + UndefinedBehaviorSanitizer, any report fatal (`make
+                                     sanitize` builds a CPU-only copy with it and runs the kernel tests)
   CUDA_HOME                          toolkit root; by default read from `nvcc --dryrun`
                                      (nvcc may be a wrapper)
   TORCH_CUDA_ARCH_LIST               default "8.0;9.0" when no GPU is visible
@@ -21,6 +23,7 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc")
+SANITIZE = os.environ.get("ATTNX_SANITIZE") == "1"
 
 
 def _flag(name):
@@ -125,7 +128,7 @@ def _extension(backends):
     def sources(*patterns):
         return sorted(p for pattern in patterns for p in glob.glob(os.path.join(CSRC, pattern)))
 
-    srcs = sources("*.cpp", "common/*.cpp", "autograd/*.cpp", "cpu/*.cpp")
+    srcs = sources("*.cpp", "common/*.cpp", "cpu/*.cpp")
     debug = os.environ.get("ATTNX_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # py_limited_api=True makes torch define Py_LIMITED_API (3.10): _C is an empty module, see
@@ -134,11 +137,18 @@ def _extension(backends):
     kwargs = dict(
         include_dirs=[os.path.join(ROOT, CSRC), os.path.join(ROOT, CSRC, "include")],
         py_limited_api=True,
+        extra_link_args=[],
     )
+    if SANITIZE:
+        # The process loads the ASan runtime first (LD_PRELOAD, see the Makefile's sanitize target): Python
+        # and torch are not instrumented, attnx's code is.
+        sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+        cxx += sanitizers + ["-fno-omit-frame-pointer", "-g"]
+        kwargs["extra_link_args"] += sanitizers
     if _openmp():
         # at::parallel_for is inline: without -fopenmp it compiles to a serial loop in attnx's kernels.
         cxx.append("-fopenmp")
-        kwargs["extra_link_args"] = ["-fopenmp"]
+        kwargs["extra_link_args"].append("-fopenmp")
     if "CUDA" in backends:
         srcs += sources("cuda/*.cu", "cuda/*.cpp")
         cxx.append("-DATTNX_WITH_CUDA")
@@ -150,7 +160,7 @@ def _extension(backends):
         srcs += sources("mps/*.mm")
         cxx.append("-DATTNX_WITH_MPS")
         kwargs["include_dirs"].append(_embed_metal_sources())
-        kwargs["extra_link_args"] = ["-framework", "Metal", "-framework", "Foundation"]
+        kwargs["extra_link_args"] += ["-framework", "Metal", "-framework", "Foundation"]
     return cpp_extension.CppExtension("attnx._C", srcs, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
@@ -166,7 +176,8 @@ class _BuildExtension(BuildExtension.with_options(use_ninja=True)):
 
     def finalize_options(self):
         super().finalize_options()
-        self.build_temp = os.path.join(ROOT, "build", "temp-" + "-".join(backends))
+        flavour = "-".join(backends) + ("-sanitize" if SANITIZE else "")
+        self.build_temp = os.path.join(ROOT, "build", "temp-" + flavour)
 
 
 setup(

@@ -97,6 +97,9 @@ def build(extra_flags=(), sources=SOURCES, shared=True):
     if inc is None:
         raise Unavailable("no CUDA toolkit headers (cuda_runtime.h, cuda_fp16.h, cuda_bf16.h); set CUDA_HOME")
     flags = [*FLAGS, *extra_flags, "-I" + HERE, "-I" + CSRC, "-I" + os.path.join(CSRC, "include"), "-I" + inc]
+    if shared and os.environ.get("ATTNX_SANITIZE") == "1":
+        # `make sanitize`: the library is loaded into the test process, which has the ASan runtime preloaded.
+        flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
     # -Bsymbolic: the library's cudaFuncSetAttribute & co. are the shim's, even in a process where torch has
     # loaded the real libcudart (whose versions fail without a driver).
     flags += ["-shared", "-Wl,-Bsymbolic"] if shared else []
