@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnx
 from attnx import ops, reference
+from test_linear import is_non_overlapping_and_dense
 
 DEFAULT_CASES = {
     "attention_forward": 300,
@@ -277,17 +278,6 @@ def _linear_config(rng, g, grad):
     if kind == "full":
         b = b.contiguous()
     return x, w, b
-
-
-def is_non_overlapping_and_dense(t):
-    """Every element of a span of t.numel() elements is addressed exactly once."""
-    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: t.stride(d))
-    extent = 1
-    for d in dims:
-        if t.stride(d) != extent:
-            return False
-        extent *= t.shape[d]
-    return True
 
 
 @cases("linear_forward")
