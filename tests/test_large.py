@@ -17,8 +17,8 @@ ROWS = [slice(0, 3), slice(N // 2 - 2, N // 2 + 1), slice(N - 3, N)]
 def inputs():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
-    # Batch 1 sees only the second half of the keys, through a (B, S) mask; every query row also skips the last
-    # 4096 keys through an (L, S) mask broadcast from a single row (stride 0 along L).
+    # Batch 1 sees only the second half of the keys, through a (B, S) mask; every query row also skips the
+    # last 4096 keys through an (L, S) mask broadcast from a single row (stride 0 along L).
     key_padding_mask = torch.zeros(B, N, dtype=torch.bool)
     key_padding_mask[1, : N // 2] = True
     attn_mask = torch.zeros(1, N, dtype=torch.bool)
