@@ -1,8 +1,10 @@
 // attnx: helpers for code on the LibTorch stable ABI (torch/csrc/stable), which reaches torch through a C API.
 #pragma once
 
+#include <dlfcn.h>
+#include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/macros.h>
+#include <torch/csrc/stable/version.h>
 
 #include <stdexcept>
 #include <string>
@@ -26,8 +28,14 @@ inline std::string error_message(std::string message) {
 // to 2.12 log it to stderr, and the exception then says so.
 inline void check(AOTITorchError error, const char* what) {
   if (error == TORCH_SUCCESS) return;
-  const char* message = TORCH_DYNAMIC_VERSION_CALL_2_13_0(torch_exception_get_what_without_backtrace,
-                                                           torch::stable::detail::torch_shim_bc_const_char_ptr);
+#if TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
+  const char* message = torch_exception_get_what_without_backtrace();
+#else
+  // Targeting an older torch: the getter, where the running torch has it.
+  using Getter = const char* (*)();
+  const auto getter = reinterpret_cast<Getter>(dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
+  const char* message = getter ? getter() : nullptr;
+#endif
   throw std::runtime_error(message ? error_message(message)
                                    : std::string(what) + " failed (torch < 2.13 logs the error to stderr)");
 }
