@@ -46,3 +46,87 @@ def test_attention_past_2_to_31_scores(inputs, is_causal):
         )
         torch.testing.assert_close(out[:, :, rows].double(), want_out, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(lse[:, :, rows].double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Mask element offsets past 2^31: a few query rows, masks read through views whose elements lie past 2^31 (and
+# whose row strides pass it) in a storage that is mostly never touched (reserved, not resident).
+
+FAR = 2**31 + 17  # the first element's offset and the row stride of a far view, in elements
+
+
+def _far(values, row_stride=FAR):
+    """``values`` (R, C) written into a view of a new storage at element offset FAR, rows ``row_stride``
+    elements apart."""
+    rows, cols = values.shape
+    storage = torch.empty(FAR + (rows - 1) * row_stride + cols, dtype=values.dtype)
+    view = storage.as_strided((rows, cols), (row_stride, 1), FAR)
+    view.copy_(values)
+    return view
+
+
+def _far_masks():
+    """(attn_mask, key_padding_mask) for B=2, H=2, L=3, S=70 as compact tensors and as far views: a bool
+    (L, S) mask with rows 2^31+ elements apart, a float16 (B, S) padding mask whose batch rows are too."""
+    g = torch.Generator().manual_seed(5)
+    attn_mask = torch.rand(3, 70, generator=g) < 0.3
+    key_padding_mask = torch.randn(2, 70, generator=g).to(torch.float16)
+    key_padding_mask[1, :40] = float("-inf")
+    return (attn_mask, key_padding_mask), (_far(attn_mask), _far(key_padding_mask))
+
+
+def _far_cases(dtype=torch.float32):
+    from test_attention import make_qkv
+
+    (mask, padding), (far_mask, far_padding) = _far_masks()
+    assert far_mask.stride(0) > 2**31 and far_padding.storage_offset() > 2**31
+    return make_qkv(2, 2, 3, 70, 8, 8, dtype=dtype), dict(attn_mask=mask, key_padding_mask=padding), dict(
+        attn_mask=far_mask, key_padding_mask=far_padding
+    )
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_mask_offsets_past_2_to_31(is_causal):
+    from test_attention import assert_matches_reference
+
+    (q, k, v), masks, far_masks = _far_cases()
+    with torch.no_grad():
+        out, lse = attnx.attention(q, k, v, **far_masks, is_causal=is_causal)
+    assert_matches_reference(out, lse, q, k, v, **masks, is_causal=is_causal)
+
+
+def test_mask_offsets_past_2_to_31_backward():
+    (q, k, v), masks, far_masks = _far_cases()
+    out, lse = attnx.attention(q, k, v, **masks)
+    grad_out = torch.randn_like(out)
+    got = attnx.ops.attention_backward(grad_out, q, k, v, out, lse, **far_masks)
+    want = attnx.ops.attention_backward(grad_out, q, k, v, out, lse, **masks)
+    for name, g, w in zip(("grad_query", "grad_key", "grad_value"), got[:3], want[:3], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("kernel", ["simt", "mma"])  # the tensor-core kernel takes 16-bit inputs only
+def test_mask_offsets_past_2_to_31_cuda_emulation(kernel):
+    from emulation import emulator
+    from test_attention import assert_matches_reference
+
+    try:
+        emu = emulator.Emulator(emulator.build())
+    except emulator.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    (q, k, v), masks, far_masks = _far_cases(torch.bfloat16 if kernel == "mma" else torch.float32)
+    out, lse = emu.attention(q, k, v, out_layout="blhd", kernel=kernel, **far_masks)
+    assert_matches_reference(out, lse, q, k, v, **masks)
+
+
+def test_mask_offsets_past_2_to_31_metal_emulation():
+    from emulation import metal_emulator
+    from test_attention import assert_matches_reference
+
+    try:
+        emu = metal_emulator.MetalEmulator(metal_emulator.build())
+    except metal_emulator.Unavailable as e:
+        pytest.skip(f"Metal emulation unavailable: {e}")
+    (q, k, v), masks, far_masks = _far_cases()
+    out, lse = emu.attention(q, k, v, out_layout="blhd", **far_masks)
+    assert_matches_reference(out, lse, q, k, v, **masks)

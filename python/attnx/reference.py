@@ -32,6 +32,8 @@ def attention(
     key_lengths: Tensor | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    *,
+    read_unseen: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention with nn.MultiheadAttention's mask semantics; returns ``(out, lse)``.
 
@@ -66,6 +68,18 @@ def attention(
     float32 (float64 for float64 inputs). A row that sees no key (every key masked, or S == 0) gives out 0 and
     ``lse = +inf``, sink or not, so that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row
     NaN out and lse. Differentiable (through autograd) in query, key, value, a float attn_mask and sinks.
+
+    Positions a row does not see: key ``s`` is unseen by row ``l`` when :func:`key_range_mask` excludes it or
+    a mask removes it (bool ``True``, float ``-inf``). With finite inputs they contribute exactly nothing. A
+    NaN or inf that reaches the row *only* through unseen positions (in that key or value, in the score of
+    ``(l, s)``, in a float mask there, or in query row ``l`` for the gradients of those keys) may do either of
+    two things, and which one depends on how a backend tiles the work (a tile that a row sees none of is
+    skipped, a partly seen one is computed and then masked, and ``0 * NaN`` is NaN): propagate as plain
+    arithmetic does (``read_unseen=True``, this function's default: the masks are added to the scores,
+    ``-inf + NaN = NaN``, and ``probs @ value`` meets ``0 * NaN``), or not at all, as if those positions had
+    never been read (``read_unseen=False``: every product of the scores, of ``probs @ value`` and of their
+    gradients is taken only over seen pairs). An output element may be NaN only where one of the two answers
+    is; where they differ it is the one or the other. Keys past ``key_lengths`` are never read, in either.
     """
     B, H, L, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
@@ -78,14 +92,25 @@ def attention(
         key, value = key.masked_fill(beyond, 0), value.masked_fill(beyond, 0)
     if Hkv != H:  # clarity over memory: the kernels index the shared kv head instead
         key, value = key.repeat_interleave(H // Hkv, dim=1), value.repeat_interleave(H // Hkv, dim=1)
-    scores = torch.matmul(query.to(acc), key.to(acc).transpose(-2, -1)) * scale  # (B, H, L, S)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
     seen = key_range_mask(B, L, S, is_causal, window_left, window_right, key_lengths, query.device)
     bias = torch.zeros(seen.shape, dtype=acc, device=query.device).masked_fill(~seen, float("-inf"))
     for mask in (_as_4d_attn_mask(attn_mask, B, H), _as_4d_padding_mask(key_padding_mask)):
         if mask is not None:
             bias = bias + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
+            seen = seen & (~mask if mask.dtype == torch.bool else mask != float("-inf"))
+    if read_unseen:
+        scores = torch.matmul(query.to(acc), key.to(acc).transpose(-2, -1)) * scale  # (B, H, L, S)
+    else:
+        # Products over seen pairs only: (B, H, L, S, D) operands with unseen pairs zeroed before they are
+        # multiplied, so that neither the forward nor autograd's backward ever multiplies an unseen value.
+        seen = seen.expand(B, H, L, S).unsqueeze(-1)
+        pairs_q = query.to(acc).unsqueeze(-2).where(seen, 0.0)
+        pairs_k = key.to(acc).unsqueeze(-3).where(seen, 0.0)
+        scores = (pairs_q * pairs_k).sum(-1) * scale
+        value = value.to(acc).unsqueeze(-3).where(seen, 0.0)  # (B, H, L, S, Dv)
+        bias = bias.where(seen.squeeze(-1), float("-inf"))  # a NaN mask value at an unseen position dropped
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores + bias
     # A fully masked row (every score -inf, or S == 0) would give lse = -inf and probabilities
     # -inf - -inf = nan. Its scores are replaced by 0 for the logsumexp only: its probabilities are then
@@ -103,7 +128,10 @@ def attention(
             raise ValueError("attnx.reference.attention: dropout_p > 0 needs a dropout_seed (seed, offset)")
         keep = dropout_keep_mask(dropout_seed, B, H, L, S, dropout_p).to(query.device)
         probs = probs * keep / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(probs)
-    out = torch.matmul(probs, value.to(acc)).to(query.dtype)
+    if read_unseen:
+        out = torch.matmul(probs, value.to(acc)).to(query.dtype)
+    else:
+        out = (probs.unsqueeze(-1) * value).sum(-2).to(query.dtype)
     lse = lse.masked_fill(empty.squeeze(-1), float("inf"))
     return out, lse.to(acc)
 
