@@ -170,6 +170,12 @@ def attention_backward(
     masked row (``lse = +inf``) contributes 0. With the forward's ``dropout_p`` and ``dropout_seed``, the
     forward's dropout mask is regenerated (never read from memory): ``dV = (Z P)^T dO`` and
     ``dS = P (Z dP - rowsum(dO O))``, ``Z`` the mask scaled by ``1 / (1 - dropout_p)``.
+
+    Accuracy: ``dP - rowsum(dO O)`` subtracts two sums taken in different orders, so where a probability is
+    near 1 it carries up to about ``(D + S) eps P |dO| . (|v_s| + |O|)`` of rounding, which the scale
+    multiplies into dQ and dK. At a scale so large that the softmax is one-hot (the exact dQ and dK vanish)
+    they are that rounding times the scale (~1e25 in float32 at scale 1e30), as in every FlashAttention-style
+    backward; dV is exact.
     """
     return torch.ops.attnx.attention_backward.default(
         grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
