@@ -175,7 +175,7 @@ def attention_backward(
     near 1 it carries up to about ``(D + S) eps P |dO| . (|v_s| + |O|)`` of rounding, which the scale
     multiplies into dQ and dK. At a scale so large that the softmax is one-hot (the exact dQ and dK vanish)
     they are that rounding times the scale (~1e25 in float32 at scale 1e30), as in every FlashAttention-style
-    backward; dV is exact.
+    backward; dV does not involve the subtraction.
     """
     return torch.ops.attnx.attention_backward.default(
         grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
