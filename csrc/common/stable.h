@@ -6,19 +6,26 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/version.h>
 
+#include <algorithm>
+#include <cctype>
 #include <stdexcept>
 #include <string>
 
 namespace attnx::stable {
 
 // The message of an error that crossed torch's C API, as the op raised it: a Python exception raised below
-// the call (a Python autograd kernel's, say) arrives as "<type>: <message>\n\nAt:\n<traceback>"; a RuntimeError
-// is raised again as one, so only its message is kept.
+// the call (a Python autograd kernel's, say) arrives as "<type>: <message>\n\nAt:\n<traceback>", and a
+// NotImplementedError from a C++ kernel as "NotImplementedError: <message>". The error is raised again as a
+// RuntimeError (the C API does not carry its type), so only the message is kept.
 inline std::string error_message(std::string message) {
   const size_t traceback = message.find("\n\nAt:\n");
   if (traceback != std::string::npos) message.resize(traceback);
-  constexpr char kRuntimeError[] = "RuntimeError: ";
-  if (message.rfind(kRuntimeError, 0) == 0) message.erase(0, sizeof(kRuntimeError) - 1);
+  const size_t colon = message.find(": ");
+  const auto is_name = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.'; };
+  if (colon != std::string::npos && colon >= 5 && message.compare(colon - 5, 5, "Error") == 0 &&
+      std::all_of(message.begin(), message.begin() + colon, is_name)) {
+    message.erase(0, colon + 2);
+  }
   return message;
 }
 

@@ -33,7 +33,25 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     once.
     Any other layout is copied exactly once. Differentiable in input, weight and bias.
     """
-    return torch.ops.attnx.linear.default(input, weight, bias)
+    if _records_backward(input, weight, bias):
+        return _LinearFunction.apply(_linear_kernel, None, input, weight, bias)
+    return _linear_kernel(input, weight, bias)
+
+
+def _records_backward(*tensors: Tensor | None) -> bool:
+    """Whether a call records a backward: grad mode on and a tensor argument that requires grad.
+
+    The wrappers here take the decision of the public op's router (csrc/common/routes.cpp) and of its Python
+    autograd kernel one dispatch earlier: with nothing to record they call the kernel op (``_linear``,
+    ``_attention``, ``_mha``), else the op's ``autograd.Function`` around it. The router cannot read
+    requires_grad (torch's C API has no getter), so through it a grad-mode call pays the Python kernel's
+    check (~8 us) even with nothing to record; and a forward + backward costs ~25 us less this way at tiny
+    shapes. ``torch.ops.attnx.*`` stay the entry points for other callers, with the same results."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# Looked up once: the wrappers are called per layer and step, and cost little more than the ops.
+_linear_kernel = torch.ops.attnx._linear.default
 
 
 def attention(
@@ -105,23 +123,26 @@ def attention(
     """
     if dropout_p > 0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(query.device)
+    if _records_backward(query, key, value, attn_mask, key_padding_mask, sinks):
+        return _AttentionFunction.apply(
+            _attention_kernel, None, query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+            dropout_p, dropout_seed, window_left, window_right, key_lengths, softcap, sinks,
+        )
+    op = _attention_kernel
     # Arguments at their defaults are left to the schema: torch.ops converts each one passed (~0.1 us apiece;
     # all 14 cost a quarter of the whole call at decoding shapes).
     if window_left == -1 and window_right == -1 and key_lengths is None and softcap is None and sinks is None:
         if (attn_mask is None and key_padding_mask is None and is_causal is False and scale is None
                 and dropout_p == 0.0 and dropout_seed is None):
-            return _attention_op(query, key, value)
-        return _attention_op(
-            query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed
-        )
-    return _attention_op(
+            return op(query, key, value)
+        return op(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed)
+    return op(
         query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed,
         window_left, window_right, key_lengths, softcap, sinks,
     )
 
 
-# Looked up once: attention's wrapper is called per layer and step, and costs little more than the op.
-_attention_op = torch.ops.attnx.attention.default
+_attention_kernel = torch.ops.attnx._attention.default
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
@@ -226,13 +247,23 @@ def mha(
     average_attn_weights else ``(B, H, L, S')`` when need_weights (NaN for a fully masked row), else an empty
     ``(0,)`` tensor. The semantics are :func:`attnx.reference.mha`.
     """
-    return torch.ops.attnx.mha.default(
+    grad = _records_backward(
+        query, key, value, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
+        bias_v, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, static_k, static_v,
+    )
+    args = (
         query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
         v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask,
         attn_mask, is_causal, static_k, static_v, need_weights, average_attn_weights, dropout_p,
         draw_dropout_seed(query.device) if dropout_p > 0 and dropout_seed is None else dropout_seed,
         batch_first,
     )
+    if grad:  # mha_forward under grad mode off (inside the Function) goes straight to its kernel
+        return _MhaFunction.apply(_mha_forward_op, None, *args)[:3]
+    return _mha_kernel(*args)
+
+
+_mha_forward_op, _mha_kernel = torch.ops.attnx.mha_forward.default, torch.ops.attnx._mha.default
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -253,9 +284,10 @@ def _register_autograd(op_name: str, function: type) -> None:
     after_autograd = torch._C._after_autograd_keyset
 
     def kernel(keyset, *args):
-        # Without an argument that requires grad there is nothing to record (grad mode is on, or the router
-        # would not have come here): straight to the kernel, without autograd.Function's cost.
-        if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        # Without an argument that requires grad, or in grad mode off (the router never comes here then, but
+        # mha's Function calls this op from its forward), there is nothing to record: straight to the kernel,
+        # without autograd.Function's cost.
+        if not (torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
             return op.redispatch(keyset & after_autograd, *args)
         return function.apply(op, keyset & after_autograd, *args, *defaults[len(args):])
 
@@ -378,7 +410,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, op, keyset, input, weight, bias):
         ctx.save_for_backward(input, weight)
         ctx.bias_size = -1 if bias is None else bias.shape[0]
-        return op.redispatch(keyset, input, weight, bias)
+        return op(input, weight, bias) if keyset is None else op.redispatch(keyset, input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -626,7 +658,10 @@ def _no_double_backward(op: str, inputs: list, compute) -> tuple:
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, keyset, query, key, value, *options):
-        out, lse = op.redispatch(keyset, query, key, value, *options)
+        if keyset is None:
+            out, lse = op(query, key, value, *options)
+        else:
+            out, lse = op.redispatch(keyset, query, key, value, *options)
         # Everything the backward recomputes the probabilities and the dropout mask from (attention's
         # arguments from attn_mask on, which attention_backward takes in the same order); nothing of size
         # (B, H, L, S).
@@ -915,7 +950,7 @@ _MHA_KEY_PADDING_MASK = _MHA_ARGS.index("key_padding_mask")
 class _MhaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, keyset, *args):
-        out, lse, weights, q, k, v, attn = op.redispatch(keyset, *args)
+        out, lse, weights, q, k, v, attn = op(*args) if keyset is None else op.redispatch(keyset, *args)
         # The arguments and what attention needs to recompute its probabilities; nothing of size (B, H, L, S).
         ctx.save_for_backward(*(a if isinstance(a, Tensor) else None for a in args), q, k, v, attn, lse)
         ctx.flags = {n: a for n, a in zip(_MHA_ARGS, args, strict=True) if not isinstance(a, Tensor)}
