@@ -684,3 +684,23 @@ def test_no_data_races_under_thread_sanitizer():
         pytest.skip(f"ThreadSanitizer cannot run here: {result.stderr.strip().splitlines()[0]}")
     assert "WARNING: ThreadSanitizer" not in result.stderr, result.stderr[-8000:]
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+
+
+def test_pipeline_cache_under_concurrent_first_use(tmp_path):
+    """mps::pipeline's cache (csrc/mps/pipeline_cache.h, the code metal_library.mm runs) from 16 threads
+    making their first calls at once, under ThreadSanitizer: one library build, one pipeline per name, the
+    same pipeline for every thread, and a failed build retried
+    (tests/emulation/metal/pipeline_cache_check.cpp)."""
+    if not metal_emulator.has_thread_sanitizer():
+        _unavailable("clang++ cannot build -fsanitize=thread programs (no clang++ or no libtsan)")
+    exe = tmp_path / "pipeline_cache_check"
+    source = os.path.join(metal_emulator.HERE, "metal", "pipeline_cache_check.cpp")
+    cmd = [metal_emulator.compiler(), "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread",
+           "-I" + metal_emulator.CSRC, source, "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    if "FATAL: ThreadSanitizer" in result.stderr:
+        pytest.skip(f"ThreadSanitizer cannot run here: {result.stderr.strip().splitlines()[0]}")
+    assert "WARNING: ThreadSanitizer" not in result.stderr, result.stderr[-8000:]
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-4000:]

@@ -21,7 +21,9 @@ inline std::string error_message(std::string message) {
   const size_t traceback = message.find("\n\nAt:\n");
   if (traceback != std::string::npos) message.resize(traceback);
   const size_t colon = message.find(": ");
-  const auto is_name = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.'; };
+  const auto is_name = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.';
+  };
   if (colon != std::string::npos && colon >= 5 && message.compare(colon - 5, 5, "Error") == 0 &&
       std::all_of(message.begin(), message.begin() + colon, is_name)) {
     message.erase(0, colon + 2);
