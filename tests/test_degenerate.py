@@ -322,6 +322,50 @@ def test_nonfinite_at_masked_keys(where, masked_keys):
     _check(q, k, v, grad_out, attn_mask=mask)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"is_causal": True},
+        {"attn_mask": "float", "key_padding_mask": "bool"},
+        {"attn_mask": "bool", "softcap": 2.0},
+        {"window_left": 2, "window_right": 1, "key_lengths": [7, 5]},
+        {"sinks": True, "is_causal": True},
+        {"dropout_p": 0.3, "attn_mask": "float"},
+    ],
+    ids=["causal", "masks", "softcap", "window_key_lengths", "sinks", "dropout"],
+)
+def test_the_two_answers_agree_on_finite_input(options):
+    """read_unseen=False is the same function as the default wherever no unseen position holds a non-finite
+    value: outputs and every gradient, with grouped KV heads, on finite random input."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+               for shape in ((B, 4, L, D), (B, 2, S, D), (B, 2, S, D)))
+    kwargs = dict(options)
+    if kwargs.get("attn_mask") == "float":
+        kwargs["attn_mask"] = torch.randn(L, S, generator=gen, dtype=torch.float64)
+        kwargs["attn_mask"][0, 3] = -INF
+    elif kwargs.get("attn_mask") == "bool":
+        kwargs["attn_mask"] = torch.rand(L, S, generator=gen) < 0.3
+    if "key_padding_mask" in kwargs:
+        kwargs["key_padding_mask"] = torch.rand(B, S, generator=gen) < 0.3
+    if "key_lengths" in kwargs:
+        kwargs["key_lengths"] = torch.tensor(kwargs["key_lengths"])
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = torch.randn(4, generator=gen, dtype=torch.float64)
+    if "dropout_p" in kwargs:
+        kwargs["dropout_seed"] = torch.tensor([3, 4])
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    leaves += [t.requires_grad_() for t in (kwargs.get("attn_mask"), kwargs.get("sinks"))
+               if t is not None and t.is_floating_point()]
+    grad_out = torch.randn(B, 4, L, D, generator=gen, dtype=torch.float64)
+    results = []
+    for read_unseen in (True, False):
+        out, lse = reference.attention(q, k, v, **kwargs, read_unseen=read_unseen)
+        results.append((out, lse, *torch.autograd.grad(out, leaves, grad_out)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_either_answer_is_checked():
     """The relaxed comparison still fails a wrong finite value where NaN may or may not appear, and a NaN
     where both answers are finite."""
