@@ -1,6 +1,8 @@
-"""Index math past 32 bits on the CPU: attention over L = S = 65536 (B*H*L*S = 2^33 scores, never stored),
-with masks read through stride-0 broadcast dims, checked against the reference on slices of rows at the start,
-middle and end, where an index that wrapped at 2^31 would read the wrong keys."""
+"""Index math past 32 bits: CPU attention over L = S = 65536 (B*H*L*S = 2^33 scores, never stored), with masks
+read through stride-0 broadcast dims, checked against the reference on slices of rows at the start, middle and
+end, where an index that wrapped at 2^31 would read the wrong keys; and masks, keys and values read through
+views whose element offsets and strides pass 2^31, on the CPU (forward and backward) and in the CUDA and Metal
+emulation tiers."""
 
 import pytest
 import torch
@@ -130,3 +132,71 @@ def test_mask_offsets_past_2_to_31_metal_emulation():
     (q, k, v), masks, far_masks = _far_cases()
     out, lse = emu.attention(q, k, v, out_layout="blhd", **far_masks)
     assert_matches_reference(out, lse, q, k, v, **masks)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Key and value batch strides past 2^31: both views of one mostly untouched bfloat16 storage, batch 1 at an
+# element offset past 2^31.
+
+
+def _far_kv(k, v):
+    """k and v (B=2, H, S, D) copied into views of one storage, batch stride FAR, v between k's batches."""
+    assert k.shape == v.shape and k.shape[0] == 2
+    per_batch = k[0].numel()
+    storage = torch.empty(FAR + 2 * per_batch, dtype=k.dtype)
+    sizes, inner = tuple(k.shape), k[0].stride()
+    far_k = storage.as_strided(sizes, (FAR, *inner), 0)
+    far_v = storage.as_strided(sizes, (FAR, *inner), per_batch)
+    far_k.copy_(k)
+    far_v.copy_(v)
+    return far_k, far_v
+
+
+def _far_kv_case():
+    from test_attention import make_qkv
+
+    q, k, v = make_qkv(2, 2, 3, 70, 8, 8, dtype=torch.bfloat16)
+    far_k, far_v = _far_kv(k, v)
+    assert far_k.stride(0) > 2**31 and far_v[1].storage_offset() > 2**31
+    return q, k, v, far_k, far_v
+
+
+def test_key_value_strides_past_2_to_31():
+    q, k, v, far_k, far_v = _far_kv_case()
+    mask = _far_masks()[0][0]
+    out, lse = attnx.attention(q, far_k, far_v, attn_mask=mask)
+    want_out, want_lse = attnx.attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    grad_out = torch.randn_like(out)
+    got = attnx.ops.attention_backward(grad_out, q, far_k, far_v, out, lse, attn_mask=mask)
+    want = attnx.ops.attention_backward(grad_out, q, k, v, out, lse, attn_mask=mask)
+    for name, g, w in zip(("grad_query", "grad_key", "grad_value"), got[:3], want[:3], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("kernel", ["simt", "mma"])
+def test_key_value_strides_past_2_to_31_cuda_emulation(kernel):
+    from emulation import emulator
+    from test_attention import assert_matches_reference
+
+    try:
+        emu = emulator.Emulator(emulator.build())
+    except emulator.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    q, k, v, far_k, far_v = _far_kv_case()
+    out, lse = emu.attention(q, far_k, far_v, out_layout="blhd", kernel=kernel)
+    assert_matches_reference(out, lse, q, k, v)
+
+
+def test_key_value_strides_past_2_to_31_metal_emulation():
+    from emulation import metal_emulator
+    from test_attention import assert_matches_reference
+
+    try:
+        emu = metal_emulator.MetalEmulator(metal_emulator.build())
+    except metal_emulator.Unavailable as e:
+        pytest.skip(f"Metal emulation unavailable: {e}")
+    q, k, v, far_k, far_v = _far_kv_case()
+    out, lse = emu.attention(q, far_k, far_v, out_layout="blhd")
+    assert_matches_reference(out, lse, q, k, v)
