@@ -79,7 +79,8 @@ LinearOperands gemm_part(const LinearOperands& gemm, bool by_rows, int64_t begin
 // per intra-op thread along rows or columns, and each thread runs its share on one thread of BLAS. For the
 // few, small GEMMs of attention's in-projections, and for a single GEMM with few rows, this beats one
 // multi-threaded GEMM after another (measured with MKL under OpenMP, the builds that use it: see
-// linear_cpu.cpp); large GEMMs, a lone GEMM with many rows, one thread: one after another.
+// linear_cpu.cpp); large GEMMs, a lone GEMM with many rows, one thread: one after another. Small fp32 GEMMs
+// run on attnx's own kernel (cpu/linear_cpu_kernel.h) instead of BLAS.
 void run_gemms_in_shares(const std::vector<LinearGemm>& gemms);
 
 }  // namespace attnx

@@ -1,6 +1,7 @@
 // attnx: attnx::linear on CPU, and the in-projections of mha run at once. The layout work is
 // common/linear.cpp; the GEMMs are torch's CPU BLAS, the one F.linear uses, run in shares per thread where
-// that beats BLAS's own threading (run_gemms_in_shares). On the LibTorch stable ABI.
+// that beats BLAS's own threading (run_gemms_in_shares), or attnx's own kernel where they are too small for a
+// call into BLAS to pay (small_linear_f32). On the LibTorch stable ABI.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 
