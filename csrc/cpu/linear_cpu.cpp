@@ -37,10 +37,10 @@ constexpr bool kSharesMeasured = false;
 
 // An fp32 GEMM with at most this many outputs and multiply-adds runs on small_linear_f32
 // (cpu/linear_cpu_kernel.h) rather than on torch's BLAS, whose call through the stable dispatcher (with its
-// views) costs ~4 us more. The kernel reduces each output's partial sums on its own (~10 ns an output), so the
-// outputs bound it as much as the arithmetic. Measured, one thread, us per call with a bias (BLAS / kernel):
-// (1, 64) x (64, 64) 11.9 / 5.8, (1, 128) x (128, 128) 12.6 / 8.7, (1, 256) x (256, 256) 11-16 / 12.6-13.6
-// (a tie); with more outputs BLAS wins: (4, 128) x (128, 128) ties, (16, 64) x (64, 64) 8.7 / 14-19.
+// views) costs a few us more. The kernel reduces each output's partial sums on its own, so the outputs bound it
+// as much as the arithmetic. Measured, one thread, us per call with a bias (BLAS / kernel): (1, 64) x (64, 64)
+// 6.9-7.2 / 4.1, (1, 128) x (128, 128) 7.5-8.1 / 5.4-5.7, (1, 256) x (256, 256) 11.5-13.5 / 9.7-10.0; with
+// more outputs BLAS wins: (4, 128) x (128, 128) 9.7 / 11.4-13.0, (16, 64) x (64, 64) 8.8-9.5 / 14.1.
 constexpr int64_t kMaxSmallOutputs = 256;
 constexpr int64_t kMaxSmallWork = int64_t(1) << 16;
 
