@@ -1,45 +1,224 @@
-// attnx: layout canonicalisation for attnx::linear (see linear.h).
+// attnx: layout canonicalisation for attnx::linear (see linear.h), on the LibTorch stable ABI.
+//
+// Tensors are made and viewed through the C shim's direct calls (aoti_torch_empty_strided,
+// aoti_torch__reinterpret_tensor, aoti_torch_copy_), which skip the boxed dispatcher; the GEMM itself is torch's
+// own addmm / mm, reached through torch_call_dispatcher.
 #include "common/linear.h"
 
-#include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/c/shim.h>
+#include <torch/csrc/stable/device.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "common/stable.h"
 
 namespace attnx {
 
-void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.dim() >= 1 && weight.dim() >= 1, "both arguments to linear need to be at least 1D, but they are ",
-              input.dim(), "D and ", weight.dim(), "D");
-  TORCH_CHECK(weight.dim() == 2, "attnx::linear: expected weight of shape (out_features, in_features), got a ",
-              weight.dim(), "-D tensor of shape ", weight.sizes());
-  const auto same_device = [&](const at::Tensor& t) {
-    TORCH_CHECK(t.device() == input.device(),
-                "Expected all tensors to be on the same device, but found at least two devices, ", input.device(),
-                " and ", t.device(), "!");
-  };
-  same_device(weight);
-  if (bias) same_device(*bias);
-  TORCH_CHECK(input.scalar_type() == weight.scalar_type(),
-              "expected m1 and m2 to have the same dtype, but got: ", input.dtype(), " != ", weight.dtype());
+namespace {
 
-  const int64_t K = input.size(-1);
-  const int64_t M = c10::multiply_integers(input.sizes().slice(0, input.dim() - 1));
-  const int64_t N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "mat1 and mat2 shapes cannot be multiplied (", M, "x", K, " and ",
-              weight.size(1), "x", N, ")");
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), "self and mat2 must have the same dtype, but got ",
-                bias->scalar_type(), " and ", weight.scalar_type());
-    TORCH_CHECK(bias->dim() == 1, "attnx::linear: expected bias of shape (out_features,) = (", N, ",), got ",
-                bias->sizes());
-    TORCH_CHECK(bias->size(0) == N || bias->size(0) == 1, "The expanded size of the tensor (", N,
-                ") must match the existing size (", bias->size(0), ") at non-singleton dimension 1.  Target sizes: [",
-                M, ", ", N, "].  Tensor sizes: [", bias->size(0), "]");
+using torch::headeronly::IntHeaderOnlyArrayRef;
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream message;
+  (message << ... << args);
+  throw std::runtime_error(message.str());
+}
+
+// TORCH_CHECK's behaviour without c10: the message is built only on failure, and is exactly the message (the
+// stable headers' STD_TORCH_CHECK prefixes the function, file and line).
+#define ATTNX_LINEAR_CHECK(cond, ...) \
+  do {                                \
+    if (!(cond)) ::attnx::fail(__VA_ARGS__); \
+  } while (0)
+
+// A list of sizes as torch prints an IntArrayRef: [2, 3].
+struct Sizes {
+  IntHeaderOnlyArrayRef values;
+};
+
+std::ostream& operator<<(std::ostream& os, Sizes s) {
+  os << '[';
+  for (size_t i = 0; i < s.values.size(); ++i) os << (i ? ", " : "") << s.values[i];
+  return os << ']';
+}
+
+// A dtype as torch prints a tensor's dtype() (c10's TypeMeta name, the demangled C++ type on Linux: float,
+// c10::BFloat16), where torch's own messages for the same mistake do.
+const char* type_meta_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return "float";
+    case ScalarType::Double: return "double";
+    case ScalarType::Half: return "c10::Half";
+    case ScalarType::BFloat16: return "c10::BFloat16";
+    case ScalarType::Long: return "long int";
+    case ScalarType::Int: return "int";
+    case ScalarType::Short: return "short int";
+    case ScalarType::Char: return "signed char";
+    case ScalarType::Byte: return "unsigned char";
+    case ScalarType::Bool: return "bool";
+    case ScalarType::UInt16: return "short unsigned int";
+    case ScalarType::UInt32: return "unsigned int";
+    case ScalarType::UInt64: return "long unsigned int";
+    case ScalarType::ComplexHalf: return "c10::complex<c10::Half>";
+    case ScalarType::ComplexFloat: return "c10::complex<float>";
+    case ScalarType::ComplexDouble: return "c10::complex<double>";
+    case ScalarType::Float8_e5m2: return "c10::Float8_e5m2";
+    case ScalarType::Float8_e4m3fn: return "c10::Float8_e4m3fn";
+    case ScalarType::Float8_e5m2fnuz: return "c10::Float8_e5m2fnuz";
+    case ScalarType::Float8_e4m3fnuz: return "c10::Float8_e4m3fnuz";
+    default: return torch::headeronly::toString(t);
   }
 }
 
-RowFold fold_rows(at::IntArrayRef sizes, at::IntArrayRef strides) {
+// A device as torch prints one: cpu, cuda:0, meta.
+std::string device_name(const torch::stable::Device& device) {
+  using torch::headeronly::DeviceType;
+  const char* type = "unknown";
+  switch (device.type()) {
+    case DeviceType::CPU: type = "cpu"; break;
+    case DeviceType::CUDA: type = "cuda"; break;
+    case DeviceType::HIP: type = "hip"; break;
+    case DeviceType::XPU: type = "xpu"; break;
+    case DeviceType::MPS: type = "mps"; break;
+    case DeviceType::Meta: type = "meta"; break;
+    case DeviceType::XLA: type = "xla"; break;
+    case DeviceType::HPU: type = "hpu"; break;
+    case DeviceType::MTIA: type = "mtia"; break;
+    case DeviceType::Lazy: type = "lazy"; break;
+    case DeviceType::PrivateUse1: type = "privateuseone"; break;
+    default: break;
+  }
+  return device.has_index() ? std::string(type) + ":" + std::to_string(device.index()) : std::string(type);
+}
+
+int64_t product(IntHeaderOnlyArrayRef values) {
+  int64_t p = 1;
+  for (const int64_t v : values) p *= v;
+  return p;
+}
+
+// A view of t's memory with the given sizes and strides, starting `offset` elements past t's first element.
+Tensor reinterpret(const Tensor& t, IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides,
+                   int64_t offset = 0) {
+  AtenTensorHandle view = nullptr;
+  stable::check(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(),
+                                               strides.data(), offset, &view),
+                "attnx::linear: a view");
+  return Tensor(view);
+}
+
+// An uninitialised tensor with the given sizes and strides, of `like`'s dtype and device.
+Tensor empty_strided(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides, const Tensor& like) {
+  int32_t dtype = 0, device_type = 0, device_index = 0;
+  stable::check(aoti_torch_get_dtype(like.get(), &dtype), "attnx::linear: dtype");
+  stable::check(aoti_torch_get_device_type(like.get(), &device_type), "attnx::linear: device");
+  stable::check(aoti_torch_get_device_index(like.get(), &device_index), "attnx::linear: device");
+  AtenTensorHandle out = nullptr;
+  stable::check(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(), dtype,
+                                         device_type, device_index, &out),
+                "attnx::linear: empty_strided");
+  return Tensor(out);
+}
+
+std::vector<int64_t> contiguous_strides(IntHeaderOnlyArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t extent = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = extent;
+    extent *= std::max<int64_t>(sizes[d], 1);
+  }
+  return strides;
+}
+
+void copy_into(const Tensor& dst, const Tensor& src) {
+  stable::check(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/0), "attnx::linear: copy_");
+}
+
+// A (rows, cols) matrix with canonical strides on size-1 dims, so that BLAS-compatibility checks downstream see
+// the real layout: a stride on a size-1 dim is arbitrary (B=1 transposes leave (D, B*D, 1) behind) and must not
+// decide between a direct GEMM and a copy.
+StridedMatrix as_matrix(const Tensor& t, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
+  if (cols == 1) col_stride = 1;
+  if (rows == 1) row_stride = col_stride == 1 ? std::max<int64_t>(cols, 1) : 1;
+  return {t, 0, rows, cols, row_stride, col_stride};
+}
+
+Tensor view(const StridedMatrix& m) {
+  const int64_t sizes[2] = {m.rows, m.cols}, strides[2] = {m.row_stride, m.col_stride};
+  return reinterpret(m.base, sizes, strides, m.offset);
+}
+
+// m^T, (cols, rows).
+Tensor transposed_view(const StridedMatrix& m) {
+  const int64_t sizes[2] = {m.cols, m.rows}, strides[2] = {m.col_stride, m.row_stride};
+  return reinterpret(m.base, sizes, strides, m.offset);
+}
+
+// A (1, n) row as the 1-D (n,) tensor the GEMM ops take for a bias.
+Tensor row_view(const StridedMatrix& m) {
+  return reinterpret(m.base, IntHeaderOnlyArrayRef(&m.cols, 1), IntHeaderOnlyArrayRef(&m.col_stride, 1), m.offset);
+}
+
+// Calls an aten op through the dispatcher whose one return (an out= argument, already held by the caller) is
+// dropped.
+void call_out_op(const char* name, const char* overload, StableIValue* stack, const char* what) {
+  stable::check(torch_call_dispatcher(name, overload, stack, TORCH_ABI_VERSION), what);
+  stable::check(aoti_torch_delete_tensor_object(torch::stable::detail::to<AtenTensorHandle>(stack[0])), what);
+}
+
+}  // namespace
+
+void check_linear_args(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
+  const int64_t input_dim = input.dim(), weight_dim = weight.dim();
+  ATTNX_LINEAR_CHECK(input_dim >= 1 && weight_dim >= 1,
+                     "both arguments to linear need to be at least 1D, but they are ", input_dim, "D and ",
+                     weight_dim, "D");
+  ATTNX_LINEAR_CHECK(weight_dim == 2, "attnx::linear: expected weight of shape (out_features, in_features), got a ",
+                     weight_dim, "-D tensor of shape ", Sizes{weight.sizes()});
+  const torch::stable::Device device = input.device();
+  const auto same_device = [&](const Tensor& t) {
+    const torch::stable::Device other = t.device();
+    ATTNX_LINEAR_CHECK(other == device,
+                       "Expected all tensors to be on the same device, but found at least two devices, ",
+                       device_name(device), " and ", device_name(other), "!");
+  };
+  same_device(weight);
+  if (bias) same_device(*bias);
+  const ScalarType dtype = input.scalar_type(), weight_dtype = weight.scalar_type();
+  ATTNX_LINEAR_CHECK(dtype == weight_dtype, "expected m1 and m2 to have the same dtype, but got: ",
+                     type_meta_name(dtype), " != ", type_meta_name(weight_dtype));
+
+  const IntHeaderOnlyArrayRef sizes = input.sizes();
+  const int64_t K = sizes.back();
+  const int64_t M = product(sizes.slice(0, sizes.size() - 1));
+  const int64_t N = weight.size(0);
+  ATTNX_LINEAR_CHECK(weight.size(1) == K, "mat1 and mat2 shapes cannot be multiplied (", M, "x", K, " and ",
+                     weight.size(1), "x", N, ")");
+  if (bias) {
+    const ScalarType bias_dtype = bias->scalar_type();
+    ATTNX_LINEAR_CHECK(bias_dtype == weight_dtype, "self and mat2 must have the same dtype, but got ", bias_dtype,
+                       " and ", weight_dtype);
+    ATTNX_LINEAR_CHECK(bias->dim() == 1, "attnx::linear: expected bias of shape (out_features,) = (", N,
+                       ",), got ", Sizes{bias->sizes()});
+    const int64_t bias_size = bias->size(0);
+    ATTNX_LINEAR_CHECK(bias_size == N || bias_size == 1, "The expanded size of the tensor (", N,
+                       ") must match the existing size (", bias_size,
+                       ") at non-singleton dimension 1.  Target sizes: [", M, ", ", N, "].  Tensor sizes: [",
+                       bias_size, "]");
+  }
+}
+
+RowFold fold_rows(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides) {
   RowFold fold;
   const int64_t leading = static_cast<int64_t>(sizes.size()) - 1;
   for (int64_t d = 0; d < leading; ++d) {
@@ -65,20 +244,12 @@ RowFold fold_rows(at::IntArrayRef sizes, at::IntArrayRef strides) {
   return fold;
 }
 
-std::vector<int64_t> output_strides(at::IntArrayRef out_sizes, const RowFold& fold) {
+std::vector<int64_t> output_strides(IntHeaderOnlyArrayRef out_sizes, const RowFold& fold) {
+  if (fold.in_logical_order) return contiguous_strides(out_sizes);  // with torch's convention for size 0 and 1
   const int64_t n = static_cast<int64_t>(out_sizes.size());
   std::vector<int64_t> strides(n);
-  int64_t extent = 1;
-  if (fold.in_logical_order) {
-    // Contiguous, with torch's convention for size-0 and size-1 dims.
-    for (int64_t d = n - 1; d >= 0; --d) {
-      strides[d] = extent;
-      extent *= std::max<int64_t>(out_sizes[d], 1);
-    }
-    return strides;
-  }
   strides[n - 1] = 1;
-  extent = std::max<int64_t>(out_sizes[n - 1], 1);
+  int64_t extent = std::max<int64_t>(out_sizes[n - 1], 1);
   for (auto it = fold.dims.rbegin(); it != fold.dims.rend(); ++it) {
     strides[*it] = extent;
     extent *= out_sizes[*it];
@@ -89,76 +260,100 @@ std::vector<int64_t> output_strides(at::IntArrayRef out_sizes, const RowFold& fo
   return strides;
 }
 
-namespace {
-
-// A (rows, cols) view with canonical strides on size-1 dims, so that BLAS-compatibility checks downstream see
-// the real layout: a stride on a size-1 dim is arbitrary (B=1 transposes leave (D, B*D, 1) behind) and must not
-// decide between a direct GEMM and a copy.
-at::Tensor as_matrix(const at::Tensor& t, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
-  if (cols == 1) col_stride = 1;
-  if (rows == 1) row_stride = col_stride == 1 ? std::max<int64_t>(cols, 1) : 1;
-  return t.as_strided({rows, cols}, {row_stride, col_stride}, t.storage_offset());
-}
-
-}  // namespace
-
-LinearGemm plan_linear(const at::Tensor& input, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
+LinearGemm plan_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   check_linear_args(input, weight, bias);
-  const int64_t leading = input.dim() - 1;
-  const int64_t K = input.size(-1);
-  const int64_t M = c10::multiply_integers(input.sizes().slice(0, leading));
+  const IntHeaderOnlyArrayRef in_sizes = input.sizes(), in_strides = input.strides();
+  const size_t leading = in_sizes.size() - 1;
+  const int64_t K = in_sizes.back();
+  const int64_t M = product(in_sizes.slice(0, leading));
   const int64_t N = weight.size(0);
-  std::vector<int64_t> out_sizes(input.sizes().begin(), input.sizes().end());
+  std::vector<int64_t> out_sizes(in_sizes.begin(), in_sizes.end());
   out_sizes.back() = N;
-  LinearGemm plan;
-  if (M == 0 || N == 0) {
-    plan.out = at::empty(out_sizes, input.options());
-    return plan;
-  }
+  if (M == 0 || N == 0) return {empty_strided(out_sizes, contiguous_strides(out_sizes), input), std::nullopt};
 
   // Rows repeated through a stride-0 (expanded) dim: run the GEMM on the distinct rows only and broadcast the
   // result into the output. One copy, of the output, instead of a copy of the input plus repeated arithmetic.
-  at::Tensor distinct = input;
-  for (int64_t d = 0; d < leading; ++d) {
-    if (input.size(d) > 1 && input.stride(d) == 0) distinct = distinct.narrow(d, 0, 1);
+  std::vector<int64_t> distinct_sizes(in_sizes.begin(), in_sizes.end());
+  bool repeated = false;
+  for (size_t d = 0; d < leading; ++d) {
+    if (in_sizes[d] > 1 && in_strides[d] == 0) {
+      distinct_sizes[d] = 1;
+      repeated = true;
+    }
   }
-  if (!distinct.is_same(input)) {
-    plan.out = at::empty(out_sizes, input.options());
-    plan.out.copy_(linear_via_gemm(distinct, weight, bias));
+  if (repeated) {
+    LinearGemm plan{empty_strided(out_sizes, contiguous_strides(out_sizes), input), std::nullopt};
+    copy_into(plan.out, linear_via_gemm(reinterpret(input, distinct_sizes, in_strides), weight, bias));
     return plan;
   }
 
-  RowFold fold = fold_rows(input.sizes(), input.strides());
-  at::Tensor rows = input;
+  RowFold fold = fold_rows(in_sizes, in_strides);
+  Tensor rows = input;
   if (!fold.dense) {
     // No single row stride exists (a strided slice such as x[:, ::2], or interleaved dims): copying the input
     // once into a contiguous buffer is the cheapest way to one GEMM.
-    rows = input.clone(at::MemoryFormat::Contiguous);
-    fold = fold_rows(rows.sizes(), rows.strides());
+    const std::vector<int64_t> strides = contiguous_strides(in_sizes);
+    rows = empty_strided(in_sizes, strides, input);
+    copy_into(rows, input);
+    fold = fold_rows(in_sizes, strides);
   }
-  plan.out = at::empty_strided(out_sizes, output_strides(out_sizes, fold), input.options());
+  LinearGemm plan{empty_strided(out_sizes, output_strides(out_sizes, fold), input), std::nullopt};
 
   // The output was laid out with input's row order, so both are (M, *) matrices walked in the same order.
-  plan.a = as_matrix(rows, M, K, fold.row_stride, rows.stride(-1));
-  plan.w = as_matrix(weight, N, K, weight.stride(0), weight.stride(1));
-  plan.c = plan.out.as_strided({M, N}, {N, 1});
-  plan.bias = bias;
+  const ScalarType dtype = input.scalar_type();
+  StridedMatrix a = as_matrix(rows, M, K, fold.row_stride, rows.stride(leading));
+  StridedMatrix w = as_matrix(weight, N, K, weight.stride(0), weight.stride(1));
+  plan.gemm = LinearOperands{std::move(a), std::move(w), StridedMatrix{plan.out, 0, M, N, N, 1}, std::nullopt, dtype};
+  if (bias) {
+    const int64_t size = bias->size(0);
+    plan.gemm->bias = StridedMatrix{*bias, 0, 1, size, size, size == 1 ? 1 : bias->stride(0)};
+  }
   return plan;
 }
 
-void run_gemm(const LinearGemm& gemm) {
-  if (!gemm.c.defined()) return;
-  at::Tensor c = gemm.c;  // the same tensor: the out= ops take a non-const reference
-  if (gemm.bias) {
-    at::addmm_out(c, *gemm.bias, gemm.a, gemm.w.t());
+LinearOperands gemm_part(const LinearOperands& g, bool by_rows, int64_t begin, int64_t end) {
+  LinearOperands part = g;
+  const int64_t n = end - begin;
+  if (by_rows) {
+    part.a.offset += begin * g.a.row_stride;
+    part.a.rows = n;
+    part.c.offset += begin * g.c.row_stride;
+    part.c.rows = n;
   } else {
-    at::mm_out(c, gemm.a, gemm.w.t());
+    part.w.offset += begin * g.w.row_stride;
+    part.w.rows = n;
+    part.c.offset += begin * g.c.col_stride;
+    part.c.cols = n;
+    // A bias of one element broadcasts over every column; a full one is cut like the columns.
+    if (g.bias && g.bias->cols != 1) {
+      part.bias->offset += begin * g.bias->col_stride;
+      part.bias->cols = n;
+    }
+  }
+  return part;
+}
+
+void run_gemm(const LinearOperands& g) {
+  if (g.bias) {
+    // aten::linear.out runs addmm_out(c, bias, a, w^T) for a 2-D input, the GEMM F.linear runs. (addmm.out
+    // itself takes Scalars, beta and alpha, which a stable dispatcher call cannot pass.)
+    StableIValue stack[4] = {torch::stable::detail::from(view(g.a)), torch::stable::detail::from(view(g.w)),
+                             torch::stable::detail::from(std::optional<Tensor>(row_view(*g.bias))),
+                             torch::stable::detail::from(view(g.c))};
+    call_out_op("aten::linear", "out", stack, "attnx::linear: aten::linear.out");
+  } else {
+    StableIValue stack[3] = {torch::stable::detail::from(view(g.a)),
+                             torch::stable::detail::from(transposed_view(g.w)),
+                             torch::stable::detail::from(view(g.c))};
+    call_out_op("aten::mm", "out", stack, "attnx::linear: aten::mm.out");
   }
 }
 
-at::Tensor linear_via_gemm(const at::Tensor& input, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias) {
+void run_gemm(const LinearGemm& gemm) {
+  if (gemm.gemm) run_gemm(*gemm.gemm);
+}
+
+Tensor linear_via_gemm(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   LinearGemm gemm = plan_linear(input, weight, bias);
   run_gemm(gemm);
   return gemm.out;

@@ -13,6 +13,7 @@
 
 #include "common/attention.h"
 #include "common/linear.h"
+#include "common/stable_bridge.h"
 
 namespace attnx {
 namespace {
@@ -207,14 +208,18 @@ MhaState mha_forward_impl(const at::Tensor& query_in, const at::Tensor& key_in, 
   } else if (!pack && query.is_cpu()) {
     // The separate GEMMs are independent: shared out among the threads at once, each thread's part on one
     // thread of BLAS, they beat the same GEMMs one after another on all threads (run_gemms_in_shares).
+    using bridge::to_aten, bridge::to_stable;
     std::vector<LinearGemm> gemms;
-    gemms.push_back(plan_linear(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E)));
-    if (need_k) gemms.push_back(plan_linear(key, weight(1, k_proj_weight), rows(in_proj_bias, E, E)));
-    if (need_v) gemms.push_back(plan_linear(value, weight(2, v_proj_weight), rows(in_proj_bias, 2 * E, E)));
+    const auto plan = [&](const at::Tensor& input, const at::Tensor& w, const OptTensor& b) {
+      gemms.push_back(plan_linear(to_stable(input), to_stable(w), to_stable(b)));
+    };
+    plan(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E));
+    if (need_k) plan(key, weight(1, k_proj_weight), rows(in_proj_bias, E, E));
+    if (need_v) plan(value, weight(2, v_proj_weight), rows(in_proj_bias, 2 * E, E));
     run_gemms_in_shares(gemms);
-    q = gemms[0].out;
-    if (need_k) k = gemms[1].out;
-    if (need_v) v = gemms.back().out;
+    q = to_aten(gemms[0].out);
+    if (need_k) k = to_aten(gemms[1].out);
+    if (need_v) v = to_aten(gemms.back().out);
   } else {
     q = attnx_linear(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E));
     if (pack && same_view(key, value)) {

@@ -1,14 +1,17 @@
 // attnx: attnx::linear on CPU, and the in-projections of mha run at once. The layout work is
-// common/linear.cpp; the GEMMs are ATen's CPU BLAS, the one F.linear uses, run in shares per thread where
-// that beats BLAS's own threading (run_gemms_in_shares).
-#include <ATen/ATen.h>
-#include <ATen/Config.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// common/linear.cpp; the GEMMs are torch's CPU BLAS, the one F.linear uses, run in shares per thread where
+// that beats BLAS's own threading (run_gemms_in_shares), or attnx's own kernel where they are too small for a
+// call into BLAS to pay (small_linear_f32). On the LibTorch stable ABI.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
+#include <optional>
+#include <vector>
 
 #include "common/linear.h"
+#include "cpu/linear_cpu_kernel.h"
+#include "cpu/parallel.h"
 
 namespace attnx {
 
@@ -22,13 +25,46 @@ constexpr int64_t kMaxBlasShare = int64_t(1) << 27;
 // Shares are cut at multiples of this many rows or columns (a 64-byte line of fp32 output), ends excepted.
 constexpr int64_t kCutAlign = 16;
 // Where shares were measured to pay: MKL under ATen's OpenMP threads, where a GEMM called inside a parallel
-// region runs on the calling thread alone. Builds with another BLAS or thread pool keep BLAS's own threading.
-constexpr bool kSharesMeasured = AT_MKL_ENABLED() && AT_PARALLEL_OPENMP;
+// region runs on the calling thread alone. The stable ABI does not say which BLAS and thread pool torch was
+// built with (ATen's AT_MKL_ENABLED / AT_PARALLEL_OPENMP); torch's x86-64 builds are MKL under OpenMP, and this
+// library is built with OpenMP exactly when torch's intra-op pool is OpenMP (setup.py), so the target and
+// _OPENMP stand in for them. A wrong guess costs speed, never a result. Other builds keep BLAS's own threading.
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(_OPENMP)
+constexpr bool kSharesMeasured = true;
+#else
+constexpr bool kSharesMeasured = false;
+#endif
+
+// An fp32 GEMM with at most this many outputs and multiply-adds runs on small_linear_f32
+// (cpu/linear_cpu_kernel.h) rather than on torch's BLAS, whose call through the stable dispatcher (with its
+// views) costs a few us more. The kernel reduces each output's partial sums on its own, so the outputs bound it
+// as much as the arithmetic. Measured, one thread, us per call with a bias (BLAS / kernel): (1, 64) x (64, 64)
+// 6.9-7.2 / 4.1, (1, 128) x (128, 128) 7.5-8.1 / 5.4-5.7, (1, 256) x (256, 256) 11.5-13.5 / 9.7-10.0; with
+// more outputs BLAS wins: (4, 128) x (128, 128) 9.7 / 11.4-13.0, (16, 64) x (64, 64) 8.8-9.5 / 14.1.
+constexpr int64_t kMaxSmallOutputs = 256;
+constexpr int64_t kMaxSmallWork = int64_t(1) << 16;
+
+float* data(const StridedMatrix& m) {
+  return static_cast<float*>(m.base.data_ptr()) + m.offset;
+}
+
+void run_gemm_cpu(const LinearOperands& g) {
+  const int64_t M = g.c.rows, N = g.c.cols, K = g.a.cols;
+  if (g.dtype == torch::headeronly::ScalarType::Float && M * N <= kMaxSmallOutputs && M * N * K <= kMaxSmallWork &&
+      g.a.col_stride == 1 && g.w.col_stride == 1) {
+    const float* bias = g.bias ? data(*g.bias) : nullptr;
+    const int64_t bias_stride = g.bias && g.bias->cols != 1 ? g.bias->col_stride : 0;
+    cpu::small_linear_f32(M, N, K, data(g.a), g.a.row_stride, data(g.w), g.w.row_stride, bias, bias_stride,
+                          data(g.c), g.c.row_stride);
+    return;
+  }
+  run_gemm(g);
+}
 
 // A GEMM seen as a line of `units` rows or columns (the larger of its output dims, so that the operand every
 // share reads in full is the smaller one), each worth `unit_work` multiply-adds.
 struct GemmLine {
-  const LinearGemm* gemm;
+  const LinearOperands* gemm;
   bool by_rows;
   int64_t units, unit_work;
 };
@@ -36,19 +72,7 @@ struct GemmLine {
 // Units [begin, end) of a GEMM: rows of a and c, or rows of w (and bias) with columns of c.
 void run_part(const GemmLine& line, int64_t begin, int64_t end) {
   if (begin >= end) return;
-  const LinearGemm& g = *line.gemm;
-  const int64_t n = end - begin;
-  LinearGemm part = g;
-  if (line.by_rows) {
-    part.a = g.a.narrow(0, begin, n);
-    part.c = g.c.narrow(0, begin, n);
-  } else {
-    part.w = g.w.narrow(0, begin, n);
-    part.c = g.c.narrow(1, begin, n);
-    // A bias of one element broadcasts over every column; a full one is cut like the columns.
-    if (g.bias && g.bias->size(0) != 1) part.bias = g.bias->narrow(0, begin, n);
-  }
-  run_gemm(part);
+  run_gemm_cpu(gemm_part(*line.gemm, line.by_rows, begin, end));
 }
 
 }  // namespace
@@ -56,9 +80,10 @@ void run_part(const GemmLine& line, int64_t begin, int64_t end) {
 void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
   std::vector<GemmLine> lines;
   int64_t total = 0, largest = 0;
-  for (const LinearGemm& g : gemms) {
-    if (!g.c.defined()) continue;
-    const int64_t M = g.c.size(0), N = g.c.size(1), K = std::max<int64_t>(g.a.size(1), 1);
+  for (const LinearGemm& plan : gemms) {
+    if (!plan.gemm) continue;
+    const LinearOperands& g = *plan.gemm;
+    const int64_t M = g.c.rows, N = g.c.cols, K = std::max<int64_t>(g.a.cols, 1);
     const bool by_rows = M > N;
     lines.push_back({&g, by_rows, by_rows ? M : N, (by_rows ? N : M) * K});
     total += M * N * K;
@@ -67,12 +92,13 @@ void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
   // One GEMM is shared out only when it has few rows for its columns: BLAS's own threading splits the rows,
   // so every thread packs the whole weight, where column shares pack a part each (measured: 0.77-0.97x the
   // time at 8-64 rows, 1.1x at as many rows as columns).
-  const bool skinny =
-      lines.size() == 1 && !lines[0].by_rows && 2 * lines[0].gemm->c.size(0) <= lines[0].units;
-  const int64_t threads = at::get_num_threads();
-  if (!kSharesMeasured || threads == 1 || (lines.size() == 1 && !skinny) || total < kMinSharedWork ||
-      largest >= kMaxBlasShare * threads || at::in_parallel_region()) {
-    for (const GemmLine& line : lines) run_gemm(*line.gemm);
+  const bool skinny = lines.size() == 1 && !lines[0].by_rows && 2 * lines[0].gemm->c.rows <= lines[0].units;
+  const int64_t threads = kSharesMeasured ? cpu::num_threads() : 1;
+  // Inside a parallel region already (no stable call tells), parallel_for runs the shares inline one after
+  // another: the same results, from a few more, smaller GEMM calls.
+  if (threads == 1 || (lines.size() == 1 && !skinny) || total < kMinSharedWork ||
+      largest >= kMaxBlasShare * threads) {
+    for (const GemmLine& line : lines) run_gemm_cpu(*line.gemm);
     return;
   }
 
@@ -95,9 +121,9 @@ void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
     }
     return {lines.size(), 0};
   };
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    // Worker threads start without the caller's dispatch state: below autograd, as on the calling thread.
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+  // Worker threads start with the default dispatch state (grad mode on, inference mode off), not the caller's:
+  // the views of each share are made on the thread that runs it (see LinearOperands), so none needs it.
+  cpu::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       Cut from = cut(t);
       const Cut to = cut(t + 1);
@@ -109,16 +135,17 @@ void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
   });
 }
 
-at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
-                      const std::optional<at::Tensor>& bias) {
-  const std::vector<LinearGemm> gemm{plan_linear(input, weight, bias)};
+torch::stable::Tensor linear_cpu(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
+                                 const std::optional<torch::stable::Tensor>& bias) {
+  std::vector<LinearGemm> gemm;
+  gemm.push_back(plan_linear(input, weight, bias));
   run_gemms_in_shares(gemm);
   return gemm[0].out;
 }
 
 }  // namespace attnx
 
-TORCH_LIBRARY_IMPL(attnx, CPU, m) {
-  m.impl("_linear", &attnx::linear_cpu);
-  m.impl("_linear_autograd", &attnx::linear_cpu);
+STABLE_TORCH_LIBRARY_IMPL(attnx, CPU, m) {
+  m.impl("_linear", TORCH_BOX(&attnx::linear_cpu));
+  m.impl("_linear_autograd", TORCH_BOX(&attnx::linear_cpu));
 }

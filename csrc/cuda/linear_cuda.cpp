@@ -1,24 +1,28 @@
-// attnx: attnx::linear on CUDA. The layout work is common/linear.cpp; the GEMM is ATen's addmm on cuBLAS, the
-// one F.linear uses, so the only difference from F.linear is that no layout forces a detour.
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+// attnx: attnx::linear on CUDA. The layout work is common/linear.cpp; the GEMM is torch's addmm / mm on cuBLAS,
+// the one F.linear uses, so the only difference from F.linear is that no layout forces a detour. On the LibTorch
+// stable ABI: the device guard is the shim's accelerator-generic one, not c10::cuda's.
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <optional>
 
 #include "common/linear.h"
 
 namespace attnx {
 
-at::Tensor linear_cuda(const at::Tensor& input, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
+torch::stable::Tensor linear_cuda(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
+                                  const std::optional<torch::stable::Tensor>& bias) {
   // Only a CUDA input sets the device; a mix of devices fails linear_via_gemm's checks with F.linear's
   // message.
-  c10::cuda::OptionalCUDAGuard guard;
-  if (input.is_cuda()) guard.set_device(input.device());
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  if (input.is_cuda()) guard.emplace(input.get_device_index());
   return linear_via_gemm(input, weight, bias);
 }
 
 }  // namespace attnx
 
-TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
-  m.impl("_linear", &attnx::linear_cuda);
-  m.impl("_linear_autograd", &attnx::linear_cuda);
+STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
+  m.impl("_linear", TORCH_BOX(&attnx::linear_cuda));
+  m.impl("_linear_autograd", TORCH_BOX(&attnx::linear_cuda));
 }
