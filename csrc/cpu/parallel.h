@@ -1,9 +1,8 @@
 // attnx: the CPU kernels' threading interface: parallel_for over a range and the thread count, torch-free.
 //
-// parallel_cpu.cpp implements it on ATen's at::parallel_for / at::get_num_threads (the pool that
-// torch.set_num_threads sizes), the one place the kernels' threading touches ATen; under the stable ABI it
-// becomes torch::stable::parallel_for / get_num_threads. The callable is passed as a function reference (no
-// allocation, no std::function), so a kernel TU instantiates only the small trampoline below.
+// parallel_cpu.cpp implements it on torch's intra-op pool (the one torch.set_num_threads sizes) through the
+// stable C API. The callable is passed as a function reference (no allocation, no std::function), so a kernel
+// TU instantiates only the small trampoline below.
 #pragma once
 
 #include <cstdint>

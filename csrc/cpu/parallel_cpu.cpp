@@ -1,17 +1,23 @@
-// attnx: parallel.h on ATen's intra-op thread pool. The only ATen the CPU attention kernels' threading uses;
-// under the stable ABI this file moves to torch::stable::parallel_for / torch::stable::get_num_threads.
+// attnx: parallel.h on torch's intra-op thread pool (the one torch.set_num_threads sizes), reached through the
+// stable C API (torch_parallel_for, torch_get_num_threads; torch 2.10 on). An error thrown by `fn` on any thread
+// comes back as the call's error and is raised again here with its message.
 #include "cpu/parallel.h"
 
-#include <ATen/Parallel.h>
+#include <torch/csrc/stable/c/shim.h>
+
+#include "common/stable.h"
 
 namespace attnx::cpu {
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain, RangeFn fn) {
-  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(b, e); });
+  const auto call = [](int64_t b, int64_t e, void* ctx) { (*static_cast<const RangeFn*>(ctx))(b, e); };
+  stable::check(torch_parallel_for(begin, end, grain, call, &fn), "attnx: parallel_for");
 }
 
 int64_t num_threads() {
-  return at::get_num_threads();
+  uint32_t threads = 1;
+  stable::check(torch_get_num_threads(&threads), "attnx: get_num_threads");
+  return threads;
 }
 
 }  // namespace attnx::cpu
