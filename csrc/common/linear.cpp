@@ -13,7 +13,6 @@
 #include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -27,121 +26,17 @@ using torch::headeronly::IntHeaderOnlyArrayRef;
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-template <typename... Args>
-[[noreturn]] void fail(const Args&... args) {
-  std::ostringstream message;
-  (message << ... << args);
-  throw std::runtime_error(message.str());
-}
-
-// TORCH_CHECK's behaviour without c10: the message is built only on failure, and is exactly the message (the
-// stable headers' STD_TORCH_CHECK prefixes the function, file and line).
-#define ATTNX_LINEAR_CHECK(cond, ...) \
-  do {                                \
-    if (!(cond)) ::attnx::fail(__VA_ARGS__); \
-  } while (0)
-
-// A list of sizes as torch prints an IntArrayRef: [2, 3].
-struct Sizes {
-  IntHeaderOnlyArrayRef values;
-};
-
-std::ostream& operator<<(std::ostream& os, Sizes s) {
-  os << '[';
-  for (size_t i = 0; i < s.values.size(); ++i) os << (i ? ", " : "") << s.values[i];
-  return os << ']';
-}
-
-// A dtype as torch prints a tensor's dtype() (c10's TypeMeta name, the demangled C++ type on Linux: float,
-// c10::BFloat16), where torch's own messages for the same mistake do.
-const char* type_meta_name(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float: return "float";
-    case ScalarType::Double: return "double";
-    case ScalarType::Half: return "c10::Half";
-    case ScalarType::BFloat16: return "c10::BFloat16";
-    case ScalarType::Long: return "long int";
-    case ScalarType::Int: return "int";
-    case ScalarType::Short: return "short int";
-    case ScalarType::Char: return "signed char";
-    case ScalarType::Byte: return "unsigned char";
-    case ScalarType::Bool: return "bool";
-    case ScalarType::UInt16: return "short unsigned int";
-    case ScalarType::UInt32: return "unsigned int";
-    case ScalarType::UInt64: return "long unsigned int";
-    case ScalarType::ComplexHalf: return "c10::complex<c10::Half>";
-    case ScalarType::ComplexFloat: return "c10::complex<float>";
-    case ScalarType::ComplexDouble: return "c10::complex<double>";
-    case ScalarType::Float8_e5m2: return "c10::Float8_e5m2";
-    case ScalarType::Float8_e4m3fn: return "c10::Float8_e4m3fn";
-    case ScalarType::Float8_e5m2fnuz: return "c10::Float8_e5m2fnuz";
-    case ScalarType::Float8_e4m3fnuz: return "c10::Float8_e4m3fnuz";
-    default: return torch::headeronly::toString(t);
-  }
-}
-
-// A device as torch prints one: cpu, cuda:0, meta.
-std::string device_name(const torch::stable::Device& device) {
-  using torch::headeronly::DeviceType;
-  const char* type = "unknown";
-  switch (device.type()) {
-    case DeviceType::CPU: type = "cpu"; break;
-    case DeviceType::CUDA: type = "cuda"; break;
-    case DeviceType::HIP: type = "hip"; break;
-    case DeviceType::XPU: type = "xpu"; break;
-    case DeviceType::MPS: type = "mps"; break;
-    case DeviceType::Meta: type = "meta"; break;
-    case DeviceType::XLA: type = "xla"; break;
-    case DeviceType::HPU: type = "hpu"; break;
-    case DeviceType::MTIA: type = "mtia"; break;
-    case DeviceType::Lazy: type = "lazy"; break;
-    case DeviceType::PrivateUse1: type = "privateuseone"; break;
-    default: break;
-  }
-  return device.has_index() ? std::string(type) + ":" + std::to_string(device.index()) : std::string(type);
-}
-
-int64_t product(IntHeaderOnlyArrayRef values) {
-  int64_t p = 1;
-  for (const int64_t v : values) p *= v;
-  return p;
-}
-
-// A view of t's memory with the given sizes and strides, starting `offset` elements past t's first element.
-Tensor reinterpret(const Tensor& t, IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides,
-                   int64_t offset = 0) {
-  AtenTensorHandle view = nullptr;
-  stable::check(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(),
-                                               strides.data(), offset, &view),
-                "attnx::linear: a view");
-  return Tensor(view);
-}
+using stable::contiguous_strides;
+using stable::copy_into;
+using stable::device_name;
+using stable::product;
+using stable::reinterpret;
+using stable::Sizes;
+using stable::type_meta_name;
 
 // An uninitialised tensor with the given sizes and strides, of `like`'s dtype and device.
 Tensor empty_strided(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides, const Tensor& like) {
-  int32_t dtype = 0, device_type = 0, device_index = 0;
-  stable::check(aoti_torch_get_dtype(like.get(), &dtype), "attnx::linear: dtype");
-  stable::check(aoti_torch_get_device_type(like.get(), &device_type), "attnx::linear: device");
-  stable::check(aoti_torch_get_device_index(like.get(), &device_index), "attnx::linear: device");
-  AtenTensorHandle out = nullptr;
-  stable::check(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(), dtype,
-                                         device_type, device_index, &out),
-                "attnx::linear: empty_strided");
-  return Tensor(out);
-}
-
-std::vector<int64_t> contiguous_strides(IntHeaderOnlyArrayRef sizes) {
-  std::vector<int64_t> strides(sizes.size());
-  int64_t extent = 1;
-  for (size_t d = sizes.size(); d-- > 0;) {
-    strides[d] = extent;
-    extent *= std::max<int64_t>(sizes[d], 1);
-  }
-  return strides;
-}
-
-void copy_into(const Tensor& dst, const Tensor& src) {
-  stable::check(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/0), "attnx::linear: copy_");
+  return stable::empty_strided(sizes, strides, like.scalar_type(), like.device());
 }
 
 // A (rows, cols) matrix with canonical strides on size-1 dims, so that BLAS-compatibility checks downstream see
@@ -180,38 +75,38 @@ void call_out_op(const char* name, const char* overload, StableIValue* stack, co
 
 void check_linear_args(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   const int64_t input_dim = input.dim(), weight_dim = weight.dim();
-  ATTNX_LINEAR_CHECK(input_dim >= 1 && weight_dim >= 1,
+  ATTNX_CHECK(input_dim >= 1 && weight_dim >= 1,
                      "both arguments to linear need to be at least 1D, but they are ", input_dim, "D and ",
                      weight_dim, "D");
-  ATTNX_LINEAR_CHECK(weight_dim == 2, "attnx::linear: expected weight of shape (out_features, in_features), got a ",
+  ATTNX_CHECK(weight_dim == 2, "attnx::linear: expected weight of shape (out_features, in_features), got a ",
                      weight_dim, "-D tensor of shape ", Sizes{weight.sizes()});
   const torch::stable::Device device = input.device();
   const auto same_device = [&](const Tensor& t) {
     const torch::stable::Device other = t.device();
-    ATTNX_LINEAR_CHECK(other == device,
+    ATTNX_CHECK(other == device,
                        "Expected all tensors to be on the same device, but found at least two devices, ",
                        device_name(device), " and ", device_name(other), "!");
   };
   same_device(weight);
   if (bias) same_device(*bias);
   const ScalarType dtype = input.scalar_type(), weight_dtype = weight.scalar_type();
-  ATTNX_LINEAR_CHECK(dtype == weight_dtype, "expected m1 and m2 to have the same dtype, but got: ",
+  ATTNX_CHECK(dtype == weight_dtype, "expected m1 and m2 to have the same dtype, but got: ",
                      type_meta_name(dtype), " != ", type_meta_name(weight_dtype));
 
   const IntHeaderOnlyArrayRef sizes = input.sizes();
   const int64_t K = sizes.back();
   const int64_t M = product(sizes.slice(0, sizes.size() - 1));
   const int64_t N = weight.size(0);
-  ATTNX_LINEAR_CHECK(weight.size(1) == K, "mat1 and mat2 shapes cannot be multiplied (", M, "x", K, " and ",
+  ATTNX_CHECK(weight.size(1) == K, "mat1 and mat2 shapes cannot be multiplied (", M, "x", K, " and ",
                      weight.size(1), "x", N, ")");
   if (bias) {
     const ScalarType bias_dtype = bias->scalar_type();
-    ATTNX_LINEAR_CHECK(bias_dtype == weight_dtype, "self and mat2 must have the same dtype, but got ", bias_dtype,
+    ATTNX_CHECK(bias_dtype == weight_dtype, "self and mat2 must have the same dtype, but got ", bias_dtype,
                        " and ", weight_dtype);
-    ATTNX_LINEAR_CHECK(bias->dim() == 1, "attnx::linear: expected bias of shape (out_features,) = (", N,
+    ATTNX_CHECK(bias->dim() == 1, "attnx::linear: expected bias of shape (out_features,) = (", N,
                        ",), got ", Sizes{bias->sizes()});
     const int64_t bias_size = bias->size(0);
-    ATTNX_LINEAR_CHECK(bias_size == N || bias_size == 1, "The expanded size of the tensor (", N,
+    ATTNX_CHECK(bias_size == N || bias_size == 1, "The expanded size of the tensor (", N,
                        ") must match the existing size (", bias_size,
                        ") at non-singleton dimension 1.  Target sizes: [", M, ", ", N, "].  Tensor sizes: [",
                        bias_size, "]");

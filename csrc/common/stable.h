@@ -2,14 +2,26 @@
 #pragma once
 
 #include <dlfcn.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/c/shim.h>
+#include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/stableivalue_conversions.h>
+#include <torch/csrc/stable/tensor.h>
 #include <torch/csrc/stable/version.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
+#include <cstdint>
+#include <ostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 namespace attnx::stable {
 
@@ -47,6 +59,182 @@ inline void check(AOTITorchError error, const char* what) {
 #endif
   throw std::runtime_error(message ? error_message(message)
                                    : std::string(what) + " failed (torch < 2.13 logs the error to stderr)");
+}
+
+using torch::headeronly::IntHeaderOnlyArrayRef;
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Errors. TORCH_CHECK's behaviour without c10: the message is built only on failure and is exactly the message
+// (the stable headers' STD_TORCH_CHECK prefixes the function, file and line). It reaches Python as a
+// RuntimeError, as TORCH_CHECK's does.
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream message;
+  (message << ... << args);
+  throw std::runtime_error(message.str());
+}
+
+#define ATTNX_CHECK(cond, ...)                  \
+  do {                                          \
+    if (!(cond)) ::attnx::stable::fail(__VA_ARGS__); \
+  } while (0)
+
+// A list of sizes as torch prints an IntArrayRef: [2, 3].
+struct Sizes {
+  IntHeaderOnlyArrayRef values;
+};
+
+inline std::ostream& operator<<(std::ostream& os, Sizes s) {
+  os << '[';
+  for (size_t i = 0; i < s.values.size(); ++i) os << (i ? ", " : "") << s.values[i];
+  return os << ']';
+}
+
+// A dtype as torch prints a tensor's dtype() (c10's TypeMeta name, the demangled C++ type on Linux: float,
+// c10::BFloat16), where torch's own messages for the same mistake do. (A ScalarType itself prints as torch's
+// ScalarType does, Float, BFloat16, through the header-only operator<<.)
+inline const char* type_meta_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return "float";
+    case ScalarType::Double: return "double";
+    case ScalarType::Half: return "c10::Half";
+    case ScalarType::BFloat16: return "c10::BFloat16";
+    case ScalarType::Long: return "long int";
+    case ScalarType::Int: return "int";
+    case ScalarType::Short: return "short int";
+    case ScalarType::Char: return "signed char";
+    case ScalarType::Byte: return "unsigned char";
+    case ScalarType::Bool: return "bool";
+    case ScalarType::UInt16: return "short unsigned int";
+    case ScalarType::UInt32: return "unsigned int";
+    case ScalarType::UInt64: return "long unsigned int";
+    case ScalarType::ComplexHalf: return "c10::complex<c10::Half>";
+    case ScalarType::ComplexFloat: return "c10::complex<float>";
+    case ScalarType::ComplexDouble: return "c10::complex<double>";
+    case ScalarType::Float8_e5m2: return "c10::Float8_e5m2";
+    case ScalarType::Float8_e4m3fn: return "c10::Float8_e4m3fn";
+    case ScalarType::Float8_e5m2fnuz: return "c10::Float8_e5m2fnuz";
+    case ScalarType::Float8_e4m3fnuz: return "c10::Float8_e4m3fnuz";
+    default: return torch::headeronly::toString(t);
+  }
+}
+
+// A device as torch prints one: cpu, cuda:0, meta.
+inline std::string device_name(const torch::stable::Device& device) {
+  using torch::headeronly::DeviceType;
+  const char* type = "unknown";
+  switch (device.type()) {
+    case DeviceType::CPU: type = "cpu"; break;
+    case DeviceType::CUDA: type = "cuda"; break;
+    case DeviceType::HIP: type = "hip"; break;
+    case DeviceType::XPU: type = "xpu"; break;
+    case DeviceType::MPS: type = "mps"; break;
+    case DeviceType::Meta: type = "meta"; break;
+    case DeviceType::XLA: type = "xla"; break;
+    case DeviceType::HPU: type = "hpu"; break;
+    case DeviceType::MTIA: type = "mtia"; break;
+    case DeviceType::Lazy: type = "lazy"; break;
+    case DeviceType::PrivateUse1: type = "privateuseone"; break;
+    default: break;
+  }
+  return device.has_index() ? std::string(type) + ":" + std::to_string(device.index()) : std::string(type);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensors through the C shim's direct calls, which skip the boxed dispatcher: the per-call cost of a view or an
+// allocation stays that of the regular ABI's.
+
+inline int64_t product(IntHeaderOnlyArrayRef values) {
+  int64_t p = 1;
+  for (const int64_t v : values) p *= v;
+  return p;
+}
+
+// torch's contiguous strides for `sizes` (a size-0 or size-1 dim counts as 1).
+inline std::vector<int64_t> contiguous_strides(IntHeaderOnlyArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t extent = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = extent;
+    extent *= std::max<int64_t>(sizes[d], 1);
+  }
+  return strides;
+}
+
+// A view of t's memory with the given sizes and strides, starting `offset` elements past t's first element. Not
+// an autograd view: a fresh tensor that never requires grad (every caller is below autograd).
+inline Tensor reinterpret(const Tensor& t, IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides,
+                          int64_t offset = 0) {
+  AtenTensorHandle view = nullptr;
+  check(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
+                                       offset, &view),
+        "attnx: a view");
+  return Tensor(view);
+}
+
+// An uninitialised tensor with the given sizes and strides, dtype and device.
+inline Tensor empty_strided(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides, ScalarType dtype,
+                            const torch::stable::Device& device) {
+  AtenTensorHandle out = nullptr;
+  check(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
+                                 torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)),
+                                 torch::stable::detail::to<int32_t>(torch::stable::detail::from(device.type())),
+                                 device.index(), &out),
+        "attnx: empty_strided");
+  return Tensor(out);
+}
+
+// An uninitialised contiguous tensor.
+inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const torch::stable::Device& device) {
+  return empty_strided(sizes, contiguous_strides(sizes), dtype, device);
+}
+
+inline void copy_into(const Tensor& dst, const Tensor& src) {
+  check(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/0), "attnx: copy_");
+}
+
+// A 0-dim CPU float64 tensor: how a Scalar argument reaches an op through the stable dispatcher, which cannot
+// pass Scalars (the ops' Tensor overloads take it, as a CPU scalar that any device and dtype accepts).
+inline Tensor scalar(double value) {
+  AtenTensorHandle out = nullptr;
+  check(aoti_torch_scalar_to_tensor_float64(value, &out), "attnx: a scalar");
+  return Tensor(out);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Any op through the dispatcher (torch_call_dispatcher), for what the shim has no direct call for.
+
+namespace detail {
+// An argument as the boxed stack holds it: integers widened to int64 (an int's 4 bytes would not be
+// sign-extended), everything else as torch::stable::detail::from converts it (a tensor as a new reference).
+template <typename T>
+StableIValue box(const T& value) {
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    return torch::stable::detail::from(static_cast<int64_t>(value));
+  } else {
+    return torch::stable::detail::from(value);
+  }
+}
+}  // namespace detail
+
+// Calls `name`.`overload` with `args` and returns its first N outputs: a Tensor for N = 1, an array of them
+// otherwise, nothing for N = 0. N must be the op's number of outputs (the rest would not be released). Errors
+// are raised with the op's own message (stable::check).
+template <size_t N = 1, typename... Args>
+auto call(const char* name, const char* overload, const Args&... args) {
+  constexpr size_t kArgs = sizeof...(Args);
+  std::array<StableIValue, (kArgs > N ? kArgs : N) + 1> stack{detail::box(args)...};
+  check(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION), name);
+  if constexpr (N == 1) {
+    return torch::stable::detail::to<Tensor>(stack[0]);
+  } else {
+    std::array<Tensor, N> out;
+    for (size_t i = 0; i < N; ++i) out[i] = torch::stable::detail::to<Tensor>(stack[i]);
+    if constexpr (N > 0) return out;
+  }
 }
 
 }  // namespace attnx::stable
