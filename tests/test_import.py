@@ -1,5 +1,6 @@
 """A build of attnx that cannot load under the installed torch fails to import with an ImportError that says
-what it was built against and how to rebuild, not with a missing symbol or library."""
+what it needs and how to get it, not with a missing symbol or library; a backend library that this torch
+cannot take is left out with a warning."""
 
 import os
 import shutil
@@ -10,24 +11,38 @@ import pytest
 import torch
 
 import attnx
-from attnx._loader import build_mismatch
+from attnx._loader import backend_mismatch, build_mismatch
 
 PACKAGE = os.path.dirname(attnx.__file__)
 
 
 @pytest.mark.parametrize(
-    "built, backends, running, cuda, needs",
+    "min_torch, running, needs",
     [
-        ("2.14.1+cu130", ("CPU", "CUDA"), "2.14.1+cu130", "13.0", ""),
-        ("2.14.0", ("CPU",), "2.14.1+cu130", "13.0", ""),  # a patch release keeps the C++ API
-        ("2.13.0+cpu", ("CPU",), "2.14.1+cu130", "13.0", "torch 2.13.x"),
-        ("2.14.1+cu130", ("CPU", "CUDA"), "2.13.0+cpu", None, "torch 2.14.x"),
-        ("2.14.1+cu130", ("CPU", "CUDA"), "2.14.1+cpu", None, "a CUDA build of torch"),
-        ("2.14.1+cu130", ("CPU",), "2.14.1+cpu", None, ""),
+        ("2.10", "2.14.1+cu130", ""),
+        ("2.10", "2.13.0+cpu", ""),
+        ("2.10", "2.10.0", ""),
+        ("2.10", "2.9.1+cpu", "torch >= 2.10"),
+        ("2.10", "1.13.1", "torch >= 2.10"),
     ],
 )
-def test_build_mismatch(built, backends, running, cuda, needs):
-    assert build_mismatch(built, backends, running, cuda) == needs
+def test_build_mismatch(min_torch, running, needs):
+    assert build_mismatch(min_torch, running) == needs
+
+
+@pytest.mark.parametrize(
+    "backend, built, built_cuda, running, running_cuda, loads",
+    [
+        ("CUDA", "2.14.1+cu130", "13.0", "2.14.1+cu130", "13.0", True),
+        ("CUDA", "2.14.1+cu130", "13.0", "2.11.0+cu130", "13.0", True),  # stable ABI: any torch >= MIN_TORCH
+        ("CUDA", "2.14.1+cu130", "13.0", "2.14.1+cu126", "12.6", False),  # another CUDA runtime
+        ("CUDA", "2.14.1+cu130", "13.0", "2.13.0+cpu", None, False),
+        ("MPS", "2.14.1", None, "2.14.0", None, True),  # regular ABI: the same minor release
+        ("MPS", "2.14.1", None, "2.13.0", None, False),
+    ],
+)
+def test_backend_mismatch(backend, built, built_cuda, running, running_cuda, loads):
+    assert (backend_mismatch(backend, built, built_cuda, running, running_cuda) == "") == loads
 
 
 def _import_copy(tmp_path, edit):
@@ -39,21 +54,21 @@ def _import_copy(tmp_path, edit):
     return subprocess.run([sys.executable, "-c", "import attnx"], capture_output=True, text=True, env=env)
 
 
-def test_built_against_another_torch_is_a_clear_import_error(tmp_path):
+def test_a_torch_below_the_floor_is_a_clear_import_error(tmp_path):
     if not os.path.exists(os.path.join(PACKAGE, "_build_info.py")):
         pytest.skip("this build of attnx has no _build_info.py (not built by setup.py)")
 
-    def other_release(copy):
+    def later_floor(copy):
         (copy / "_build_info.py").write_text(
-            "BACKENDS = ('CPU',)\nTORCH_VERSION = '2.9.0'\nCUDA_ARCH_LIST = None\n"
+            "BACKENDS = ('CPU',)\nTORCH_VERSION = '99.0.0'\nMIN_TORCH = '99.0'\nCUDA_VERSION = None\n"
+            "CUDA_ARCH_LIST = None\n"
         )
 
-    result = _import_copy(tmp_path, other_release)
+    result = _import_copy(tmp_path, later_floor)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: attnx was built against torch 2.9.0 (backends CPU), but torch "
-                           f"{torch.__version__} is installed; its compiled library needs torch 2.9.x."), last
-    assert "pip install --no-build-isolation" in last
+    assert last == (f"ImportError: attnx needs torch >= 99.0, but torch {torch.__version__} is installed. "
+                    "Upgrade torch, or use a release of attnx made for this torch."), last
 
 
 def test_a_library_that_does_not_load_is_a_clear_import_error(tmp_path):
@@ -67,4 +82,27 @@ def test_a_library_that_does_not_load_is_a_clear_import_error(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ImportError: attnx's compiled library could not be loaded under torch "
                            f"{torch.__version__}"), last
-    assert "pip install --no-build-isolation" in last
+    assert "pip install --force-reinstall --no-deps" in last
+
+
+def test_a_backend_library_this_torch_cannot_take_is_left_out_with_a_warning(tmp_path):
+    if not os.path.exists(os.path.join(PACKAGE, "_build_info.py")):
+        pytest.skip("this build of attnx has no _build_info.py (not built by setup.py)")
+
+    def mps_for_another_torch(copy):
+        (copy / "_build_info.py").write_text(
+            "BACKENDS = ('CPU', 'MPS')\nTORCH_VERSION = '1.0.0'\nMIN_TORCH = '2.10'\nCUDA_VERSION = None\n"
+            "CUDA_ARCH_LIST = None\n"
+        )
+
+    copy = tmp_path / "attnx"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    mps_for_another_torch(copy)
+    code = ("import torch, attnx; x = torch.ones(2, 3); w = torch.ones(4, 3); "
+            "print(torch.ops.attnx.linear(x, w, None).sum().item(), attnx._loader.loaded_backends())")
+    result = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert result.returncode == 0, result.stderr
+    assert ("RuntimeWarning: attnx's MPS kernels are not loaded: they were built against torch 1.0.x (torch's "
+            f"regular ABI) and torch {torch.__version__} is installed.") in result.stderr, result.stderr
+    assert result.stdout.split() == ["24.0", "('CPU',)"], result.stdout

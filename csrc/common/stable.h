@@ -214,7 +214,9 @@ inline Tensor to(const Tensor& t, ScalarType dtype) {
 }
 
 // A 0-dim CPU float64 tensor: how a Scalar argument reaches an op through the stable dispatcher, which cannot
-// pass Scalars (the ops' Tensor overloads take it, as a CPU scalar that any device and dtype accepts).
+// pass Scalars. The elementwise ops' Tensor overloads (mul.Tensor, masked_fill.Tensor, clamp_min.Tensor) take it
+// on any device as a CPU scalar that keeps the other operand's floating dtype; not every op does (clamp.Tensor
+// with two CPU scalars on CUDA does not), and an integer tensor combined with it becomes float64.
 inline Tensor scalar(double value) {
   AtenTensorHandle out = nullptr;
   check(aoti_torch_scalar_to_tensor_float64(value, &out), "attnx: a scalar");

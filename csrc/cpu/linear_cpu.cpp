@@ -26,10 +26,10 @@ constexpr int64_t kMaxBlasShare = int64_t(1) << 27;
 constexpr int64_t kCutAlign = 16;
 // Where shares were measured to pay: MKL under ATen's OpenMP threads, where a GEMM called inside a parallel
 // region runs on the calling thread alone. The stable ABI does not say which BLAS and thread pool torch was
-// built with (ATen's AT_MKL_ENABLED / AT_PARALLEL_OPENMP); torch's x86-64 builds are MKL under OpenMP, and this
-// library is built with OpenMP exactly when torch's intra-op pool is OpenMP (setup.py), so the target and
-// _OPENMP stand in for them. A wrong guess costs speed, never a result. Other builds keep BLAS's own threading.
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(_OPENMP)
+// built with (ATen's AT_MKL_ENABLED / AT_PARALLEL_OPENMP); torch's x86-64 builds are MKL under OpenMP, and
+// setup.py defines ATTNX_TORCH_OPENMP when the torch it builds against runs OpenMP, so the target and that
+// stand in for them. A wrong guess costs speed, never a result. Other builds keep BLAS's own threading.
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(ATTNX_TORCH_OPENMP)
 constexpr bool kSharesMeasured = true;
 #else
 constexpr bool kSharesMeasured = false;

@@ -1,52 +1,115 @@
-"""Loads attnx._C, the compiled library (importing it registers torch.ops.attnx.*), or raises an ImportError
-that says what attnx was built against and how to rebuild it, instead of a missing symbol or library, or a
-crash."""
+"""Loads attnx's compiled libraries (loading them registers torch.ops.attnx.*), or raises an ImportError that
+says what attnx needs and how to get it, instead of a missing symbol or library, or a crash.
+
+``_C`` (the schemas, the CPU kernels, the composites) and ``_C_cuda`` (the CUDA kernels) are on the LibTorch
+stable ABI: built once, they load under every torch from ``MIN_TORCH`` on, CPU or CUDA build. ``_C_cuda`` is
+loaded only under a CUDA build of torch whose CUDA major version is the one it was compiled with (it links
+that CUDA runtime, which torch brings). ``_C_mps`` is on torch's regular ABI (see setup.py) and loads only under
+the torch minor release it was built against. A backend library that this torch cannot take is left out with a
+warning that says why: attnx then runs on the other backends.
+"""
+
+import glob
+import os
+import warnings
 
 import torch
 
-REBUILD = (
-    "Rebuild attnx against the installed torch: `pip install --no-build-isolation --no-deps "
-    "--force-reinstall <attnx source>` (or `make build` in a checkout)."
+REINSTALL = (
+    "Reinstall attnx for the installed torch: `pip install --force-reinstall --no-deps <attnx wheel or "
+    "source>` (or `make build` in a checkout)."
 )
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
-def build_mismatch(built_against: str, built_backends: tuple, running: str, running_cuda: str | None) -> str:
-    """What a build of attnx made against torch ``built_against`` with ``built_backends`` needs that torch
-    ``running`` (``running_cuda``: its ``torch.version.cuda``) lacks, or ``""`` when it can load there: the
-    library links against libtorch's C++ API, which changes between minor releases, and its CUDA kernels
-    against torch's CUDA libraries."""
 
-    def minor(version: str) -> tuple:
-        return tuple(version.split("+")[0].split(".")[:2])
+def _release(version: str) -> tuple:
+    """(major, minor) of a torch or CUDA version string such as ``2.14.1+cu130`` or ``13.0``."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
 
-    if minor(built_against) != minor(running):
-        return f"torch {'.'.join(minor(built_against))}.x"
-    if "CUDA" in built_backends and running_cuda is None:
-        return "a CUDA build of torch"
+
+def build_mismatch(min_torch: str, running: str) -> str:
+    """What attnx's stable-ABI library, built for torch ``min_torch`` and later, needs that torch ``running``
+    lacks, or ``""`` when it loads there."""
+    return f"torch >= {min_torch}" if _release(running) < _release(min_torch) else ""
+
+
+def backend_mismatch(backend: str, built_against: str, built_cuda: str | None, running: str,
+                     running_cuda: str | None) -> str:
+    """Why the library of ``backend`` (CUDA or MPS), built against torch ``built_against`` (``built_cuda``: its
+    CUDA version), cannot load under torch ``running`` (``running_cuda``), or ``""`` when it can."""
+    if backend == "CUDA":
+        if running_cuda is None:
+            return f"torch {running} is a CPU build"
+        if built_cuda is not None and _release(built_cuda)[0] != _release(running_cuda)[0]:
+            return (f"they were built for CUDA {_release(built_cuda)[0]} and torch {running} uses CUDA "
+                    f"{running_cuda}")
+        return ""
+    if _release(built_against) != _release(running):
+        return (f"they were built against torch {'.'.join(map(str, _release(built_against)))}.x (torch's "
+                f"regular ABI) and torch {running} is installed")
     return ""
+
+
+def _library(name: str) -> str | None:
+    """The path of the package's compiled library ``name`` (``_C_cuda``: ``_C_cuda.abi3.so`` and the like)."""
+    found = sorted(glob.glob(os.path.join(_PACKAGE, name + ".*so"))) + sorted(
+        glob.glob(os.path.join(_PACKAGE, name + ".*pyd"))
+    )
+    return found[0] if found else None
 
 
 def _load() -> None:
     try:
         from attnx import _build_info
     except ImportError:  # built by something other than setup.py: nothing to compare with
-        built = "an unknown torch"
+        built, info = "an unknown torch", None
     else:
-        built = f"torch {_build_info.TORCH_VERSION} (backends {', '.join(_build_info.BACKENDS)})"
-        needs = build_mismatch(_build_info.TORCH_VERSION, _build_info.BACKENDS, torch.__version__,
-                               torch.version.cuda)
+        info = _build_info
+        built = f"torch {info.TORCH_VERSION} (backends {', '.join(info.BACKENDS)})"
+        needs = build_mismatch(info.MIN_TORCH, torch.__version__)
         if needs:
             raise ImportError(
-                f"attnx was built against {built}, but torch {torch.__version__} is installed; its compiled "
-                f"library needs {needs}. {REBUILD}"
+                f"attnx needs {needs}, but torch {torch.__version__} is installed. Upgrade torch, or use a "
+                f"release of attnx made for this torch."
             )
     try:
         from attnx import _C  # noqa: F401
     except (ImportError, OSError) as error:
         raise ImportError(
             f"attnx's compiled library could not be loaded under torch {torch.__version__} (attnx was built "
-            f"against {built}): {error}. {REBUILD}"
+            f"against {built}): {error}. {REINSTALL}"
         ) from error
+    if info is None:
+        return
+    for backend, name in (("CUDA", "_C_cuda"), ("MPS", "_C_mps")):
+        if backend not in info.BACKENDS:
+            continue
+        why = backend_mismatch(backend, info.TORCH_VERSION, getattr(info, "CUDA_VERSION", None),
+                               torch.__version__, torch.version.cuda)
+        path = _library(name)
+        if why == "" and path is None:
+            why = f"its library ({name}) is missing from {_PACKAGE}"
+        if why:
+            # A CPU torch has no CUDA to run: nothing to say.
+            if not (backend == "CUDA" and torch.version.cuda is None):
+                warnings.warn(f"attnx's {backend} kernels are not loaded: {why}. attnx runs on the other "
+                              f"backends. {REINSTALL}", RuntimeWarning, stacklevel=3)
+            continue
+        try:
+            torch.ops.load_library(path)
+        except (ImportError, OSError) as error:
+            raise ImportError(
+                f"attnx's {backend} library could not be loaded under torch {torch.__version__} (attnx was "
+                f"built against {built}): {error}. {REINSTALL}"
+            ) from error
+
+
+def loaded_backends() -> tuple:
+    """The backends whose kernels are loaded in this process."""
+    return tuple(name for name, lib in (("CPU", "_C"), ("CUDA", "_C_cuda"), ("MPS", "_C_mps"))
+                 if lib == "_C" or any(os.path.basename(path).startswith(lib + ".")
+                                       for path in torch.ops.loaded_libraries))
 
 
 _load()

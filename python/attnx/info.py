@@ -5,6 +5,7 @@ import platform
 import torch
 
 import attnx
+from attnx import _loader
 
 # Dispatch keys a kernel of an attnx op can be registered for, in the order they are reported.
 # CompositeExplicitAutograd: one kernel built from other ops, serving every backend those ops have.
@@ -29,14 +30,15 @@ def report() -> str:
         from attnx import _build_info
 
         backends, built_against = ", ".join(_build_info.BACKENDS), _build_info.TORCH_VERSION
-        archs = _build_info.CUDA_ARCH_LIST
+        archs, floor = _build_info.CUDA_ARCH_LIST, _build_info.MIN_TORCH
     except ImportError:  # built by something other than setup.py
-        backends, built_against, archs = "unknown", "unknown", None
+        backends, built_against, archs, floor = "unknown", "unknown", None, "unknown"
     lines = [
         f"attnx {attnx.__version__}",
         f"python {platform.python_version()}, torch {torch.__version__} "
-        f"(attnx built against {built_against})",
-        f"backends compiled: {backends}" + (f" (CUDA archs {archs})" if archs else ""),
+        f"(attnx built against {built_against}, loads under torch >= {floor})",
+        f"backends compiled: {backends}" + (f" (CUDA archs {archs})" if archs else "")
+        + f"; loaded: {', '.join(_loader.loaded_backends())}",
         f"devices: cuda available={torch.cuda.is_available()}, "
         f"mps available={torch.backends.mps.is_available()}",
         "ops (dispatch keys with a kernel):",
