@@ -19,6 +19,7 @@
 
 #include "common/attention.h"
 #include "common/stable.h"
+#include "common/views.h"
 
 namespace attnx {
 
@@ -32,67 +33,7 @@ using torch::stable::Device;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // ---------------------------------------------------------------------------------------------------------------
-// Views and the few ops whose ATen form takes a Scalar, which the stable dispatcher cannot pass.
-
-// The strides of `sizes` over memory laid out as (old_sizes, old_strides) without a copy, as torch's view
-// computes them (at::detail::computeStride), or nothing where no view exists.
-std::optional<std::vector<int64_t>> view_strides(IntHeaderOnlyArrayRef old_sizes, IntHeaderOnlyArrayRef old_strides,
-                                                 IntHeaderOnlyArrayRef sizes) {
-  const int64_t n = static_cast<int64_t>(sizes.size());
-  if (old_sizes.empty()) return std::vector<int64_t>(n, 1);
-  const int64_t numel = stable::product(old_sizes);
-  if (numel == 0) {
-    if (old_sizes.equals(sizes)) return std::vector<int64_t>(old_strides.begin(), old_strides.end());
-    return stable::contiguous_strides(sizes);
-  }
-  std::vector<int64_t> strides(n);
-  int64_t view_d = n - 1;
-  // Dims of the old layout that are contiguous with each other form a chunk; the new dims must split chunks
-  // exactly.
-  int64_t chunk_base_stride = old_strides.back(), tensor_numel = 1, view_numel = 1;
-  for (int64_t d = static_cast<int64_t>(old_sizes.size()) - 1; d >= 0; --d) {
-    tensor_numel *= old_sizes[d];
-    if (d == 0 || (old_sizes[d - 1] != 1 && old_strides[d - 1] != tensor_numel * chunk_base_stride)) {
-      while (view_d >= 0 && (view_numel < tensor_numel || sizes[view_d] == 1)) {
-        strides[view_d] = view_numel * chunk_base_stride;
-        view_numel *= sizes[view_d];
-        --view_d;
-      }
-      if (view_numel != tensor_numel) return std::nullopt;
-      if (d > 0) {
-        chunk_base_stride = old_strides[d - 1];
-        tensor_numel = view_numel = 1;
-      }
-    }
-  }
-  if (view_d != -1) return std::nullopt;
-  return strides;
-}
-
-// t.reshape(sizes): a view where the memory allows one, else a contiguous copy, as torch's reshape.
-Tensor reshape(const Tensor& t, IntHeaderOnlyArrayRef sizes) {
-  if (const auto strides = view_strides(t.sizes(), t.strides(), sizes)) return reinterpret(t, sizes, *strides);
-  const Tensor copy = stable::empty(t.sizes(), t.scalar_type(), t.device());
-  stable::copy_into(copy, t);
-  return reinterpret(copy, sizes, *view_strides(copy.sizes(), copy.strides(), sizes));
-}
-
-Tensor transpose(const Tensor& t, int64_t a, int64_t b) {
-  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end());
-  if (a < 0) a += t.dim();
-  if (b < 0) b += t.dim();
-  std::swap(sizes[a], sizes[b]);
-  std::swap(strides[a], strides[b]);
-  return reinterpret(t, sizes, strides);
-}
-
-// t with a size-1 dim appended, as t.unsqueeze(-1).
-Tensor unsqueeze_last(const Tensor& t) {
-  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end());
-  sizes.push_back(1);
-  strides.push_back(1);
-  return reinterpret(t, sizes, strides);
-}
+// The few ops whose ATen form takes a Scalar, which the stable dispatcher cannot pass.
 
 // t in `dtype`: t itself when it already is, else a converted copy.
 Tensor to_dtype(const Tensor& t, ScalarType dtype) {
@@ -104,14 +45,14 @@ Tensor to_dtype(const Tensor& t, ScalarType dtype) {
 
 // a + b, or a - b: aten::add and aten::sub take their alpha as a Scalar; the shim's subtract takes it as a
 // double, and a - (-1) * b is the very kernel a + b runs (sub is add with -alpha).
-Tensor subtract(const Tensor& a, const Tensor& b, double alpha = 1.0) {
+Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0) {
   AtenTensorHandle out = nullptr;
   stable::check(aoti_torch_aten_subtract_Tensor(a.get(), b.get(), alpha, &out), "attnx: aten::sub");
   return Tensor(out);
 }
 
 Tensor add(const Tensor& a, const Tensor& b) {
-  return subtract(a, b, -1.0);
+  return sub(a, b, -1.0);
 }
 
 // A 0-dim int64 tensor on `device`, for an integer op's Tensor overload (a float64 scalar would promote it).
@@ -146,7 +87,13 @@ Tensor grid(int64_t rows, int64_t cols, const Device& device, F value) {
 Tensor lengths_4d(const Tensor& key_lengths) {
   const Tensor lengths = to_dtype(key_lengths, ScalarType::Long);
   const int64_t sizes[4] = {lengths.size(0), 1, 1, 1};
-  return reshape(lengths, sizes);
+  return views::reshape(lengths, sizes);
+}
+
+// t summed over its last dim, kept as size 1.
+Tensor rowsum(const Tensor& t) {
+  return call("aten::sum", "dim_IntList", t, std::optional(std::vector<int64_t>{-1}), true,
+              std::optional<ScalarType>());
 }
 
 Tensor logical_and(const Tensor& a, const Tensor& b) {
@@ -161,13 +108,13 @@ Tensor logical_and(const Tensor& a, const Tensor& b) {
 Tensor group_rows(const Tensor& t, int64_t kv_heads) {
   const int64_t B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3);
   const int64_t sizes[4] = {B, kv_heads, (H / kv_heads) * L, E};
-  return reshape(t, sizes);
+  return views::reshape(t, sizes);
 }
 
 // The inverse of group_rows for a result of shape (B, Hkv, G * L, E): (B, H, L, E).
 Tensor ungroup_rows(const Tensor& t, int64_t heads) {
   const int64_t sizes[4] = {t.size(0), heads, t.size(2) * t.size(1) / heads, t.size(3)};
-  return reshape(t, sizes);
+  return views::reshape(t, sizes);
 }
 
 // The bool tensor of the keys each row sees at all (is_causal, key_lengths, the window; see
@@ -192,14 +139,18 @@ std::optional<Tensor> key_range_mask(int64_t L, int64_t S, bool is_causal, int64
   const Tensor col = grid<int64_t>(1, S, device, [](int64_t, int64_t s) { return s; });
   Tensor seen = call("aten::lt", "Tensor", col, lengths);
   if (window_left >= 0) {
-    const Tensor first = grid<int64_t>(L, S, device, [&](int64_t l, int64_t s) { return s - l + L + window_left; });
+    const Tensor first =
+        grid<int64_t>(L, S, device, [&](int64_t l, int64_t s) { return s - l + L + window_left; });
     seen = logical_and(seen, call("aten::ge", "Tensor", first, lengths));
   }
   if (window_right >= 0) {
-    const Tensor last = grid<int64_t>(L, S, device, [&](int64_t l, int64_t s) { return s - l + L - window_right; });
+    const Tensor last =
+        grid<int64_t>(L, S, device, [&](int64_t l, int64_t s) { return s - l + L - window_right; });
     seen = logical_and(seen, call("aten::le", "Tensor", last, lengths));
   }
-  if (is_causal) seen = logical_and(seen, grid<bool>(L, S, device, [](int64_t l, int64_t s) { return s <= l; }));
+  if (is_causal) {
+    seen = logical_and(seen, grid<bool>(L, S, device, [](int64_t l, int64_t s) { return s <= l; }));
+  }
   return seen;
 }
 
@@ -217,8 +168,9 @@ Tensor valid_keys(const Tensor& t, const std::optional<Tensor>& key_lengths) {
 Tensor capped_scores(const Tensor& query, const Tensor& key, ScalarType acc, double scale,
                      std::optional<double> softcap) {
   const int64_t H = query.size(1), Hkv = key.size(1);
-  const Tensor scores = ungroup_rows(
-      call("aten::matmul", "", group_rows(to_dtype(query, acc), Hkv), transpose(to_dtype(key, acc), -2, -1)), H);
+  const Tensor scores = ungroup_rows(call("aten::matmul", "", group_rows(to_dtype(query, acc), Hkv),
+                                          views::transpose(to_dtype(key, acc), -2, -1)),
+                                     H);
   call("aten::mul_", "Tensor", scores, stable::scalar(scale));
   if (softcap) {
     const Tensor cap = stable::scalar(*softcap);
@@ -246,11 +198,11 @@ Tensor add_masks(Tensor scores, const std::optional<Tensor>& attn_mask,
   };
   if (attn_mask) {
     const int64_t sizes[4] = {B, H, L, S};
-    add_mask(attn_mask->dim() == 3 ? reshape(*attn_mask, sizes) : *attn_mask);
+    add_mask(attn_mask->dim() == 3 ? views::reshape(*attn_mask, sizes) : *attn_mask);
   }
   if (key_padding_mask) {
     const int64_t sizes[4] = {B, 1, 1, S};
-    add_mask(reshape(*key_padding_mask, sizes));
+    add_mask(views::reshape(*key_padding_mask, sizes));
   }
   const std::optional<Tensor> seen =
       key_range_mask(L, S, is_causal, window_left, window_right, key_lengths, scores.device());
@@ -305,13 +257,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_math(
   const Tensor capped = capped_scores(query, key_read, acc, s, softcap);
   const Tensor masked = add_masks(call("aten::clone", "", capped, std::nullopt), attn_mask, key_padding_mask,
                                   is_causal, window_left, window_right, key_lengths);
-  const Tensor p = group_rows(call("aten::exp", "", subtract(masked, unsqueeze_last(lse))), Hkv);
-  const Tensor delta = group_rows(call("aten::sum", "dim_IntList",
-                                       call("aten::mul", "Tensor", grad_out_acc, to_dtype(out, acc)),
-                                       std::optional(std::vector<int64_t>{-1}), true, std::optional<ScalarType>()),
-                                  Hkv);
-  const Tensor dp = call("aten::matmul", "", d_out, transpose(to_dtype(value_read, acc), -2, -1));
-  Tensor ds = call("aten::mul", "Tensor", p, subtract(dp, delta));  // (B, Hkv, G*L, S)
+  const Tensor p = group_rows(call("aten::exp", "", sub(masked, views::unsqueeze(lse, -1))), Hkv);
+  const Tensor delta = group_rows(rowsum(call("aten::mul", "Tensor", grad_out_acc, to_dtype(out, acc))), Hkv);
+  const Tensor dp = call("aten::matmul", "", d_out, views::transpose(to_dtype(value_read, acc), -2, -1));
+  Tensor ds = call("aten::mul", "Tensor", p, sub(dp, delta));  // (B, Hkv, G*L, S)
   std::optional<Tensor> mask_grad;
   if (grad_attn_mask && attn_mask && attn_mask->scalar_type() != ScalarType::Bool) {
     const MaskGradShape g = mask_grad_shape(*attn_mask, query.size(0), H);
@@ -329,13 +278,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_math(
   if (softcap) {
     // Out of place: the mask's gradient may be ds itself (a mask of the scores' full shape and dtype).
     const Tensor tanh = call("aten::div", "Tensor", group_rows(capped, Hkv), stable::scalar(*softcap));
-    ds = call("aten::mul", "Tensor", ds, subtract(stable::scalar(1.0), call("aten::square", "", tanh)));
+    ds = call("aten::mul", "Tensor", ds, sub(stable::scalar(1.0), call("aten::square", "", tanh)));
   }
   const Tensor grad_query = ungroup_rows(call("aten::matmul", "", ds, k), H);
   call("aten::mul_", "Tensor", grad_query, stable::scalar(s));
-  const Tensor grad_key = call("aten::matmul", "", transpose(ds, -2, -1), q);
+  const Tensor grad_key = call("aten::matmul", "", views::transpose(ds, -2, -1), q);
   call("aten::mul_", "Tensor", grad_key, stable::scalar(s));
-  stable::copy_into(pb.grad_value, call("aten::matmul", "", transpose(p, -2, -1), d_out));
+  stable::copy_into(pb.grad_value, call("aten::matmul", "", views::transpose(p, -2, -1), d_out));
   stable::copy_into(pb.grad_query, grad_query);
   stable::copy_into(pb.grad_key, grad_key);
   const auto empty = [&] {
