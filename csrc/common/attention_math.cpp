@@ -35,14 +35,6 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // ---------------------------------------------------------------------------------------------------------------
 // The few ops whose ATen form takes a Scalar, which the stable dispatcher cannot pass.
 
-// t in `dtype`: t itself when it already is, else a converted copy.
-Tensor to_dtype(const Tensor& t, ScalarType dtype) {
-  if (t.scalar_type() == dtype) return t;
-  const Tensor converted = stable::empty(t.sizes(), dtype, t.device());
-  stable::copy_into(converted, t);
-  return converted;
-}
-
 // a + b, or a - b: aten::add and aten::sub take their alpha as a Scalar; the shim's subtract takes it as a
 // double, and a - (-1) * b is the very kernel a + b runs (sub is add with -alpha).
 Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0) {
@@ -85,7 +77,7 @@ Tensor grid(int64_t rows, int64_t cols, const Device& device, F value) {
 
 // key_lengths as a (B, 1, 1, 1) int64 tensor.
 Tensor lengths_4d(const Tensor& key_lengths) {
-  const Tensor lengths = to_dtype(key_lengths, ScalarType::Long);
+  const Tensor lengths = stable::to(key_lengths, ScalarType::Long);
   const int64_t sizes[4] = {lengths.size(0), 1, 1, 1};
   return views::reshape(lengths, sizes);
 }
@@ -168,8 +160,8 @@ Tensor valid_keys(const Tensor& t, const std::optional<Tensor>& key_lengths) {
 Tensor capped_scores(const Tensor& query, const Tensor& key, ScalarType acc, double scale,
                      std::optional<double> softcap) {
   const int64_t H = query.size(1), Hkv = key.size(1);
-  const Tensor scores = ungroup_rows(call("aten::matmul", "", group_rows(to_dtype(query, acc), Hkv),
-                                          views::transpose(to_dtype(key, acc), -2, -1)),
+  const Tensor scores = ungroup_rows(call("aten::matmul", "", group_rows(stable::to(query, acc), Hkv),
+                                          views::transpose(stable::to(key, acc), -2, -1)),
                                      H);
   call("aten::mul_", "Tensor", scores, stable::scalar(scale));
   if (softcap) {
@@ -193,7 +185,7 @@ Tensor add_masks(Tensor scores, const std::optional<Tensor>& attn_mask,
     if (mask.scalar_type() == ScalarType::Bool) {
       call("aten::masked_fill_", "Tensor", scores, mask, minus_inf);
     } else {
-      scores = add(scores, to_dtype(mask, acc));
+      scores = add(scores, stable::to(mask, acc));
     }
   };
   if (attn_mask) {
@@ -251,15 +243,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_math(
   const ScalarType acc = lse.scalar_type();
   const int64_t H = query.size(1), Hkv = key.size(1);
   const Tensor key_read = valid_keys(key, key_lengths), value_read = valid_keys(value, key_lengths);
-  const Tensor q = group_rows(to_dtype(query, acc), Hkv), k = to_dtype(key_read, acc);
-  const Tensor grad_out_acc = to_dtype(grad_out, acc);
+  const Tensor q = group_rows(stable::to(query, acc), Hkv), k = stable::to(key_read, acc);
+  const Tensor grad_out_acc = stable::to(grad_out, acc);
   const Tensor d_out = group_rows(grad_out_acc, Hkv);
   const Tensor capped = capped_scores(query, key_read, acc, s, softcap);
   const Tensor masked = add_masks(call("aten::clone", "", capped, std::nullopt), attn_mask, key_padding_mask,
                                   is_causal, window_left, window_right, key_lengths);
   const Tensor p = group_rows(call("aten::exp", "", sub(masked, views::unsqueeze(lse, -1))), Hkv);
-  const Tensor delta = group_rows(rowsum(call("aten::mul", "Tensor", grad_out_acc, to_dtype(out, acc))), Hkv);
-  const Tensor dp = call("aten::matmul", "", d_out, views::transpose(to_dtype(value_read, acc), -2, -1));
+  const Tensor delta = group_rows(rowsum(call("aten::mul", "Tensor", grad_out_acc, stable::to(out, acc))), Hkv);
+  const Tensor dp = call("aten::matmul", "", d_out, views::transpose(stable::to(value_read, acc), -2, -1));
   Tensor ds = call("aten::mul", "Tensor", p, sub(dp, delta));  // (B, Hkv, G*L, S)
   std::optional<Tensor> mask_grad;
   if (grad_attn_mask && attn_mask && attn_mask->scalar_type() != ScalarType::Bool) {
