@@ -47,6 +47,15 @@ Tensor add(const Tensor& a, const Tensor& b) {
   return sub(a, b, -1.0);
 }
 
+// a @ b for (B, N, n, m) and (B, N, m, p) tensors, computed as aten::matmul computes it (one bmm over the
+// B * N matrices, each operand reshaped to 3-D: a view where its strides allow) but called as bmm: matmul's
+// own expand and reshape would run as autograd views under the dispatcher, a microsecond each.
+Tensor matmul4(const Tensor& a, const Tensor& b) {
+  const int64_t B = a.size(0), N = a.size(1), n = a.size(2), m = a.size(3), p = b.size(3);
+  const int64_t a3[3] = {B * N, n, m}, b3[3] = {B * N, m, p}, out[4] = {B, N, n, p};
+  return views::view(call("aten::bmm", "", views::reshape(a, a3), views::reshape(b, b3)), out);
+}
+
 // A 0-dim int64 tensor on `device`, for an integer op's Tensor overload (a float64 scalar would promote it).
 Tensor int_scalar(int64_t value, const Device& device) {
   AtenTensorHandle out = nullptr;
@@ -160,7 +169,7 @@ Tensor valid_keys(const Tensor& t, const std::optional<Tensor>& key_lengths) {
 Tensor capped_scores(const Tensor& query, const Tensor& key, ScalarType acc, double scale,
                      std::optional<double> softcap) {
   const int64_t H = query.size(1), Hkv = key.size(1);
-  const Tensor scores = ungroup_rows(call("aten::matmul", "", group_rows(stable::to(query, acc), Hkv),
+  const Tensor scores = ungroup_rows(matmul4(group_rows(stable::to(query, acc), Hkv),
                                           views::transpose(stable::to(key, acc), -2, -1)),
                                      H);
   call("aten::mul_", "Tensor", scores, stable::scalar(scale));
@@ -251,7 +260,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_math(
                                   is_causal, window_left, window_right, key_lengths);
   const Tensor p = group_rows(call("aten::exp", "", sub(masked, views::unsqueeze(lse, -1))), Hkv);
   const Tensor delta = group_rows(rowsum(call("aten::mul", "Tensor", grad_out_acc, stable::to(out, acc))), Hkv);
-  const Tensor dp = call("aten::matmul", "", d_out, views::transpose(stable::to(value_read, acc), -2, -1));
+  const Tensor dp = matmul4(d_out, views::transpose(stable::to(value_read, acc), -2, -1));
   Tensor ds = call("aten::mul", "Tensor", p, sub(dp, delta));  // (B, Hkv, G*L, S)
   std::optional<Tensor> mask_grad;
   if (grad_attn_mask && attn_mask && attn_mask->scalar_type() != ScalarType::Bool) {
@@ -272,11 +281,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_math(
     const Tensor tanh = call("aten::div", "Tensor", group_rows(capped, Hkv), stable::scalar(*softcap));
     ds = call("aten::mul", "Tensor", ds, sub(stable::scalar(1.0), call("aten::square", "", tanh)));
   }
-  const Tensor grad_query = ungroup_rows(call("aten::matmul", "", ds, k), H);
+  const Tensor grad_query = ungroup_rows(matmul4(ds, k), H);
   call("aten::mul_", "Tensor", grad_query, stable::scalar(s));
-  const Tensor grad_key = call("aten::matmul", "", views::transpose(ds, -2, -1), q);
+  const Tensor grad_key = matmul4(views::transpose(ds, -2, -1), q);
   call("aten::mul_", "Tensor", grad_key, stable::scalar(s));
-  stable::copy_into(pb.grad_value, call("aten::matmul", "", views::transpose(p, -2, -1), d_out));
+  stable::copy_into(pb.grad_value, matmul4(views::transpose(p, -2, -1), d_out));
   stable::copy_into(pb.grad_query, grad_query);
   stable::copy_into(pb.grad_key, grad_key);
   const auto empty = [&] {
