@@ -74,6 +74,8 @@ FEATURES = {
     "key lengths": dict(heads=(2, 2), kwargs=dict(key_lengths=torch.tensor([9, 0]), window_left=-1,
                                                    window_right=0)),
     "softcap bias": dict(heads=(4, 2), kwargs=dict(softcap=2.0), bias=(1, 4, 6, 9)),
+    # A bias of the scores' full shape: its gradient is dS itself, before the soft-cap's derivative.
+    "softcap full bias": dict(heads=(4, 2), kwargs=dict(softcap=2.0), bias=(2, 4, 6, 9)),
     "sinks bias": dict(heads=(4, 4), kwargs={}, bias=(6, 9), sinks=True),
 }
 

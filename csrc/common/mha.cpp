@@ -4,140 +4,229 @@
 // serves every backend that has those kernels (registered as CompositeExplicitAutograd below). No step copies
 // q, k, v or the masks except where the semantics add keys (bias_k/bias_v, add_zero_attn), and nothing of size
 // [B, H, L, S] exists unless the caller asks for the attention weights.
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
+//
+// On the LibTorch stable ABI. Every view (of the inputs, the projections, the heads) is a shim reinterpret
+// computed from sizes and strides (common/views.h): at decoding shapes the dispatcher is paid for the GEMMs and
+// the attention kernel only.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 
+#include <array>
 #include <cmath>
-#include <limits>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "common/attention.h"
 #include "common/linear.h"
-#include "common/stable_bridge.h"
+#include "common/stable.h"
+#include "common/views.h"
 
 namespace attnx {
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
+using OptTensor = std::optional<Tensor>;
+using stable::call;
+using stable::Sizes;
+using torch::headeronly::IntHeaderOnlyArrayRef;
 
-at::Tensor attnx_linear(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnx::_linear", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
-  return op.call(input, weight, bias);
+Tensor attnx_linear(const Tensor& input, const Tensor& weight, const OptTensor& bias) {
+  return call("attnx::_linear", "", input, weight, bias);
 }
 
-std::tuple<at::Tensor, at::Tensor> attnx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             const OptTensor& attn_mask, const OptTensor& key_padding_mask,
-                                             bool is_causal, double dropout_p, const OptTensor& dropout_seed) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attnx::_attention", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const OptTensor&, const OptTensor&, bool,
-                                                    std::optional<double>, double, const OptTensor&, int64_t,
-                                                    int64_t, const OptTensor&, std::optional<double>,
-                                                    const OptTensor&)>();
-  return op.call(q, k, v, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p, dropout_seed, -1, -1,
-                 std::nullopt, std::nullopt, std::nullopt);
+// attnx::attention's out and lse.
+std::array<Tensor, 2> attnx_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const OptTensor& attn_mask, const OptTensor& key_padding_mask,
+                                      bool is_causal, double dropout_p, const OptTensor& dropout_seed) {
+  const std::optional<double> none;
+  return call<2>("attnx::_attention", "", q, k, v, attn_mask, key_padding_mask, is_causal, none, dropout_p,
+                 dropout_seed, -1, -1, OptTensor(), none, OptTensor());
 }
 
-// attention_backward's gradients of q, k, v and, when grad_attn_mask, of attn_mask (else undefined).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attnx_attention_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
-    double dropout_p, const OptTensor& dropout_seed, bool grad_attn_mask) {
-  using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnx::attention_backward", "")
-                             .typed<Grads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                                          bool, std::optional<double>, double, const OptTensor&, int64_t, int64_t,
-                                          const OptTensor&, std::optional<double>, const OptTensor&, bool)>();
-  auto [dq, dk, dv, dmask, dsinks] =
-      op.call(grad_out, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, std::nullopt, dropout_p,
-              dropout_seed, -1, -1, std::nullopt, std::nullopt, std::nullopt, grad_attn_mask);
-  return {dq, dk, dv, grad_attn_mask ? dmask : at::Tensor()};
+// attention_backward's gradients of q, k, v and, when grad_attn_mask, of attn_mask.
+struct AttentionGrads {
+  Tensor query, key, value;
+  OptTensor mask;
+};
+
+AttentionGrads attnx_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                        const Tensor& v, const Tensor& out, const Tensor& lse,
+                                        const OptTensor& attn_mask, const OptTensor& key_padding_mask,
+                                        bool is_causal, double dropout_p, const OptTensor& dropout_seed,
+                                        bool grad_attn_mask) {
+  const std::optional<double> none;
+  const std::array<Tensor, 5> g =
+      call<5>("attnx::attention_backward", "", grad_out, q, k, v, out, lse, attn_mask, key_padding_mask,
+              is_causal, none, dropout_p, dropout_seed, -1, -1, OptTensor(), none, OptTensor(), grad_attn_mask);
+  return {g[0], g[1], g[2], grad_attn_mask ? OptTensor(g[3]) : std::nullopt};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensors and the ops whose ATen form takes a Scalar, which the stable dispatcher cannot pass.
+
+Tensor alloc(IntHeaderOnlyArrayRef sizes, const Tensor& like) {
+  return stable::empty(sizes, like.scalar_type(), like.device());
+}
+
+// The empty (0,) tensor that stands for an output not asked for.
+Tensor empty_output(const Tensor& like) {
+  const int64_t zero = 0;
+  return alloc(IntHeaderOnlyArrayRef(&zero, 1), like);
+}
+
+Tensor zeros(IntHeaderOnlyArrayRef sizes, const Tensor& like) {
+  const Tensor t = alloc(sizes, like);
+  stable::check(aoti_torch_aten_fill__Scalar(t.get(), 0.0), "attnx: aten::fill_");
+  return t;
+}
+
+// mask with `extra` key columns appended: False for a bool mask, 0 for a float one.
+Tensor pad_columns(const Tensor& mask, IntHeaderOnlyArrayRef pad) {
+  double value = 0.0;
+  AtenTensorHandle out = nullptr;
+  stable::check(
+      aoti_torch_aten_pad(mask.get(), pad.data(), static_cast<int64_t>(pad.size()), "constant", &value, &out),
+      "attnx: aten::pad");
+  return Tensor(out);
+}
+
+Tensor mm(const Tensor& a, const Tensor& b) {
+  return call("aten::mm", "", a, b);
+}
+
+// out = a @ b, into out's memory.
+void mm_out(const Tensor& out, const Tensor& a, const Tensor& b) {
+  call("aten::mm", "out", a, b, out);
+}
+
+// c += a @ b in place, c a 2-D (rows) tensor: what addmm_ runs. aten::addmm takes beta and alpha as Scalars;
+// aten::linear.out with c as both its bias and its out is addmm_out(c, c, a, b), addmm_ itself.
+void addmm_in_place(const Tensor& c, const Tensor& a, const Tensor& b) {
+  call("aten::linear", "out", a, views::transpose(b, 0, 1), OptTensor(c), c);
+}
+
+// a + b, a - b: aten::add and aten::sub take their alpha as a Scalar; the shim's subtract takes it as a
+// double, and a - (-1) * b is the kernel a + b runs (sub is add with -alpha).
+Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0) {
+  AtenTensorHandle out = nullptr;
+  stable::check(aoti_torch_aten_subtract_Tensor(a.get(), b.get(), alpha, &out), "attnx: aten::sub");
+  return Tensor(out);
+}
+
+// dst += src, dst keeping its layout.
+void add_in_place(const Tensor& dst, const Tensor& src) {
+  stable::copy_into(dst, sub(dst, src, -1.0));
+}
+
+// t summed over `dims`.
+Tensor sum_dims(const Tensor& t, std::vector<int64_t> dims, bool keepdim = false) {
+  return call("aten::sum", "dim_IntList", t, std::optional(std::move(dims)), keepdim,
+              std::optional<ScalarType>());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+// Whether a and b are one tensor, as at::Tensor::is_same: the C API has no such call, but
+// aoti_torch_get_sizes points into the tensor itself, so two handles of one tensor see one sizes array and
+// two tensors two.
+bool is_same(const Tensor& a, const Tensor& b) {
+  return a.get() == b.get() || a.sizes().data() == b.sizes().data();
 }
 
 OptTensor rows(const OptTensor& t, int64_t start, int64_t length) {
-  return t ? OptTensor(t->narrow(0, start, length)) : std::nullopt;
+  return t ? OptTensor(views::narrow(*t, 0, start, length)) : std::nullopt;
 }
 
 // Whether in-projections that read the same input run as one GEMM against the packed weight rows. Not on the
 // CPU: there the packed (3E x E) or (2E x E) GEMM measured 0.92-1.11x the separate (E x E) ones depending on
 // the shape, while the separate GEMMs, run at once in shares per thread (run_gemms_in_shares), beat the same
 // GEMMs one after another.
-bool pack_in_projections(const at::Tensor& input) {
+bool pack_in_projections(const Tensor& input) {
   return !input.is_cpu();
 }
 
 // The same memory seen the same way: then one GEMM against the packed weight serves both.
-bool same_view(const at::Tensor& a, const at::Tensor& b) {
-  return a.is_same(b) || (a.data_ptr() == b.data_ptr() && a.sizes().equals(b.sizes()) &&
-                          a.strides().equals(b.strides()) && a.dtype() == b.dtype());
+bool same_view(const Tensor& a, const Tensor& b) {
+  return is_same(a, b) || (a.data_ptr() == b.data_ptr() && a.sizes().equals(b.sizes()) &&
+                           a.strides().equals(b.strides()) && a.scalar_type() == b.scalar_type());
 }
 
 // (N, B, E) -> (B, H, N, E / H), a view.
-at::Tensor split_heads(const at::Tensor& t, int64_t num_heads) {
-  return t.unflatten(2, {num_heads, t.size(2) / num_heads}).permute({1, 2, 0, 3});
+Tensor split_heads(const Tensor& t, int64_t num_heads) {
+  const int64_t sizes[4] = {t.size(0), t.size(1), num_heads, t.size(2) / num_heads}, order[4] = {1, 2, 0, 3};
+  return views::permute(views::view(t, sizes), order);
+}
+
+// static_k / static_v, (B*H, S, head_dim), as (B, H, S, head_dim): a view.
+Tensor unflatten_heads(const Tensor& t, int64_t B, int64_t H) {
+  const int64_t sizes[4] = {B, H, t.size(1), t.size(2)};
+  return views::view(t, sizes);
 }
 
 // Attention weights, (B, H, L, S) in lse's dtype, normalised exactly as torch's softmax (not from lse: see
 // attention_weights_exact). Only for callers that asked for them. Fully masked rows give NaN, as torch's.
-at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
-                             const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal) {
+Tensor attention_weights(const Tensor& q, const Tensor& k, const Tensor& lse, const OptTensor& attn_mask,
+                         const OptTensor& key_padding_mask, bool is_causal) {
   const double scale = 1.0 / std::sqrt(double(q.size(3)));
   return attention_weights_exact(q, k, lse.scalar_type(), attn_mask, key_padding_mask, is_causal, scale);
 }
 
 // query, key and value as the caller passed them: (L, B, E), (S, B, kdim), (S, B, vdim), or with batch_first
 // (B, L, E), (B, S, kdim), (B, S, vdim).
-void check_mha_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+void check_mha_args(const Tensor& query, const Tensor& key, const Tensor& value, int64_t num_heads,
                     const OptTensor& in_proj_weight, const OptTensor& q_proj_weight,
                     const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
                     const OptTensor& bias_v, const OptTensor& key_padding_mask, const OptTensor& attn_mask,
                     const OptTensor& static_k, const OptTensor& static_v, bool batch_first) {
   const int64_t seq = batch_first ? 1 : 0, batch = 1 - seq;
-  TORCH_CHECK(query.dim() == 3, "attnx::mha: expected query of shape ", batch_first ? "(B, L, E)" : "(L, B, E)",
-              ", got ", query.sizes());
+  ATTNX_CHECK(query.dim() == 3, "attnx::mha: expected query of shape ", batch_first ? "(B, L, E)" : "(L, B, E)",
+              ", got ", Sizes{query.sizes()});
   const int64_t L = query.size(seq), B = query.size(batch), E = query.size(2);
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(batch) == B && value.size(batch) == B &&
+  ATTNX_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(batch) == B && value.size(batch) == B &&
                   key.size(seq) == value.size(seq),
               "attnx::mha: expected key ", batch_first ? "(B, S, kdim)" : "(S, B, kdim)", " and value ",
-              batch_first ? "(B, S, vdim)" : "(S, B, vdim)", " with B = ", B, ", got ", key.sizes(), " and ",
-              value.sizes());
-  TORCH_CHECK(num_heads > 0 && E % num_heads == 0, "attnx::mha: expected embed_dim (", E,
+              batch_first ? "(B, S, vdim)" : "(S, B, vdim)", " with B = ", B, ", got ", Sizes{key.sizes()},
+              " and ", Sizes{value.sizes()});
+  ATTNX_CHECK(num_heads > 0 && E % num_heads == 0, "attnx::mha: expected embed_dim (", E,
               ") divisible by num_heads (", num_heads, ")");
   const bool separate = q_proj_weight && k_proj_weight && v_proj_weight;
-  TORCH_CHECK(in_proj_weight.has_value() != separate,
+  ATTNX_CHECK(in_proj_weight.has_value() != separate,
               "attnx::mha: expected either in_proj_weight or all three of q/k/v_proj_weight");
-  TORCH_CHECK(bias_k.has_value() == bias_v.has_value(), "attnx::mha: expected bias_k and bias_v together");
-  TORCH_CHECK(!bias_k || (!static_k && !static_v), "attnx::mha: bias_k/bias_v cannot be added to static_k/static_v");
+  ATTNX_CHECK(bias_k.has_value() == bias_v.has_value(), "attnx::mha: expected bias_k and bias_v together");
+  ATTNX_CHECK(!bias_k || (!static_k && !static_v),
+              "attnx::mha: bias_k/bias_v cannot be added to static_k/static_v");
   const int64_t H = num_heads, head_dim = E / num_heads;
-  for (const auto& s : {static_k, static_v}) {
-    TORCH_CHECK(!s || (s->dim() == 3 && s->size(0) == B * H && s->size(2) == head_dim),
-                "attnx::mha: expected static_k/static_v of shape (B*H, S, head_dim) = (", B * H, ", S, ", head_dim,
-                "), got ", s->sizes());
+  for (const OptTensor* s : {&static_k, &static_v}) {
+    ATTNX_CHECK(!*s || ((*s)->dim() == 3 && (*s)->size(0) == B * H && (*s)->size(2) == head_dim),
+                "attnx::mha: expected static_k/static_v of shape (B*H, S, head_dim) = (", B * H, ", S, ",
+                head_dim, "), got ", Sizes{(*s)->sizes()});
   }
   const int64_t S = static_k ? static_k->size(1) : key.size(seq);
   if (key_padding_mask) {
-    TORCH_CHECK(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == B && key_padding_mask->size(1) == S,
+    ATTNX_CHECK(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == B && key_padding_mask->size(1) == S,
                 "attnx::mha: expected key_padding_mask of shape (B, S) = (", B, ", ", S, "), got ",
-                key_padding_mask->sizes());
+                Sizes{key_padding_mask->sizes()});
   }
   if (attn_mask) {
     const bool ok = (attn_mask->dim() == 2 && attn_mask->size(0) == L && attn_mask->size(1) == S) ||
                     (attn_mask->dim() == 3 && attn_mask->size(0) == B * H && attn_mask->size(1) == L &&
                      attn_mask->size(2) == S);
-    TORCH_CHECK(ok, "attnx::mha: expected attn_mask of shape (L, S) = (", L, ", ", S, ") or (B*H, L, S) = (", B * H,
-                ", ", L, ", ", S, "), got ", attn_mask->sizes());
+    ATTNX_CHECK(ok, "attnx::mha: expected attn_mask of shape (L, S) = (", L, ", ", S, ") or (B*H, L, S) = (",
+                B * H, ", ", L, ", ", S, "), got ", Sizes{attn_mask->sizes()});
   }
 }
 
 // Appends `extra` never-masked key columns to a mask: False for a bool mask, 0 for a float one.
 OptTensor pad_keys(const OptTensor& mask, int64_t extra) {
-  return mask && extra > 0 ? OptTensor(at::constant_pad_nd(*mask, {0, extra}, 0)) : mask;
+  if (!mask || extra <= 0) return mask;
+  const int64_t pad[2] = {0, extra};
+  return pad_columns(*mask, pad);
 }
 
 // The sequence-first (N, B, F) form of mha's query, key and value: batch_first (B, N, F) arguments as their
@@ -145,46 +234,44 @@ OptTensor pad_keys(const OptTensor& mask, int64_t extra) {
 // several arguments stays one tensor, so that self-attention is still recognised (one packed GEMM forward off
 // the CPU, one gradient backward).
 struct SeqFirst {
-  at::Tensor query, key, value;
+  Tensor query, key, value;
 };
 
-SeqFirst seq_first(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool batch_first) {
+SeqFirst seq_first(const Tensor& query, const Tensor& key, const Tensor& value, bool batch_first) {
   if (!batch_first) return {query, key, value};
-  SeqFirst t;
-  t.query = query.transpose(0, 1);
-  t.key = key.is_same(query) ? t.query : key.transpose(0, 1);
-  t.value = value.is_same(key) ? t.key : value.is_same(query) ? t.query : value.transpose(0, 1);
-  return t;
+  const Tensor q = views::transpose(query, 0, 1);
+  const Tensor k = is_same(key, query) ? q : views::transpose(key, 0, 1);
+  const Tensor v = is_same(value, key) ? k : is_same(value, query) ? q : views::transpose(value, 0, 1);
+  return {q, k, v};
 }
 
-// What the forward hands to the backward: the attention problem as attnx::attention saw it.
+// What the forward hands to the backward: the attention problem as attnx::attention saw it. (Optional: an
+// empty stable Tensor is still a handle to allocate.)
 struct MhaState {
-  at::Tensor out, lse, weights;
-  at::Tensor q, k, v;  // (B, H, L, Dh), (B, H, S', Dh), (B, H, S', Dh): attention's inputs, appended keys included
-  at::Tensor attn;     // (B, H, L, Dh) in memory order (B, L, H, Dh): attention's output
+  OptTensor out, lse, weights;
+  OptTensor q, k, v;  // (B, H, L, Dh), (B, H, S', Dh), (B, H, S', Dh): attention's inputs, appended keys included
+  OptTensor attn;     // (B, H, L, Dh) in memory order (B, L, H, Dh): attention's output
 };
 
-MhaState mha_forward_impl(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                          int64_t num_heads, const OptTensor& in_proj_weight, const OptTensor& in_proj_bias,
+MhaState mha_forward_impl(const Tensor& query_in, const Tensor& key_in, const Tensor& value_in, int64_t num_heads,
+                          const OptTensor& in_proj_weight, const OptTensor& in_proj_bias,
                           const OptTensor& q_proj_weight, const OptTensor& k_proj_weight,
                           const OptTensor& v_proj_weight, const OptTensor& bias_k, const OptTensor& bias_v,
-                          bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
+                          bool add_zero_attn, const Tensor& out_proj_weight, const OptTensor& out_proj_bias,
                           const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in, bool is_causal,
                           const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
                           bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed,
                           bool batch_first, bool keep_for_backward) {
-  // Below ADInplaceOrView, as mha's autograd kernel calls it: the views taken here (of the inputs, the
-  // projections, the weights) are internal, no output aliases an input, so they need no view tracking. Under
-  // inference_mode with ordinary (not inference) tensors, that tracking would otherwise run on every view,
-  // ~2 us per call at small shapes.
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  // The views taken here (of the inputs, the projections, the weights) are internal reinterprets, not autograd
+  // views, and no output aliases an input: nothing here needs autograd's view tracking, under inference_mode
+  // or not.
   check_mha_args(query_in, key_in, value_in, num_heads, in_proj_weight, q_proj_weight, k_proj_weight,
                  v_proj_weight, bias_k, bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v, batch_first);
-  const SeqFirst views = seq_first(query_in, key_in, value_in, batch_first);
-  const at::Tensor &query = views.query, &key = views.key, &value = views.value;
+  const SeqFirst seq = seq_first(query_in, key_in, value_in, batch_first);
+  const Tensor &query = seq.query, &key = seq.key, &value = seq.value;
   // Weights after dropout would need the (B, H, L, S) keep mask; attnx.functional runs that case by
   // composition.
-  TORCH_CHECK(!need_weights || dropout_p == 0.0,
+  ATTNX_CHECK(!need_weights || dropout_p == 0.0,
               "attnx::mha: need_weights with dropout_p > 0 is not supported (the weights are recomputed from lse "
               "without the dropout mask)");
   const int64_t B = query.size(1), E = query.size(2), H = num_heads;
@@ -195,37 +282,35 @@ MhaState mha_forward_impl(const at::Tensor& query_in, const at::Tensor& key_in, 
   // In-projections. Packed self-attention (off the CPU) is one GEMM whose (L, B, 3E) output q, k and v are
   // strided views of; projections that static_k / static_v replace are not computed at all.
   const auto weight = [&](int64_t i, const OptTensor& separate) {
-    return in_proj_weight ? in_proj_weight->narrow(0, i * E, E) : *separate;
+    return in_proj_weight ? views::narrow(*in_proj_weight, 0, i * E, E) : *separate;
   };
-  at::Tensor q, k, v;
+  OptTensor q, k, v;
   const bool need_k = !static_k, need_v = !static_v;
   const bool pack = in_proj_weight && need_k && need_v && pack_in_projections(query);
   if (pack && same_view(query, key) && same_view(key, value)) {
-    const at::Tensor qkv = attnx_linear(query, *in_proj_weight, in_proj_bias);
-    q = qkv.narrow(2, 0, E);
-    k = qkv.narrow(2, E, E);
-    v = qkv.narrow(2, 2 * E, E);
+    const Tensor qkv = attnx_linear(query, *in_proj_weight, in_proj_bias);
+    q = views::narrow(qkv, 2, 0, E);
+    k = views::narrow(qkv, 2, E, E);
+    v = views::narrow(qkv, 2, 2 * E, E);
   } else if (!pack && query.is_cpu()) {
     // The separate GEMMs are independent: shared out among the threads at once, each thread's part on one
     // thread of BLAS, they beat the same GEMMs one after another on all threads (run_gemms_in_shares).
-    using bridge::to_aten, bridge::to_stable;
     std::vector<LinearGemm> gemms;
-    const auto plan = [&](const at::Tensor& input, const at::Tensor& w, const OptTensor& b) {
-      gemms.push_back(plan_linear(to_stable(input), to_stable(w), to_stable(b)));
-    };
-    plan(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E));
-    if (need_k) plan(key, weight(1, k_proj_weight), rows(in_proj_bias, E, E));
-    if (need_v) plan(value, weight(2, v_proj_weight), rows(in_proj_bias, 2 * E, E));
+    gemms.reserve(3);
+    gemms.push_back(plan_linear(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E)));
+    if (need_k) gemms.push_back(plan_linear(key, weight(1, k_proj_weight), rows(in_proj_bias, E, E)));
+    if (need_v) gemms.push_back(plan_linear(value, weight(2, v_proj_weight), rows(in_proj_bias, 2 * E, E)));
     run_gemms_in_shares(gemms);
-    q = to_aten(gemms[0].out);
-    if (need_k) k = to_aten(gemms[1].out);
-    if (need_v) v = to_aten(gemms.back().out);
+    q = gemms[0].out;
+    if (need_k) k = gemms[1].out;
+    if (need_v) v = gemms.back().out;
   } else {
     q = attnx_linear(query, weight(0, q_proj_weight), rows(in_proj_bias, 0, E));
     if (pack && same_view(key, value)) {
-      const at::Tensor kv = attnx_linear(key, in_proj_weight->narrow(0, E, 2 * E), rows(in_proj_bias, E, 2 * E));
-      k = kv.narrow(2, 0, E);
-      v = kv.narrow(2, E, E);
+      const Tensor kv =
+          attnx_linear(key, views::narrow(*in_proj_weight, 0, E, 2 * E), rows(in_proj_bias, E, 2 * E));
+      k = views::narrow(kv, 2, 0, E);
+      v = views::narrow(kv, 2, E, E);
     } else {
       if (need_k) k = attnx_linear(key, weight(1, k_proj_weight), rows(in_proj_bias, E, E));
       if (need_v) v = attnx_linear(value, weight(2, v_proj_weight), rows(in_proj_bias, 2 * E, E));
@@ -234,74 +319,95 @@ MhaState mha_forward_impl(const at::Tensor& query_in, const at::Tensor& key_in, 
 
   // bias_k / bias_v: one learned key and value appended to every sequence (never masked).
   if (bias_k) {
-    k = at::cat({k, bias_k->reshape({1, 1, E}).expand({1, B, E})}, 0);
-    v = at::cat({v, bias_v->reshape({1, 1, E}).expand({1, B, E})}, 0);
+    const auto append = [&](const Tensor& t, const Tensor& bias) {
+      const int64_t row_sizes[3] = {1, 1, E};
+      const Tensor row = views::reshape(bias, row_sizes);
+      const int64_t sizes[3] = {1, B, E}, strides[3] = {row.stride(0), 0, row.stride(2)};  // expand
+      return call("aten::cat", "", std::vector<Tensor>{t, stable::reinterpret(row, sizes, strides)}, 0);
+    };
+    k = append(*k, *bias_k);
+    v = append(*v, *bias_v);
   }
 
   // (B, H, N, head_dim) views; static_k / static_v arrive as (B*H, S, head_dim).
   MhaState state;
-  at::Tensor q4 = split_heads(q, H);
-  at::Tensor k4 = static_k ? static_k->unflatten(0, {B, H}) : split_heads(k, H);
-  at::Tensor v4 = static_v ? static_v->unflatten(0, {B, H}) : split_heads(v, H);
+  OptTensor q4 = split_heads(*q, H);
+  OptTensor k4 = static_k ? unflatten_heads(*static_k, B, H) : split_heads(*k, H);
+  OptTensor v4 = static_v ? unflatten_heads(*static_v, B, H) : split_heads(*v, H);
 
   // add_zero_attn: one all-zero key and value appended (never masked).
   if (add_zero_attn) {
-    k4 = at::constant_pad_nd(k4, {0, 0, 0, 1}, 0);
-    v4 = at::constant_pad_nd(v4, {0, 0, 0, 1}, 0);
+    const int64_t pad[4] = {0, 0, 0, 1};
+    k4 = pad_columns(*k4, pad);
+    v4 = pad_columns(*v4, pad);
   }
 
-  auto [attn, lse] = attnx_attention(q4, k4, v4, attn_mask, key_padding_mask, is_causal, dropout_p, dropout_seed);
+  const auto [attn, lse] =
+      attnx_attention(*q4, *k4, *v4, attn_mask, key_padding_mask, is_causal, dropout_p, dropout_seed);
   if (keep_for_backward) {
     // An op's outputs may not alias its inputs: static_k / static_v used as they are stay with the caller, and
     // the backward reads them from there (empty here).
     state.q = q4;
-    state.k = static_k && !add_zero_attn ? at::empty({0}, q4.options()) : k4;
-    state.v = static_v && !add_zero_attn ? at::empty({0}, q4.options()) : v4;
+    state.k = static_k && !add_zero_attn ? empty_output(*q4) : *k4;
+    state.v = static_v && !add_zero_attn ? empty_output(*q4) : *v4;
     state.attn = attn;
   }
   // Release the projections before the out projection allocates its output, so that peak memory is the
   // projections plus the attention output, never the projections plus two outputs.
-  q = k = v = v4 = at::Tensor();
-  if (!need_weights) q4 = k4 = at::Tensor();
+  q.reset();
+  k.reset();
+  v.reset();
+  v4.reset();
+  if (!need_weights) {
+    q4.reset();
+    k4.reset();
+  }
 
   // attn is (B, H, L, head_dim) laid out as (B, L, H, head_dim), so its (L, B, E) form is a view, and linear
   // writes out in that memory order: (L, B, E) with the strides of a (B, L, E) tensor, whose batch_first
   // (B, L, E) form is again a view.
-  state.out = attnx_linear(attn.permute({2, 0, 1, 3}).flatten(2), out_proj_weight, out_proj_bias);
-  if (batch_first) state.out = state.out.transpose(0, 1);
+  const int64_t order[4] = {2, 0, 1, 3}, flat[3] = {attn.size(2), attn.size(0), attn.size(1) * attn.size(3)};
+  const Tensor out =
+      attnx_linear(views::reshape(views::permute(attn, order), flat), out_proj_weight, out_proj_bias);
+  state.out = batch_first ? views::transpose(out, 0, 1) : out;
   state.lse = lse;
 
   if (need_weights) {
-    at::Tensor weights = attention_weights(q4, k4, lse, attn_mask, key_padding_mask, is_causal);
-    if (average_attn_weights) weights = weights.mean(1);
-    state.weights = weights.to(query.scalar_type());
+    Tensor weights = attention_weights(*q4, *k4, lse, attn_mask, key_padding_mask, is_causal);
+    if (average_attn_weights) {
+      weights = call("aten::mean", "dim", weights, std::optional(std::vector<int64_t>{1}), false,
+                     std::optional<ScalarType>());
+    }
+    state.weights = stable::to(weights, query.scalar_type());
   } else {
-    state.weights = at::empty({0}, query.options());
+    state.weights = empty_output(query);
   }
   return state;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mha(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-    const OptTensor& in_proj_weight, const OptTensor& in_proj_bias, const OptTensor& q_proj_weight,
-    const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
-    const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
-    const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
-    const OptTensor& static_v, bool need_weights, bool average_attn_weights, double dropout_p,
-    const OptTensor& dropout_seed, bool batch_first) {
+std::tuple<Tensor, Tensor, Tensor> mha(const Tensor& query, const Tensor& key, const Tensor& value,
+                                       int64_t num_heads, const OptTensor& in_proj_weight,
+                                       const OptTensor& in_proj_bias, const OptTensor& q_proj_weight,
+                                       const OptTensor& k_proj_weight, const OptTensor& v_proj_weight,
+                                       const OptTensor& bias_k, const OptTensor& bias_v, bool add_zero_attn,
+                                       const Tensor& out_proj_weight, const OptTensor& out_proj_bias,
+                                       const OptTensor& key_padding_mask, const OptTensor& attn_mask,
+                                       bool is_causal, const OptTensor& static_k, const OptTensor& static_v,
+                                       bool need_weights, bool average_attn_weights, double dropout_p,
+                                       const OptTensor& dropout_seed, bool batch_first) {
   MhaState s = mha_forward_impl(query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
                                 k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight,
                                 out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
                                 need_weights, average_attn_weights, dropout_p, dropout_seed, batch_first,
                                 /*keep_for_backward=*/false);
-  return {s.out, s.lse, s.weights};
+  return {*s.out, *s.lse, *s.weights};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_forward(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mha_forward(
+    const Tensor& query, const Tensor& key, const Tensor& value, int64_t num_heads,
     const OptTensor& in_proj_weight, const OptTensor& in_proj_bias, const OptTensor& q_proj_weight,
     const OptTensor& k_proj_weight, const OptTensor& v_proj_weight, const OptTensor& bias_k,
-    const OptTensor& bias_v, bool add_zero_attn, const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias,
+    const OptTensor& bias_v, bool add_zero_attn, const Tensor& out_proj_weight, const OptTensor& out_proj_bias,
     const OptTensor& key_padding_mask, const OptTensor& attn_mask, bool is_causal, const OptTensor& static_k,
     const OptTensor& static_v, bool need_weights, bool average_attn_weights, double dropout_p,
     const OptTensor& dropout_seed, bool batch_first) {
@@ -310,7 +416,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                 out_proj_bias, key_padding_mask, attn_mask, is_causal, static_k, static_v,
                                 need_weights, average_attn_weights, dropout_p, dropout_seed, batch_first,
                                 /*keep_for_backward=*/true);
-  return {s.out, s.lse, s.weights, s.q, s.k, s.v, s.attn};
+  return {*s.out, *s.lse, *s.weights, *s.q, *s.k, *s.v, *s.attn};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -328,200 +434,235 @@ enum MhaGrad : int64_t {
 
 // (N, B, F) -> (B*N, F) rows in (batch, position) order: a view when the memory allows it, else one copy. (Sizes
 // spelled out, not -1, which is ambiguous when F == 0.)
-at::Tensor batch_major_rows(const at::Tensor& t) {
-  return t.transpose(0, 1).reshape({t.size(0) * t.size(1), t.size(2)});
+Tensor batch_major_rows(const Tensor& t) {
+  const int64_t sizes[2] = {t.size(0) * t.size(1), t.size(2)};
+  return views::reshape(views::transpose(t, 0, 1), sizes);
+}
+
+// The rows of a gradient allocated in (B, N, F) memory order, to be written: always a view.
+Tensor rows_to_write(const Tensor& t) {
+  const int64_t sizes[2] = {t.size(0) * t.size(1), t.size(2)};
+  return views::view(views::transpose(t, 0, 1), sizes);
 }
 
 // (B, H, N, Dh) -> (B*N, H*Dh) rows in (batch, position) order; a view for attention's (B, N, H, Dh) layouts.
-at::Tensor head_rows(const at::Tensor& t) {
-  return t.permute({0, 2, 1, 3}).reshape({t.size(0) * t.size(2), t.size(1) * t.size(3)});
+Tensor head_rows(const Tensor& t) {
+  const int64_t order[4] = {0, 2, 1, 3}, sizes[2] = {t.size(0) * t.size(2), t.size(1) * t.size(3)};
+  return views::reshape(views::permute(t, order), sizes);
 }
 
 // The gradient of the attention weights output flowed back into grad_q and grad_k (in place), and into
-// grad_mask (attn_mask's gradient, (L, S') or (B*H, L, S')) when it is defined: the softmax backward
+// grad_mask (attn_mask's gradient, (L, S') or (B*H, L, S')) when there is one: the softmax backward
 // dS = P * (dP - rowsum(dP * P)) on P recomputed from lse. Only reached when the caller asked for the weights
 // and used them, so the (B, H, L, S') tensors it builds are the size of what it asked for.
-void add_weights_grad(const at::Tensor& grad_weights, bool average_attn_weights, const at::Tensor& q,
-                      const at::Tensor& k, const at::Tensor& lse, const OptTensor& attn_mask,
-                      const OptTensor& key_padding_mask, bool is_causal, at::Tensor& grad_q, at::Tensor& grad_k,
-                      at::Tensor& grad_mask) {
-  const auto acc = lse.scalar_type();
-  const at::Tensor p = attention_weights(q, k, lse, attn_mask, key_padding_mask, is_causal);
-  at::Tensor dp = grad_weights.to(acc);
-  if (average_attn_weights) dp = dp.unsqueeze(1).div(double(q.size(1)));  // mean over heads
-  // A fully masked row's weights are NaN whatever q and k are: no gradient flows from them.
-  at::Tensor ds = (p * (dp - (dp * p).sum(-1, /*keepdim=*/true))).masked_fill_(lse.isposinf().unsqueeze(-1), 0);
-  if (grad_mask.defined()) {
-    const at::Tensor g = grad_mask.dim() == 2 ? ds.sum({0, 1}) : ds.flatten(0, 1);
-    grad_mask.add_(g.to(grad_mask.scalar_type()));
+void add_weights_grad(const Tensor& grad_weights, bool average_attn_weights, const Tensor& q, const Tensor& k,
+                      const Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask,
+                      bool is_causal, const Tensor& grad_q, const Tensor& grad_k, const OptTensor& grad_mask) {
+  const ScalarType acc = lse.scalar_type();
+  const Tensor p = attention_weights(q, k, lse, attn_mask, key_padding_mask, is_causal);
+  Tensor dp = stable::to(grad_weights, acc);
+  if (average_attn_weights) {  // mean over heads
+    dp = call("aten::div", "Tensor", views::unsqueeze(dp, 1), stable::scalar(double(q.size(1))));
   }
-  const double scale = 1.0 / std::sqrt(double(q.size(3)));
-  grad_q.add_(at::matmul(ds, k.to(acc)).mul_(scale).to(grad_q.scalar_type()));
-  grad_k.add_(at::matmul(ds.transpose(-2, -1), q.to(acc)).mul_(scale).to(grad_k.scalar_type()));
+  const Tensor rowsum = sum_dims(call("aten::mul", "Tensor", dp, p), {-1}, /*keepdim=*/true);
+  const Tensor ds = call("aten::mul", "Tensor", p, sub(dp, rowsum));
+  // A fully masked row's weights are NaN whatever q and k are: no gradient flows from them.
+  call("aten::masked_fill_", "Tensor", ds, views::unsqueeze(call("aten::isposinf", "", lse), -1),
+       stable::scalar(0.0));
+  if (grad_mask) {
+    const int64_t flat[3] = {ds.size(0) * ds.size(1), ds.size(2), ds.size(3)};
+    const Tensor g = grad_mask->dim() == 2 ? sum_dims(ds, {0, 1}) : views::reshape(ds, flat);
+    add_in_place(*grad_mask, stable::to(g, grad_mask->scalar_type()));
+  }
+  const Tensor scale = stable::scalar(1.0 / std::sqrt(double(q.size(3))));
+  const Tensor dq = call("aten::matmul", "", ds, stable::to(k, acc));
+  call("aten::mul_", "Tensor", dq, scale);
+  add_in_place(grad_q, stable::to(dq, grad_q.scalar_type()));
+  const Tensor dk = call("aten::matmul", "", views::transpose(ds, -2, -1), stable::to(q, acc));
+  call("aten::mul_", "Tensor", dk, scale);
+  add_in_place(grad_k, stable::to(dk, grad_k.scalar_type()));
 }
 
-std::vector<at::Tensor> mha_backward(
-    const at::Tensor& grad_out_in, const OptTensor& grad_weights, const at::Tensor& query_in,
-    const at::Tensor& key_in, const at::Tensor& value_in, int64_t num_heads, const OptTensor& in_proj_weight,
-    const OptTensor& in_proj_bias, const OptTensor& q_proj_weight, const OptTensor& k_proj_weight,
-    const OptTensor& v_proj_weight, const OptTensor& bias_k, const OptTensor& bias_v, bool add_zero_attn,
-    const at::Tensor& out_proj_weight, const OptTensor& out_proj_bias, const OptTensor& key_padding_mask_in,
-    const OptTensor& attn_mask_in, bool is_causal, const OptTensor& static_k, const OptTensor& static_v,
-    bool need_weights, bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed,
-    const at::Tensor& q, const at::Tensor& k_saved, const at::Tensor& v_saved, const at::Tensor& attn,
-    const at::Tensor& lse, at::IntArrayRef output_mask_in, bool batch_first) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in mha_forward_impl
+std::vector<Tensor> mha_backward(
+    const Tensor& grad_out_in, const OptTensor& grad_weights, const Tensor& query_in, const Tensor& key_in,
+    const Tensor& value_in, int64_t num_heads, const OptTensor& in_proj_weight, const OptTensor& in_proj_bias,
+    const OptTensor& q_proj_weight, const OptTensor& k_proj_weight, const OptTensor& v_proj_weight,
+    const OptTensor& bias_k, const OptTensor& bias_v, bool add_zero_attn, const Tensor& out_proj_weight,
+    const OptTensor& out_proj_bias, const OptTensor& key_padding_mask_in, const OptTensor& attn_mask_in,
+    bool is_causal, const OptTensor& static_k, const OptTensor& static_v, bool need_weights,
+    bool average_attn_weights, double dropout_p, const OptTensor& dropout_seed, const Tensor& q,
+    const Tensor& k_saved, const Tensor& v_saved, const Tensor& attn, const Tensor& lse,
+    const std::vector<int64_t>& output_mask_in, bool batch_first) {
   check_mha_args(query_in, key_in, value_in, num_heads, in_proj_weight, q_proj_weight, k_proj_weight,
                  v_proj_weight, bias_k, bias_v, key_padding_mask_in, attn_mask_in, static_k, static_v, batch_first);
   // Sequence-first views from here on; the input gradients are transposed back at the end.
-  const SeqFirst views = seq_first(query_in, key_in, value_in, batch_first);
-  const at::Tensor &query = views.query, &key = views.key, &value = views.value;
-  const at::Tensor grad_out = batch_first ? grad_out_in.transpose(0, 1) : grad_out_in;
+  const SeqFirst seq = seq_first(query_in, key_in, value_in, batch_first);
+  const Tensor &query = seq.query, &key = seq.key, &value = seq.value;
+  const Tensor grad_out = batch_first ? views::transpose(grad_out_in, 0, 1) : grad_out_in;
   // static_k / static_v used without an appended zero key are attention's k / v themselves.
-  const at::Tensor k = static_k && !add_zero_attn ? static_k->unflatten(0, {query.size(1), num_heads}) : k_saved;
-  const at::Tensor v = static_v && !add_zero_attn ? static_v->unflatten(0, {query.size(1), num_heads}) : v_saved;
-  TORCH_CHECK(output_mask_in.size() == kNumMhaGrads, "attnx::mha_backward: expected output_mask of ", kNumMhaGrads,
-              " entries, got ", output_mask_in.size());
+  const Tensor k = static_k && !add_zero_attn ? unflatten_heads(*static_k, query.size(1), num_heads) : k_saved;
+  const Tensor v = static_v && !add_zero_attn ? unflatten_heads(*static_v, query.size(1), num_heads) : v_saved;
+  ATTNX_CHECK(static_cast<int64_t>(output_mask_in.size()) == kNumMhaGrads,
+              "attnx::mha_backward: expected output_mask of ", kNumMhaGrads, " entries, got ",
+              output_mask_in.size());
   const auto wanted = [&](MhaGrad g) { return output_mask_in[g] != 0; };
   const int64_t L = query.size(0), B = query.size(1), E = query.size(2), H = num_heads, Dh = E / H;
   const int64_t S = static_k ? static_k->size(1) : key.size(0);
   const int64_t appended = int64_t(bias_k.has_value()) + int64_t(add_zero_attn);
   const OptTensor key_padding_mask = pad_keys(key_padding_mask_in, appended);
   const OptTensor attn_mask = pad_keys(attn_mask_in, appended);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && attn.dim() == 4 && q.size(0) == B && q.size(1) == H &&
-                  q.size(2) == L && k.size(2) == S + appended,
+  ATTNX_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && attn.dim() == 4 && q.size(0) == B &&
+                  q.size(1) == H && q.size(2) == L && k.size(2) == S + appended,
               "attnx::mha_backward: expected q, k, v and attn as attnx::mha_forward returned them");
-  std::vector<at::Tensor> grads(kNumMhaGrads);
+  std::vector<OptTensor> grads(kNumMhaGrads);
 
   // Out projection: out = attn @ out_proj_weight^T + out_proj_bias, rows in (batch, position) order.
-  const at::Tensor grad_out_rows = batch_major_rows(grad_out);  // (B*L, E)
-  if (wanted(kGradOutProjWeight)) grads[kGradOutProjWeight] = grad_out_rows.t().mm(head_rows(attn));
-  if (out_proj_bias && wanted(kGradOutProjBias)) grads[kGradOutProjBias] = grad_out_rows.sum(0);
-  at::Tensor grad_attn = grad_out_rows.mm(out_proj_weight).view({B, L, H, Dh}).permute({0, 2, 1, 3});
+  const Tensor grad_out_rows = batch_major_rows(grad_out);  // (B*L, E)
+  if (wanted(kGradOutProjWeight)) {
+    grads[kGradOutProjWeight] = mm(views::transpose(grad_out_rows, 0, 1), head_rows(attn));
+  }
+  if (out_proj_bias && wanted(kGradOutProjBias)) grads[kGradOutProjBias] = sum_dims(grad_out_rows, {0});
+  const int64_t blhd[4] = {B, L, H, Dh}, order[4] = {0, 2, 1, 3};
+  OptTensor grad_attn = views::permute(views::view(mm(grad_out_rows, out_proj_weight), blhd), order);
 
   // Attention, probabilities recomputed from lse.
   // A float attn_mask (a learned bias) gets dS summed as the mask broadcasts, from the fused backward.
-  const bool mask_grad = wanted(kGradAttnMask) && attn_mask && attn_mask->scalar_type() != at::kBool;
-  auto [grad_q, grad_k, grad_v, grad_mask] =
-      attnx_attention_backward(grad_attn, q, k, v, attn, lse, attn_mask, key_padding_mask, is_causal, dropout_p,
-                               dropout_seed, mask_grad);
+  const bool mask_grad = wanted(kGradAttnMask) && attn_mask && attn_mask->scalar_type() != ScalarType::Bool;
+  AttentionGrads attention_grads = attnx_attention_backward(
+      *grad_attn, q, k, v, attn, lse, attn_mask, key_padding_mask, is_causal, dropout_p, dropout_seed, mask_grad);
+  OptTensor grad_q = std::move(attention_grads.query), grad_k = std::move(attention_grads.key),
+            grad_v = std::move(attention_grads.value);
+  const OptTensor grad_mask = std::move(attention_grads.mask);
   if (grad_weights && grad_weights->defined() && grad_weights->numel() > 0) {
-    TORCH_CHECK(need_weights, "attnx::mha_backward: got grad_weights for a call without need_weights");
-    add_weights_grad(*grad_weights, average_attn_weights, q, k, lse, attn_mask, key_padding_mask, is_causal, grad_q,
-                     grad_k, grad_mask);
+    ATTNX_CHECK(need_weights, "attnx::mha_backward: got grad_weights for a call without need_weights");
+    add_weights_grad(*grad_weights, average_attn_weights, q, k, lse, attn_mask, key_padding_mask, is_causal,
+                     *grad_q, *grad_k, grad_mask);
   }
   // The columns of the appended keys (bias_k, add_zero_attn) were padding, not the caller's mask: cut off, and
   // copied once so that the gradient is contiguous in the mask's shape, the one layout the fake kernel states.
-  if (mask_grad) grads[kGradAttnMask] = appended ? grad_mask.narrow(-1, 0, S).contiguous() : grad_mask;
+  if (mask_grad) {
+    grads[kGradAttnMask] = appended ? views::contiguous(views::narrow(*grad_mask, -1, 0, S)) : *grad_mask;
+  }
   grad_attn.reset();
 
   // Appended keys: the zero key has no parameter; bias_k / bias_v sit at position S of every sequence.
   if (bias_k) {
-    if (wanted(kGradBiasK)) grads[kGradBiasK] = grad_k.select(2, S).sum(0).reshape({1, 1, E});
-    if (wanted(kGradBiasV)) grads[kGradBiasV] = grad_v.select(2, S).sum(0).reshape({1, 1, E});
+    const auto appended_grad = [&](const Tensor& grad) {
+      const int64_t one_row[3] = {1, 1, E};
+      return views::reshape(sum_dims(views::select(grad, 2, S), {0}), one_row);
+    };
+    if (wanted(kGradBiasK)) grads[kGradBiasK] = appended_grad(*grad_k);
+    if (wanted(kGradBiasV)) grads[kGradBiasV] = appended_grad(*grad_v);
   }
-  grad_k = grad_k.narrow(2, 0, S);
-  grad_v = grad_v.narrow(2, 0, S);
+  grad_k = views::narrow(*grad_k, 2, 0, S);
+  grad_v = views::narrow(*grad_v, 2, 0, S);
   // static_k / static_v are (B*H, S, Dh); the gradients are (B, H, S, Dh) in memory order (B, S, H, Dh), which
   // no (B*H, ...) view describes, so reshape copies them once. The copy is made contiguous in every case (also
   // where reshape could return a strided view), so that the output layout is one rule the fake kernel mirrors.
-  if (static_k && wanted(kGradStaticK)) grads[kGradStaticK] = grad_k.reshape({B * H, S, Dh}).contiguous();
-  if (static_v && wanted(kGradStaticV)) grads[kGradStaticV] = grad_v.reshape({B * H, S, Dh}).contiguous();
+  const int64_t static_sizes[3] = {B * H, S, Dh};
+  if (static_k && wanted(kGradStaticK)) {
+    grads[kGradStaticK] = views::contiguous(views::reshape(*grad_k, static_sizes));
+  }
+  if (static_v && wanted(kGradStaticV)) {
+    grads[kGradStaticV] = views::contiguous(views::reshape(*grad_v, static_sizes));
+  }
 
   // In-projections: proj = input @ weight^T + bias for each of q, k, v that was projected.
-  const at::Tensor grad_proj[3] = {head_rows(grad_q), static_k ? at::Tensor() : head_rows(grad_k),
-                                   static_v ? at::Tensor() : head_rows(grad_v)};
-  grad_q = grad_k = grad_v = at::Tensor();
-  const at::Tensor* inputs[3] = {&query, &key, &value};
+  const OptTensor grad_proj[3] = {head_rows(*grad_q), static_k ? OptTensor() : head_rows(*grad_k),
+                                  static_v ? OptTensor() : head_rows(*grad_v)};
+  grad_q.reset();
+  grad_k.reset();
+  grad_v.reset();
+  const Tensor* inputs[3] = {&query, &key, &value};
   const OptTensor* separate[3] = {&q_proj_weight, &k_proj_weight, &v_proj_weight};
   const auto proj_weight = [&](int64_t i) {
-    return in_proj_weight ? in_proj_weight->narrow(0, i * E, E) : separate[i]->value();
+    return in_proj_weight ? views::narrow(*in_proj_weight, 0, i * E, E) : separate[i]->value();
   };
   // Called with one tensor as query, key and value (self-attention), its whole gradient goes to grad_query
   // and grad_key / grad_value stay empty: autograd would only add the three up.
-  const bool one_input = query.is_same(key) && key.is_same(value);
+  const bool one_input = is_same(query, key) && is_same(key, value);
   const bool wanted_input[3] = {
       wanted(kGradQuery) || (one_input && (wanted(kGradKey) || wanted(kGradValue))),
       !one_input && wanted(kGradKey), !one_input && wanted(kGradValue)};
-  at::Tensor input_rows[3];  // each distinct input's rows, gathered once
-  const auto rows_of = [&](int64_t i) -> const at::Tensor& {
+  OptTensor input_rows[3];  // each distinct input's rows, gathered once
+  const auto rows_of = [&](int64_t i) -> const Tensor& {
     int64_t first = i;
-    while (first > 0 && inputs[first - 1]->is_same(*inputs[i])) --first;
-    if (!input_rows[first].defined()) input_rows[first] = batch_major_rows(*inputs[first]);
-    return input_rows[first];
+    while (first > 0 && is_same(*inputs[first - 1], *inputs[i])) --first;
+    if (!input_rows[first]) input_rows[first] = batch_major_rows(*inputs[first]);
+    return *input_rows[first];
   };
   // The packed in_proj gradients are written block by block; zero-filled first only when a block stays
   // unwritten (a projection that static_k / static_v replaced).
-  const bool every_block = grad_proj[0].defined() && grad_proj[1].defined() && grad_proj[2].defined();
-  const auto packed_grad = [&](const at::Tensor& like) {
-    return every_block ? at::empty(like.sizes(), like.options()) : at::zeros(like.sizes(), like.options());
+  const bool every_block = grad_proj[0] && grad_proj[1] && grad_proj[2];
+  const auto packed_grad = [&](const Tensor& like) {
+    return every_block ? alloc(like.sizes(), like) : zeros(like.sizes(), like);
   };
   for (int64_t i = 0; i < 3; ++i) {
-    if (!grad_proj[i].defined()) continue;
-    const at::Tensor w = proj_weight(i);
+    if (!grad_proj[i]) continue;
+    const Tensor& dproj = *grad_proj[i];
+    const Tensor w = proj_weight(i);
     const int64_t slot = one_input ? kGradQuery : kGradQuery + i;
     if (wanted_input[slot]) {
-      at::Tensor& g = grads[slot];
-      if (!g.defined()) {
+      OptTensor& g = grads[slot];
+      if (!g) {
         // (N, B, F) in memory order (B, N, F): the GEMM writes it directly.
-        g = at::empty({B, inputs[i]->size(0), inputs[i]->size(2)}, grad_proj[i].options()).transpose(0, 1);
-        at::Tensor g_rows = batch_major_rows(g);
-        at::mm_out(g_rows, grad_proj[i], w);
+        const int64_t sizes[3] = {B, inputs[i]->size(0), inputs[i]->size(2)};
+        g = views::transpose(alloc(sizes, dproj), 0, 1);
+        mm_out(rows_to_write(*g), dproj, w);
       } else {
-        batch_major_rows(g).addmm_(grad_proj[i], w);
+        addmm_in_place(rows_to_write(*g), dproj, w);
       }
     }
     if (in_proj_weight) {
       if (wanted(kGradInProjWeight)) {
-        at::Tensor& grad_weight = grads[kGradInProjWeight];
-        if (!grad_weight.defined()) grad_weight = packed_grad(*in_proj_weight);
-        at::Tensor rows_i = grad_weight.narrow(0, i * E, E);
-        at::mm_out(rows_i, grad_proj[i].t(), rows_of(i));
+        OptTensor& grad_weight = grads[kGradInProjWeight];
+        if (!grad_weight) grad_weight = packed_grad(*in_proj_weight);
+        mm_out(views::narrow(*grad_weight, 0, i * E, E), views::transpose(dproj, 0, 1), rows_of(i));
       }
     } else if (wanted(MhaGrad(kGradQProjWeight + i))) {
-      grads[kGradQProjWeight + i] = grad_proj[i].t().mm(rows_of(i));
+      grads[kGradQProjWeight + i] = mm(views::transpose(dproj, 0, 1), rows_of(i));
     }
     if (in_proj_bias && wanted(kGradInProjBias)) {
-      at::Tensor& grad_bias = grads[kGradInProjBias];
-      if (!grad_bias.defined()) grad_bias = packed_grad(*in_proj_bias);
-      at::Tensor rows_i = grad_bias.narrow(0, i * E, E);
-      at::sum_out(rows_i, grad_proj[i], 0);
+      OptTensor& grad_bias = grads[kGradInProjBias];
+      if (!grad_bias) grad_bias = packed_grad(*in_proj_bias);
+      call("aten::sum", "IntList_out", dproj, std::optional(std::vector<int64_t>{0}), false,
+           std::optional<ScalarType>(), views::narrow(*grad_bias, 0, i * E, E));
     }
   }
   // Requested gradients of inputs that no projection read (a key replaced by static_k) are zero.
   for (int64_t i = 0; i < 3; ++i) {
-    if (wanted_input[i] && !grads[kGradQuery + i].defined()) {
-      grads[kGradQuery + i] =
-          at::zeros({B, inputs[i]->size(0), inputs[i]->size(2)}, inputs[i]->options()).transpose(0, 1);
+    if (wanted_input[i] && !grads[kGradQuery + i]) {
+      const int64_t sizes[3] = {B, inputs[i]->size(0), inputs[i]->size(2)};
+      grads[kGradQuery + i] = views::transpose(zeros(sizes, *inputs[i]), 0, 1);
     }
   }
-  if (in_proj_weight && wanted(kGradInProjWeight) && !grads[kGradInProjWeight].defined()) {
-    grads[kGradInProjWeight] = at::zeros(in_proj_weight->sizes(), in_proj_weight->options());
+  if (in_proj_weight && wanted(kGradInProjWeight) && !grads[kGradInProjWeight]) {
+    grads[kGradInProjWeight] = zeros(in_proj_weight->sizes(), *in_proj_weight);
   }
   for (int64_t i = 0; i < 3; ++i) {
-    if (!in_proj_weight && wanted(MhaGrad(kGradQProjWeight + i)) && !grads[kGradQProjWeight + i].defined()) {
-      grads[kGradQProjWeight + i] = at::zeros(separate[i]->value().sizes(), separate[i]->value().options());
+    if (!in_proj_weight && wanted(MhaGrad(kGradQProjWeight + i)) && !grads[kGradQProjWeight + i]) {
+      grads[kGradQProjWeight + i] = zeros(separate[i]->value().sizes(), separate[i]->value());
     }
   }
   // The input gradients in the inputs' (B, N, F) shape; memory order (B, N, F) either way, as written above.
   if (batch_first) {
     for (int64_t i = 0; i < 3; ++i) {
-      at::Tensor& g = grads[kGradQuery + i];
-      if (g.defined()) g = g.transpose(0, 1);
+      OptTensor& g = grads[kGradQuery + i];
+      if (g) g = views::transpose(*g, 0, 1);
     }
   }
   // Gradients not asked for (or of absent arguments) are returned as empty tensors.
-  for (auto& g : grads) {
-    if (!g.defined()) g = at::empty({0}, query.options());
-  }
-  return grads;
+  std::vector<Tensor> result;
+  result.reserve(kNumMhaGrads);
+  for (const OptTensor& g : grads) result.push_back(g ? *g : empty_output(query));
+  return result;
 }
 
 }  // namespace
 }  // namespace attnx
 
-TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
-  m.impl("_mha", &attnx::mha);
-  m.impl("mha_forward", &attnx::mha_forward);
-  m.impl("mha_backward", &attnx::mha_backward);
+STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
+  m.impl("_mha", TORCH_BOX(&attnx::mha));
+  m.impl("mha_forward", TORCH_BOX(&attnx::mha_forward));
+  m.impl("mha_backward", TORCH_BOX(&attnx::mha_backward));
 }
