@@ -6,6 +6,7 @@
 #include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/stableivalue_conversions.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/csrc/stable/version.h>
@@ -81,6 +82,14 @@ template <typename... Args>
   do {                                          \
     if (!(cond)) ::attnx::stable::fail(__VA_ARGS__); \
   } while (0)
+
+// The arguments printed one after another, as c10::str does.
+template <typename... Args>
+std::string str(const Args&... args) {
+  std::ostringstream message;
+  (message << ... << args);
+  return message.str();
+}
 
 // A list of sizes as torch prints an IntArrayRef: [2, 3].
 struct Sizes {
@@ -196,6 +205,14 @@ inline void copy_into(const Tensor& dst, const Tensor& src) {
   check(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/0), "attnx: copy_");
 }
 
+// t in `dtype`: t itself when it already is, else a contiguous converted copy.
+inline Tensor to(const Tensor& t, ScalarType dtype) {
+  if (t.scalar_type() == dtype) return t;
+  Tensor converted = empty(t.sizes(), dtype, t.device());
+  copy_into(converted, t);
+  return converted;
+}
+
 // A 0-dim CPU float64 tensor: how a Scalar argument reaches an op through the stable dispatcher, which cannot
 // pass Scalars (the ops' Tensor overloads take it, as a CPU scalar that any device and dtype accepts).
 inline Tensor scalar(double value) {
@@ -223,6 +240,11 @@ StableIValue box(const T& value) {
 // Calls `name`.`overload` with `args` and returns its first N outputs: a Tensor for N = 1, an array of them
 // otherwise, nothing for N = 0. N must be the op's number of outputs (the rest would not be released). Errors
 // are raised with the op's own message (stable::check).
+//
+// Every argument of the schema is passed, defaults included, each in the C++ type of its schema type: an
+// optional one (`Tensor?`, `int[1]?`, `ScalarType?`) as a std::optional (the stack holds an optional as a
+// pointer to its value: a bare value there is read as an address), a list as a std::vector, a Scalar not at
+// all (see scalar()).
 template <size_t N = 1, typename... Args>
 auto call(const char* name, const char* overload, const Args&... args) {
   constexpr size_t kArgs = sizeof...(Args);

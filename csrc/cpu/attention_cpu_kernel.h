@@ -61,6 +61,15 @@ struct AttentionData : AttentionPointers {
 
 using AttentionKernel = void (*)(const AttentionParams&, const AttentionData&);
 
+// The ISA levels the kernels are compiled for.
+enum class CpuCapability { kDefault, kAvx2, kAvx512 };
+
+// The level torch's own CPU kernels run at (torch.backends.cpu.get_cpu_capability()), by torch's rule: the
+// highest the CPU supports (AVX-512 with VL, BW, DQ and FMA; AVX2 with FMA), lowered by ATEN_CPU_CAPABILITY
+// (default, avx2, avx512), so that one environment variable moves torch and attnx together. (The stable ABI
+// has no at::get_cpu_capability.) Read once per process; kDefault where the variants are not built.
+CpuCapability cpu_capability();
+
 namespace DEFAULT {
 void attention_kernel(const AttentionParams& p, const AttentionData& d);
 }

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "common/attention.h"
+#include "common/stable_bridge.h"
 #include "mps/metal_library.h"
 
 namespace attnx {
@@ -33,16 +34,20 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
   // Grouped KV heads, key_lengths (int32 or int64, read in place and clamped into [0, S] by the kernels:
   // reading their values here would cost a device sync), windows, softcap and sinks are parameters of both
   // kernels. sinks reach them as float32 (H,) contiguous (pb.sinks_acc).
-  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                          dropout_p, dropout_seed, window_left, window_right, key_lengths,
-                                          softcap, sinks);
+  // The checks and layouts are on the stable ABI (common/attention.cpp); this file is not, hence the bridge.
+  using bridge::to_aten, bridge::to_stable;
+  AttentionProblem pb = prepare_attention(to_stable(query), to_stable(key), to_stable(value), to_stable(attn_mask),
+                                          to_stable(key_padding_mask), is_causal, scale, dropout_p,
+                                          to_stable(dropout_seed), window_left, window_right, to_stable(key_lengths),
+                                          softcap, to_stable(sinks));
+  const at::Tensor out = to_aten(pb.out), lse = to_aten(pb.lse);
   const AttentionParams params = pb.params;
   const mps::AttentionPlan plan = mps::plan_attention(params, dtype);
   TORCH_CHECK(plan.kernel != mps::AttentionKernel::kNone,
               "attnx::attention: expected head dims D and Dv up to ", metal_config::kMaxHeadDim,
               " on MPS, got D=", params.head_dim, ", Dv=", params.v_head_dim,
               " (B*H=", params.batch * params.heads, ", L=", params.q_len, ")");
-  if (mps::launch_empty(plan.launch)) return {pb.out, pb.lse};
+  if (mps::launch_empty(plan.launch)) return {out, lse};
 
   const id<MTLComputePipelineState> pso = mps::pipeline(plan.launch.name);
   mps::check_launch(pso, plan.launch, "attnx::attention");
@@ -56,10 +61,10 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
   buffers.ref[mps::kAttentionValue] = mps::buffer_ref(value);
   buffers.ref[mps::kAttentionMask] = mps::buffer_ref(attn_mask ? *attn_mask : query);
   buffers.ref[mps::kAttentionKeyPaddingMask] = mps::buffer_ref(key_padding_mask ? *key_padding_mask : query);
-  buffers.ref[mps::kAttentionOut] = mps::buffer_ref(pb.out);
-  buffers.ref[mps::kAttentionLse] = mps::buffer_ref(pb.lse);
+  buffers.ref[mps::kAttentionOut] = mps::buffer_ref(out);
+  buffers.ref[mps::kAttentionLse] = mps::buffer_ref(lse);
   buffers.ref[mps::kAttentionKeyLengths] = mps::buffer_ref(key_lengths ? *key_lengths : query);
-  buffers.ref[mps::kAttentionSinks] = mps::buffer_ref(sinks ? pb.sinks_acc : query);
+  buffers.ref[mps::kAttentionSinks] = mps::buffer_ref(pb.sinks_acc ? to_aten(*pb.sinks_acc) : query);
   const mps::Launch launch = plan.launch;
 
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
@@ -76,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> attention_mps(const at::Tensor& query, const 
               threadsPerThreadgroup:MTLSizeMake(launch.threads, 1, 1)];
     }
   });
-  return {pb.out, pb.lse};
+  return {out, lse};
 }
 
 }  // namespace attnx
