@@ -1,7 +1,7 @@
 // attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernel is
-// attention.cu (torch-free), launched here on the current stream of the inputs' device. On the LibTorch stable
-// ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C shim, and nothing here
-// needs libc10_cuda.
+// attention.cu (torch-free), launched here on the current stream of the inputs' device. On the LibTorch
+// stable ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C shim, and
+// nothing here needs libc10_cuda.
 #include <cuda_runtime_api.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -19,8 +19,8 @@
 #include "cuda/attention.h"
 #include "cuda/attention_composite.h"
 
-// The C shim declares its CUDA calls only where torch's own USE_CUDA is defined, which an extension's build does
-// not define; this is the shim's declaration. It lives in libtorch_cuda.
+// The C shim declares its CUDA calls only where torch's own USE_CUDA is defined, which an extension's build
+// does not define; this is the shim's declaration. It lives in libtorch_cuda.
 extern "C" AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index, void** ret_stream);
 
 namespace attnx {
@@ -60,11 +60,12 @@ cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, int32_t 
   return major >= 8 ? cuda::Kernel::kMma : cuda::Kernel::kSimt;
 }
 
-// The stream torch runs `device`'s work on now (torch.cuda.current_stream), so that the kernel is ordered with
-// the ops around it.
+// The stream torch runs `device`'s work on now (torch.cuda.current_stream), so that the kernel is ordered
+// with the ops around it.
 cudaStream_t current_stream(int32_t device) {
   void* stream = nullptr;
-  stable::check(aoti_torch_get_current_cuda_stream(device, &stream), "attnx::attention: the current CUDA stream");
+  stable::check(aoti_torch_get_current_cuda_stream(device, &stream),
+                "attnx::attention: the current CUDA stream");
   return static_cast<cudaStream_t>(stream);
 }
 
@@ -100,8 +101,8 @@ std::tuple<Tensor, Tensor> attention_cuda(const Tensor& query, const Tensor& key
                                                  select_kernel(pb.params, dtype, device));
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
               ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,
-              ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ", pb.dtype,
-              "): ", cudaGetErrorString(err));
+              ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ",
+              pb.dtype, "): ", cudaGetErrorString(err));
   return {pb.out, pb.lse};
 }
 
