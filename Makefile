@@ -6,8 +6,9 @@
 #                                   BENCH_ARGS="--only train" for one case; see benchmarks/README.md)
 #   make wheel                      the wheel users install: one build (pip's isolated build), repaired into a
 #                                   manylinux abi3 wheel (in build/wheel)
-#   make test-wheel                 that wheel installed into fresh venvs with the CPU-only torch 2.13.0 and the
-#                                   CUDA torch 2.14.1, the test suite run against each (build/wheel-{cpu,cuda})
+#   make test-wheel                 that wheel installed into fresh venvs with the CPU-only torch 2.13.0, the
+#                                   CUDA torch 2.14.1 and the oldest torch it supports (2.10.0), the test suite
+#                                   run against each (build/wheel-{cpu,cuda,floor})
 #   make sanitize                   the kernel tests on an ASan + UBSan build (in build/sanitize)
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 
@@ -57,6 +58,9 @@ tools:
 # auditwheel makes it a manylinux wheel; torch's own libraries and the CUDA runtime that the CUDA library links
 # come from the installed torch, so they stay out of it.
 WHEEL_DIR := build/wheel
+# setup.py's MIN_TORCH, as a release that installs here (a CUDA 12.8 build: the wheel's CUDA 13 library is
+# skipped there with a warning, and the CPU kernels are tested).
+FLOOR_TORCH := 2.10.0
 WHEEL_EXCLUDE := libc10.so libtorch.so libtorch_cpu.so libc10_cuda.so libtorch_cuda.so libcudart.so.13
 
 wheel: $(VENV)/.deps
@@ -74,6 +78,7 @@ wheel: $(VENV)/.deps
 test-wheel: wheel tools
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS=transformers==5.23.0
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH=torch==2.14.1 WHEEL_LIBS="$(MODEL_LIBS)"
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS=
 
 wheel-venv-test:
 	rm -rf $(WHEEL_VENV) && mkdir -p $(WHEEL_VENV)

@@ -1,13 +1,14 @@
 """Build attnx's compiled libraries:
 
-  attnx._C       the op schemas, the CPU kernels and the composites, on the LibTorch stable ABI: one binary for
-                 every torch >= MIN_TORCH (built with TORCH_TARGET_VERSION, no at::/c10:: symbol, no libtorch_python)
-  attnx._C_cuda  the CUDA kernels and their glue, on the stable ABI too, when torch is a CUDA build and nvcc is
-                 found; a library of its own because it needs the CUDA runtime, which a CPU torch lacks
-  attnx._C_mps   the MPS glue on macOS (with the Metal kernels of metal/*.metal embedded as source, compiled at
-                 first use), on torch's regular ABI: it encodes on torch's MPS stream (at::mps::MPSStream) and
-                 binds its parameters with setBytes, which the stable ABI has no equivalent of before torch 2.14;
-                 so it loads only under the torch minor release it was built against
+  attnx._C       the op schemas, the CPU kernels and the composites, on the LibTorch stable ABI: one binary
+                 for every torch >= MIN_TORCH (built with TORCH_TARGET_VERSION, no at::/c10:: symbol, no
+                 libtorch_python)
+  attnx._C_cuda  the CUDA kernels and their glue, on the stable ABI too, when torch is a CUDA build and nvcc
+                 is found; a library of its own because it needs the CUDA runtime, which a CPU torch lacks
+  attnx._C_mps   the MPS glue on macOS (with the Metal kernels of metal/*.metal embedded as source, compiled
+                 at first use), on torch's regular ABI: it encodes on torch's MPS stream (at::mps::MPSStream)
+                 and binds its parameters with setBytes, which the stable ABI has no equivalent of before
+                 torch 2.14; so it loads only under the torch minor release it was built against
 
 attnx/_loader.py loads _C, then the backend libraries the running torch can take.
 
@@ -157,9 +158,9 @@ def _extensions(backends):
         cxx += sanitizers + ["-fno-omit-frame-pointer", "-g"]
         link += sanitizers
     if _openmp():
-        # The CPU kernels run on torch's threads (torch_parallel_for) and use no OpenMP themselves; the linear
-        # shares only need to know whether those threads are OpenMP's (csrc/cpu/linear_cpu.cpp), which the stable
-        # headers do not say.
+        # The CPU kernels run on torch's threads (torch_parallel_for) and use no OpenMP themselves; the
+        # linear shares only need to know whether those threads are OpenMP's (csrc/cpu/linear_cpu.cpp), which
+        # the stable headers do not say.
         cxx.append("-DATTNX_TORCH_OPENMP")
 
     def kwargs():

@@ -9,10 +9,9 @@ import shutil
 import subprocess
 import sys
 
+import attnx._C
 import pytest
 import torch
-
-import attnx._C
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads ELF libraries (Linux only)"),
@@ -53,7 +52,8 @@ def test_no_dependency_on_libtorch_python(name, path):
 
 def test_the_main_library_needs_no_cuda():
     needed = _needed(attnx._C.__file__)
-    cuda = [lib for lib in needed if lib.startswith(("libcudart", "libcuda.", "libc10_cuda", "libtorch_cuda"))]
+    cuda_libs = ("libcudart", "libcuda.", "libc10_cuda", "libtorch_cuda")
+    cuda = [lib for lib in needed if lib.startswith(cuda_libs)]
     assert cuda == [], needed
 
 

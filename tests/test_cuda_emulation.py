@@ -588,19 +588,29 @@ def test_inconsistent_params_are_refused(emu, kernel):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The composite the CUDA glue runs above head dim 256 (csrc/cuda/attention_composite.h): ATen ops only, so it
-# is compiled here for the CPU and run on CPU tensors against the reference, features included.
+# The composite the CUDA glue runs above head dim 256 (csrc/cuda/attention_composite.h): torch's ops through
+# the stable ABI only, device-agnostic, so it is registered here for CPU tensors and run against the
+# reference, features included.
 
 _COMPOSITE_HARNESS = r"""
 // header digest: %s
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include <optional>
+#include <tuple>
+
 #include "cuda/attention_composite.h"
 
-std::vector<at::Tensor> composite(at::Tensor q, at::Tensor k, at::Tensor v,
-                                  std::optional<at::Tensor> attn_mask,
-                                  std::optional<at::Tensor> key_padding_mask, bool is_causal,
-                                  int64_t window_left, int64_t window_right,
-                                  std::optional<at::Tensor> key_lengths, std::optional<double> scale,
-                                  std::optional<double> softcap, std::optional<at::Tensor> sinks) {
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+std::tuple<Tensor, Tensor> composite(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const std::optional<Tensor>& attn_mask,
+                                     const std::optional<Tensor>& key_padding_mask, bool is_causal,
+                                     int64_t window_left, int64_t window_right,
+                                     const std::optional<Tensor>& key_lengths, std::optional<double> scale,
+                                     std::optional<double> softcap, const std::optional<Tensor>& sinks) {
   // The fields the composite reads, as common/attention.cpp's prepare_attention sets them.
   attnx::AttentionProblem pb{};
   attnx::AttentionParams& p = pb.params;
@@ -608,12 +618,23 @@ std::vector<at::Tensor> composite(at::Tensor q, at::Tensor k, at::Tensor v,
   p.kv_heads = k.size(1), p.kv_len = k.size(2), p.v_head_dim = v.size(3);
   p.is_causal = is_causal, p.window_left = window_left, p.window_right = window_right;
   pb.dtype = q.scalar_type();
-  const auto acc = pb.dtype == at::kDouble ? at::kDouble : at::kFloat;
-  if (sinks) pb.sinks_acc = sinks->to(acc).contiguous();
-  pb.out = at::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, q.options()).transpose(1, 2);
-  pb.lse = at::empty({p.batch, p.heads, p.q_len}, q.options().dtype(acc));
+  const ScalarType acc = pb.dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  if (sinks) pb.sinks_acc = torch::stable::contiguous(torch::stable::to(*sinks, acc));
+  pb.out = torch::stable::transpose(
+      attnx::stable::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, pb.dtype, q.device()), 1, 2);
+  pb.lse = attnx::stable::empty({p.batch, p.heads, p.q_len}, acc, q.device());
   attnx::cuda::attention_composite(q, k, v, attn_mask, key_padding_mask, key_lengths, scale, softcap, pb);
   return {pb.out, pb.lse};
+}
+
+STABLE_TORCH_LIBRARY(attnx_composite_check, m) {
+  m.def("composite(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? key_padding_mask, "
+        "bool is_causal, int window_left, int window_right, Tensor? key_lengths, float? scale, "
+        "float? softcap, Tensor? sinks) -> (Tensor, Tensor)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(attnx_composite_check, CPU, m) {
+  m.impl("composite", TORCH_BOX(&composite));
 }
 """
 
@@ -627,19 +648,23 @@ def composite():
 
     csrc = os.path.join(emulator.ROOT, "csrc")
     with open(os.path.join(csrc, "cuda", "attention_composite.h"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]  # load_inline hashes its source, not the headers
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]  # load hashes its sources, not the headers
     build_dir = os.path.join(emulator.BUILD_DIR, "composite")
     os.makedirs(build_dir, exist_ok=True)
+    source = os.path.join(build_dir, f"composite_{digest}.cpp")
+    with open(source, "w") as f:
+        f.write(_COMPOSITE_HARNESS % digest)
     try:
-        module = cpp_extension.load_inline(
-            f"attnx_composite_{digest}", [_COMPOSITE_HARNESS % digest], functions=["composite"],
-            extra_include_paths=[csrc, os.path.join(csrc, "include")], extra_cflags=["-O1"],
-            build_directory=build_dir)
+        # TORCH_TARGET_VERSION: the header builds against torch 2.10's stable ABI, as the library does.
+        cpp_extension.load(
+            f"attnx_composite_{digest}", [source], extra_include_paths=[csrc, os.path.join(csrc, "include")],
+            extra_cflags=["-O1", "-std=c++20", "-DTORCH_TARGET_VERSION=0x020a000000000000"],
+            build_directory=build_dir, is_python_module=False)
     except (RuntimeError, OSError) as e:
         if "ninja" in str(e).lower():
             pytest.skip(f"cannot build a torch extension here: {e}")
         raise
-    return module.composite
+    return torch.ops.attnx_composite_check.composite
 
 
 def check_composite(composite, q, k, v, **kwargs):

@@ -103,6 +103,8 @@ def test_a_backend_library_this_torch_cannot_take_is_left_out_with_a_warning(tmp
     result = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert result.returncode == 0, result.stderr
-    assert ("RuntimeWarning: attnx's MPS kernels are not loaded: they were built against torch 1.0.x (torch's "
-            f"regular ABI) and torch {torch.__version__} is installed.") in result.stderr, result.stderr
+    expected = ("RuntimeWarning: attnx's MPS kernels are not loaded: they were built against torch 1.0.x "
+                f"(torch's regular ABI) and torch {torch.__version__} is installed.")
+    assert expected in result.stderr, result.stderr
+    assert "pip install --force-reinstall --no-deps --no-build-isolation" in result.stderr, result.stderr
     assert result.stdout.split() == ["24.0", "('CPU',)"], result.stdout

@@ -2,11 +2,11 @@
 says what attnx needs and how to get it, instead of a missing symbol or library, or a crash.
 
 ``_C`` (the schemas, the CPU kernels, the composites) and ``_C_cuda`` (the CUDA kernels) are on the LibTorch
-stable ABI: built once, they load under every torch from ``MIN_TORCH`` on, CPU or CUDA build. ``_C_cuda`` is
-loaded only under a CUDA build of torch whose CUDA major version is the one it was compiled with (it links
-that CUDA runtime, which torch brings). ``_C_mps`` is on torch's regular ABI (see setup.py) and loads only under
-the torch minor release it was built against. A backend library that this torch cannot take is left out with a
-warning that says why: attnx then runs on the other backends.
+stable ABI: built once, they load under every torch from ``MIN_TORCH`` on, CPU or CUDA build. ``_C_cuda``
+is loaded only under a CUDA build of torch whose CUDA major version is the one it was compiled with (it links
+that CUDA runtime, which torch brings). ``_C_mps`` is on torch's regular ABI (see setup.py) and loads only
+under the torch minor release it was built against. A backend library that this torch cannot take is left out
+with a warning that says why: attnx then runs on the other backends.
 """
 
 import glob
@@ -18,6 +18,12 @@ import torch
 REINSTALL = (
     "Reinstall attnx for the installed torch: `pip install --force-reinstall --no-deps <attnx wheel or "
     "source>` (or `make build` in a checkout)."
+)
+# A backend library is built for the torch of the build environment; pip's isolated build fetches the newest
+# torch, so a build for the installed one (another CUDA major, another minor on macOS) must see it.
+REBUILD = (
+    "To have them, build attnx against the installed torch: `pip install --force-reinstall --no-deps "
+    "--no-build-isolation <attnx source>` (or `make build` in a checkout)."
 )
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -36,8 +42,8 @@ def build_mismatch(min_torch: str, running: str) -> str:
 
 def backend_mismatch(backend: str, built_against: str, built_cuda: str | None, running: str,
                      running_cuda: str | None) -> str:
-    """Why the library of ``backend`` (CUDA or MPS), built against torch ``built_against`` (``built_cuda``: its
-    CUDA version), cannot load under torch ``running`` (``running_cuda``), or ``""`` when it can."""
+    """Why the library of ``backend`` (CUDA or MPS), built against torch ``built_against`` (``built_cuda``:
+    its CUDA version), cannot load under torch ``running`` (``running_cuda``), or ``""`` when it can."""
     if backend == "CUDA":
         if running_cuda is None:
             return f"torch {running} is a CPU build"
@@ -94,7 +100,7 @@ def _load() -> None:
             # A CPU torch has no CUDA to run: nothing to say.
             if not (backend == "CUDA" and torch.version.cuda is None):
                 warnings.warn(f"attnx's {backend} kernels are not loaded: {why}. attnx runs on the other "
-                              f"backends. {REINSTALL}", RuntimeWarning, stacklevel=3)
+                              f"backends. {REBUILD}", RuntimeWarning, stacklevel=3)
             continue
         try:
             torch.ops.load_library(path)
