@@ -10,11 +10,19 @@
 #include <Python.h>
 #include <torch/csrc/stable/library.h>
 
+#include "common/stable.h"
+
 // `import attnx._C` only has to load this library so that the static registrars below run; the module itself
 // is empty, which keeps it free of pybind11 and within Python's limited API.
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
+}
+
+// torch 2.10 to 2.12 drop the message of an error raised below a dispatcher call (common/stable.h): attnx's
+// Python fake kernels hand theirs over here before raising it (attnx/ops.py, _register_fake).
+extern "C" __attribute__((visibility("default"))) void attnx_note_error(const char* message) {
+  attnx::stable::raised_message() = message;
 }
 
 STABLE_TORCH_LIBRARY(attnx, m) {

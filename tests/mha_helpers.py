@@ -75,13 +75,16 @@ def assert_close(actual, expected, dtype, msg=""):
 
 
 def same_error(torch_fn, attnx_fn):
-    """Both calls raise the same exception type with the same message; returns torch's exception."""
+    """Both calls raise the same exception type with the same message; returns torch's exception. attnx's
+    messages are those of torch 2.14, where older releases raise some AssertionErrors without one (torch
+    2.10's bias_k without bias_v): only the type is compared to those."""
     with pytest.raises(Exception) as expected:
         torch_fn()
     with pytest.raises(Exception) as actual:
         attnx_fn()
     assert type(actual.value) is type(expected.value), f"{actual.value!r} vs torch's {expected.value!r}"
-    assert str(actual.value) == str(expected.value)
+    if str(expected.value) or not isinstance(expected.value, AssertionError):
+        assert str(actual.value) == str(expected.value)
     return expected.value
 
 

@@ -67,7 +67,7 @@ Tensor row_view(const StridedMatrix& m) {
 // Calls an aten op through the dispatcher whose one return (an out= argument, already held by the caller) is
 // dropped.
 void call_out_op(const char* name, const char* overload, StableIValue* stack, const char* what) {
-  stable::check(torch_call_dispatcher(name, overload, stack, TORCH_ABI_VERSION), what);
+  stable::dispatch(name, overload, stack, what);
   stable::check(aoti_torch_delete_tensor_object(torch::stable::detail::to<AtenTensorHandle>(stack[0])), what);
 }
 

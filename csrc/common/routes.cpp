@@ -22,7 +22,7 @@ template <const char* kNoGrad, const char* kGrad, uint64_t kGradOutputs>
 void route(StableIValue* stack, uint64_t /*num_args*/, uint64_t num_outputs) {
   const bool grad = aoti_torch_grad_mode_is_enabled();
   const char* op = grad ? kGrad : kNoGrad;
-  stable::check(torch_call_dispatcher(op, "", stack, TORCH_ABI_VERSION), op);
+  stable::dispatch(op, "", stack, op);
   if (grad) {
     for (uint64_t i = num_outputs; i < kGradOutputs; ++i) {
       aoti_torch_delete_tensor_object(torch::stable::detail::to<AtenTensorHandle>(stack[i]));

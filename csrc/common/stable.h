@@ -44,22 +44,53 @@ inline std::string error_message(std::string message) {
   return message;
 }
 
-// Raises the error of a failed call into torch's C API (a dispatcher call whose op raised) as a RuntimeError
-// that carries the op's own message. (torch's STABLE_TORCH_ERROR_CODE_CHECK also prints the backtrace to stderr
-// and appends its own call site to the message.) The message is passed through from torch 2.13 on; torch 2.10
-// to 2.12 log it to stderr, and the exception then says so.
-inline void check(AOTITorchError error, const char* what) {
-  if (error == TORCH_SUCCESS) return;
-#if TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
-  const char* message = torch_exception_get_what_without_backtrace();
+// The message of the last error attnx raised on this thread. torch 2.10 to 2.12 do not pass an error's message
+// back through their C API (they log it to stderr); where the op that failed below a dispatcher call is one of
+// attnx's own (the kernel op a router chose, the attention mha runs), the message was raised in this library,
+// and dispatch() reads it back from here.
+inline std::string& raised_message() {
+  thread_local std::string message;
+  return message;
+}
+
+[[noreturn]] inline void raise(std::string message) {
+  raised_message() = message;
+  throw std::runtime_error(std::move(message));
+}
+
+// The message of the error that failed the last call into torch's C API: passed through from torch 2.13 on,
+// nullptr before.
+inline const char* torch_error_message() {
+#if defined(TORCH_VERSION_2_13_0) && TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
+  return torch_exception_get_what_without_backtrace();
 #else
   // Targeting an older torch: the getter, where the running torch has it.
   using Getter = const char* (*)();
   const auto getter = reinterpret_cast<Getter>(dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
-  const char* message = getter ? getter() : nullptr;
+  return getter ? getter() : nullptr;
 #endif
-  throw std::runtime_error(message ? error_message(message)
-                                   : std::string(what) + " failed (torch < 2.13 logs the error to stderr)");
+}
+
+// Raises the error of a failed call into torch's C API (a shim call, a dispatcher call whose op raised) as a
+// RuntimeError that carries the op's own message. (torch's STABLE_TORCH_ERROR_CODE_CHECK also prints the
+// backtrace to stderr and appends its own call site to the message.) Where torch < 2.13 does not pass the
+// message on, the exception says so.
+inline void check(AOTITorchError error, const char* what) {
+  if (error == TORCH_SUCCESS) return;
+  const char* message = torch_error_message();
+  raise(message ? error_message(message)
+                : std::string(what) + " failed (torch < 2.13 logs the error to stderr)");
+}
+
+// Calls `name`.`overload` on a boxed stack through the dispatcher, raising its error as check() does; under
+// torch < 2.13, an error that attnx's own code raised below the call keeps its message (raised_message).
+inline void dispatch(const char* name, const char* overload, StableIValue* stack, const char* what) {
+  raised_message().clear();
+  const AOTITorchError error = torch_call_dispatcher(name, overload, stack, TORCH_ABI_VERSION);
+  if (error == TORCH_SUCCESS) return;
+  const char* message = torch_error_message();
+  if (message == nullptr && !raised_message().empty()) raise(std::string(raised_message()));
+  check(error, what);
 }
 
 using torch::headeronly::IntHeaderOnlyArrayRef;
@@ -75,7 +106,7 @@ template <typename... Args>
 [[noreturn]] void fail(const Args&... args) {
   std::ostringstream message;
   (message << ... << args);
-  throw std::runtime_error(message.str());
+  raise(message.str());
 }
 
 #define ATTNX_CHECK(cond, ...)                  \
@@ -251,7 +282,7 @@ template <size_t N = 1, typename... Args>
 auto call(const char* name, const char* overload, const Args&... args) {
   constexpr size_t kArgs = sizeof...(Args);
   std::array<StableIValue, (kArgs > N ? kArgs : N) + 1> stack{detail::box(args)...};
-  check(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION), name);
+  dispatch(name, overload, stack.data(), name);
   if constexpr (N == 1) {
     return torch::stable::detail::to<Tensor>(stack[0]);
   } else {
