@@ -83,8 +83,9 @@ test-wheel: wheel tools
 wheel-venv-test:
 	rm -rf $(WHEEL_VENV) && mkdir -p $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)/venv
-	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet "$(WHEEL_TORCH)" pytest numpy expecttest $(WHEEL_LIBS)
-	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet --no-deps $(WHEEL_DIR)/*.whl
+	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS)
+	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet $(WHEEL_DIR)/*.whl
+	$(WHEEL_VENV)/venv/bin/python -m pip list 2>/dev/null | grep -E "^(torch|attnx) "
 	cp -r csrc metal tests benchmarks upstream pyproject.toml README.md Makefile $(WHEEL_VENV)/
 	cd $(WHEEL_VENV) && venv/bin/python -c "import attnx, torch; print('attnx from', attnx.__file__, \
 		'under torch', torch.__version__)"
