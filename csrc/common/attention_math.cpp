@@ -35,17 +35,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // ---------------------------------------------------------------------------------------------------------------
 // The few ops whose ATen form takes a Scalar, which the stable dispatcher cannot pass.
 
-// a + b, or a - b: aten::add and aten::sub take their alpha as a Scalar; the shim's subtract takes it as a
-// double, and a - (-1) * b is the very kernel a + b runs (sub is add with -alpha).
-Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0) {
-  AtenTensorHandle out = nullptr;
-  stable::check(aoti_torch_aten_subtract_Tensor(a.get(), b.get(), alpha, &out), "attnx: aten::sub");
-  return Tensor(out);
-}
-
-Tensor add(const Tensor& a, const Tensor& b) {
-  return sub(a, b, -1.0);
-}
+using stable::add;
+using stable::sub;
 
 // a @ b for (B, N, n, m) and (B, N, m, p) tensors, computed as aten::matmul computes it (one bmm over the
 // B * N matrices, each operand reshaped to 3-D: a view where its strides allow) but called as bmm: matmul's

@@ -82,7 +82,7 @@ Tensor empty_output(const Tensor& like) {
 
 Tensor zeros(IntHeaderOnlyArrayRef sizes, const Tensor& like) {
   const Tensor t = alloc(sizes, like);
-  stable::check(aoti_torch_aten_fill__Scalar(t.get(), 0.0), "attnx: aten::fill_");
+  stable::fill(t, 0.0);
   return t;
 }
 
@@ -111,17 +111,11 @@ void addmm_in_place(const Tensor& c, const Tensor& a, const Tensor& b) {
   call("aten::linear", "out", a, views::transpose(b, 0, 1), OptTensor(c), c);
 }
 
-// a + b, a - b: aten::add and aten::sub take their alpha as a Scalar; the shim's subtract takes it as a
-// double, and a - (-1) * b is the kernel a + b runs (sub is add with -alpha).
-Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0) {
-  AtenTensorHandle out = nullptr;
-  stable::check(aoti_torch_aten_subtract_Tensor(a.get(), b.get(), alpha, &out), "attnx: aten::sub");
-  return Tensor(out);
-}
+using stable::sub;
 
 // dst += src, dst keeping its layout.
 void add_in_place(const Tensor& dst, const Tensor& src) {
-  stable::copy_into(dst, sub(dst, src, -1.0));
+  stable::copy_into(dst, stable::add(dst, src));
 }
 
 // t summed over `dims`.

@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>
 #include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/library.h>
@@ -242,6 +243,24 @@ inline Tensor to(const Tensor& t, ScalarType dtype) {
   Tensor converted = empty(t.sizes(), dtype, t.device());
   copy_into(converted, t);
   return converted;
+}
+
+// a - alpha * b, and a + b, through the C shim, whose alpha is a double: aten::sub and aten::add take theirs as
+// a Scalar, which the stable dispatcher cannot pass. The kernels compute a - alpha * b as a + (-alpha) * b, so
+// add (alpha = -1) is the sum itself, bit for bit, signed zeros, infinities and NaN included.
+inline Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0) {
+  AtenTensorHandle out = nullptr;
+  check(aoti_torch_aten_subtract_Tensor(a.get(), b.get(), alpha, &out), "attnx: aten::sub");
+  return Tensor(out);
+}
+
+inline Tensor add(const Tensor& a, const Tensor& b) {
+  return sub(a, b, -1.0);
+}
+
+// t.fill_(value).
+inline void fill(const Tensor& t, double value) {
+  check(aoti_torch_aten_fill__Scalar(t.get(), value), "attnx: aten::fill_");
 }
 
 // A 0-dim CPU float64 tensor: how a Scalar argument reaches an op through the stable dispatcher, which cannot

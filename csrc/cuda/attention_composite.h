@@ -52,22 +52,7 @@ inline Tensor converted(const Tensor& t, ScalarType dtype) {
               std::optional<torch::headeronly::MemoryFormat>());
 }
 
-inline void fill(const Tensor& t, double value) {
-  stable::check(aoti_torch_aten_fill__Scalar(t.get(), value), "attnx: aten::fill_");
-}
-
-// a - alpha * b, through the C shim, whose alpha is a double (aten::sub's is a Scalar).
-inline Tensor minus(const Tensor& a, const Tensor& b, double alpha = 1.0) {
-  AtenTensorHandle out = nullptr;
-  stable::check(aoti_torch_aten_subtract_Tensor(a.get(), b.get(), alpha, &out), "attnx: aten::sub");
-  return Tensor(out);
-}
-
-// a + b. The kernels compute a - alpha * b as a + (-alpha) * b, so with alpha = -1 this is a + 1 * b: the sum
-// itself, bit for bit, signed zeros, infinities and NaN included.
-inline Tensor plus(const Tensor& a, const Tensor& b) {
-  return minus(a, b, /*alpha=*/-1.0);
-}
+using stable::fill;
 
 // (n,) float64 on `device`: first, first + 1, ..., first + n - 1 (arange's values), as the cumulative sum of
 // [first, 1, 1, ...]. Exact while the values stay below 2^53 in magnitude, which key_range_seen ensures.
@@ -118,7 +103,7 @@ inline std::optional<Tensor> key_range_seen(const AttentionParams& p,
   const Tensor col = shaped(positions(0, S, device), {1, 1, 1, S});
   Tensor seen = call("aten::lt", "Tensor", col, lengths);  // (B, 1, 1, S)
   if (p.window_left >= 0 || p.window_right >= 0) {
-    const Tensor from_end = minus(col, lengths);  // s - len_b, (B, 1, 1, S)
+    const Tensor from_end = stable::sub(col, lengths);  // s - len_b, (B, 1, 1, S)
     if (p.window_left >= 0) {
       const int64_t window_left = std::min(p.window_left, S);
       const Tensor first = shaped(positions(l0 - L - window_left, rows, device), {1, 1, rows, 1});
@@ -204,9 +189,11 @@ inline void attention_composite(const torch::stable::Tensor& query, const torch:
     if (mask4 || padding) {
       Tensor bias = call("aten::new_zeros", "", scores, std::vector<int64_t>{n, S},
                          std::optional<ScalarType>(), std::nullopt, std::nullopt, std::nullopt);
-      if (mask4) bias = plus(bias, additive(mask4->size(2) == 1 ? *mask4 : narrowed(*mask4, 2, l0, n), acc));
-      if (padding) bias = plus(bias, *padding);
-      scores = plus(scores, bias);
+      if (mask4) {
+        bias = stable::add(bias, additive(mask4->size(2) == 1 ? *mask4 : narrowed(*mask4, 2, l0, n), acc));
+      }
+      if (padding) bias = stable::add(bias, *padding);
+      scores = stable::add(scores, bias);
     }
     if (const std::optional<Tensor> seen = key_range_seen(p, key_lengths, l0, n, device)) {
       call("aten::masked_fill_", "Tensor", scores, call("aten::logical_not", "", *seen),
@@ -216,7 +203,7 @@ inline void attention_composite(const torch::stable::Tensor& query, const torch:
     Tensor lse = call("aten::logsumexp", "", scores, std::vector<int64_t>{-1}, /*keepdim=*/true);
     const Tensor empty = call("aten::isneginf", "", lse);
     if (sinks) lse = call("aten::logaddexp", "", lse, *sinks);
-    scores = minus(scores, lse);  // the probabilities, in place of the scores from here on
+    scores = stable::sub(scores, lse);  // the probabilities, in place of the scores from here on
     call("aten::exp_", "", scores);
     call("aten::masked_fill_", "Tensor", scores, empty, stable::scalar(0.0));
     const Tensor o = shaped(call("aten::matmul", "", shaped(scores, {B, Hkv, G * n, S}), v),
