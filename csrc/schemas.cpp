@@ -1,28 +1,23 @@
 // attnx: the op surface. Every schema is defined here and nowhere else; backends only add
-// TORCH_LIBRARY_IMPL(attnx, <Key>) blocks at the bottom of their own files.
+// STABLE_TORCH_LIBRARY_IMPL(attnx, <Key>) blocks at the bottom of their own files, through the adapters of
+// common/attention.h (attention's arguments after value are AttentionOptions there, mha's are MhaArgs in
+// common/mha.h; python/attnx reads the names and defaults from these schemas). A new argument is declared here,
+// in that struct, in python/attnx/reference.py (its semantics) and in the kernels that use it.
 //
 // linear, attention and mha are differentiable, and each is three ops. The public one (`attention`) is a
 // router (common/routes.cpp): with grad mode off it runs the kernel op (`_attention`), which has no autograd
 // kernel and so costs nothing beyond the kernel; with grad mode on it runs the same kernels under a second name
-// (`_attention_autograd`, for mha: `mha_forward`), whose autograd is registered from Python (attnx/ops.py). A
-// Python autograd kernel runs on every call of its op, grad mode or not (~10 us), as much as the whole op at
-// decoding shapes: the router keeps it off no-grad calls.
+// (`_attention_autograd`, for mha: `mha_forward`), whose autograd is registered from Python
+// (python/attnx/_autograd.py). A Python autograd kernel runs on every call of its op, grad mode or not
+// (~10 us), as much as the whole op at decoding shapes: the router keeps it off no-grad calls.
 #include <Python.h>
 #include <torch/csrc/stable/library.h>
 
-#include "common/stable.h"
-
-// `import attnx._C` only has to load this library so that the static registrars below run; the module itself
-// is empty, which keeps it free of pybind11 and within Python's limited API.
+// `import attnx._C` only has to load this library so that the static registrars of every file run; the module
+// itself is empty, which keeps it free of pybind11 and within Python's limited API.
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
-}
-
-// torch 2.10 to 2.12 drop the message of an error raised below a dispatcher call (common/stable.h): attnx's
-// Python fake kernels hand theirs over here before raising it (attnx/ops.py, _register_fake).
-extern "C" __attribute__((visibility("default"))) void attnx_note_error(const char* message) {
-  attnx::stable::raised_message() = message;
 }
 
 STABLE_TORCH_LIBRARY(attnx, m) {

@@ -595,7 +595,6 @@ def test_inconsistent_params_are_refused(emu, kernel):
 _COMPOSITE_HARNESS = r"""
 // header digest: %s
 #include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/ops.h>
 
 #include <optional>
 #include <tuple>
@@ -613,17 +612,22 @@ std::tuple<Tensor, Tensor> composite(const Tensor& q, const Tensor& k, const Ten
                                      std::optional<double> softcap, const std::optional<Tensor>& sinks) {
   // The fields the composite reads, as common/attention.cpp's prepare_attention sets them.
   attnx::AttentionProblem pb{};
+  pb.query = q, pb.key = k, pb.value = v;
+  attnx::AttentionOptions& o = pb.options;
+  o.attn_mask = attn_mask, o.key_padding_mask = key_padding_mask, o.is_causal = is_causal;
+  o.window_left = window_left, o.window_right = window_right, o.key_lengths = key_lengths;
+  o.scale = scale, o.softcap = softcap, o.sinks = sinks;
   attnx::AttentionParams& p = pb.params;
   p.batch = q.size(0), p.heads = q.size(1), p.q_len = q.size(2), p.head_dim = q.size(3);
   p.kv_heads = k.size(1), p.kv_len = k.size(2), p.v_head_dim = v.size(3);
   p.is_causal = is_causal, p.window_left = window_left, p.window_right = window_right;
   pb.dtype = q.scalar_type();
   const ScalarType acc = pb.dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  if (sinks) pb.sinks_acc = torch::stable::contiguous(torch::stable::to(*sinks, acc));
-  pb.out = torch::stable::transpose(
-      attnx::stable::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, pb.dtype, q.device()), 1, 2);
-  pb.lse = attnx::stable::empty({p.batch, p.heads, p.q_len}, acc, q.device());
-  attnx::cuda::attention_composite(q, k, v, attn_mask, key_padding_mask, key_lengths, scale, softcap, pb);
+  if (sinks) pb.sinks_acc = attnx::aten::contiguous(attnx::aten::to(*sinks, acc));
+  pb.out = attnx::views::transpose(
+      attnx::aten::empty({p.batch, p.q_len, p.heads, p.v_head_dim}, pb.dtype, q.device()), 1, 2);
+  pb.lse = attnx::aten::empty({p.batch, p.heads, p.q_len}, acc, q.device());
+  attnx::cuda::attention_composite(pb);
   return {pb.out, pb.lse};
 }
 
@@ -647,8 +651,12 @@ def composite():
     from torch.utils import cpp_extension
 
     csrc = os.path.join(emulator.ROOT, "csrc")
-    with open(os.path.join(csrc, "cuda", "attention_composite.h"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]  # load hashes its sources, not the headers
+    digest = hashlib.sha256()  # load hashes its sources, not the headers
+    for header in ("cuda/attention_composite.h", "common/attention.h", "common/aten.h", "common/views.h",
+                   "common/stable.h", "common/compat.h", "include/attnx/params.h"):
+        with open(os.path.join(csrc, header), "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:16]
     build_dir = os.path.join(emulator.BUILD_DIR, "composite")
     os.makedirs(build_dir, exist_ok=True)
     source = os.path.join(build_dir, f"composite_{digest}.cpp")

@@ -1,13 +1,17 @@
-// attnx: argument checks and tensors -> AttentionParams for attnx::attention (see attention.h), on the LibTorch
-// stable ABI. Outputs are made with the shim's direct calls; the little math done here (sinks' conversion and
-// gradient, the mask gradient's dtype) goes through torch's ops.
+// attnx: argument checks, tensors -> AttentionParams and AttentionPointers, and the op adapters for
+// attnx::attention and attnx::attention_backward (see attention.h), on the LibTorch stable ABI. Outputs are made
+// with the shim's direct calls; the little math done here (sinks' conversion and gradient, the mask gradient's
+// dtype) goes through torch's ops (common/aten.h).
 #include "common/attention.h"
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
+#include "common/aten.h"
 #include "common/stable.h"
+#include "common/views.h"
 
 namespace attnx {
 
@@ -121,11 +125,9 @@ ScalarType attention_acc_dtype(ScalarType dtype) {
 }
 
 void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& value,
-                          const std::optional<Tensor>& attn_mask,
-                          const std::optional<Tensor>& key_padding_mask, double dropout_p,
-                          const std::optional<Tensor>& dropout_seed, int64_t window_left,
-                          int64_t window_right, const std::optional<Tensor>& key_lengths,
-                          std::optional<double> softcap, const std::optional<Tensor>& sinks) {
+                          const AttentionOptions& options) {
+  const auto& [attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left, window_right,
+               key_lengths, softcap, sinks] = options;
   ATTNX_CHECK(query.dim() == 4, "attnx::attention: expected query of shape (B, H, L, D), got a ", query.dim(),
               "-D tensor of shape ", Sizes{query.sizes()});
   ATTNX_CHECK(key.dim() == 4, "attnx::attention: expected key of shape (B, Hkv, S, D), got a ", key.dim(),
@@ -209,16 +211,11 @@ void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& 
 
 namespace {
 
-// Sizes, the strides of query, key, value and masks, the masks' data pointers, is_causal and the scale: what
-// the forward and the backward read alike. Arguments must have passed check_attention_args.
+// Sizes and strides, the masks' and key lengths' layouts, the scale, dropout and the key range: what the
+// forward and the backward read alike; the input pointers into `ptr` (the outputs' are the caller's).
+// Arguments must have passed check_attention_args.
 AttentionParams attention_params(const Tensor& query, const Tensor& key, const Tensor& value,
-                                 const std::optional<Tensor>& attn_mask,
-                                 const std::optional<Tensor>& key_padding_mask, bool is_causal,
-                                 std::optional<double> scale, double dropout_p,
-                                 const std::optional<Tensor>& dropout_seed, int64_t window_left,
-                                 int64_t window_right, const std::optional<Tensor>& key_lengths,
-                                 std::optional<double> softcap, bool has_sinks, const void** attn_mask_ptr,
-                                 const void** key_padding_mask_ptr, const void** key_lengths_ptr) {
+                                 const AttentionOptions& o, AttentionPointers& ptr) {
   AttentionParams p{};
   // Each size() or stride() is a call into the shim: the arrays are read once.
   const IntHeaderOnlyArrayRef q_sizes = query.sizes(), k_sizes = key.sizes();
@@ -235,29 +232,30 @@ AttentionParams attention_params(const Tensor& query, const Tensor& key, const T
     p.k_stride[d] = k_strides[d];
     p.v_stride[d] = v_strides[d];
   }
+  ptr.query = query.const_data_ptr();
+  ptr.key = key.const_data_ptr();
+  ptr.value = value.const_data_ptr();
 
-  p.attn_mask_kind = mask_kind(attn_mask);
-  p.key_padding_mask_kind = mask_kind(key_padding_mask);
-  *attn_mask_ptr = nullptr;
-  *key_padding_mask_ptr = nullptr;
-  if (attn_mask) {
-    attn_mask_strides(*attn_mask, p.batch, p.heads, p.q_len, p.kv_len, p.attn_mask_stride);
-    *attn_mask_ptr = attn_mask->const_data_ptr();
+  p.attn_mask_kind = mask_kind(o.attn_mask);
+  p.key_padding_mask_kind = mask_kind(o.key_padding_mask);
+  ptr.attn_mask = nullptr;
+  ptr.key_padding_mask = nullptr;
+  if (o.attn_mask) {
+    attn_mask_strides(*o.attn_mask, p.batch, p.heads, p.q_len, p.kv_len, p.attn_mask_stride);
+    ptr.attn_mask = o.attn_mask->const_data_ptr();
   }
-  if (key_padding_mask) {
+  if (o.key_padding_mask) {
     for (int d = 0; d < 2; ++d) {
-      p.key_padding_mask_stride[d] = key_padding_mask->size(d) == 1 ? 0 : key_padding_mask->stride(d);
+      p.key_padding_mask_stride[d] = o.key_padding_mask->size(d) == 1 ? 0 : o.key_padding_mask->stride(d);
     }
-    *key_padding_mask_ptr = key_padding_mask->const_data_ptr();
+    ptr.key_padding_mask = o.key_padding_mask->const_data_ptr();
   }
-  p.is_causal = is_causal ? 1 : 0;
-  // D == 0: every score is an empty sum, 0 whatever the scale; 1 keeps 0 * scale finite.
-  const double s = scale ? *scale : (p.head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(p.head_dim)) : 1.0);
-  split_scale(s, &p.scale, &p.scale_lo);
+  p.is_causal = o.is_causal ? 1 : 0;
+  split_scale(attention_scale(o, p.head_dim), &p.scale, &p.scale_lo);
 
-  if (dropout_p > 0.0) {
+  if (o.dropout_p > 0.0) {
     // Read on the host: the seed is a CPU tensor, so a CUDA launch needs no device sync for it.
-    const Tensor& t = *dropout_seed;
+    const Tensor& t = *o.dropout_seed;
     const int64_t* v = t.const_data_ptr<int64_t>();
     const uint64_t seed = static_cast<uint64_t>(v[0]), offset = static_cast<uint64_t>(v[t.stride(0)]);
     p.dropout = 1;
@@ -267,22 +265,22 @@ AttentionParams attention_params(const Tensor& query, const Tensor& key, const T
     p.dropout_offset[1] = static_cast<uint32_t>(offset >> 32);
     // floor((1 - p) * 2^32), computed in double as the reference does (the product by 2^32 is exact), so
     // every backend keeps the same elements. A p so small that 1 - p rounds to 1 keeps all but 2^-32.
-    const double keep = (1.0 - dropout_p) * 4294967296.0;
+    const double keep = (1.0 - o.dropout_p) * 4294967296.0;
     p.dropout_threshold = static_cast<uint32_t>(std::min(keep, 4294967295.0));
-    p.dropout_p = static_cast<float>(dropout_p);
-    split_scale(dropout_p < 1.0 ? 1.0 / (1.0 - dropout_p) : 0.0, &p.dropout_scale, &p.dropout_scale_lo);
+    p.dropout_p = static_cast<float>(o.dropout_p);
+    split_scale(o.dropout_p < 1.0 ? 1.0 / (1.0 - o.dropout_p) : 0.0, &p.dropout_scale, &p.dropout_scale_lo);
   }
 
-  p.window_left = window_left;
-  p.window_right = window_right;
-  *key_lengths_ptr = nullptr;
-  if (key_lengths) {
-    p.key_lengths_kind = key_lengths->scalar_type() == ScalarType::Int ? kKeyLengthsInt32 : kKeyLengthsInt64;
-    p.key_lengths_stride = key_lengths->stride(0);
-    *key_lengths_ptr = key_lengths->const_data_ptr();
+  p.window_left = o.window_left;
+  p.window_right = o.window_right;
+  ptr.key_lengths = nullptr;
+  if (o.key_lengths) {
+    p.key_lengths_kind = o.key_lengths->scalar_type() == ScalarType::Int ? kKeyLengthsInt32 : kKeyLengthsInt64;
+    p.key_lengths_stride = o.key_lengths->stride(0);
+    ptr.key_lengths = o.key_lengths->const_data_ptr();
   }
-  p.has_sinks = has_sinks ? 1 : 0;
-  if (softcap) split_scale(*softcap, &p.softcap, &p.softcap_lo);
+  p.has_sinks = o.sinks ? 1 : 0;
+  if (o.softcap) split_scale(*o.softcap, &p.softcap, &p.softcap_lo);
   return p;
 }
 
@@ -292,8 +290,8 @@ std::optional<Tensor> sinks_for_kernels(const std::optional<Tensor>& sinks, Scal
   if (!sinks) return std::nullopt;
   const ScalarType acc = attention_acc_dtype(dtype);
   if (sinks->scalar_type() == acc && sinks->stride(0) == 1) return sinks;
-  Tensor converted = stable::empty(sinks->sizes(), acc, sinks->device());
-  stable::copy_into(converted, *sinks);
+  const Tensor converted = aten::empty(sinks->sizes(), acc, sinks->device());
+  aten::copy_(converted, *sinks);
   return converted;
 }
 
@@ -302,7 +300,7 @@ Tensor empty_bnhe(int64_t B, int64_t H, int64_t N, int64_t E, ScalarType dtype, 
   const int64_t sizes[4] = {B, H, N, E};
   const std::vector<int64_t> bnhe = stable::contiguous_strides({B, N, H, E});
   const int64_t strides[4] = {bnhe[0], bnhe[2], bnhe[1], bnhe[3]};
-  return stable::empty_strided(sizes, strides, dtype, device);
+  return aten::empty_strided(sizes, strides, dtype, device);
 }
 
 void check_backward_tensor(const Tensor& t, const char* name, IntHeaderOnlyArrayRef shape, const char* shape_name,
@@ -315,55 +313,56 @@ void check_backward_tensor(const Tensor& t, const char* name, IntHeaderOnlyArray
               device_name(query.device()), ", got ", device_name(t.device()));
 }
 
+void copy_strides(const Tensor& t, int64_t* out) {
+  const IntHeaderOnlyArrayRef strides = t.strides();
+  std::copy(strides.begin(), strides.end(), out);
+}
+
+// The gradient of the sinks, -sum over (B, L) of exp(sink_h - lse) * rowsum(dO * O): a sink's probability
+// times the row's delta, in sinks' dtype. O(B * H * L * Dv) work, done in torch's ops for every backend.
+Tensor sinks_grad(const Tensor& grad_out, const Tensor& out, const Tensor& lse, const Tensor& sinks) {
+  const ScalarType acc = lse.scalar_type();
+  const Tensor delta = aten::sum(aten::mul(aten::to(grad_out, acc), aten::to(out, acc)), {-1});  // (B, H, L)
+  // A row that sees no key has lse = +inf: its sink's probability exp(sink - inf) is 0, as its out is 0
+  // whatever the sink.
+  const Tensor sinks_acc = aten::to(sinks, acc);
+  const int64_t sizes[3] = {1, sinks_acc.size(0), 1}, strides[3] = {0, sinks_acc.stride(0), 0};
+  const Tensor sink_rows = views::reinterpret(sinks_acc, sizes, strides);  // (1, H, 1)
+  const Tensor p_sink = aten::exp(aten::sub(sink_rows, lse));
+  return aten::to(aten::neg(aten::sum(aten::mul(p_sink, delta), {0, 2})), sinks.scalar_type());
+}
+
 }  // namespace
 
-AttentionProblem prepare_attention(const Tensor& query, const Tensor& key, const Tensor& value,
-                                   const std::optional<Tensor>& attn_mask,
-                                   const std::optional<Tensor>& key_padding_mask, bool is_causal,
-                                   std::optional<double> scale, double dropout_p,
-                                   const std::optional<Tensor>& dropout_seed, int64_t window_left,
-                                   int64_t window_right, const std::optional<Tensor>& key_lengths,
-                                   std::optional<double> softcap, const std::optional<Tensor>& sinks) {
-  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed, window_left,
-                       window_right, key_lengths, softcap, sinks);
+AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, AttentionOptions options) {
+  check_attention_args(query, key, value, options);
   AttentionProblem pb{};
-  pb.params = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                               dropout_seed, window_left, window_right, key_lengths, softcap,
-                               sinks.has_value(), &pb.attn_mask, &pb.key_padding_mask, &pb.key_lengths);
-  pb.sinks_acc = sinks_for_kernels(sinks, query.scalar_type());
-  pb.sinks = pb.sinks_acc ? pb.sinks_acc->const_data_ptr() : nullptr;
+  pb.params = attention_params(query, key, value, options, pb.ptr);
+  pb.dtype = query.scalar_type();
+  pb.sinks_acc = sinks_for_kernels(options.sinks, pb.dtype);
+  pb.ptr.sinks = pb.sinks_acc ? pb.sinks_acc->const_data_ptr() : nullptr;
   AttentionParams& p = pb.params;
 
   // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
-  const ScalarType dtype = query.scalar_type();
   const Device device = query.device();
-  pb.out = empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, dtype, device);
-  pb.lse = stable::empty({p.batch, p.heads, p.q_len}, attention_acc_dtype(dtype), device);
-  const IntHeaderOnlyArrayRef out_strides = pb.out.strides(), lse_strides = pb.lse.strides();
-  for (int d = 0; d < 4; ++d) p.out_stride[d] = out_strides[d];
-  for (int d = 0; d < 3; ++d) p.lse_stride[d] = lse_strides[d];
+  pb.out = empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, pb.dtype, device);
+  pb.lse = aten::empty({p.batch, p.heads, p.q_len}, attention_acc_dtype(pb.dtype), device);
+  copy_strides(pb.out, p.out_stride);
+  copy_strides(pb.lse, p.lse_stride);
+  pb.ptr.out = pb.out.mutable_data_ptr();
+  pb.ptr.lse = pb.lse.mutable_data_ptr();
 
-  pb.dtype = dtype;
-  pb.query = query.const_data_ptr();
-  pb.key = key.const_data_ptr();
-  pb.value = value.const_data_ptr();
+  pb.query = std::move(query);
+  pb.key = std::move(key);
+  pb.value = std::move(value);
+  pb.options = std::move(options);
   return pb;
 }
 
-AttentionBackwardProblem prepare_attention_backward(const Tensor& grad_out, const Tensor& query,
-                                                    const Tensor& key, const Tensor& value,
-                                                    const Tensor& out, const Tensor& lse,
-                                                    const std::optional<Tensor>& attn_mask,
-                                                    const std::optional<Tensor>& key_padding_mask,
-                                                    bool is_causal, std::optional<double> scale,
-                                                    double dropout_p,
-                                                    const std::optional<Tensor>& dropout_seed,
-                                                    int64_t window_left, int64_t window_right,
-                                                    const std::optional<Tensor>& key_lengths,
-                                                    std::optional<double> softcap,
-                                                    const std::optional<Tensor>& sinks) {
-  check_attention_args(query, key, value, attn_mask, key_padding_mask, dropout_p, dropout_seed, window_left,
-                       window_right, key_lengths, softcap, sinks);
+AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value,
+                                                    Tensor out, Tensor lse, AttentionOptions options,
+                                                    bool grad_attn_mask) {
+  check_attention_args(query, key, value, options);
   const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
   const int64_t Hkv = key.size(1), S = key.size(2), Dv = value.size(3);
   const ScalarType dtype = query.scalar_type();
@@ -374,74 +373,111 @@ AttentionBackwardProblem prepare_attention_backward(const Tensor& grad_out, cons
 
   AttentionBackwardProblem pb{};
   AttentionBackwardParams& bp = pb.params;
-  bp.fwd = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                            dropout_seed, window_left, window_right, key_lengths, softcap, sinks.has_value(),
-                            &pb.attn_mask, &pb.key_padding_mask, &pb.key_lengths);
-  pb.sinks_acc = sinks_for_kernels(sinks, dtype);
-  pb.sinks = pb.sinks_acc ? pb.sinks_acc->const_data_ptr() : nullptr;
+  AttentionBackwardPointers& ptr = pb.ptr;
+  bp.fwd = attention_params(query, key, value, options, ptr.fwd);
+  pb.dtype = dtype;
+  pb.sinks_acc = sinks_for_kernels(options.sinks, dtype);
+  ptr.fwd.sinks = pb.sinks_acc ? pb.sinks_acc->const_data_ptr() : nullptr;
+  pb.grad_attn_mask = grad_attn_mask && options.attn_mask && options.attn_mask->scalar_type() != ScalarType::Bool;
+  if (pb.grad_attn_mask) {
+    const std::array<int64_t, 4> g = mask_grad_shape(*options.attn_mask, B, H);
+    std::copy(g.begin(), g.end(), bp.grad_attn_mask_size);
+  }
   // The gradients take out's layout, (B, N, H, E) in memory: a multi-head caller's in-projection gradient
   // reads them as (B, N, H*E) views.
   const Device device = query.device();
   pb.grad_query = empty_bnhe(B, H, L, D, dtype, device);
   pb.grad_key = empty_bnhe(B, Hkv, S, D, dtype, device);
   pb.grad_value = empty_bnhe(B, Hkv, S, Dv, dtype, device);
-  const IntHeaderOnlyArrayRef out_strides = out.strides(), grad_out_strides = grad_out.strides(),
-                              grad_query_strides = pb.grad_query.strides(),
-                              grad_key_strides = pb.grad_key.strides(),
-                              grad_value_strides = pb.grad_value.strides(), lse_strides = lse.strides();
-  for (int d = 0; d < 4; ++d) {
-    bp.fwd.out_stride[d] = out_strides[d];
-    bp.grad_out_stride[d] = grad_out_strides[d];
-    bp.grad_query_stride[d] = grad_query_strides[d];
-    bp.grad_key_stride[d] = grad_key_strides[d];
-    bp.grad_value_stride[d] = grad_value_strides[d];
-  }
-  for (int d = 0; d < 3; ++d) bp.fwd.lse_stride[d] = lse_strides[d];
+  copy_strides(out, bp.fwd.out_stride);
+  copy_strides(lse, bp.fwd.lse_stride);
+  copy_strides(grad_out, bp.grad_out_stride);
+  copy_strides(pb.grad_query, bp.grad_query_stride);
+  copy_strides(pb.grad_key, bp.grad_key_stride);
+  copy_strides(pb.grad_value, bp.grad_value_stride);
+  // The saved out and lse are read here: const, though AttentionPointers names them as the forward writes them.
+  ptr.fwd.out = const_cast<void*>(out.const_data_ptr());
+  ptr.fwd.lse = const_cast<void*>(lse.const_data_ptr());
+  ptr.grad_out = grad_out.const_data_ptr();
+  ptr.grad_query = pb.grad_query.mutable_data_ptr();
+  ptr.grad_key = pb.grad_key.mutable_data_ptr();
+  ptr.grad_value = pb.grad_value.mutable_data_ptr();
+  ptr.grad_attn_mask = nullptr;
 
-  pb.dtype = dtype;
-  pb.grad_out = grad_out.const_data_ptr();
-  pb.query = query.const_data_ptr();
-  pb.key = key.const_data_ptr();
-  pb.value = value.const_data_ptr();
-  pb.out = out.const_data_ptr();
-  pb.lse = lse.const_data_ptr();
+  pb.grad_out = std::move(grad_out);
+  pb.query = std::move(query);
+  pb.key = std::move(key);
+  pb.value = std::move(value);
+  pb.out = std::move(out);
+  pb.lse = std::move(lse);
+  pb.options = std::move(options);
   return pb;
 }
 
-MaskGradShape mask_grad_shape(const Tensor& attn_mask, int64_t B, int64_t H) {
-  MaskGradShape g{};
-  if (attn_mask.dim() == 2) {
-    g = {{1, 1, attn_mask.size(0), attn_mask.size(1)}};
-  } else if (attn_mask.dim() == 3) {
-    g = {{B, H, attn_mask.size(1), attn_mask.size(2)}};
-  } else {
-    for (int d = 0; d < 4; ++d) g.size[d] = attn_mask.size(d);
-  }
-  return g;
+namespace detail {
+
+AttentionProblem unbox_attention(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  Tensor query, key, value;
+  AttentionOptions options;
+  const auto args = std::tuple_cat(std::tie(query, key, value), AttentionOptions::fields(options));
+  stable::check_stack("attnx::attention", num_args, std::tuple_size_v<decltype(args)>, num_outputs, 2);
+  stable::unbox(stack, args);
+  return prepare_attention(std::move(query), std::move(key), std::move(value), std::move(options));
+}
+
+AttentionBackwardProblem unbox_attention_backward(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  Tensor grad_out, query, key, value, out, lse;
+  AttentionOptions options;
+  bool grad_attn_mask = false;
+  const auto args = std::tuple_cat(std::tie(grad_out, query, key, value, out, lse),
+                                   AttentionOptions::fields(options), std::tie(grad_attn_mask));
+  stable::check_stack("attnx::attention_backward", num_args, std::tuple_size_v<decltype(args)>, num_outputs, 5);
+  stable::unbox(stack, args);
+  return prepare_attention_backward(std::move(grad_out), std::move(query), std::move(key), std::move(value),
+                                    std::move(out), std::move(lse), std::move(options), grad_attn_mask);
+}
+
+void box_attention_backward(StableIValue* stack, AttentionBackwardProblem& pb) {
+  using torch::stable::detail::from;
+  // Distinct empty tensors where a gradient was not asked for: outputs never alias each other.
+  stack[0] = from(pb.grad_query);
+  stack[1] = from(pb.grad_key);
+  stack[2] = from(pb.grad_value);
+  ATTNX_CHECK(!pb.grad_attn_mask || pb.grad_attn_mask_out, "attnx::attention_backward: the ",
+              stable::device_name(pb.query.device()), " kernel did not compute attn_mask's gradient");
+  stack[3] = from(pb.grad_attn_mask ? *pb.grad_attn_mask_out : aten::new_empty_output(pb.query));
+  const std::optional<Tensor>& sinks = pb.options.sinks;
+  stack[4] = from(sinks ? sinks_grad(pb.grad_out, pb.out, pb.lse, *sinks) : aten::new_empty_output(pb.query));
+}
+
+}  // namespace detail
+
+std::array<Tensor, 2> call_attention(const Tensor& query, const Tensor& key, const Tensor& value,
+                                     const AttentionOptions& options) {
+  return std::apply([&](const auto&... o) { return stable::call<2>("attnx::_attention", "", query, key, value, o...); },
+                    AttentionOptions::fields(options));
+}
+
+std::array<Tensor, 5> call_attention_backward(const Tensor& grad_out, const Tensor& query, const Tensor& key,
+                                              const Tensor& value, const Tensor& out, const Tensor& lse,
+                                              const AttentionOptions& options, bool grad_attn_mask) {
+  return std::apply(
+      [&](const auto&... o) {
+        return stable::call<5>("attnx::attention_backward", "", grad_out, query, key, value, out, lse, o...,
+                               grad_attn_mask);
+      },
+      AttentionOptions::fields(options));
+}
+
+std::array<int64_t, 4> mask_grad_shape(const Tensor& attn_mask, int64_t B, int64_t H) {
+  if (attn_mask.dim() == 2) return {1, 1, attn_mask.size(0), attn_mask.size(1)};
+  if (attn_mask.dim() == 3) return {B, H, attn_mask.size(1), attn_mask.size(2)};
+  return {attn_mask.size(0), attn_mask.size(1), attn_mask.size(2), attn_mask.size(3)};
 }
 
 Tensor mask_grad_from_buffer(const Tensor& buffer, const Tensor& attn_mask) {
   const IntHeaderOnlyArrayRef sizes = attn_mask.sizes();
-  const Tensor view = stable::reinterpret(buffer, sizes, stable::contiguous_strides(sizes));
-  return stable::to(view, attn_mask.scalar_type());
-}
-
-Tensor sinks_grad(const Tensor& grad_out, const Tensor& out, const Tensor& lse, const Tensor& sinks) {
-  using stable::call;
-  const ScalarType acc = lse.scalar_type();
-  const std::optional<ScalarType> same_dtype;
-  const Tensor delta = call("aten::sum", "dim_IntList",
-                            call("aten::mul", "Tensor", stable::to(grad_out, acc), stable::to(out, acc)),
-                            std::optional(std::vector<int64_t>{-1}), false, same_dtype);  // (B, H, L)
-  // A row that sees no key has lse = +inf: its sink's probability exp(sink - inf) is 0, as its out is 0
-  // whatever the sink.
-  const Tensor sinks_acc = stable::to(sinks, acc);
-  const int64_t sizes[3] = {1, sinks_acc.size(0), 1}, strides[3] = {0, sinks_acc.stride(0), 0};
-  const Tensor sink_rows = stable::reinterpret(sinks_acc, sizes, strides);  // (1, H, 1)
-  const Tensor p_sink = call("aten::exp", "", torch::stable::subtract(sink_rows, lse));
-  const Tensor grad = call("aten::sum", "dim_IntList", call("aten::mul", "Tensor", p_sink, delta),
-                           std::optional(std::vector<int64_t>{0, 2}), false, same_dtype);
-  return stable::to(call("aten::neg", "", grad), sinks.scalar_type());
+  return aten::to(views::reinterpret(buffer, sizes, stable::contiguous_strides(sizes)), attn_mask.scalar_type());
 }
 
 }  // namespace attnx

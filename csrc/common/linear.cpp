@@ -1,22 +1,20 @@
 // attnx: layout canonicalisation for attnx::linear (see linear.h), on the LibTorch stable ABI.
 //
-// Tensors are made and viewed through the C shim's direct calls (aoti_torch_empty_strided,
-// aoti_torch__reinterpret_tensor, aoti_torch_copy_), which skip the boxed dispatcher; the GEMM itself is torch's
-// own addmm / mm, reached through torch_call_dispatcher.
+// Tensors are made and viewed through the C shim's direct calls (common/aten.h, common/views.h), which skip the
+// boxed dispatcher; the GEMM itself is torch's own addmm / mm, reached through the dispatcher.
 #include "common/linear.h"
 
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/device.h>
-#include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
-#include <stdexcept>
-#include <string>
+#include <array>
+#include <vector>
 
+#include "common/aten.h"
 #include "common/stable.h"
+#include "common/views.h"
 
 namespace attnx {
 
@@ -27,17 +25,11 @@ using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
 using stable::contiguous_strides;
-using stable::copy_into;
 using stable::device_name;
 using stable::product;
-using stable::reinterpret;
 using stable::Sizes;
 using stable::type_meta_name;
-
-// An uninitialised tensor with the given sizes and strides, of `like`'s dtype and device.
-Tensor empty_strided(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides, const Tensor& like) {
-  return stable::empty_strided(sizes, strides, like.scalar_type(), like.device());
-}
+using views::reinterpret;
 
 // A (rows, cols) matrix with canonical strides on size-1 dims, so that BLAS-compatibility checks downstream see
 // the real layout: a stride on a size-1 dim is arbitrary (B=1 transposes leave (D, B*D, 1) behind) and must not
@@ -62,13 +54,6 @@ Tensor transposed_view(const StridedMatrix& m) {
 // A (1, n) row as the 1-D (n,) tensor the GEMM ops take for a bias.
 Tensor row_view(const StridedMatrix& m) {
   return reinterpret(m.base, IntHeaderOnlyArrayRef(&m.cols, 1), IntHeaderOnlyArrayRef(&m.col_stride, 1), m.offset);
-}
-
-// Calls an aten op through the dispatcher whose one return (an out= argument, already held by the caller) is
-// dropped.
-void call_out_op(const char* name, const char* overload, StableIValue* stack, const char* what) {
-  stable::dispatch(name, overload, stack, what);
-  stable::check(aoti_torch_delete_tensor_object(torch::stable::detail::to<AtenTensorHandle>(stack[0])), what);
 }
 
 }  // namespace
@@ -155,55 +140,75 @@ std::vector<int64_t> output_strides(IntHeaderOnlyArrayRef out_sizes, const RowFo
   return strides;
 }
 
-LinearGemm plan_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
-  check_linear_args(input, weight, bias);
+namespace {
+
+// Whether rows repeat through a stride-0 (expanded) leading dim.
+bool has_repeated_rows(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides) {
+  for (size_t d = 0; d + 1 < sizes.size(); ++d) {
+    if (sizes[d] > 1 && strides[d] == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Tensor linear_rows(const Tensor& input) {
+  const IntHeaderOnlyArrayRef sizes = input.sizes(), strides = input.strides();
+  if (has_repeated_rows(sizes, strides) || fold_rows(sizes, strides).dense) return input;
+  // No single row stride exists (a strided slice such as x[:, ::2], or interleaved dims): copying the input
+  // once into a contiguous buffer is the cheapest way to one GEMM.
+  return aten::contiguous(input);
+}
+
+Tensor empty_linear_output(const Tensor& input, int64_t out_features) {
+  const IntHeaderOnlyArrayRef in_sizes = input.sizes(), in_strides = input.strides();
+  std::vector<int64_t> out_sizes(in_sizes.begin(), in_sizes.end());
+  out_sizes.back() = out_features;
+  const int64_t M = product(in_sizes.slice(0, in_sizes.size() - 1));
+  // Repeated rows are computed once and broadcast into a fresh output; rows that do not fold are copied to
+  // contiguous, whose rows are in logical order: both contiguous.
+  if (M == 0 || out_features == 0 || has_repeated_rows(in_sizes, in_strides)) {
+    return aten::new_empty(input, out_sizes);
+  }
+  const RowFold fold = fold_rows(in_sizes, in_strides);
+  if (!fold.dense) return aten::new_empty(input, out_sizes);
+  return aten::empty_strided(out_sizes, output_strides(out_sizes, fold), input.scalar_type(), input.device());
+}
+
+std::optional<LinearOperands> plan_linear_into(const Tensor& out, const Tensor& input, const Tensor& weight,
+                                               const std::optional<Tensor>& bias) {
   const IntHeaderOnlyArrayRef in_sizes = input.sizes(), in_strides = input.strides();
   const size_t leading = in_sizes.size() - 1;
   const int64_t K = in_sizes.back();
   const int64_t M = product(in_sizes.slice(0, leading));
   const int64_t N = weight.size(0);
-  std::vector<int64_t> out_sizes(in_sizes.begin(), in_sizes.end());
-  out_sizes.back() = N;
-  if (M == 0 || N == 0) return {empty_strided(out_sizes, contiguous_strides(out_sizes), input), std::nullopt};
+  if (M == 0 || N == 0) return std::nullopt;
 
   // Rows repeated through a stride-0 (expanded) dim: run the GEMM on the distinct rows only and broadcast the
   // result into the output. One copy, of the output, instead of a copy of the input plus repeated arithmetic.
-  std::vector<int64_t> distinct_sizes(in_sizes.begin(), in_sizes.end());
-  bool repeated = false;
-  for (size_t d = 0; d < leading; ++d) {
-    if (in_sizes[d] > 1 && in_strides[d] == 0) {
-      distinct_sizes[d] = 1;
-      repeated = true;
+  if (has_repeated_rows(in_sizes, in_strides)) {
+    std::vector<int64_t> distinct_sizes(in_sizes.begin(), in_sizes.end());
+    for (size_t d = 0; d < leading; ++d) {
+      if (in_strides[d] == 0) distinct_sizes[d] = 1;
     }
-  }
-  if (repeated) {
-    LinearGemm plan{empty_strided(out_sizes, contiguous_strides(out_sizes), input), std::nullopt};
-    copy_into(plan.out, linear_via_gemm(reinterpret(input, distinct_sizes, in_strides), weight, bias));
-    return plan;
+    aten::copy_(out, linear_via_gemm(reinterpret(input, distinct_sizes, in_strides), weight, bias));
+    return std::nullopt;
   }
 
-  RowFold fold = fold_rows(in_sizes, in_strides);
-  Tensor rows = input;
-  if (!fold.dense) {
-    // No single row stride exists (a strided slice such as x[:, ::2], or interleaved dims): copying the input
-    // once into a contiguous buffer is the cheapest way to one GEMM.
-    const std::vector<int64_t> strides = contiguous_strides(in_sizes);
-    rows = empty_strided(in_sizes, strides, input);
-    copy_into(rows, input);
-    fold = fold_rows(in_sizes, strides);
-  }
-  LinearGemm plan{empty_strided(out_sizes, output_strides(out_sizes, fold), input), std::nullopt};
-
-  // The output was laid out with input's row order, so both are (M, *) matrices walked in the same order.
-  const ScalarType dtype = input.scalar_type();
-  StridedMatrix a = as_matrix(rows, M, K, fold.row_stride, rows.stride(leading));
-  StridedMatrix w = as_matrix(weight, N, K, weight.stride(0), weight.stride(1));
-  plan.gemm = LinearOperands{std::move(a), std::move(w), StridedMatrix{plan.out, 0, M, N, N, 1}, std::nullopt, dtype};
+  const Tensor rows = linear_rows(input);
+  const RowFold fold = fold_rows(rows.sizes(), rows.strides());
+  // out was laid out with the rows' order (empty_linear_output), so both are (M, *) matrices walked in the
+  // same order.
+  const int64_t out_row_stride = out.stride(static_cast<int64_t>(fold.dims.empty() ? leading : fold.dims.back()));
+  LinearOperands gemm{as_matrix(rows, M, K, fold.row_stride, rows.stride(static_cast<int64_t>(leading))),
+                      as_matrix(weight, N, K, weight.stride(0), weight.stride(1)),
+                      as_matrix(out, M, N, out_row_stride, out.stride(static_cast<int64_t>(leading))),
+                      std::nullopt, input.scalar_type()};
   if (bias) {
     const int64_t size = bias->size(0);
-    plan.gemm->bias = StridedMatrix{*bias, 0, 1, size, size, size == 1 ? 1 : bias->stride(0)};
+    gemm.bias = StridedMatrix{*bias, 0, 1, size, size, size == 1 ? 1 : bias->stride(0)};
   }
-  return plan;
+  return gemm;
 }
 
 LinearOperands gemm_part(const LinearOperands& g, bool by_rows, int64_t begin, int64_t end) {
@@ -230,28 +235,53 @@ LinearOperands gemm_part(const LinearOperands& g, bool by_rows, int64_t begin, i
 
 void run_gemm(const LinearOperands& g) {
   if (g.bias) {
-    // aten::linear.out runs addmm_out(c, bias, a, w^T) for a 2-D input, the GEMM F.linear runs. (addmm.out
-    // itself takes Scalars, beta and alpha, which a stable dispatcher call cannot pass.)
-    StableIValue stack[4] = {torch::stable::detail::from(view(g.a)), torch::stable::detail::from(view(g.w)),
-                             torch::stable::detail::from(std::optional<Tensor>(row_view(*g.bias))),
-                             torch::stable::detail::from(view(g.c))};
-    call_out_op("aten::linear", "out", stack, "attnx::linear: aten::linear.out");
+    // F.linear's GEMM for a 2-D input, addmm_out(c, bias, a, w^T). (addmm.out itself takes Scalars, beta and
+    // alpha, which a stable dispatcher call cannot pass.)
+    aten::linear_out(view(g.c), view(g.a), view(g.w), row_view(*g.bias));
   } else {
-    StableIValue stack[3] = {torch::stable::detail::from(view(g.a)),
-                             torch::stable::detail::from(transposed_view(g.w)),
-                             torch::stable::detail::from(view(g.c))};
-    call_out_op("aten::mm", "out", stack, "attnx::linear: aten::mm.out");
+    aten::mm_out(view(g.c), view(g.a), transposed_view(g.w));
   }
 }
 
-void run_gemm(const LinearGemm& gemm) {
-  if (gemm.gemm) run_gemm(*gemm.gemm);
+Tensor linear_via_gemm(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
+  check_linear_args(input, weight, bias);
+  const Tensor rows = linear_rows(input);
+  const Tensor out = empty_linear_output(rows, weight.size(0));
+  if (const std::optional<LinearOperands> gemm = plan_linear_into(out, rows, weight, bias)) run_gemm(*gemm);
+  return out;
 }
 
-Tensor linear_via_gemm(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
-  LinearGemm gemm = plan_linear(input, weight, bias);
-  run_gemm(gemm);
-  return gemm.out;
+Tensor call_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
+  return stable::call("attnx::_linear", "", input, weight, bias);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+namespace {
+
+using Runners =
+    std::array<LinearRunner, static_cast<size_t>(torch::headeronly::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>;
+
+Runners& linear_runners() {
+  static Runners runners{};
+  return runners;
+}
+
+}  // namespace
+
+void register_linear_runner(torch::headeronly::DeviceType device_type, LinearRunner runner) {
+  linear_runners()[static_cast<size_t>(device_type)] = runner;
+}
+
+std::vector<Tensor> run_linears(const std::vector<LinearCall>& calls) {
+  if (calls.empty()) return {};
+  if (const LinearRunner runner = linear_runners()[static_cast<size_t>(calls[0].input.device().type())]) {
+    return runner(calls);
+  }
+  std::vector<Tensor> outs;
+  outs.reserve(calls.size());
+  for (const LinearCall& c : calls) outs.push_back(call_linear(c.input, c.weight, c.bias));
+  return outs;
 }
 
 }  // namespace attnx

@@ -1,8 +1,10 @@
 // attnx: layout canonicalisation for attnx::linear, shared by every backend that runs the GEMM through
-// torch's own matmul ops. On the LibTorch stable ABI (torch/csrc/stable): no ATen or c10 header.
+// torch's own matmul ops, and the GEMM plans that mha's in-projections are run from. On the LibTorch stable ABI
+// (torch/csrc/stable): no ATen or c10 header.
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/DeviceType.h>
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 
@@ -34,54 +36,77 @@ RowFold fold_rows(torch::headeronly::IntHeaderOnlyArrayRef sizes, torch::headero
 // input's rows are in logical order; otherwise the permuted layout, size-1 dims outermost.
 std::vector<int64_t> output_strides(torch::headeronly::IntHeaderOnlyArrayRef out_sizes, const RowFold& fold);
 
-// input @ weight.T + bias as ONE GEMM on the backend's BLAS (torch's addmm / mm). Copies nothing when the
-// leading dims fold (see RowFold); otherwise copies the input exactly once. Rows repeated through stride-0 dims
-// are computed once and broadcast into the output.
-torch::stable::Tensor linear_via_gemm(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
-                                      const std::optional<torch::stable::Tensor>& bias);
-
 // A (rows, cols) matrix over a tensor's memory, starting `offset` elements past the tensor's first element.
 struct StridedMatrix {
   torch::stable::Tensor base;
   int64_t offset, rows, cols, row_stride, col_stride;
 };
 
-// The GEMM of a plan: c (M, N) = a (M, K) @ w (N, K)^T (+ bias), c over the plan's output, bias a (1, N) row or
-// one element (1, 1) broadcast over every column. Kept as geometry: the views a GEMM call needs are made when it
-// runs, with the shim's reinterpret (aoti_torch__reinterpret_tensor), not as autograd views: each is a fresh
-// tensor that never requires grad and is made in the running thread's inference mode, so the out= GEMM passes
-// autograd's and inference mode's checks on any thread, without the caller's dispatch state.
+// One GEMM: c (M, N) = a (M, K) @ w (N, K)^T (+ bias), bias a (1, N) row or one element (1, 1) broadcast over
+// every column. Kept as geometry: the views a GEMM call needs are made when it runs, with the shim's
+// reinterpret, not as autograd views: each is a fresh tensor that never requires grad and is made in the
+// running thread's inference mode, so the out= GEMM passes autograd's and inference mode's checks on any
+// thread, without the caller's dispatch state.
 struct LinearOperands {
   StridedMatrix a, w, c;
   std::optional<StridedMatrix> bias;
   torch::headeronly::ScalarType dtype;
 };
 
-// linear_via_gemm in two steps: plan_linear checks the arguments, allocates the output and lays out its GEMM;
-// run_gemm runs it. A plan without a GEMM needs none (an empty output, or rows broadcast from a GEMM already
-// run).
-struct LinearGemm {
-  torch::stable::Tensor out;
-  std::optional<LinearOperands> gemm;
-};
+// input itself when its leading dims fold into one block of rows (RowFold) or repeat through stride-0 dims,
+// else a contiguous copy: what a GEMM reads, so that several GEMMs over one input copy it at most once.
+torch::stable::Tensor linear_rows(const torch::stable::Tensor& input);
 
-LinearGemm plan_linear(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
-                       const std::optional<torch::stable::Tensor>& bias);
-// On torch's addmm / mm, through the dispatcher.
+// An uninitialised output for input @ weight.T with out_features columns, laid out as linear lays out its
+// output: the memory order of input's leading dims (output_strides), contiguous when they do not fold or
+// repeat. A column block of it is a valid output for plan_linear_into.
+torch::stable::Tensor empty_linear_output(const torch::stable::Tensor& input, int64_t out_features);
+
+// out = input @ weight.T + bias, out an empty_linear_output for input (or a column block of one): the GEMM to
+// run, or nothing when there is nothing to compute or it was computed already (rows repeated through stride-0
+// dims: one GEMM over the distinct rows, run here, broadcast into out). Copies input once when its rows do
+// not fold (pass linear_rows(input) to share that copy).
+std::optional<LinearOperands> plan_linear_into(const torch::stable::Tensor& out, const torch::stable::Tensor& input,
+                                               const torch::stable::Tensor& weight,
+                                               const std::optional<torch::stable::Tensor>& bias);
+
+// Runs one GEMM on torch's addmm / mm, through the dispatcher.
 void run_gemm(const LinearOperands& gemm);
-void run_gemm(const LinearGemm& gemm);
+
+// input @ weight.T + bias as ONE GEMM on the backend's BLAS (torch's addmm / mm): planned and run.
+torch::stable::Tensor linear_via_gemm(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
+                                      const std::optional<torch::stable::Tensor>& bias);
 
 // Rows [begin, end) of a GEMM's a and c (by_rows), or rows [begin, end) of its w (and bias) with the same
 // columns of c, as a GEMM of its own.
 LinearOperands gemm_part(const LinearOperands& gemm, bool by_rows, int64_t begin, int64_t end);
 
-// Runs independent CPU GEMMs (csrc/cpu/linear_cpu.cpp): their work, laid end to end, is cut into one share
-// per intra-op thread along rows or columns, and each thread runs its share on one thread of BLAS. For the
-// few, small GEMMs of attention's in-projections, and for a single GEMM with few rows, this beats one
-// multi-threaded GEMM after another (measured with MKL under OpenMP, the builds that use it: see
-// linear_cpu.cpp); large GEMMs, a lone GEMM with many rows, one thread: one after another. Small fp32 GEMMs
-// run on attnx's own kernel (cpu/linear_cpu_kernel.h) instead of BLAS.
-void run_gemms_in_shares(const std::vector<LinearGemm>& gemms);
+// ---------------------------------------------------------------------------------------------------------------
+// Independent linears (mha's in-projections), run the way the backend of their device runs them best.
+
+// out = input @ weight^T + bias, where weight's rows (and bias) are `parts` equal blocks that are projections
+// of their own (q, k and v of a packed in-projection): a backend may compute the blocks apart.
+struct LinearCall {
+  torch::stable::Tensor input, weight;
+  std::optional<torch::stable::Tensor> bias;
+  int64_t parts = 1;
+};
+
+// Runs linears that do not depend on each other and returns their outputs, each laid out as attnx::linear lays
+// out its own (empty_linear_output).
+using LinearRunner = std::vector<torch::stable::Tensor> (*)(const std::vector<LinearCall>& calls);
+
+// A backend's way of running independent linears on its device type, registered once at load time
+// (cpu/linear_cpu.cpp: their GEMMs, each block apart, in shares per thread).
+void register_linear_runner(torch::headeronly::DeviceType device_type, LinearRunner runner);
+
+// Runs the linears with the runner registered for their device type; without one, each as one call of the
+// backend's attnx::_linear kernel (call_linear).
+std::vector<torch::stable::Tensor> run_linears(const std::vector<LinearCall>& calls);
+
+// attnx::_linear through the dispatcher (the kernel of input's device).
+torch::stable::Tensor call_linear(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
+                                  const std::optional<torch::stable::Tensor>& bias);
 
 }  // namespace attnx
 

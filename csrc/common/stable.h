@@ -1,13 +1,10 @@
 // attnx: helpers for code on the LibTorch stable ABI (torch/csrc/stable), which reaches torch through a C API.
 #pragma once
 
-#include <dlfcn.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>
 #include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/stableivalue_conversions.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/csrc/stable/version.h>
@@ -22,8 +19,12 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "common/compat.h"
 
 namespace attnx::stable {
 
@@ -45,31 +46,10 @@ inline std::string error_message(std::string message) {
   return message;
 }
 
-// The message of the last error attnx raised on this thread. torch 2.10 to 2.12 do not pass an error's message
-// back through their C API (they log it to stderr); where the op that failed below a dispatcher call is one of
-// attnx's own (the kernel op a router chose, the attention mha runs), the message was raised in this library,
-// and dispatch() reads it back from here.
-inline std::string& raised_message() {
-  thread_local std::string message;
-  return message;
-}
-
+// Raises `message` as a RuntimeError, noted for torch < 2.13 (common/compat.h).
 [[noreturn]] inline void raise(std::string message) {
-  raised_message() = message;
+  compat::raised_message() = message;
   throw std::runtime_error(std::move(message));
-}
-
-// The message of the error that failed the last call into torch's C API: passed through from torch 2.13 on,
-// nullptr before.
-inline const char* torch_error_message() {
-#if defined(TORCH_VERSION_2_13_0) && TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
-  return torch_exception_get_what_without_backtrace();
-#else
-  // Targeting an older torch: the getter, where the running torch has it.
-  using Getter = const char* (*)();
-  const auto getter = reinterpret_cast<Getter>(dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
-  return getter ? getter() : nullptr;
-#endif
 }
 
 // Raises the error of a failed call into torch's C API (a shim call, a dispatcher call whose op raised) as a
@@ -78,19 +58,19 @@ inline const char* torch_error_message() {
 // message on, the exception says so.
 inline void check(AOTITorchError error, const char* what) {
   if (error == TORCH_SUCCESS) return;
-  const char* message = torch_error_message();
+  const char* message = compat::torch_error_message();
   raise(message ? error_message(message)
                 : std::string(what) + " failed (torch < 2.13 logs the error to stderr)");
 }
 
 // Calls `name`.`overload` on a boxed stack through the dispatcher, raising its error as check() does; under
-// torch < 2.13, an error that attnx's own code raised below the call keeps its message (raised_message).
+// torch < 2.13, an error that attnx's own code raised below the call keeps its message (common/compat.h).
 inline void dispatch(const char* name, const char* overload, StableIValue* stack, const char* what) {
-  raised_message().clear();
+  compat::raised_message().clear();
   const AOTITorchError error = torch_call_dispatcher(name, overload, stack, TORCH_ABI_VERSION);
   if (error == TORCH_SUCCESS) return;
-  const char* message = torch_error_message();
-  if (message == nullptr && !raised_message().empty()) raise(std::string(raised_message()));
+  const char* message = compat::torch_error_message();
+  if (message == nullptr && !compat::raised_message().empty()) raise(std::string(compat::raised_message()));
   check(error, what);
 }
 
@@ -185,8 +165,7 @@ inline std::string device_name(const torch::stable::Device& device) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Tensors through the C shim's direct calls, which skip the boxed dispatcher: the per-call cost of a view or an
-// allocation stays that of the regular ABI's.
+// Shapes.
 
 inline int64_t product(IntHeaderOnlyArrayRef values) {
   int64_t p = 1;
@@ -205,76 +184,43 @@ inline std::vector<int64_t> contiguous_strides(IntHeaderOnlyArrayRef sizes) {
   return strides;
 }
 
-// A view of t's memory with the given sizes and strides, starting `offset` elements past t's first element. Not
-// an autograd view: a fresh tensor that never requires grad (every caller is below autograd).
-inline Tensor reinterpret(const Tensor& t, IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides,
-                          int64_t offset = 0) {
-  AtenTensorHandle view = nullptr;
-  check(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
-                                       offset, &view),
-        "attnx: a view");
-  return Tensor(view);
+// ---------------------------------------------------------------------------------------------------------------
+// Boxed stacks: an op's arguments in and out of the StableIValue stack the dispatcher hands a boxed kernel.
+// Both take over references as TORCH_BOX does (a tensor unboxed is owned by the caller from then on).
+
+// Checks a boxed kernel's argument and output counts against its C++ side (TORCH_BOX's check).
+inline void check_stack(const char* op, uint64_t num_args, uint64_t expected_args, uint64_t num_outputs,
+                        uint64_t expected_outputs) {
+  ATTNX_CHECK(num_args == expected_args && num_outputs == expected_outputs, op, ": the registered schema has ",
+              num_args, " arguments and ", num_outputs, " outputs, the kernel takes ", expected_args, " and returns ",
+              expected_outputs);
 }
 
-// An uninitialised tensor with the given sizes and strides, dtype and device.
-inline Tensor empty_strided(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides, ScalarType dtype,
-                            const torch::stable::Device& device) {
-  AtenTensorHandle out = nullptr;
-  check(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
-                                 torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)),
-                                 torch::stable::detail::to<int32_t>(torch::stable::detail::from(device.type())),
-                                 device.index(), &out),
-        "attnx: empty_strided");
-  return Tensor(out);
+namespace detail {
+template <typename Tuple, size_t... I>
+auto tuple_head(const Tuple& t, std::index_sequence<I...> /*unused*/) {
+  return std::tie(std::get<I>(t)...);
+}
+}  // namespace detail
+
+// The first N references of a tuple of references.
+template <size_t N, typename Tuple>
+auto tuple_head(const Tuple& t) {
+  return detail::tuple_head(t, std::make_index_sequence<N>());
 }
 
-// An uninitialised contiguous tensor.
-inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const torch::stable::Device& device) {
-  return empty_strided(sizes, contiguous_strides(sizes), dtype, device);
-}
-
-inline void copy_into(const Tensor& dst, const Tensor& src) {
-  check(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/0), "attnx: copy_");
-}
-
-// t in `dtype`: t itself when it already is, else a contiguous converted copy.
-inline Tensor to(const Tensor& t, ScalarType dtype) {
-  if (t.scalar_type() == dtype) return t;
-  Tensor converted = empty(t.sizes(), dtype, t.device());
-  copy_into(converted, t);
-  return converted;
-}
-
-// a - alpha * b, and a + b, through the C shim, whose alpha is a double: aten::sub and aten::add take theirs as
-// a Scalar, which the stable dispatcher cannot pass. The kernels compute a - alpha * b as a + (-alpha) * b, so
-// add (alpha = -1) is the sum itself, bit for bit, signed zeros, infinities and NaN included.
-inline Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0) {
-  AtenTensorHandle out = nullptr;
-  check(aoti_torch_aten_subtract_Tensor(a.get(), b.get(), alpha, &out), "attnx: aten::sub");
-  return Tensor(out);
-}
-
-inline Tensor add(const Tensor& a, const Tensor& b) {
-  return sub(a, b, -1.0);
-}
-
-// t.fill_(value).
-inline void fill(const Tensor& t, double value) {
-  check(aoti_torch_aten_fill__Scalar(t.get(), value), "attnx: aten::fill_");
-}
-
-// A 0-dim CPU float64 tensor: how a Scalar argument reaches an op through the stable dispatcher, which cannot
-// pass Scalars. The elementwise ops' Tensor overloads (mul.Tensor, masked_fill.Tensor, clamp_min.Tensor) take it
-// on any device as a CPU scalar that keeps the other operand's floating dtype; not every op does (clamp.Tensor
-// with two CPU scalars on CUDA does not), and an integer tensor combined with it becomes float64.
-inline Tensor scalar(double value) {
-  AtenTensorHandle out = nullptr;
-  check(aoti_torch_scalar_to_tensor_float64(value, &out), "attnx: a scalar");
-  return Tensor(out);
+// stack[0], stack[1], ... into the references of `fields` (a std::tie of a struct's fields, say), in order.
+template <typename... T>
+void unbox(const StableIValue* stack, std::tuple<T&...> fields) {
+  std::apply([&](T&... field) {
+    size_t i = 0;
+    ((field = torch::stable::detail::to<T>(stack[i++])), ...);
+  }, fields);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Any op through the dispatcher (torch_call_dispatcher), for what the shim has no direct call for.
+// Any op through the dispatcher (torch_call_dispatcher), for what the shim has no direct call for. Only
+// common/aten.h calls torch's ops this way; attnx's own ops are called by the code that defines them.
 
 namespace detail {
 // An argument as the boxed stack holds it: integers widened to int64 (an int's 4 bytes would not be
@@ -296,7 +242,7 @@ StableIValue box(const T& value) {
 // Every argument of the schema is passed, defaults included, each in the C++ type of its schema type: an
 // optional one (`Tensor?`, `int[1]?`, `ScalarType?`) as a std::optional (the stack holds an optional as a
 // pointer to its value: a bare value there is read as an address), a list as a std::vector, a Scalar not at
-// all (see scalar()).
+// all (see aten::scalar_tensor in common/aten.h).
 template <size_t N = 1, typename... Args>
 auto call(const char* name, const char* overload, const Args&... args) {
   constexpr size_t kArgs = sizeof...(Args);

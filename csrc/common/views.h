@@ -1,10 +1,11 @@
 // attnx: torch's view ops (view, reshape, transpose, permute, narrow, select, unsqueeze) computed from sizes
-// and strides and made with the shim's reinterpret (stable::reinterpret): a direct call, where the op through
-// the dispatcher would cost microseconds per view. The sizes and strides are the ones torch's own op gives,
-// down to the strides of size-1 dims, so that outputs keep the layouts the fake kernels (python/attnx/ops.py)
-// state. The views are not autograd views: for code below autograd, as the glue is.
+// and strides and made with the shim's reinterpret: a direct call, where the op through the dispatcher would
+// cost microseconds per view. The sizes and strides are the ones torch's own op gives, down to the strides of
+// size-1 dims, so that outputs keep the layouts the fake kernels (python/attnx/_fake.py) state. The views are
+// not autograd views: for code below autograd, as the glue is. The one view vocabulary of the C++ glue.
 #pragma once
 
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 
@@ -13,12 +14,24 @@
 #include <utility>
 #include <vector>
 
+#include "common/aten.h"
 #include "common/stable.h"
 
 namespace attnx::views {
 
-using stable::Tensor;
 using torch::headeronly::IntHeaderOnlyArrayRef;
+using torch::stable::Tensor;
+
+// A view of t's memory with the given sizes and strides, starting `offset` elements past t's first element
+// (torch's _reinterpret_tensor). Not an autograd view: a fresh tensor that never requires grad.
+inline Tensor reinterpret(const Tensor& t, IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides,
+                          int64_t offset = 0) {
+  AtenTensorHandle view = nullptr;
+  stable::check(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(),
+                                               strides.data(), offset, &view),
+                "attnx: a view");
+  return Tensor(view);
+}
 
 // The strides of `sizes` over memory laid out as (old_sizes, old_strides) without a copy, as torch's view
 // computes them (at::detail::computeStride), or nothing where no view exists. The element counts must agree.
@@ -67,25 +80,17 @@ inline Tensor view(const Tensor& t, IntHeaderOnlyArrayRef sizes) {
   ATTNX_CHECK(strides.has_value(),
               "view size is not compatible with input tensor's size and stride (at least one dimension spans "
               "across two contiguous subspaces). Use .reshape(...) instead.");
-  return stable::reinterpret(t, sizes, *strides);
-}
-
-// t as a contiguous tensor: t itself when it is one, else a copy.
-inline Tensor contiguous(const Tensor& t) {
-  if (t.is_contiguous()) return t;
-  const Tensor copy = stable::empty(t.sizes(), t.scalar_type(), t.device());
-  stable::copy_into(copy, t);
-  return copy;
+  return reinterpret(t, sizes, *strides);
 }
 
 // t.reshape(sizes): a view where the memory allows one, else a view of a contiguous copy, as torch's reshape.
 inline Tensor reshape(const Tensor& t, IntHeaderOnlyArrayRef sizes) {
   check_numel(t, sizes);
   if (const auto strides = view_strides(t.sizes(), t.strides(), sizes)) {
-    return stable::reinterpret(t, sizes, *strides);
+    return reinterpret(t, sizes, *strides);
   }
-  const Tensor copy = views::contiguous(t);
-  return stable::reinterpret(copy, sizes, *view_strides(copy.sizes(), copy.strides(), sizes));
+  const Tensor copy = aten::contiguous(t);
+  return reinterpret(copy, sizes, *view_strides(copy.sizes(), copy.strides(), sizes));
 }
 
 // t's sizes and strides, to edit into a view's.
@@ -105,7 +110,7 @@ inline Tensor transpose(const Tensor& t, int64_t a, int64_t b) {
   b = wrap_dim(b, t.dim());
   std::swap(sizes[a], sizes[b]);
   std::swap(strides[a], strides[b]);
-  return stable::reinterpret(t, sizes, strides);
+  return reinterpret(t, sizes, strides);
 }
 
 // Dim d of the result is dim dims[d] of t.
@@ -116,7 +121,7 @@ inline Tensor permute(const Tensor& t, IntHeaderOnlyArrayRef dims) {
     sizes[d] = old_sizes[dims[d]];
     strides[d] = old_strides[dims[d]];
   }
-  return stable::reinterpret(t, sizes, strides);
+  return reinterpret(t, sizes, strides);
 }
 
 // Elements [start, start + length) of dim `dim`.
@@ -124,7 +129,7 @@ inline Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length
   dim = wrap_dim(dim, t.dim());
   std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
   sizes[dim] = length;
-  return stable::reinterpret(t, sizes, t.strides(), start * t.stride(dim));
+  return reinterpret(t, sizes, t.strides(), start * t.stride(dim));
 }
 
 // Element `index` of dim `dim`, that dim dropped.
@@ -134,7 +139,7 @@ inline Tensor select(const Tensor& t, int64_t dim, int64_t index) {
   const int64_t offset = index * strides[dim];
   sizes.erase(sizes.begin() + dim);
   strides.erase(strides.begin() + dim);
-  return stable::reinterpret(t, sizes, strides, offset);
+  return reinterpret(t, sizes, strides, offset);
 }
 
 // A size-1 dim inserted at `dim` (negative: counted from the end of the result), with torch's stride for it.
@@ -145,7 +150,7 @@ inline Tensor unsqueeze(const Tensor& t, int64_t dim) {
   const int64_t stride = dim >= ndim ? 1 : sizes[dim] * strides[dim];
   sizes.insert(sizes.begin() + dim, 1);
   strides.insert(strides.begin() + dim, stride);
-  return stable::reinterpret(t, sizes, strides);
+  return reinterpret(t, sizes, strides);
 }
 
 }  // namespace attnx::views

@@ -11,39 +11,22 @@
 
 namespace attnx::cpu {
 
-// Where each tensor's data starts (storage offsets applied); the layouts are in AttentionBackwardParams.
-struct AttentionBackwardData {
-  torch::headeronly::ScalarType dtype;  // of grad_out, query, key, value, out and the gradients
-  const void* grad_out;
-  const void* query;
-  const void* key;
-  const void* value;
-  const void* out;
-  const void* lse;               // float32, or float64 when dtype is float64
-  const void* attn_mask;         // nullptr when absent
-  const void* key_padding_mask;  // nullptr when absent
-  const void* key_lengths;       // nullptr when absent
-  const void* sinks;             // nullptr when absent
-  void* grad_query;
-  void* grad_key;
-  void* grad_value;
-  // attn_mask's gradient, summed over the dims it broadcasts along: a zeroed, contiguous buffer in the
-  // accumulator type of grad_attn_mask_size (B or 1, H or 1, L or 1, S or 1), or nullptr when not asked for.
-  void* grad_attn_mask;
-  int64_t grad_attn_mask_size[4];
-};
-
-using AttentionBackwardKernel = void (*)(const AttentionBackwardParams&, const AttentionBackwardData&);
+// dtype: of grad_out, query, key, value, out and the gradients.
+using AttentionBackwardKernel = void (*)(const AttentionBackwardParams&, const AttentionBackwardPointers&,
+                                         torch::headeronly::ScalarType);
 
 namespace DEFAULT {
-void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardData& d);
+void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
+                               torch::headeronly::ScalarType dtype);
 }
 #if ATTNX_CPU_X86_VARIANTS
 namespace AVX2 {
-void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardData& d);
+void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
+                               torch::headeronly::ScalarType dtype);
 }
 namespace AVX512 {
-void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardData& d);
+void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
+                               torch::headeronly::ScalarType dtype);
 }
 #endif
 

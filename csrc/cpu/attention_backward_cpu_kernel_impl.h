@@ -197,7 +197,7 @@ struct BackwardPlan {
   int64_t bh_m;         // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
   int64_t heads_m;      // attn_mask's distinct heads: H, or 1 when broadcast over heads
   bool mask_rows;       // attn_mask differs between queries: each tile pair builds a bias tile
-  bool mask_grad;       // attn_mask's gradient is summed into AttentionBackwardData::grad_attn_mask
+  bool mask_grad;       // attn_mask's gradient is summed into AttentionBackwardPointers::grad_attn_mask
   bool q_in_place;      // Q's rows are read in place as GEMM operands (else packed once per item)
   bool do_in_place;     // likewise for dO
 };
@@ -323,12 +323,12 @@ class AttentionBackwardCpu {
  public:
   using acc_t = typename AccType<scalar_t>::type;
 
-  AttentionBackwardCpu(const AttentionBackwardParams& bp, const AttentionBackwardData& d)
+  AttentionBackwardCpu(const AttentionBackwardParams& bp, const AttentionBackwardPointers& d)
       : bp_(bp),
         p_(bp.fwd),
         d_(d),
         plan_(make_backward_plan(
-            bp, d.grad_attn_mask ? d.grad_attn_mask_size : nullptr, sizeof(acc_t),
+            bp, d.grad_attn_mask ? bp.grad_attn_mask_size : nullptr, sizeof(acc_t),
             operand_in_place<scalar_t, acc_t>(p_.q_stride[2], p_.q_stride[3], p_.q_len, p_.head_dim),
             operand_in_place<scalar_t, acc_t>(bp.grad_out_stride[2], bp.grad_out_stride[3], p_.q_len,
                                               p_.v_head_dim))),
@@ -342,7 +342,7 @@ class AttentionBackwardCpu {
   void run() {
     const int64_t BH = p_.batch * p_.heads, D = p_.head_dim;
     if (BH == 0) return;
-    skip_ = TileSkipFlags<acc_t>(p_, d_.attn_mask, d_.key_padding_mask, plan_);
+    skip_ = TileSkipFlags<acc_t>(p_, d_.fwd.attn_mask, d_.fwd.key_padding_mask, plan_);
     const int64_t chunks = plan_.chunks, slots_n = plan_.batch_slots * plan_.head_slots;
     const int64_t items = slots_n * chunks;
     const int64_t slot = D * plan_.ld_q;
@@ -382,7 +382,7 @@ class AttentionBackwardCpu {
     const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim, bk = plan_.bk;
     const int64_t kt_begin = c * plan_.chunk_tiles;
     const int64_t kt_end = std::min(plan_.k_tiles, kt_begin + plan_.chunk_tiles);
-    const int64_t kv_len_b = batch_kv_len(p_, d_.key_lengths, b);
+    const int64_t kv_len_b = batch_kv_len(p_, d_.fwd.key_lengths, b);
     const int64_t k_first = kt_begin * bk, k_last = std::min(kt_end * bk, kv_len_b) - 1;
     std::fill_n(ws.dk, (kt_end - kt_begin) * bk * D, acc_t(0));
     std::fill_n(ws.dv, (kt_end - kt_begin) * bk * Dv, acc_t(0));
@@ -417,10 +417,10 @@ class AttentionBackwardCpu {
   void pack_head(int64_t b, int64_t h, int64_t r0, BackwardScratch<acc_t>& ws) {
     const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q;
     const int64_t *qs = p_.q_stride, *gs = bp_.grad_out_stride, *os = p_.out_stride, *ls = p_.lse_stride;
-    const auto* q = static_cast<const scalar_t*>(d_.query) + b * qs[0] + h * qs[1];
+    const auto* q = static_cast<const scalar_t*>(d_.fwd.query) + b * qs[0] + h * qs[1];
     const auto* dout = static_cast<const scalar_t*>(d_.grad_out) + b * gs[0] + h * gs[1];
-    const auto* out = static_cast<const scalar_t*>(d_.out) + b * os[0] + h * os[1];
-    const auto* lse = static_cast<const acc_t*>(d_.lse) + b * ls[0] + h * ls[1];
+    const auto* out = static_cast<const scalar_t*>(d_.fwd.out) + b * os[0] + h * os[1];
+    const auto* lse = static_cast<const acc_t*>(d_.fwd.lse) + b * ls[0] + h * ls[1];
 
     for (int64_t l0 = r0; l0 < L; l0 += plan_.bq) {
       const int64_t nl = std::min(plan_.bq, L - l0);
@@ -463,14 +463,14 @@ class AttentionBackwardCpu {
     if (!padding && !mask_shared) return nullptr;
     if (padding) {
       const int64_t* st = p_.key_padding_mask_stride;
-      visit_mask(p_.key_padding_mask_kind, d_.key_padding_mask, [&](auto m) {
+      visit_mask(p_.key_padding_mask_kind, d_.fwd.key_padding_mask, [&](auto m) {
         mask_to_bias<acc_t>(m + b * st[0] + k0 * st[1], st[1], nk, nullptr, ws.key_bias);
       });
     }
     if (mask_shared) {
       // attn_mask + key padding, in the reference's order.
       const int64_t* st = p_.attn_mask_stride;
-      visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+      visit_mask(p_.attn_mask_kind, d_.fwd.attn_mask, [&](auto m) {
         mask_to_bias<acc_t>(m + b * st[0] + h * st[1] + k0 * st[3], st[3], nk,
                             padding ? ws.key_bias : nullptr, ws.key_bias);
       });
@@ -494,8 +494,8 @@ class AttentionBackwardCpu {
     const int64_t q_end = range_query_end(k_last, L, kv_len_b, p_.window_left);
     if (q_begin >= q_end) return;
     const int64_t hk = kv_head(p_, h);
-    const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + hk * ks[1] + k0 * ks[2];
-    const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + hk * vs[1] + k0 * vs[2];
+    const auto* k = static_cast<const scalar_t*>(d_.fwd.key) + b * ks[0] + hk * ks[1] + k0 * ks[2];
+    const auto* v = static_cast<const scalar_t*>(d_.fwd.value) + b * vs[0] + hk * vs[1] + k0 * vs[2];
     Operand<acc_t> ka{}, va{};
     if (D > 0) {
       ka = b_operand(k, ks[2], ks[3], nk, D, ws.k);
@@ -537,7 +537,7 @@ class AttentionBackwardCpu {
     const acc_t* bias = nullptr;
     if (plan_.mask_rows) {
       const int64_t* st = p_.attn_mask_stride;
-      visit_mask(p_.attn_mask_kind, d_.attn_mask, [&](auto m) {
+      visit_mask(p_.attn_mask_kind, d_.fwd.attn_mask, [&](auto m) {
         const auto* base = m + b * st[0] + h * st[1] + k0 * st[3];
         for (int64_t i = 0; i < nq; ++i) {
           mask_to_bias<acc_t>(base + (q0 + i) * st[2], st[3], nk, kb, ws.rows + i * plan_.ld_k);
@@ -595,7 +595,7 @@ class AttentionBackwardCpu {
   // writes there (BackwardPlan's slots), so a plain add is race-free.
   void add_mask_grad(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
                      BackwardScratch<acc_t>& ws) const {
-    const int64_t* g = d_.grad_attn_mask_size;
+    const int64_t* g = bp_.grad_attn_mask_size;
     auto* base = static_cast<acc_t*>(d_.grad_attn_mask) +
                  ((g[0] == 1 ? 0 : b) * g[1] + (g[1] == 1 ? 0 : h)) * g[2] * g[3];
     // Back to query rows, so that a row of the gradient is one vectorised add.
@@ -663,7 +663,7 @@ class AttentionBackwardCpu {
 
   const AttentionBackwardParams& bp_;
   const AttentionParams& p_;
-  const AttentionBackwardData& d_;
+  const AttentionBackwardPointers& d_;
   BackwardPlan plan_;
   const acc_t scale_;
   const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
@@ -674,24 +674,10 @@ class AttentionBackwardCpu {
 
 }  // namespace
 
-void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardData& d) {
-  using torch::headeronly::ScalarType;
-  switch (d.dtype) {
-    case ScalarType::Float:
-      AttentionBackwardCpu<float>(p, d).run();
-      break;
-    case ScalarType::Double:
-      AttentionBackwardCpu<double>(p, d).run();
-      break;
-    case ScalarType::BFloat16:
-      AttentionBackwardCpu<torch::headeronly::BFloat16>(p, d).run();
-      break;
-    case ScalarType::Half:
-      AttentionBackwardCpu<torch::headeronly::Half>(p, d).run();
-      break;
-    default:
-      STD_TORCH_CHECK(false, "attnx::attention_backward: no CPU kernel for dtype ", d.dtype);
-  }
+void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
+                               torch::headeronly::ScalarType dtype) {
+  dispatch_float_types(dtype, "attnx::attention_backward",
+                       [&](auto tag) { AttentionBackwardCpu<decltype(tag)>(p, ptr).run(); });
 }
 
 }  // namespace CPU_CAPABILITY

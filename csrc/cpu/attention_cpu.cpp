@@ -5,7 +5,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <tuple>
 
 #include "common/attention.h"
 #include "cpu/attention_backward_cpu_kernel.h"
@@ -42,18 +41,6 @@ cpu::CpuCapability detect_cpu_capability() {
 #endif
 }
 
-// The variant for the ISA level torch itself runs at.
-cpu::AttentionKernel select_kernel() {
-#if ATTNX_CPU_X86_VARIANTS
-  switch (cpu::cpu_capability()) {
-    case cpu::CpuCapability::kAvx512: return &cpu::AVX512::attention_kernel;
-    case cpu::CpuCapability::kAvx2: return &cpu::AVX2::attention_kernel;
-    default: break;
-  }
-#endif
-  return &cpu::DEFAULT::attention_kernel;
-}
-
 }  // namespace
 
 cpu::CpuCapability cpu::cpu_capability() {
@@ -61,27 +48,14 @@ cpu::CpuCapability cpu::cpu_capability() {
   return level;
 }
 
-std::tuple<Tensor, Tensor> attention_cpu(const Tensor& query, const Tensor& key, const Tensor& value,
-                                         const std::optional<Tensor>& attn_mask,
-                                         const std::optional<Tensor>& key_padding_mask, bool is_causal,
-                                         std::optional<double> scale, double dropout_p,
-                                         const std::optional<Tensor>& dropout_seed, int64_t window_left,
-                                         int64_t window_right, const std::optional<Tensor>& key_lengths,
-                                         std::optional<double> softcap, const std::optional<Tensor>& sinks) {
-  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                          dropout_p, dropout_seed, window_left, window_right, key_lengths,
-                                          softcap, sinks);
-  const cpu::AttentionData data{{pb.query, pb.key, pb.value, pb.attn_mask, pb.key_padding_mask,
-                                 pb.out.mutable_data_ptr(), pb.lse.mutable_data_ptr(), pb.key_lengths, pb.sinks},
-                                pb.dtype};
-  static const cpu::AttentionKernel kernel = select_kernel();
-  kernel(pb.params, data);
-  return {pb.out, pb.lse};
+void run_attention_cpu(AttentionProblem& pb) {
+  static const cpu::AttentionKernel kernel = ATTNX_CPU_VARIANT(attention_kernel);
+  kernel(pb.params, pb.ptr, pb.dtype);
 }
 
 }  // namespace attnx
 
 STABLE_TORCH_LIBRARY_IMPL(attnx, CPU, m) {
-  m.impl("_attention", TORCH_BOX(&attnx::attention_cpu));
-  m.impl("_attention_autograd", TORCH_BOX(&attnx::attention_cpu));
+  m.impl("_attention", &attnx::attention_op<attnx::run_attention_cpu>);
+  m.impl("_attention_autograd", &attnx::attention_op<attnx::run_attention_cpu>);
 }

@@ -2,8 +2,8 @@
 //
 // attention_cpu_kernel_impl.h holds the kernel. attention_cpu.cpp compiles it for the baseline ISA (namespace
 // DEFAULT) and attention_cpu_avx2.cpp / attention_cpu_avx512.cpp for AVX2 and AVX-512, each in its own
-// namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels; attention_cpu.cpp picks
-// one at run time from at::get_cpu_capability() (so ATEN_CPU_CAPABILITY=avx2|default selects the others).
+// namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels; ATTNX_CPU_VARIANT picks
+// one at run time by torch's rule (cpu_capability(), so ATEN_CPU_CAPABILITY=avx2|default selects the others).
 //
 // Every header the kernel needs is included here, before an ISA TU raises its target: inline functions from
 // these headers are then compiled for the baseline ISA in every TU, and only the kernel and its SIMD layer
@@ -43,6 +43,7 @@
 #include "attnx/philox.h"
 #include "attnx/softmax.h"
 #include "cpu/buffer.h"
+#include "cpu/dispatch.h"
 #include "cpu/parallel.h"
 
 // GCC on x86-64 builds the AVX2 and AVX-512 variants through `#pragma GCC target`; elsewhere only DEFAULT.
@@ -54,12 +55,8 @@
 
 namespace attnx::cpu {
 
-// The call's data pointers and the dtype of query, key, value and out.
-struct AttentionData : AttentionPointers {
-  torch::headeronly::ScalarType dtype;
-};
-
-using AttentionKernel = void (*)(const AttentionParams&, const AttentionData&);
+// dtype: of query, key, value and out.
+using AttentionKernel = void (*)(const AttentionParams&, const AttentionPointers&, torch::headeronly::ScalarType);
 
 // The ISA levels the kernels are compiled for.
 enum class CpuCapability { kDefault, kAvx2, kAvx512 };
@@ -70,15 +67,31 @@ enum class CpuCapability { kDefault, kAvx2, kAvx512 };
 // has no at::get_cpu_capability.) Read once per process; kDefault where the variants are not built.
 CpuCapability cpu_capability();
 
+// The variant of a kernel for cpu_capability(): ATTNX_CPU_VARIANT(attention_kernel), say.
+template <typename Kernel>
+Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unused]] Kernel avx512) {
+  switch (cpu_capability()) {
+    case CpuCapability::kAvx512: return avx512;
+    case CpuCapability::kAvx2: return avx2;
+    default: return portable;
+  }
+}
+#if ATTNX_CPU_X86_VARIANTS
+#define ATTNX_CPU_VARIANT(name) \
+  ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::AVX2::name, &::attnx::cpu::AVX512::name)
+#else
+#define ATTNX_CPU_VARIANT(name) (&::attnx::cpu::DEFAULT::name)
+#endif
+
 namespace DEFAULT {
-void attention_kernel(const AttentionParams& p, const AttentionData& d);
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype);
 }
 #if ATTNX_CPU_X86_VARIANTS
 namespace AVX2 {
-void attention_kernel(const AttentionParams& p, const AttentionData& d);
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype);
 }
 namespace AVX512 {
-void attention_kernel(const AttentionParams& p, const AttentionData& d);
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype);
 }
 #endif
 

@@ -582,7 +582,7 @@ class AttentionCpu {
  public:
   using acc_t = typename AccType<scalar_t>::type;
 
-  AttentionCpu(const AttentionParams& p, const AttentionData& d)
+  AttentionCpu(const AttentionParams& p, const AttentionPointers& d)
       : p_(p),
         d_(d),
         plan_(make_plan(p, sizeof(acc_t))),
@@ -783,7 +783,7 @@ class AttentionCpu {
   }
 
   const AttentionParams& p_;
-  const AttentionData& d_;
+  const AttentionPointers& d_;
   Plan plan_;
   const acc_t scale_;
   const acc_t dropout_scale_;  // 1 / (1 - p) when p_.dropout
@@ -793,24 +793,8 @@ class AttentionCpu {
 
 }  // namespace
 
-void attention_kernel(const AttentionParams& p, const AttentionData& d) {
-  using torch::headeronly::ScalarType;
-  switch (d.dtype) {
-    case ScalarType::Float:
-      AttentionCpu<float>(p, d).run();
-      break;
-    case ScalarType::Double:
-      AttentionCpu<double>(p, d).run();
-      break;
-    case ScalarType::BFloat16:
-      AttentionCpu<torch::headeronly::BFloat16>(p, d).run();
-      break;
-    case ScalarType::Half:
-      AttentionCpu<torch::headeronly::Half>(p, d).run();
-      break;
-    default:
-      STD_TORCH_CHECK(false, "attnx::attention: no CPU kernel for dtype ", d.dtype);
-  }
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype) {
+  dispatch_float_types(dtype, "attnx::attention", [&](auto tag) { AttentionCpu<decltype(tag)>(p, ptr).run(); });
 }
 
 }  // namespace CPU_CAPABILITY

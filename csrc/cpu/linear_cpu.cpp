@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "common/linear.h"
+#include "common/views.h"
 #include "cpu/linear_cpu_kernel.h"
 #include "cpu/parallel.h"
 
@@ -75,14 +77,10 @@ void run_part(const GemmLine& line, int64_t begin, int64_t end) {
   run_gemm_cpu(gemm_part(*line.gemm, line.by_rows, begin, end));
 }
 
-}  // namespace
-
-void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
+void run_gemms_in_shares(const std::vector<LinearOperands>& gemms) {
   std::vector<GemmLine> lines;
   int64_t total = 0, largest = 0;
-  for (const LinearGemm& plan : gemms) {
-    if (!plan.gemm) continue;
-    const LinearOperands& g = *plan.gemm;
+  for (const LinearOperands& g : gemms) {
     const int64_t M = g.c.rows, N = g.c.cols, K = std::max<int64_t>(g.a.cols, 1);
     const bool by_rows = M > N;
     lines.push_back({&g, by_rows, by_rows ? M : N, (by_rows ? N : M) * K});
@@ -135,12 +133,42 @@ void run_gemms_in_shares(const std::vector<LinearGemm>& gemms) {
   });
 }
 
+// Each call's GEMMs (one per block of its weight rows) planned into its output, then all of them run in shares.
+std::vector<torch::stable::Tensor> run_linears_in_shares(const std::vector<LinearCall>& calls) {
+  std::vector<torch::stable::Tensor> outs;
+  std::vector<LinearOperands> gemms;
+  for (const LinearCall& c : calls) {
+    check_linear_args(c.input, c.weight, c.bias);
+    const torch::stable::Tensor rows = linear_rows(c.input);
+    const int64_t N = c.weight.size(0);
+    const torch::stable::Tensor out = empty_linear_output(rows, N);
+    // A bias of one element broadcasts over every block: its GEMM stays whole.
+    const int64_t parts = c.parts > 1 && N % c.parts == 0 && (!c.bias || c.bias->size(0) == N) ? c.parts : 1;
+    const int64_t n = N / parts;
+    for (int64_t i = 0; i < parts; ++i) {
+      const auto block = [&](const torch::stable::Tensor& t, int64_t dim) {
+        return parts == 1 ? t : views::narrow(t, dim, i * n, n);
+      };
+      const std::optional<torch::stable::Tensor> bias = c.bias ? std::optional(block(*c.bias, 0)) : std::nullopt;
+      if (std::optional<LinearOperands> gemm = plan_linear_into(block(out, -1), rows, block(c.weight, 0), bias)) {
+        gemms.push_back(std::move(*gemm));
+      }
+    }
+    outs.push_back(out);
+  }
+  run_gemms_in_shares(gemms);
+  return outs;
+}
+
+// mha's in-projections on CPU tensors run in shares too (common/linear.h, run_linears).
+[[maybe_unused]] const bool kRegistered =
+    (register_linear_runner(torch::headeronly::DeviceType::CPU, &run_linears_in_shares), true);
+
+}  // namespace
+
 torch::stable::Tensor linear_cpu(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
                                  const std::optional<torch::stable::Tensor>& bias) {
-  std::vector<LinearGemm> gemm;
-  gemm.push_back(plan_linear(input, weight, bias));
-  run_gemms_in_shares(gemm);
-  return gemm[0].out;
+  return run_linears_in_shares({LinearCall{input, weight, bias}})[0];
 }
 
 }  // namespace attnx

@@ -11,8 +11,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
-#include <tuple>
 
 #include "common/attention.h"
 #include "common/stable.h"
@@ -71,44 +69,29 @@ cudaStream_t current_stream(int32_t device) {
 
 }  // namespace
 
-std::tuple<Tensor, Tensor> attention_cuda(const Tensor& query, const Tensor& key, const Tensor& value,
-                                          const std::optional<Tensor>& attn_mask,
-                                          const std::optional<Tensor>& key_padding_mask, bool is_causal,
-                                          std::optional<double> scale, double dropout_p,
-                                          const std::optional<Tensor>& dropout_seed, int64_t window_left,
-                                          int64_t window_right, const std::optional<Tensor>& key_lengths,
-                                          std::optional<double> softcap, const std::optional<Tensor>& sinks) {
-  // Only a CUDA query sets the device; any other mix of devices fails prepare_attention's device checks.
-  std::optional<torch::stable::accelerator::DeviceGuard> guard;
-  if (query.is_cuda()) guard.emplace(query.get_device_index());
-  AttentionProblem pb = prepare_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                          dropout_p, dropout_seed, window_left, window_right, key_lengths,
-                                          softcap, sinks);
+void run_attention_cuda(AttentionProblem& pb) {
+  // prepare_attention checked that every tensor is on query's device, a CUDA one (this kernel's key).
+  const int32_t device = pb.query.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   const cuda::DType dtype = kernel_dtype(pb.dtype);
   if (cuda::plan_attention(pb.params, dtype).bucket == 0) {
     ATTNX_CHECK(!pb.params.dropout, "attnx::attention: expected head dims up to ", cuda::kMaxHeadDim,
                 " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
                 pb.params.head_dim, ", Dv=", pb.params.v_head_dim);
-    cuda::attention_composite(query, key, value, attn_mask, key_padding_mask, key_lengths, scale, softcap,
-                              pb);
-    return {pb.out, pb.lse};
+    cuda::attention_composite(pb);
+    return;
   }
-  const AttentionPointers ptr{pb.query,          pb.key,           pb.value,       pb.attn_mask,
-                              pb.key_padding_mask, pb.out.data_ptr(), pb.lse.data_ptr(), pb.key_lengths,
-                              pb.sinks};
-  const int32_t device = query.get_device_index();
-  const cudaError_t err = cuda::launch_attention(pb.params, dtype, ptr, current_stream(device),
+  const cudaError_t err = cuda::launch_attention(pb.params, dtype, pb.ptr, current_stream(device),
                                                  select_kernel(pb.params, dtype, device));
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
               ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,
               ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ",
               pb.dtype, "): ", cudaGetErrorString(err));
-  return {pb.out, pb.lse};
 }
 
 }  // namespace attnx
 
 STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
-  m.impl("_attention", TORCH_BOX(&attnx::attention_cuda));
-  m.impl("_attention_autograd", TORCH_BOX(&attnx::attention_cuda));
+  m.impl("_attention", &attnx::attention_op<attnx::run_attention_cuda>);
+  m.impl("_attention_autograd", &attnx::attention_op<attnx::run_attention_cuda>);
 }

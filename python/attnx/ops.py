@@ -886,10 +886,9 @@ def _mha_forward_fake(
         w = x.new_empty((rows, x.shape[2]))
         return _linear_fake(x, w, None)
 
-    # Packed in-projections off the CPU only (pack_in_projections in mha.cpp).
-    packed = (
-        in_proj_weight is not None and static_k is None and static_v is None and query.device.type != "cpu"
-    )
+    # in_projections in csrc/common/mha.cpp: with the packed weight and no static_k / static_v, inputs that are
+    # one view share one output, whatever the device.
+    packed = in_proj_weight is not None and static_k is None and static_v is None
     if packed and _same_view(query, key) and _same_view(key, value):
         q, k, v = project(query, 3 * E).split(E, dim=2)
     else:

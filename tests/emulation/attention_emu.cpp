@@ -25,8 +25,16 @@ int attnx_emu_attention(const attnx::AttentionParams* p, int dtype, int kernel, 
                         const void* key, const void* value, const void* attn_mask,
                         const void* key_padding_mask, void* out, void* lse, const void* key_lengths,
                         const void* sinks) {
-  const attnx::AttentionPointers ptr{query,    key, value, attn_mask, key_padding_mask,
-                                     out,      lse, key_lengths, sinks};
+  attnx::AttentionPointers ptr{};
+  ptr.query = query;
+  ptr.key = key;
+  ptr.value = value;
+  ptr.attn_mask = attn_mask;
+  ptr.key_padding_mask = key_padding_mask;
+  ptr.out = out;
+  ptr.lse = lse;
+  ptr.key_lengths = key_lengths;
+  ptr.sinks = sinks;
   return static_cast<int>(attnx::cuda::launch_attention(*p, static_cast<attnx::cuda::DType>(dtype), ptr,
                                                         /*stream=*/nullptr,
                                                         static_cast<attnx::cuda::Kernel>(kernel)));

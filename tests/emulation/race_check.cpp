@@ -90,15 +90,16 @@ int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, 
   p.key_padding_mask_stride[1] = 1;
   p.is_causal = causal;
   p.scale = 0.25f;
-  const attnx::AttentionPointers ptr{q.data(),
-                                     k.data(),
-                                     v.data(),
-                                     attn_mask.data(),
-                                     padding.data(),
-                                     out.data(),
-                                     lse.data(),
-                                     f.key_lengths.empty() ? nullptr : f.key_lengths.data(),
-                                     f.sinks ? sinks.data() : nullptr};
+  attnx::AttentionPointers ptr{};
+  ptr.query = q.data();
+  ptr.key = k.data();
+  ptr.value = v.data();
+  ptr.attn_mask = attn_mask.data();
+  ptr.key_padding_mask = padding.data();
+  ptr.out = out.data();
+  ptr.lse = lse.data();
+  ptr.key_lengths = f.key_lengths.empty() ? nullptr : f.key_lengths.data();
+  ptr.sinks = f.sinks ? sinks.data() : nullptr;
   const cudaError_t err = attnx::cuda::launch_attention(p, dtype, ptr, nullptr, kernel);
   if (err != cudaSuccess) std::fprintf(stderr, "launch failed: %d\n", static_cast<int>(err));
   return err == cudaSuccess ? 0 : 1;

@@ -128,11 +128,25 @@ struct AttentionBackwardParams {
   int64_t grad_query_stride[4];  // (B, H, L, D)
   int64_t grad_key_stride[4];    // (B, H, S, D)
   int64_t grad_value_stride[4];  // (B, H, S, Dv)
+  // attn_mask's gradient, summed over the dims the mask broadcasts along: a contiguous buffer of these sizes
+  // (B or 1, H or 1, L or 1, S or 1) in the accumulator type; all 0 when it is not asked for.
+  int64_t grad_attn_mask_size[4];
 };
 
 #if !defined(__METAL_VERSION__)
-static_assert(sizeof(AttentionBackwardParams) == 352 + 16 * 8,
+static_assert(sizeof(AttentionBackwardParams) == 352 + 20 * 8,
               "AttentionBackwardParams layout changed: update the Metal side too");
+
+// Where an attention_backward call's tensors start (storage offsets applied); their layouts are in
+// AttentionBackwardParams. In `fwd`, out and lse are the saved forward outputs, read here.
+struct AttentionBackwardPointers {
+  AttentionPointers fwd;
+  const void* grad_out;
+  void* grad_query;
+  void* grad_key;
+  void* grad_value;
+  void* grad_attn_mask;  // zeroed buffer of grad_attn_mask_size; nullptr when not asked for
+};
 #endif
 
 // attnx::linear on a backend that runs its own GEMM kernel (Metal): out (M, N) = input (M, K) @ weight.T +
