@@ -61,37 +61,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int64_t L = p.q_len, S = p.kv_len;
   const int ldq = plan.ldq, ldk = plan.ldk, ldv = plan.ldv;
 
-  // Under is_causal the last query blocks see the most keys: they get the lowest block indices, so they start
-  // first and the short blocks fill in at the end. Otherwise consecutive blocks share (b, h), hence K and V
-  // in L2.
-  // (32-bit arithmetic: a launch has fewer than 2^31 blocks, kMaxBlocks, and 64-bit divisions cost
-  // registers.)
-  const uint32_t block = blockIdx.x;
-  const uint32_t q_blocks = static_cast<uint32_t>(plan.q_blocks), bh_count = static_cast<uint32_t>(plan.bh);
-  uint32_t qb, bh;
-  if (p.is_causal) {
-    qb = q_blocks - 1 - block / bh_count;
-    bh = block % bh_count;
-  } else {
-    qb = block % q_blocks;
-    bh = block / q_blocks;
-  }
-  const uint32_t heads = static_cast<uint32_t>(p.heads);
-  const int64_t b = bh / heads, h = bh % heads, hk = kv_head_of(p, h);
-  const int64_t q0 = static_cast<int64_t>(qb) * plan.rows_per_block;
-  const int64_t rows_in_block = L - q0 < plan.rows_per_block ? L - q0 : plan.rows_per_block;
-  const int64_t Sb = batch_kv_len(p, ptr.key_lengths, b);
-
-  const scalar_t* const q = static_cast<const scalar_t*>(ptr.query) + b * p.q_stride[0] + h * p.q_stride[1];
-  const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + hk * p.k_stride[1];
-  const scalar_t* const v = static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + hk * p.v_stride[1];
-  const int64_t am_base = b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1];
-  const int64_t kpm_base = b * p.key_padding_mask_stride[0];
+  const BlockProblem<scalar_t> block = block_problem<scalar_t>(p, ptr, plan.q_blocks, plan.bh, plan.rows_per_block);
+  const int64_t b = block.b, h = block.h, q0 = block.q0, rows_in_block = block.rows, Sb = block.kv_len;
+  const scalar_t* const q = block.q;
+  const scalar_t* const k = block.k;
+  const scalar_t* const v = block.v;
+  const int64_t am_base = block.attn_mask_base, kpm_base = block.key_padding_mask_base;
   const acc_t scale = sizeof(acc_t) == 8 ? acc_t(double(p.scale) + double(p.scale_lo)) : acc_t(p.scale);
   const acc_t dropout_scale = sizeof(acc_t) == 8 ? acc_t(double(p.dropout_scale) + double(p.dropout_scale_lo))
                                                  : acc_t(p.dropout_scale);
   const SoftCap<acc_t> cap = soft_cap_of<acc_t>(p);
-  const uint64_t dropout_row0 = static_cast<uint64_t>(bh) * static_cast<uint64_t>(L);  // row of query 0
+  const uint64_t dropout_row0 = static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L);  // row of query 0
 
   // The block's queries, one row per warp at a time, lanes along D (coalesced when the last stride is 1).
   for (int r = warp; r < plan.rows_per_block; r += kWarps) {

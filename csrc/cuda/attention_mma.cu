@@ -46,30 +46,12 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int g = lane / 4, t = lane % 4;  // fragment coordinates: row group, thread in group
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
   const int64_t L = p.q_len;
-  const bool causal = p.is_causal != 0;
-  // Block coordinates in 32-bit arithmetic: a launch has fewer than 2^31 blocks (kMaxBlocks), so they fit,
-  // and 64-bit divisions cost the tile loop registers.
-  const uint32_t q_blocks = static_cast<uint32_t>(plan.q_blocks), bh_count = static_cast<uint32_t>(plan.bh);
-  const uint32_t block = blockIdx.x;
-  uint32_t qb, bh;
-  if (causal) {  // heaviest query blocks first, as in the SIMT kernel
-    qb = q_blocks - 1 - block / bh_count;
-    bh = block % bh_count;
-  } else {
-    qb = block % q_blocks;
-    bh = block / q_blocks;
-  }
-  const uint32_t heads = static_cast<uint32_t>(p.heads);
-  const int64_t b = bh / heads, h = bh % heads, hk = kv_head_of(p, h);
-  const int64_t q0 = static_cast<int64_t>(qb) * kRowsPerBlock;
-  const int64_t rows_in_block = L - q0 < kRowsPerBlock ? L - q0 : kRowsPerBlock;
-  const int64_t Sb = batch_kv_len(p, ptr.key_lengths, b);
-
-  const scalar_t* const q = static_cast<const scalar_t*>(ptr.query) + b * p.q_stride[0] + h * p.q_stride[1];
-  const scalar_t* const k = static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + hk * p.k_stride[1];
-  const scalar_t* const v = static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + hk * p.v_stride[1];
-  const int64_t am_base = b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1];
-  const int64_t kpm_base = b * p.key_padding_mask_stride[0];
+  const BlockProblem<scalar_t> block = block_problem<scalar_t>(p, ptr, plan.q_blocks, plan.bh, kRowsPerBlock);
+  const int64_t b = block.b, h = block.h, q0 = block.q0, rows_in_block = block.rows, Sb = block.kv_len;
+  const scalar_t* const q = block.q;
+  const scalar_t* const k = block.k;
+  const scalar_t* const v = block.v;
+  const int64_t am_base = block.attn_mask_base, kpm_base = block.key_padding_mask_base;
   const float scale = p.scale;
   const SoftCap<float> cap = soft_cap_of<float>(p);
   const scalar_t zero = from_acc<scalar_t>(0.0f);

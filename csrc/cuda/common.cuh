@@ -161,6 +161,51 @@ __device__ __forceinline__ int64_t batch_kv_len(const AttentionParams& p, const 
   }
 }
 
+// The query rows and the head a block computes, and where its operands start. Under is_causal the last query
+// blocks see the most keys: they get the lowest block indices, so they start first and the short blocks fill
+// in at the end. Otherwise consecutive blocks share (b, h), hence K and V in L2. (32-bit arithmetic: a launch
+// has fewer than 2^31 blocks, kMaxBlocks, and 64-bit divisions cost registers.)
+template <typename scalar_t>
+struct BlockProblem {
+  int64_t b, h, hk;  // batch, query head, its kv head
+  int64_t q0, rows;  // the block's first query row and its number of rows
+  int64_t kv_len;    // S_b
+  const scalar_t* q;  // query row 0 of (b, h)
+  const scalar_t* k;  // key 0 of (b, hk)
+  const scalar_t* v;  // value 0 of (b, hk)
+  int64_t attn_mask_base, key_padding_mask_base;  // offsets of (b, h) in the masks
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ BlockProblem<scalar_t> block_problem(const AttentionParams& p,
+                                                                const AttentionPointers& ptr, int64_t q_blocks,
+                                                                int64_t bh_count, int64_t rows_per_block) {
+  const uint32_t block = blockIdx.x;
+  const uint32_t nq = static_cast<uint32_t>(q_blocks), nbh = static_cast<uint32_t>(bh_count);
+  uint32_t qb, bh;
+  if (p.is_causal) {
+    qb = nq - 1 - block / nbh;
+    bh = block % nbh;
+  } else {
+    qb = block % nq;
+    bh = block / nq;
+  }
+  const uint32_t heads = static_cast<uint32_t>(p.heads);
+  BlockProblem<scalar_t> r;
+  r.b = bh / heads;
+  r.h = bh % heads;
+  r.hk = kv_head_of(p, r.h);
+  r.q0 = static_cast<int64_t>(qb) * rows_per_block;
+  r.rows = p.q_len - r.q0 < rows_per_block ? p.q_len - r.q0 : rows_per_block;
+  r.kv_len = batch_kv_len(p, ptr.key_lengths, r.b);
+  r.q = static_cast<const scalar_t*>(ptr.query) + r.b * p.q_stride[0] + r.h * p.q_stride[1];
+  r.k = static_cast<const scalar_t*>(ptr.key) + r.b * p.k_stride[0] + r.hk * p.k_stride[1];
+  r.v = static_cast<const scalar_t*>(ptr.value) + r.b * p.v_stride[0] + r.hk * p.v_stride[1];
+  r.attn_mask_base = r.b * p.attn_mask_stride[0] + r.h * p.attn_mask_stride[1];
+  r.key_padding_mask_base = r.b * p.key_padding_mask_stride[0];
+  return r;
+}
+
 __device__ __forceinline__ float tanh_acc(float x) {
   return tanhf(x);
 }
