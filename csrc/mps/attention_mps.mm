@@ -1,7 +1,6 @@
 // attnx: attnx::attention on MPS. The checks and layouts are common/attention.cpp; the kernels are
 // metal/attention.metal, chosen and sized by metal_plan.h, encoded on torch's current MPS stream.
 #include <ATen/ATen.h>
-#include <ATen/mps/MPSStream.h>
 #include <torch/csrc/stable/library.h>
 
 #include <optional>
@@ -13,7 +12,7 @@
 namespace attnx {
 
 void run_attention_mps(AttentionProblem& pb) {
-  // Every check happens here, before dispatch_sync: an exception inside the block would end the process.
+  // Every check happens here, before mps::encode (which must not throw).
   const AttentionOptions& o = pb.options;
   TORCH_CHECK_NOT_IMPLEMENTED(o.dropout_p == 0.0, "attnx::attention: dropout is not implemented on MPS yet");
   const mps::DType dtype = mps::metal_dtype(pb.dtype, "attnx::attention");
@@ -42,34 +41,17 @@ void run_attention_mps(AttentionProblem& pb) {
   // Absent masks, key_lengths and sinks are bound to query's buffer: never read (their kind is kMaskNone,
   // kKeyLengthsNone, has_sinks 0), but every buffer argument of the kernel is bound.
   const auto bound = [&](const std::optional<Tensor>& t) { return mps::buffer_ref(t ? to_aten(*t) : query); };
-  struct Buffers {
-    mps::BufferRef ref[mps::kAttentionBuffers];
-  } buffers{};
-  buffers.ref[mps::kAttentionQuery] = mps::buffer_ref(query);
-  buffers.ref[mps::kAttentionKey] = mps::buffer_ref(to_aten(pb.key));
-  buffers.ref[mps::kAttentionValue] = mps::buffer_ref(to_aten(pb.value));
-  buffers.ref[mps::kAttentionMask] = bound(o.attn_mask);
-  buffers.ref[mps::kAttentionKeyPaddingMask] = bound(o.key_padding_mask);
-  buffers.ref[mps::kAttentionOut] = mps::buffer_ref(to_aten(pb.out));
-  buffers.ref[mps::kAttentionLse] = mps::buffer_ref(to_aten(pb.lse));
-  buffers.ref[mps::kAttentionKeyLengths] = bound(o.key_lengths);
-  buffers.ref[mps::kAttentionSinks] = bound(pb.sinks_acc);
-  const mps::Launch launch = plan.launch;
-
-  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
-  dispatch_sync(stream->queue(), ^() {
-    @autoreleasepool {
-      // torch's live encoder, coalesced with its own kernels; never created or ended here.
-      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
-      [encoder setComputePipelineState:pso];
-      for (int i = 0; i < mps::kAttentionParams; ++i) {
-        [encoder setBuffer:buffers.ref[i].buffer offset:buffers.ref[i].offset atIndex:i];
-      }
-      [encoder setBytes:&params length:sizeof(params) atIndex:mps::kAttentionParams];
-      [encoder dispatchThreadgroups:MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2])
-              threadsPerThreadgroup:MTLSizeMake(launch.threads, 1, 1)];
-    }
-  });
+  mps::BufferRef buffers[mps::kAttentionBuffers] = {};
+  buffers[mps::kAttentionQuery] = mps::buffer_ref(query);
+  buffers[mps::kAttentionKey] = mps::buffer_ref(to_aten(pb.key));
+  buffers[mps::kAttentionValue] = mps::buffer_ref(to_aten(pb.value));
+  buffers[mps::kAttentionMask] = bound(o.attn_mask);
+  buffers[mps::kAttentionKeyPaddingMask] = bound(o.key_padding_mask);
+  buffers[mps::kAttentionOut] = mps::buffer_ref(to_aten(pb.out));
+  buffers[mps::kAttentionLse] = mps::buffer_ref(to_aten(pb.lse));
+  buffers[mps::kAttentionKeyLengths] = bound(o.key_lengths);
+  buffers[mps::kAttentionSinks] = bound(pb.sinks_acc);
+  mps::encode(pso, plan.launch, buffers, mps::kAttentionParams, &params, sizeof(params));
 }
 
 }  // namespace attnx

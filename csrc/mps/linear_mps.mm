@@ -2,7 +2,6 @@
 // B=1 transposed layout of nn.MultiheadAttention(batch_first=True), (L, B, E) views, slices and stride-0
 // rows need no copy and no detour; an input with more than two leading dims that do not merge is copied once.
 #include <ATen/ATen.h>
-#include <ATen/mps/MPSStream.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -14,7 +13,7 @@ namespace attnx {
 
 at::Tensor linear_mps(const at::Tensor& input, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
-  // Every check happens here, before dispatch_sync: an exception inside the block would end the process.
+  // Every check happens here, before mps::encode (which must not throw).
   check_linear_args(input, weight, bias);
   const mps::DType dtype = mps::metal_dtype(input.scalar_type(), "attnx::linear");
 
@@ -38,28 +37,12 @@ at::Tensor linear_mps(const at::Tensor& input, const at::Tensor& weight,
   if (mps::launch_empty(plan.launch)) return out;
   const id<MTLComputePipelineState> pso = mps::pipeline(plan.launch.name);
   mps::check_launch(pso, plan.launch, "attnx::linear");
-  struct Buffers {
-    mps::BufferRef ref[mps::kLinearBuffers];
-  } buffers{};
-  buffers.ref[mps::kLinearInput] = mps::buffer_ref(x);
-  buffers.ref[mps::kLinearWeight] = mps::buffer_ref(weight);
-  buffers.ref[mps::kLinearBias] = mps::buffer_ref(bias ? *bias : weight);  // never read without a bias
-  buffers.ref[mps::kLinearOut] = mps::buffer_ref(out);
-  const mps::Launch launch = plan.launch;
-
-  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
-  dispatch_sync(stream->queue(), ^() {
-    @autoreleasepool {
-      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
-      [encoder setComputePipelineState:pso];
-      for (int i = 0; i < mps::kLinearParams; ++i) {
-        [encoder setBuffer:buffers.ref[i].buffer offset:buffers.ref[i].offset atIndex:i];
-      }
-      [encoder setBytes:&params length:sizeof(params) atIndex:mps::kLinearParams];
-      [encoder dispatchThreadgroups:MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2])
-              threadsPerThreadgroup:MTLSizeMake(launch.threads, 1, 1)];
-    }
-  });
+  mps::BufferRef buffers[mps::kLinearBuffers] = {};
+  buffers[mps::kLinearInput] = mps::buffer_ref(x);
+  buffers[mps::kLinearWeight] = mps::buffer_ref(weight);
+  buffers[mps::kLinearBias] = mps::buffer_ref(bias ? *bias : weight);  // never read without a bias
+  buffers[mps::kLinearOut] = mps::buffer_ref(out);
+  mps::encode(pso, plan.launch, buffers, mps::kLinearParams, &params, sizeof(params));
   return out;
 }
 
