@@ -70,6 +70,15 @@ bool operand_in_place(int64_t row_stride, int64_t col_stride, int64_t rows, int6
   }
 }
 
+// s[j] and dp[j] zeroed for j < lo and hi <= j < n: the queries of a tile row that do not see its key.
+template <typename acc_t>
+void zero_outside(acc_t* s, acc_t* dp, int64_t lo, int64_t hi, int64_t n) {
+  std::fill_n(s, lo, acc_t(0));
+  std::fill_n(dp, lo, acc_t(0));
+  std::fill(s + hi, s + n, acc_t(0));
+  std::fill(dp + hi, dp + n, acc_t(0));
+}
+
 // One key row of a (bk, bq) tile pair, in place and vectorised: s[j], a scaled score, becomes
 // p = exp(s[j] + bias - lse[j]) and dp[j] becomes dS = p * (dp[j] - delta[j]), for lo <= j < hi; both are 0
 // for the other j < n (queries that do not see this key: is_causal, key lengths, the window). The bias is the
@@ -80,10 +89,7 @@ void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias
                           const acc_t* delta, int64_t lo, int64_t hi, int64_t n) {
   using V = Vec<acc_t>;
   constexpr int64_t W = V::size();
-  std::fill_n(s, lo, acc_t(0));
-  std::fill_n(dp, lo, acc_t(0));
-  std::fill(s + hi, s + n, acc_t(0));
-  std::fill(dp + hi, dp + n, acc_t(0));
+  zero_outside(s, dp, lo, hi, n);
   n = hi;
   int64_t j = lo;
   if (bias) {
@@ -107,7 +113,6 @@ void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias
   }
 }
 
-// dst[i] += src[i] for i < n.
 // softmax_backward_row with dropout: z[j] is the element's dropout factor (0, or 1 / (1 - p) when kept);
 // s[j] becomes the dropped probability z p, which dV sees, and dp[j] becomes dS = p * (z * dp[j] - delta[j]).
 template <typename acc_t>
@@ -115,10 +120,7 @@ void softmax_backward_row_dropout(acc_t* s, acc_t* dp, const acc_t* bias, acc_t 
                                   const acc_t* delta, const acc_t* z, int64_t lo, int64_t hi, int64_t n) {
   using V = Vec<acc_t>;
   constexpr int64_t W = V::size();
-  std::fill_n(s, lo, acc_t(0));
-  std::fill_n(dp, lo, acc_t(0));
-  std::fill(s + hi, s + n, acc_t(0));
-  std::fill(dp + hi, dp + n, acc_t(0));
+  zero_outside(s, dp, lo, hi, n);
   n = hi;
   const V vb(row_bias);
   int64_t j = lo;
@@ -332,12 +334,9 @@ class AttentionBackwardCpu {
             operand_in_place<scalar_t, acc_t>(p_.q_stride[2], p_.q_stride[3], p_.q_len, p_.head_dim),
             operand_in_place<scalar_t, acc_t>(bp.grad_out_stride[2], bp.grad_out_stride[3], p_.q_len,
                                               p_.v_head_dim))),
-        scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p_.scale) + p_.scale_lo)
-                                             : static_cast<acc_t>(p_.scale)),
-        dropout_scale_(dropout_scale<acc_t>(p_)),
-        softcap_(std::is_same_v<acc_t, double>
-                     ? static_cast<acc_t>(static_cast<double>(p_.softcap) + p_.softcap_lo)
-                     : static_cast<acc_t>(p_.softcap)) {}
+        scale_(split_value<acc_t>(p_.scale, p_.scale_lo)),
+        dropout_scale_(split_value<acc_t>(p_.dropout_scale, p_.dropout_scale_lo)),
+        softcap_(split_value<acc_t>(p_.softcap, p_.softcap_lo)) {}
 
   void run() {
     const int64_t BH = p_.batch * p_.heads, D = p_.head_dim;

@@ -287,12 +287,11 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
 // generated together, round by round over arrays, so that the compiler vectorises them (32x32->64-bit
 // multiplies are vpmuludq); a scalar loop over attnx::philox4x32_10 costs more than the attention itself.
 
-// The factor 1 / (1 - p) of kept probabilities, in the accumulator type (split like the softmax scale).
+// A value the params carry as two floats hi + lo (AttentionParams::scale, dropout_scale, softcap), in the
+// accumulator type: the double they stand for in float64, hi in float32.
 template <typename acc_t>
-acc_t dropout_scale(const AttentionParams& p) {
-  return std::is_same_v<acc_t, double>
-             ? static_cast<acc_t>(static_cast<double>(p.dropout_scale) + p.dropout_scale_lo)
-             : static_cast<acc_t>(p.dropout_scale);
+acc_t split_value(float hi, float lo) {
+  return std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(hi) + lo) : static_cast<acc_t>(hi);
 }
 
 // Elements per call of dropout_draws, and the Philox blocks that cover them at any alignment.
@@ -586,12 +585,9 @@ class AttentionCpu {
       : p_(p),
         d_(d),
         plan_(make_plan(p, sizeof(acc_t))),
-        scale_(std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(p.scale) + p.scale_lo)
-                                             : static_cast<acc_t>(p.scale)),
-        dropout_scale_(dropout_scale<acc_t>(p)),
-        softcap_(std::is_same_v<acc_t, double>
-                     ? static_cast<acc_t>(static_cast<double>(p.softcap) + p.softcap_lo)
-                     : static_cast<acc_t>(p.softcap)) {}
+        scale_(split_value<acc_t>(p.scale, p.scale_lo)),
+        dropout_scale_(split_value<acc_t>(p.dropout_scale, p.dropout_scale_lo)),
+        softcap_(split_value<acc_t>(p.softcap, p.softcap_lo)) {}
 
   void run() {
     const int64_t B = p_.batch, H = p_.heads;
