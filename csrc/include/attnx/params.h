@@ -75,11 +75,10 @@ struct AttentionParams {
   // query head h reads kv head h / (heads / kv_heads), through k_stride[1] / v_stride[1] (which step kv
   // heads). Never a copy: a group's query heads index the same key and value rows.
   int64_t kv_heads;
-  // Which keys each query row may see, besides the masks (attnx/key_range.h). With S_b valid keys in batch b
-  // (S, or key_lengths[b]), query row l sits at key position l + S_b - L (aligned bottom-right, as in
-  // FlashAttention: a decoding step's single query is the last position) and sees key s iff
-  // l + S_b - L - window_left <= s <= l + S_b - L + window_right, each bound ignored when it is -1; keys at
-  // or past S_b are never seen. is_causal keeps its top-left meaning on top.
+  // Which keys each query row may see besides the masks: a window of window_left keys before and window_right
+  // after the bottom-right-aligned diagonal (-1: unbounded), and per-batch key lengths (keys past them are
+  // never seen), on top of is_causal. The rule is attnx.reference.key_range_mask; attnx/key_range.h computes
+  // it for the kernels.
   int64_t window_left;
   int64_t window_right;
   int64_t key_lengths_stride;  // along B; key_lengths (B,) is read as int32 or int64, per key_lengths_kind

@@ -47,8 +47,8 @@ NAME = "attnx"
 @dataclasses.dataclass(frozen=True)
 class MaskArgs:
     """What :func:`attention_mask` hands every layer instead of a 4-D mask: :func:`attnx.attention`'s masking
-    arguments, in attnx's conventions (bool ``True`` = masked out; a window keeps key ``s`` of row ``l`` iff
-    ``l + S_b - L - window_left <= s <= l + S_b - L + window_right``, ``S_b`` the batch's ``key_lengths``)."""
+    arguments, in attnx's conventions (bool ``True`` = masked out; the window and key lengths as
+    :func:`attnx.reference.key_range_mask` defines them)."""
 
     key_padding_mask: Tensor | None = None  # (B, S) bool
     attn_mask: Tensor | None = None  # (B, 1, L, S) bool: transformers' own mask, for any other pattern
