@@ -159,7 +159,7 @@ def _extensions(backends):
         link += sanitizers
     if _openmp():
         # The CPU kernels run on torch's threads (torch_parallel_for) and use no OpenMP themselves; the
-        # linear shares only need to know whether those threads are OpenMP's (csrc/cpu/linear_cpu.cpp), which
+        # linear shares only need to know whether those threads are OpenMP's (csrc/cpu/linear.cpp), which
         # the stable headers do not say.
         cxx.append("-DATTNX_TORCH_OPENMP")
 

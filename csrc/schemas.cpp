@@ -1,12 +1,13 @@
 // attnx: the op surface. Every schema is defined here and nowhere else; backends only add
 // STABLE_TORCH_LIBRARY_IMPL(attnx, <Key>) blocks at the bottom of their own files, through the adapters of
 // common/attention.h (attention's arguments after value are AttentionOptions there, mha's are MhaArgs in
-// common/mha.h; python/attnx reads the names and defaults from these schemas). A new argument is declared here,
-// in that struct, in python/attnx/reference.py (its semantics) and in the kernels that use it.
+// common/mha.h; python/attnx reads the names and defaults from these schemas). A new argument is declared
+// here, in that struct, in python/attnx/reference.py (its semantics) and in the kernels that use it.
 //
 // linear, attention and mha are differentiable, and each is three ops. The public one (`attention`) is a
 // router (common/routes.cpp): with grad mode off it runs the kernel op (`_attention`), which has no autograd
-// kernel and so costs nothing beyond the kernel; with grad mode on it runs the same kernels under a second name
+// kernel and so costs nothing beyond the kernel; with grad mode on it runs the same kernels under a second
+// name
 // (`_attention_autograd`, for mha: `mha_forward`), whose autograd is registered from Python
 // (python/attnx/_autograd.py). A Python autograd kernel runs on every call of its op, grad mode or not
 // (~10 us), as much as the whole op at decoding shapes: the router keeps it off no-grad calls.

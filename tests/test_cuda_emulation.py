@@ -1,6 +1,6 @@
 """attnx::attention's CUDA SIMT kernel compiled for the CPU, run on std::threads, vs the float64 reference.
 
-The source is csrc/cuda/attention.cu itself, compiled by g++ against tests/emulation/cuda_shim.h (one
+The source is csrc/cuda/attention_kernel.cu itself, compiled by g++ against tests/emulation/cuda_shim.h (one
 std::thread per CUDA thread, __syncthreads as a barrier, warp shuffles through exchange slots) and launched
 through the real launcher with the real launch plan. This checks the kernel's algorithm and indexing:
 strides, masks, causal skipping, partial tiles and blocks, fully masked rows, every dtype and head-dim
@@ -233,7 +233,7 @@ def test_head_dim_above_256_has_no_kernel(emu):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The tensor-core kernel (attention_mma.cu), with mma.sync emulated over the PTX fragment layouts. It
+# The tensor-core kernel (cuda/attention_kernel_mma.cu), with mma.sync emulated over the PTX fragment layouts. It
 # rounds P to the input type before P V, as FlashAttention does; the bounds above absorb that.
 
 MMA_DTYPES = [torch.float16, torch.bfloat16]

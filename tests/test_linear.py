@@ -71,7 +71,7 @@ def test_size1_bias_broadcasts():
 @pytest.mark.parametrize("bias", ["full", "strided", "size1", "none"])
 def test_few_rows_run_in_column_shares(threads, layout, bias, intra_op_threads):
     """On the CPU (with MKL under OpenMP) a GEMM with few rows for its outputs (>= 2^20 multiply-adds, rows
-    <= half the outputs) runs as one column share of the weight per thread (csrc/cpu/linear_cpu.cpp): every
+    <= half the outputs) runs as one column share of the weight per thread (csrc/cpu/linear.cpp): every
     column computed, the bias cut with the columns (or broadcast, when it has one element)."""
     intra_op_threads(threads)
     x = make((3, 5, 256), layout, torch.float64)

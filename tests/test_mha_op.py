@@ -176,7 +176,7 @@ def test_fully_masked_rows():
 @pytest.mark.parametrize("projection", ["self", "kv_shared", "separate", "static_k", "strided_rows"])
 def test_in_projections_shared_out_among_threads(projection, threads, intra_op_threads):
     """On the CPU (with MKL under OpenMP), in-projections large enough (>= 2^20 multiply-adds) run at once,
-    their rows or columns shared out among the threads (csrc/cpu/linear_cpu.cpp): every part of every output
+    their rows or columns shared out among the threads (csrc/cpu/linear.cpp): every part of every output
     computed, exactly as one GEMM after another computes it (which other builds run, to the same result).
     Shapes put the cuts inside and at the ends of GEMMs whose splits run along rows (key/value: 150 rows > 96
     outputs) and along columns (query: 40 rows)."""

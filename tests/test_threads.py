@@ -7,7 +7,7 @@ with its own OpenMP team).
 
 Thread counts and determinism (CPU), as the kernels are written:
 - attention forward: a query row is computed by exactly one work item, over the key tiles in a fixed order,
-  with tile shapes that do not depend on the thread count (csrc/cpu/attention_cpu_kernel_impl.h: the count
+  with tile shapes that do not depend on the thread count (csrc/cpu/attention_kernel_impl.h: the count
   only groups query tiles into items). Bitwise the same for every thread count.
 - attention_backward: an item owns its keys, so dK, dV and the attn_mask gradient are summed in a fixed order
   (query heads, then query tiles) whatever the count: bitwise. dQ is not: with few (batch, kv head) slots per
@@ -23,10 +23,10 @@ and MKL takes the same path for the same shapes, thread count and alignment (tor
 aligned).
 
 Concurrent first use: the process-wide state in csrc is the CPU kernel choice (``static const ... =
-select_kernel()`` in attention_cpu.cpp and attention_backward_cpu.cpp) and the dispatcher handles cached in
+select_kernel()`` in cpu/attention.cpp and cpu/attention_backward.cpp) and the dispatcher handles cached in
 function-local statics (csrc/common/mha.cpp, csrc/autograd/*.cpp), all C++11 magic statics;
 test_concurrent_first_use races them in a fresh interpreter. The CUDA kernel choice
-(``static const bool requested`` in csrc/cuda/attention_cuda.cpp) needs a GPU and is not run here. The Metal
+(``static const bool requested`` in csrc/cuda/attention.cpp) needs a GPU and is not run here. The Metal
 pipeline cache (csrc/mps/metal_library.mm, a mutex-guarded map) is compiled only on macOS, and the Metal
 emulation in tests/emulation cannot stand in for it: it does not compile metal_library.mm (its kernels are
 found in a registry filled by static initialisers when the library loads, with no lazy cache), and its

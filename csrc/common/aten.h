@@ -1,6 +1,6 @@
 // attnx: torch's ops as the glue calls them, typed and named as ATen names them: the one boundary between
-// attnx's C++ and torch's operators. Allocations, copies and the few ops the C shim has a direct call for skip
-// the boxed dispatcher (their per-call cost stays the regular ABI's); every other op goes through it
+// attnx's C++ and torch's operators. Allocations, copies and the few ops the C shim has a direct call for
+// skip the boxed dispatcher (their per-call cost stays the regular ABI's); every other op goes through it
 // (stable::call), with each schema argument spelled out once, here. Views are computed, not called: views.h.
 //
 // The stable dispatcher cannot pass a Scalar, which shapes three things. A scalar operand is a 0-dim CPU
@@ -47,9 +47,10 @@ int32_t code(T value) {
 inline Tensor empty_strided(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides, ScalarType dtype,
                             const Device& device) {
   AtenTensorHandle out = nullptr;
-  stable::check(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
-                                         detail::code(dtype), detail::code(device.type()), device.index(), &out),
-                "attnx: empty_strided");
+  stable::check(
+      aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
+                               detail::code(dtype), detail::code(device.type()), device.index(), &out),
+      "attnx: empty_strided");
   return Tensor(out);
 }
 
@@ -115,8 +116,8 @@ inline Tensor scalar_tensor(double value) {
 inline Tensor full(IntHeaderOnlyArrayRef sizes, double value, ScalarType dtype, const Device& device) {
   AtenTensorHandle out = nullptr;
   int32_t dtype_code = detail::code(dtype), device_code = detail::code(device.type());
-  stable::check(aoti_torch_aten_full(sizes.data(), static_cast<int64_t>(sizes.size()), value, &dtype_code, nullptr,
-                                     &device_code, device.index(), nullptr, &out),
+  stable::check(aoti_torch_aten_full(sizes.data(), static_cast<int64_t>(sizes.size()), value, &dtype_code,
+                                     nullptr, &device_code, device.index(), nullptr, &out),
                 "attnx: aten::full");
   return Tensor(out);
 }
@@ -140,8 +141,9 @@ inline void add_(const Tensor& dst, const Tensor& src) {
 // F.pad(t, pad, value=value), constant mode: pad lists (before, after) pairs from the last dim backwards.
 inline Tensor pad(const Tensor& t, IntHeaderOnlyArrayRef pad, double value = 0.0) {
   AtenTensorHandle out = nullptr;
-  stable::check(aoti_torch_aten_pad(t.get(), pad.data(), static_cast<int64_t>(pad.size()), "constant", &value, &out),
-                "attnx: aten::pad");
+  stable::check(
+      aoti_torch_aten_pad(t.get(), pad.data(), static_cast<int64_t>(pad.size()), "constant", &value, &out),
+      "attnx: aten::pad");
   return Tensor(out);
 }
 
@@ -227,11 +229,13 @@ inline Tensor isneginf(const Tensor& t) {
 
 // t.sum(dims, keepdim), in t's dtype.
 inline Tensor sum(const Tensor& t, std::vector<int64_t> dims, bool keepdim = false) {
-  return call("aten::sum", "dim_IntList", t, std::optional(std::move(dims)), keepdim, std::optional<ScalarType>());
+  return call("aten::sum", "dim_IntList", t, std::optional(std::move(dims)), keepdim,
+              std::optional<ScalarType>());
 }
 // torch.sum(t, dims, out=out).
 inline void sum_out(const Tensor& out, const Tensor& t, std::vector<int64_t> dims) {
-  call("aten::sum", "IntList_out", t, std::optional(std::move(dims)), false, std::optional<ScalarType>(), out);
+  call("aten::sum", "IntList_out", t, std::optional(std::move(dims)), false, std::optional<ScalarType>(),
+       out);
 }
 inline Tensor mean(const Tensor& t, std::vector<int64_t> dims) {
   return call("aten::mean", "dim", t, std::optional(std::move(dims)), false, std::optional<ScalarType>());

@@ -1,7 +1,7 @@
 // attnx: argument checks, tensors -> AttentionParams and AttentionPointers, and the op adapters for
-// attnx::attention and attnx::attention_backward (see attention.h), on the LibTorch stable ABI. Outputs are made
-// with the shim's direct calls; the little math done here (sinks' conversion and gradient, the mask gradient's
-// dtype) goes through torch's ops (common/aten.h).
+// attnx::attention and attnx::attention_backward (see attention.h), on the LibTorch stable ABI. Outputs are
+// made with the shim's direct calls; the little math done here (sinks' conversion and gradient, the mask
+// gradient's dtype) goes through torch's ops (common/aten.h).
 #include "common/attention.h"
 
 #include <algorithm>
@@ -126,8 +126,8 @@ ScalarType attention_acc_dtype(ScalarType dtype) {
 
 void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& value,
                           const AttentionOptions& options) {
-  const auto& [attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left, window_right,
-               key_lengths, softcap, sinks] = options;
+  const auto& [attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left,
+               window_right, key_lengths, softcap, sinks] = options;
   ATTNX_CHECK(query.dim() == 4, "attnx::attention: expected query of shape (B, H, L, D), got a ", query.dim(),
               "-D tensor of shape ", Sizes{query.sizes()});
   ATTNX_CHECK(key.dim() == 4, "attnx::attention: expected key of shape (B, Hkv, S, D), got a ", key.dim(),
@@ -275,7 +275,8 @@ AttentionParams attention_params(const Tensor& query, const Tensor& key, const T
   p.window_right = o.window_right;
   ptr.key_lengths = nullptr;
   if (o.key_lengths) {
-    p.key_lengths_kind = o.key_lengths->scalar_type() == ScalarType::Int ? kKeyLengthsInt32 : kKeyLengthsInt64;
+    p.key_lengths_kind =
+        o.key_lengths->scalar_type() == ScalarType::Int ? kKeyLengthsInt32 : kKeyLengthsInt64;
     p.key_lengths_stride = o.key_lengths->stride(0);
     ptr.key_lengths = o.key_lengths->const_data_ptr();
   }
@@ -378,7 +379,8 @@ AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor quer
   pb.dtype = dtype;
   pb.sinks_acc = sinks_for_kernels(options.sinks, dtype);
   ptr.fwd.sinks = pb.sinks_acc ? pb.sinks_acc->const_data_ptr() : nullptr;
-  pb.grad_attn_mask = grad_attn_mask && options.attn_mask && options.attn_mask->scalar_type() != ScalarType::Bool;
+  pb.grad_attn_mask =
+      grad_attn_mask && options.attn_mask && options.attn_mask->scalar_type() != ScalarType::Bool;
   if (pb.grad_attn_mask) {
     const std::array<int64_t, 4> g = mask_grad_shape(*options.attn_mask, B, H);
     std::copy(g.begin(), g.end(), bp.grad_attn_mask_size);
@@ -395,7 +397,8 @@ AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor quer
   copy_strides(pb.grad_query, bp.grad_query_stride);
   copy_strides(pb.grad_key, bp.grad_key_stride);
   copy_strides(pb.grad_value, bp.grad_value_stride);
-  // The saved out and lse are read here: const, though AttentionPointers names them as the forward writes them.
+  // The saved out and lse are read here: const, though AttentionPointers names them as the forward writes
+  // them.
   ptr.fwd.out = const_cast<void*>(out.const_data_ptr());
   ptr.fwd.lse = const_cast<void*>(lse.const_data_ptr());
   ptr.grad_out = grad_out.const_data_ptr();
@@ -425,13 +428,15 @@ AttentionProblem unbox_attention(StableIValue* stack, uint64_t num_args, uint64_
   return prepare_attention(std::move(query), std::move(key), std::move(value), std::move(options));
 }
 
-AttentionBackwardProblem unbox_attention_backward(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+AttentionBackwardProblem unbox_attention_backward(StableIValue* stack, uint64_t num_args,
+                                                  uint64_t num_outputs) {
   Tensor grad_out, query, key, value, out, lse;
   AttentionOptions options;
   bool grad_attn_mask = false;
   const auto args = std::tuple_cat(std::tie(grad_out, query, key, value, out, lse),
                                    AttentionOptions::fields(options), std::tie(grad_attn_mask));
-  stable::check_stack("attnx::attention_backward", num_args, std::tuple_size_v<decltype(args)>, num_outputs, 5);
+  stable::check_stack("attnx::attention_backward", num_args, std::tuple_size_v<decltype(args)>, num_outputs,
+                      5);
   stable::unbox(stack, args);
   return prepare_attention_backward(std::move(grad_out), std::move(query), std::move(key), std::move(value),
                                     std::move(out), std::move(lse), std::move(options), grad_attn_mask);
@@ -454,8 +459,9 @@ void box_attention_backward(StableIValue* stack, AttentionBackwardProblem& pb) {
 
 std::array<Tensor, 2> call_attention(const Tensor& query, const Tensor& key, const Tensor& value,
                                      const AttentionOptions& options) {
-  return std::apply([&](const auto&... o) { return stable::call<2>("attnx::_attention", "", query, key, value, o...); },
-                    AttentionOptions::fields(options));
+  return std::apply(
+      [&](const auto&... o) { return stable::call<2>("attnx::_attention", "", query, key, value, o...); },
+      AttentionOptions::fields(options));
 }
 
 std::array<Tensor, 5> call_attention_backward(const Tensor& grad_out, const Tensor& query, const Tensor& key,
@@ -477,7 +483,8 @@ std::array<int64_t, 4> mask_grad_shape(const Tensor& attn_mask, int64_t B, int64
 
 Tensor mask_grad_from_buffer(const Tensor& buffer, const Tensor& attn_mask) {
   const IntHeaderOnlyArrayRef sizes = attn_mask.sizes();
-  return aten::to(views::reinterpret(buffer, sizes, stable::contiguous_strides(sizes)), attn_mask.scalar_type());
+  return aten::to(views::reinterpret(buffer, sizes, stable::contiguous_strides(sizes)),
+                  attn_mask.scalar_type());
 }
 
 }  // namespace attnx

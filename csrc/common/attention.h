@@ -1,8 +1,9 @@
 // attnx: attnx::attention and attnx::attention_backward as every backend sees them. The schema's arguments
-// are unboxed once, into AttentionOptions (everything after value); prepare_attention checks them, reads every
-// layout into params.h's AttentionParams and AttentionPointers and allocates the outputs; a backend only
-// implements run(AttentionProblem&) and registers it through attention_op (the backward likewise). Semantics:
-// csrc/schemas.cpp and attnx.reference.attention. On the LibTorch stable ABI: no ATen or c10 header.
+// are unboxed once, into AttentionOptions (everything after value); prepare_attention checks them, reads
+// every layout into params.h's AttentionParams and AttentionPointers and allocates the outputs; a backend
+// only implements run(AttentionProblem&) and registers it through attention_op (the backward likewise).
+// Semantics: csrc/schemas.cpp and attnx.reference.attention. On the LibTorch stable ABI: no ATen or c10
+// header.
 #pragma once
 
 #include <torch/csrc/stable/library.h>
@@ -83,9 +84,9 @@ struct AttentionBackwardProblem {
   AttentionBackwardPointers ptr;  // grad_attn_mask: nullptr; a kernel that sums into a buffer sets it
   ScalarType dtype;               // of grad_out, query, key, value, out and the gradients
   std::optional<Tensor> sinks_acc;
-  Tensor grad_query;                       // (B, H, L, D)
-  Tensor grad_key;                         // (B, Hkv, S, D)
-  Tensor grad_value;                       // (B, Hkv, S, Dv)
+  Tensor grad_query;                         // (B, H, L, D)
+  Tensor grad_key;                           // (B, Hkv, S, D)
+  Tensor grad_value;                         // (B, Hkv, S, Dv)
   std::optional<Tensor> grad_attn_mask_out;  // set by the backend when grad_attn_mask: in attn_mask's shape
 };
 

@@ -14,8 +14,8 @@
 #include <optional>
 #include <vector>
 
-#include "common/attention.h"
 #include "common/aten.h"
+#include "common/attention.h"
 #include "common/stable.h"
 #include "common/views.h"
 
@@ -127,9 +127,8 @@ Tensor valid_keys(const Tensor& t, const std::optional<Tensor>& key_lengths) {
 Tensor capped_scores(const Tensor& query, const Tensor& key, ScalarType acc, double scale,
                      std::optional<double> softcap) {
   const int64_t H = query.size(1), Hkv = key.size(1);
-  const Tensor scores = ungroup_rows(matmul4(group_rows(aten::to(query, acc), Hkv),
-                                             views::transpose(aten::to(key, acc), -2, -1)),
-                                     H);
+  const Tensor scores = ungroup_rows(
+      matmul4(group_rows(aten::to(query, acc), Hkv), views::transpose(aten::to(key, acc), -2, -1)), H);
   aten::mul_(scores, scale);
   if (softcap) {
     aten::div_(scores, *softcap);
@@ -203,7 +202,8 @@ void run_attention_backward_math(AttentionBackwardProblem& pb) {
     const int64_t* g = pb.params.grad_attn_mask_size;
     // Contiguous in the mask's shape, as the CPU kernel and the fake return it (sum_to_size gives a view of
     // ds when the mask broadcasts along nothing).
-    const Tensor summed = aten::contiguous(aten::sum_to_size(ungroup_rows(ds, H), std::vector<int64_t>(g, g + 4)));
+    const Tensor summed =
+        aten::contiguous(aten::sum_to_size(ungroup_rows(ds, H), std::vector<int64_t>(g, g + 4)));
     pb.grad_attn_mask_out = mask_grad_from_buffer(summed, *o.attn_mask);
   }
   if (o.softcap) {

@@ -1,6 +1,6 @@
 // attnx: what torch 2.10 to 2.12 need and later releases do not: removed in one commit once setup.py's
-// MIN_TORCH reaches (2, 13) (tests/test_compat.py fails from then on while this file exists; its Python twin is
-// python/attnx/_compat.py).
+// MIN_TORCH reaches (2, 13) (tests/test_compat.py fails from then on while this file exists; its Python twin
+// is python/attnx/_compat.py).
 //
 // Those releases do not pass the message of an error raised below a dispatcher call back through their C API
 // (they log it to stderr). Where the op that failed is one of attnx's own (the kernel op a router chose, the
@@ -31,7 +31,8 @@ inline const char* torch_error_message() {
 #else
   // Targeting an older torch: the getter, where the running torch has it.
   using Getter = const char* (*)();
-  const auto getter = reinterpret_cast<Getter>(dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
+  const auto getter =
+      reinterpret_cast<Getter>(dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
   return getter ? getter() : nullptr;
 #endif
 }

@@ -1,7 +1,7 @@
 // attnx: layout canonicalisation for attnx::linear (see linear.h), on the LibTorch stable ABI.
 //
-// Tensors are made and viewed through the C shim's direct calls (common/aten.h, common/views.h), which skip the
-// boxed dispatcher; the GEMM itself is torch's own addmm / mm, reached through the dispatcher.
+// Tensors are made and viewed through the C shim's direct calls (common/aten.h, common/views.h), which skip
+// the boxed dispatcher; the GEMM itself is torch's own addmm / mm, reached through the dispatcher.
 #include "common/linear.h"
 
 #include <torch/csrc/stable/device.h>
@@ -199,7 +199,8 @@ std::optional<LinearOperands> plan_linear_into(const Tensor& out, const Tensor& 
   const RowFold fold = fold_rows(rows.sizes(), rows.strides());
   // out was laid out with the rows' order (empty_linear_output), so both are (M, *) matrices walked in the
   // same order.
-  const int64_t out_row_stride = out.stride(static_cast<int64_t>(fold.dims.empty() ? leading : fold.dims.back()));
+  const int64_t out_row_stride =
+      out.stride(static_cast<int64_t>(fold.dims.empty() ? leading : fold.dims.back()));
   LinearOperands gemm{as_matrix(rows, M, K, fold.row_stride, rows.stride(static_cast<int64_t>(leading))),
                       as_matrix(weight, N, K, weight.stride(0), weight.stride(1)),
                       as_matrix(out, M, N, out_row_stride, out.stride(static_cast<int64_t>(leading))),
@@ -259,8 +260,8 @@ Tensor call_linear(const Tensor& input, const Tensor& weight, const std::optiona
 
 namespace {
 
-using Runners =
-    std::array<LinearRunner, static_cast<size_t>(torch::headeronly::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>;
+using Runners = std::array<LinearRunner,
+                           static_cast<size_t>(torch::headeronly::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>;
 
 Runners& linear_runners() {
   static Runners runners{};

@@ -1,6 +1,6 @@
 // attnx: layout canonicalisation for attnx::linear, shared by every backend that runs the GEMM through
-// torch's own matmul ops, and the GEMM plans that mha's in-projections are run from. On the LibTorch stable ABI
-// (torch/csrc/stable): no ATen or c10 header.
+// torch's own matmul ops, and the GEMM plans that mha's in-projections are run from. On the LibTorch stable
+// ABI (torch/csrc/stable): no ATen or c10 header.
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
@@ -66,7 +66,8 @@ torch::stable::Tensor empty_linear_output(const torch::stable::Tensor& input, in
 // run, or nothing when there is nothing to compute or it was computed already (rows repeated through stride-0
 // dims: one GEMM over the distinct rows, run here, broadcast into out). Copies input once when its rows do
 // not fold (pass linear_rows(input) to share that copy).
-std::optional<LinearOperands> plan_linear_into(const torch::stable::Tensor& out, const torch::stable::Tensor& input,
+std::optional<LinearOperands> plan_linear_into(const torch::stable::Tensor& out,
+                                               const torch::stable::Tensor& input,
                                                const torch::stable::Tensor& weight,
                                                const std::optional<torch::stable::Tensor>& bias);
 
@@ -92,12 +93,12 @@ struct LinearCall {
   int64_t parts = 1;
 };
 
-// Runs linears that do not depend on each other and returns their outputs, each laid out as attnx::linear lays
-// out its own (empty_linear_output).
+// Runs linears that do not depend on each other and returns their outputs, each laid out as attnx::linear
+// lays out its own (empty_linear_output).
 using LinearRunner = std::vector<torch::stable::Tensor> (*)(const std::vector<LinearCall>& calls);
 
 // A backend's way of running independent linears on its device type, registered once at load time
-// (cpu/linear_cpu.cpp: their GEMMs, each block apart, in shares per thread).
+// (cpu/linear.cpp: their GEMMs, each block apart, in shares per thread).
 void register_linear_runner(torch::headeronly::DeviceType device_type, LinearRunner runner);
 
 // Runs the linears with the runner registered for their device type; without one, each as one call of the
@@ -111,6 +112,6 @@ torch::stable::Tensor call_linear(const torch::stable::Tensor& input, const torc
 }  // namespace attnx
 
 #if defined(__OBJC__) && !defined(TORCH_TARGET_VERSION)
-// mps/linear_mps.mm, still on the regular ABI, checks its at::Tensor arguments through the bridge.
+// mps/linear.mm, still on the regular ABI, checks its at::Tensor arguments through the bridge.
 #include "common/stable_bridge.h"
 #endif

@@ -2,14 +2,14 @@
 //
 // It is a composition of attnx's own ops (linear, attention) called through the dispatcher, so one definition
 // serves every backend that has those kernels (registered as CompositeExplicitAutograd below). No step copies
-// q, k, v or the masks except where the semantics add keys (bias_k/bias_v, add_zero_attn), and nothing of size
-// [B, H, L, S] exists unless the caller asks for the attention weights. Nothing here depends on the device: the
-// in-projections are planned here, in one layout for every backend, and run the way the backend registered
-// (common/linear.h, run_gemms).
+// q, k, v or the masks except where the semantics add keys (bias_k/bias_v, add_zero_attn), and nothing of
+// size [B, H, L, S] exists unless the caller asks for the attention weights. Nothing here depends on the
+// device: the in-projections are planned here, in one layout for every backend, and run the way the backend
+// registered (common/linear.h, run_gemms).
 //
 // On the LibTorch stable ABI. Every view (of the inputs, the projections, the heads) is a shim reinterpret
-// computed from sizes and strides (common/views.h): at decoding shapes the dispatcher is paid for the GEMMs and
-// the attention kernel only.
+// computed from sizes and strides (common/views.h): at decoding shapes the dispatcher is paid for the GEMMs
+// and the attention kernel only.
 #include "common/mha.h"
 
 #include <torch/csrc/stable/library.h>
@@ -26,8 +26,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/attention.h"
 #include "common/aten.h"
+#include "common/attention.h"
 #include "common/linear.h"
 #include "common/stable.h"
 #include "common/views.h"
@@ -69,7 +69,8 @@ Tensor unflatten_heads(const Tensor& t, int64_t B, int64_t H) {
 }
 
 // The attention options mha runs attention with: its masks (extended over the appended keys) and dropout.
-AttentionOptions attention_options(const MhaArgs& a, const OptTensor& attn_mask, const OptTensor& key_padding_mask) {
+AttentionOptions attention_options(const MhaArgs& a, const OptTensor& attn_mask,
+                                   const OptTensor& key_padding_mask) {
   AttentionOptions o;
   o.attn_mask = attn_mask;
   o.key_padding_mask = key_padding_mask;
@@ -81,7 +82,8 @@ AttentionOptions attention_options(const MhaArgs& a, const OptTensor& attn_mask,
 
 // Attention weights, (B, H, L, S) in lse's dtype, normalised exactly as torch's softmax (not from lse: see
 // attention_weights_exact). Only for callers that asked for them. Fully masked rows give NaN, as torch's.
-Tensor attention_weights(const Tensor& q, const Tensor& k, const Tensor& lse, const AttentionOptions& options) {
+Tensor attention_weights(const Tensor& q, const Tensor& k, const Tensor& lse,
+                         const AttentionOptions& options) {
   return attention_weights_exact(q, k, lse.scalar_type(), options, attention_scale(options, q.size(3)));
 }
 
@@ -104,7 +106,8 @@ void check_mha_args(const MhaArgs& a) {
   const bool separate = a.q_proj_weight && a.k_proj_weight && a.v_proj_weight;
   ATTNX_CHECK(a.in_proj_weight.has_value() != separate,
               "attnx::mha: expected either in_proj_weight or all three of q/k/v_proj_weight");
-  ATTNX_CHECK(a.bias_k.has_value() == a.bias_v.has_value(), "attnx::mha: expected bias_k and bias_v together");
+  ATTNX_CHECK(a.bias_k.has_value() == a.bias_v.has_value(),
+              "attnx::mha: expected bias_k and bias_v together");
   ATTNX_CHECK(!a.bias_k || (!a.static_k && !a.static_v),
               "attnx::mha: bias_k/bias_v cannot be added to static_k/static_v");
   const int64_t H = a.num_heads, head_dim = E / a.num_heads;
@@ -117,7 +120,8 @@ void check_mha_args(const MhaArgs& a) {
   if (a.key_padding_mask) {
     const Tensor& m = *a.key_padding_mask;
     ATTNX_CHECK(m.dim() == 2 && m.size(0) == B && m.size(1) == S,
-                "attnx::mha: expected key_padding_mask of shape (B, S) = (", B, ", ", S, "), got ", Sizes{m.sizes()});
+                "attnx::mha: expected key_padding_mask of shape (B, S) = (", B, ", ", S, "), got ",
+                Sizes{m.sizes()});
   }
   if (a.attn_mask) {
     const Tensor& m = *a.attn_mask;
@@ -147,7 +151,9 @@ SeqFirst seq_first(const MhaArgs& a) {
   if (!a.batch_first) return {a.query, a.key, a.value};
   const Tensor q = views::transpose(a.query, 0, 1);
   const Tensor k = is_same(a.key, a.query) ? q : views::transpose(a.key, 0, 1);
-  const Tensor v = is_same(a.value, a.key) ? k : is_same(a.value, a.query) ? q : views::transpose(a.value, 0, 1);
+  const Tensor v = is_same(a.value, a.key)     ? k
+                   : is_same(a.value, a.query) ? q
+                                               : views::transpose(a.value, 0, 1);
   return {q, k, v};
 }
 
@@ -155,12 +161,12 @@ SeqFirst seq_first(const MhaArgs& a) {
 // In-projections.
 
 // q, k, v (N, B, E) = input @ weight^T + bias for query, key and value, where k (v) is absent when static_k
-// (static_v) replaces it. With the packed in_proj_weight and neither static_k nor static_v, the projections of
-// inputs that are one view (self-attention: all three; or key and value) are one linear against consecutive
-// weight rows, whose (N, B, 3E) or (S, B, 2E) output they are column blocks of; every other projection is a
-// linear of its own. Outputs are laid out as attnx::linear lays them out. The layout depends on the arguments
-// only, never on the device (the mha_forward fake states it, python/attnx/_fake.py); how the linears run is
-// the backend's (run_linears: the CPU computes each block apart, in shares per thread).
+// (static_v) replaces it. With the packed in_proj_weight and neither static_k nor static_v, the projections
+// of inputs that are one view (self-attention: all three; or key and value) are one linear against
+// consecutive weight rows, whose (N, B, 3E) or (S, B, 2E) output they are column blocks of; every other
+// projection is a linear of its own. Outputs are laid out as attnx::linear lays them out. The layout depends
+// on the arguments only, never on the device (the mha_forward fake states it, python/attnx/_fake.py); how the
+// linears run is the backend's (run_linears: the CPU computes each block apart, in shares per thread).
 struct InProjections {
   OptTensor q, k, v;
 };
@@ -177,7 +183,8 @@ InProjections in_projections(const MhaArgs& a, const SeqFirst& seq) {
   }
   std::vector<LinearCall> calls{{seq.query, weight(0, a.q_proj_weight), rows(a.in_proj_bias, 0, E)}};
   if (packed && same_view(seq.key, seq.value)) {
-    calls.push_back({seq.key, views::narrow(*a.in_proj_weight, 0, E, 2 * E), rows(a.in_proj_bias, E, 2 * E), 2});
+    calls.push_back(
+        {seq.key, views::narrow(*a.in_proj_weight, 0, E, 2 * E), rows(a.in_proj_bias, E, 2 * E), 2});
     const std::vector<Tensor> out = run_linears(calls);
     return {out[0], views::narrow(out[1], 2, 0, E), views::narrow(out[1], 2, E, E)};
   }
@@ -207,9 +214,10 @@ MhaState mha_forward_impl(const MhaArgs& a, bool keep_for_backward) {
   const Tensor& query = seq.query;
   // Weights after dropout would need the (B, H, L, S) keep mask; attnx.functional runs that case by
   // composition.
-  ATTNX_CHECK(!a.need_weights || a.dropout_p == 0.0,
-              "attnx::mha: need_weights with dropout_p > 0 is not supported (the weights are recomputed from lse "
-              "without the dropout mask)");
+  ATTNX_CHECK(
+      !a.need_weights || a.dropout_p == 0.0,
+      "attnx::mha: need_weights with dropout_p > 0 is not supported (the weights are recomputed from lse "
+      "without the dropout mask)");
   const int64_t B = query.size(1), E = query.size(2), H = a.num_heads;
   const int64_t appended = int64_t(a.bias_k.has_value()) + int64_t(a.add_zero_attn);
   const AttentionOptions options =
@@ -339,8 +347,8 @@ Tensor head_rows(const Tensor& t) {
 // dS = P * (dP - rowsum(dP * P)) on P recomputed from lse. Only reached when the caller asked for the weights
 // and used them, so the (B, H, L, S') tensors it builds are the size of what it asked for.
 void add_weights_grad(const Tensor& grad_weights, bool average_attn_weights, const Tensor& q, const Tensor& k,
-                      const Tensor& lse, const AttentionOptions& options, const Tensor& grad_q, const Tensor& grad_k,
-                      const OptTensor& grad_mask) {
+                      const Tensor& lse, const AttentionOptions& options, const Tensor& grad_q,
+                      const Tensor& grad_k, const OptTensor& grad_mask) {
   const ScalarType acc = lse.scalar_type();
   const Tensor p = attention_weights(q, k, lse, options);
   Tensor dp = aten::to(grad_weights, acc);
@@ -364,8 +372,9 @@ void add_weights_grad(const Tensor& grad_weights, bool average_attn_weights, con
 }
 
 std::vector<Tensor> mha_backward(const Tensor& grad_out_in, const OptTensor& grad_weights, const MhaArgs& a,
-                                 const Tensor& q, const Tensor& k_saved, const Tensor& v_saved, const Tensor& attn,
-                                 const Tensor& lse, const std::vector<int64_t>& output_mask_in) {
+                                 const Tensor& q, const Tensor& k_saved, const Tensor& v_saved,
+                                 const Tensor& attn, const Tensor& lse,
+                                 const std::vector<int64_t>& output_mask_in) {
   check_mha_args(a);
   const bool batch_first = a.batch_first, add_zero_attn = a.add_zero_attn;
   const int64_t num_heads = a.num_heads;
@@ -533,8 +542,8 @@ std::vector<Tensor> mha_backward(const Tensor& grad_out_in, const OptTensor& gra
   return result;
 }
 
-// The boxed kernel of attnx::mha_backward: grad_out, grad_weights, mha's arguments but batch_first, mha_forward's
-// q, k, v, attn and lse, output_mask, then batch_first (last in the schema, as in mha's).
+// The boxed kernel of attnx::mha_backward: grad_out, grad_weights, mha's arguments but batch_first,
+// mha_forward's q, k, v, attn and lse, output_mask, then batch_first (last in the schema, as in mha's).
 void mha_backward_op(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   Tensor grad_out, q, k, v, attn, lse;
   OptTensor grad_weights;
@@ -542,11 +551,14 @@ void mha_backward_op(StableIValue* stack, uint64_t num_args, uint64_t num_output
   std::vector<int64_t> output_mask;
   const auto mha_fields = MhaArgs::fields(args);
   constexpr size_t kMhaFields = std::tuple_size_v<decltype(mha_fields)>;
-  const auto all_fields = std::tuple_cat(std::tie(grad_out, grad_weights), stable::tuple_head<kMhaFields - 1>(mha_fields),
-                                         std::tie(q, k, v, attn, lse, output_mask, args.batch_first));
-  stable::check_stack("attnx::mha_backward", num_args, std::tuple_size_v<decltype(all_fields)>, num_outputs, 1);
+  const auto all_fields =
+      std::tuple_cat(std::tie(grad_out, grad_weights), stable::tuple_head<kMhaFields - 1>(mha_fields),
+                     std::tie(q, k, v, attn, lse, output_mask, args.batch_first));
+  stable::check_stack("attnx::mha_backward", num_args, std::tuple_size_v<decltype(all_fields)>, num_outputs,
+                      1);
   stable::unbox(stack, all_fields);
-  stack[0] = torch::stable::detail::from(mha_backward(grad_out, grad_weights, args, q, k, v, attn, lse, output_mask));
+  stack[0] = torch::stable::detail::from(
+      mha_backward(grad_out, grad_weights, args, q, k, v, attn, lse, output_mask));
 }
 
 }  // namespace

@@ -1,10 +1,11 @@
 // attnx: the public differentiable ops choose their kernel op by grad mode (see csrc/schemas.cpp).
 //
-// With grad mode off, linear / attention / mha run _linear / _attention / _mha, which have no autograd kernel:
-// the call costs one more dispatch than the kernel and runs no Python. With grad mode on they run
+// With grad mode off, linear / attention / mha run _linear / _attention / _mha, which have no autograd
+// kernel: the call costs one more dispatch than the kernel and runs no Python. With grad mode on they run
 // _linear_autograd / _attention_autograd / mha_forward, whose Autograd kernels are registered from Python
-// (python/attnx/_autograd.py) and decide from requires_grad whether to record a backward. The routers are CompositeImplicitAutograd kernels: they hold for every backend, and fake tensors,
-// torch.compile and export see through them to the op they chose.
+// (python/attnx/_autograd.py) and decide from requires_grad whether to record a backward. The routers are
+// CompositeImplicitAutograd kernels: they hold for every backend, and fake tensors, torch.compile and export
+// see through them to the op they chose.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include <cstdint>

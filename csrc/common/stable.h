@@ -191,9 +191,9 @@ inline std::vector<int64_t> contiguous_strides(IntHeaderOnlyArrayRef sizes) {
 // Checks a boxed kernel's argument and output counts against its C++ side (TORCH_BOX's check).
 inline void check_stack(const char* op, uint64_t num_args, uint64_t expected_args, uint64_t num_outputs,
                         uint64_t expected_outputs) {
-  ATTNX_CHECK(num_args == expected_args && num_outputs == expected_outputs, op, ": the registered schema has ",
-              num_args, " arguments and ", num_outputs, " outputs, the kernel takes ", expected_args, " and returns ",
-              expected_outputs);
+  ATTNX_CHECK(num_args == expected_args && num_outputs == expected_outputs, op,
+              ": the registered schema has ", num_args, " arguments and ", num_outputs,
+              " outputs, the kernel takes ", expected_args, " and returns ", expected_outputs);
 }
 
 namespace detail {
@@ -212,10 +212,12 @@ auto tuple_head(const Tuple& t) {
 // stack[0], stack[1], ... into the references of `fields` (a std::tie of a struct's fields, say), in order.
 template <typename... T>
 void unbox(const StableIValue* stack, std::tuple<T&...> fields) {
-  std::apply([&](T&... field) {
-    size_t i = 0;
-    ((field = torch::stable::detail::to<T>(stack[i++])), ...);
-  }, fields);
+  std::apply(
+      [&](T&... field) {
+        size_t i = 0;
+        ((field = torch::stable::detail::to<T>(stack[i++])), ...);
+      },
+      fields);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ inline at::Tensor to_aten(const torch::stable::Tensor& t) {
 
 namespace attnx {
 
-// For mps/linear_mps.mm.
+// For mps/linear.mm.
 inline void check_linear_args(const at::Tensor& input, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias) {
   check_linear_args(bridge::to_stable(input), bridge::to_stable(weight), bridge::to_stable(bias));

@@ -14,11 +14,16 @@ template <typename F>
 void dispatch_float_types(torch::headeronly::ScalarType dtype, const char* op, F&& f) {
   using torch::headeronly::ScalarType;
   switch (dtype) {
-    case ScalarType::Float: return f(float{});
-    case ScalarType::Double: return f(double{});
-    case ScalarType::BFloat16: return f(torch::headeronly::BFloat16{});
-    case ScalarType::Half: return f(torch::headeronly::Half{});
-    default: STD_TORCH_CHECK(false, op, ": no CPU kernel for dtype ", dtype);
+    case ScalarType::Float:
+      return f(float{});
+    case ScalarType::Double:
+      return f(double{});
+    case ScalarType::BFloat16:
+      return f(torch::headeronly::BFloat16{});
+    case ScalarType::Half:
+      return f(torch::headeronly::Half{});
+    default:
+      STD_TORCH_CHECK(false, op, ": no CPU kernel for dtype ", dtype);
   }
 }
 

@@ -1,6 +1,6 @@
 // attnx: the CPU kernels' threading interface: parallel_for over a range and the thread count, torch-free.
 //
-// parallel_cpu.cpp implements it on torch's intra-op pool (the one torch.set_num_threads sizes) through the
+// cpu/parallel.cpp implements it on torch's intra-op pool (the one torch.set_num_threads sizes) through the
 // stable C API. The callable is passed as a function reference (no allocation, no std::function), so a kernel
 // TU instantiates only the small trampoline below.
 #pragma once

@@ -1,14 +1,15 @@
 // attnx: the CPU kernels' own SIMD layer: Vec<float> and Vec<double>, header-only and torch-free.
 //
-// Included by attention_cpu_kernel_impl.h, once per translation unit, after the TU has defined CPU_CAPABILITY
-// (and, in attention_cpu_avx2.cpp / attention_cpu_avx512.cpp, raised its target and defined the ISA macros).
-// Everything here lives in attnx::cpu::CPU_CAPABILITY, so the inline functions of one ISA level never merge
-// with another's at link time, and the implementation is chosen from the ISA macros that the TU sees:
+// Included by cpu/attention_kernel_impl.h, once per translation unit, after the TU has defined CPU_CAPABILITY
+// (and, in cpu/attention_kernel_avx2.cpp / cpu/attention_kernel_avx512.cpp, raised its target and defined the
+// ISA macros). Everything here lives in attnx::cpu::CPU_CAPABILITY, so the inline functions of one ISA level
+// never merge with another's at link time, and the implementation is chosen from the ISA macros that the TU
+// sees:
 //   AVX-512 F/DQ: 16 floats / 8 doubles (zmm); AVX2 + FMA: 8 floats / 4 doubles (ymm);
 //   otherwise a portable one of one 16-byte register (4 floats / 2 doubles) of the baseline ISA (SSE2 on
 //   x86-64, NEON on AArch64) through the GCC / Clang vector extensions, with std::exp / std::tanh per
 //   lane, as ATen's DEFAULT level does.
-// <immintrin.h> and the standard headers are included by attention_cpu_kernel.h, before any target is raised.
+// <immintrin.h> and the standard headers are included by cpu/attention_kernel.h, before any target is raised.
 #pragma once
 
 #ifndef CPU_CAPABILITY

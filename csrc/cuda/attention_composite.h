@@ -1,7 +1,7 @@
 // attnx: attnx::attention's composite for head dims above the CUDA kernels' kMaxHeadDim, in torch's ops
 // (common/aten.h, views from common/views.h): no ATen or c10 header.
 //
-// Device-agnostic on purpose: attention_cuda.cpp runs it on CUDA tensors, and the same code runs on CPU
+// Device-agnostic on purpose: cuda/attention.cpp runs it on CUDA tensors, and the same code runs on CPU
 // tensors, so that it can be checked against the float64 reference without a GPU. Sums and differences are
 // out of place (aten::add / aten::sub, see aten.h), and positions are a cumulative sum in float64 (arange
 // takes only Scalars), which holds every position here exactly.
@@ -16,8 +16,8 @@
 #include <optional>
 #include <vector>
 
-#include "common/attention.h"
 #include "common/aten.h"
+#include "common/attention.h"
 #include "common/views.h"
 
 namespace attnx::cuda {
@@ -58,8 +58,9 @@ inline Tensor additive(const Tensor& mask, ScalarType acc) {
 // every key is the same as no window: window_left >= S and window_right >= L + S pass every key, so they are
 // capped there, which keeps every value small enough for float64 to hold exactly (and the host arithmetic
 // from overflowing).
-inline std::optional<Tensor> key_range_seen(const AttentionParams& p, const std::optional<Tensor>& key_lengths,
-                                            int64_t l0, int64_t rows, const torch::stable::Device& device) {
+inline std::optional<Tensor> key_range_seen(const AttentionParams& p,
+                                            const std::optional<Tensor>& key_lengths, int64_t l0,
+                                            int64_t rows, const torch::stable::Device& device) {
   const int64_t B = p.batch, L = p.q_len, S = p.kv_len;
   if (!p.is_causal && p.window_left < 0 && p.window_right < 0 && !key_lengths) return std::nullopt;
   Tensor lengths = aten::empty({B}, ScalarType::Double, device);
@@ -138,7 +139,8 @@ inline void attention_composite(AttentionProblem& pb) {
   for (int64_t l0 = 0; l0 < L; l0 += rows) {
     const int64_t n = std::min(rows, L - l0);
     // (B, H, n, D) -> (B, Hkv, G * n, D): the G query heads of a kv head are consecutive.
-    const Tensor qg = views::reshape(aten::to(views::narrow(pb.query, 2, l0, n), acc), {B, Hkv, G * n, p.head_dim});
+    const Tensor qg =
+        views::reshape(aten::to(views::narrow(pb.query, 2, l0, n), acc), {B, Hkv, G * n, p.head_dim});
     Tensor scores = views::view(aten::matmul(qg, kt), {B, H, n, S});
     aten::mul_(scores, s);
     if (o.softcap) {
@@ -151,7 +153,8 @@ inline void attention_composite(AttentionProblem& pb) {
     if (mask4 || padding) {
       const int64_t bias_sizes[2] = {n, S};
       Tensor bias = aten::new_zeros(scores, bias_sizes);
-      if (mask4) bias = aten::add(bias, additive(mask4->size(2) == 1 ? *mask4 : views::narrow(*mask4, 2, l0, n), acc));
+      if (mask4)
+        bias = aten::add(bias, additive(mask4->size(2) == 1 ? *mask4 : views::narrow(*mask4, 2, l0, n), acc));
       if (padding) bias = aten::add(bias, *padding);
       scores = aten::add(scores, bias);
     }
@@ -165,8 +168,8 @@ inline void attention_composite(AttentionProblem& pb) {
     scores = aten::sub(scores, lse);  // the probabilities, in place of the scores from here on
     aten::exp_(scores);
     aten::masked_fill_(scores, empty, 0.0);
-    const Tensor o_rows = views::view(aten::matmul(views::view(scores, {B, Hkv, G * n, S}), v),
-                                      {B, H, n, p.v_head_dim});
+    const Tensor o_rows =
+        views::view(aten::matmul(views::view(scores, {B, Hkv, G * n, S}), v), {B, H, n, p.v_head_dim});
     aten::copy_(views::narrow(pb.out, 2, l0, n), o_rows);
     const Tensor lse_rows = views::view(lse, {B, H, n});
     aten::masked_fill_(lse_rows, views::view(empty, {B, H, n}), INFINITY);

@@ -1,10 +1,10 @@
 // attnx: the launch plan of attnx::attention's CUDA SIMT kernel.
 //
-// Torch-free and host-only. The kernel's launcher (attention.cu), the glue (attention_cuda.cpp) and the CPU
-// emulation (tests/emulation/) all take grid, block and shared-memory layout from plan_attention(), so the
-// emulated launches are the launches a GPU gets.
+// Torch-free and host-only. The kernel's launcher (cuda/attention_kernel.cu), the glue (cuda/attention.cpp)
+// and the CPU emulation (tests/emulation/) all take grid, block and shared-memory layout from
+// plan_attention(), so the emulated launches are the launches a GPU gets.
 //
-// The kernel (see attention.cu):
+// The kernel (see cuda/attention_kernel.cu):
 //   grid   1-D, one block per (b, h, block of kRowsPerBlock query rows): blockIdx.x < 2^31 - 1, so B*H and L
 //          never meet the 65535 limit of grid.y / grid.z.
 //   block  kWarps warps; warp w owns rows_per_warp consecutive query rows of the block.
@@ -50,7 +50,7 @@ constexpr int head_dim_bucket(int64_t head_dim, int64_t v_head_dim) {
 }
 
 struct AttentionPlan {
-  int bucket;  // head-dim bucket; 0 when D or Dv exceeds kMaxHeadDim (no kernel: see attention_cuda.cpp)
+  int bucket;  // head-dim bucket; 0 when D or Dv exceeds kMaxHeadDim (no kernel: see cuda/attention.cpp)
   int rows_per_warp;
   int rows_per_block;  // kWarps * rows_per_warp
   int threads;         // kWarps * kWarpSize
@@ -111,9 +111,9 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
   return plan;
 }
 
-// The tensor-core kernel (attention_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16 (fp32
-// accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows. Tiles of 64 keys are staged in
-// shared memory in two stages (the next tile is copied while the current one is computed): K and V in the
+// The tensor-core kernel (cuda/attention_kernel_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16
+// (fp32 accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows. Tiles of 64 keys are staged
+// in shared memory in two stages (the next tile is copied while the current one is computed): K and V in the
 // input type, row-major with row stride bucket + 8 elements (an odd number of 16-byte units, so the 8 rows an
 // ldmatrix phase reads fall on 8 distinct bank groups).
 constexpr int kMmaRowsPerWarp = 16;

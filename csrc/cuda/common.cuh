@@ -167,19 +167,20 @@ __device__ __forceinline__ int64_t batch_kv_len(const AttentionParams& p, const 
 // has fewer than 2^31 blocks, kMaxBlocks, and 64-bit divisions cost registers.)
 template <typename scalar_t>
 struct BlockProblem {
-  int64_t b, h, hk;  // batch, query head, its kv head
-  int64_t q0, rows;  // the block's first query row and its number of rows
-  int64_t kv_len;    // S_b
-  const scalar_t* q;  // query row 0 of (b, h)
-  const scalar_t* k;  // key 0 of (b, hk)
-  const scalar_t* v;  // value 0 of (b, hk)
+  int64_t b, h, hk;                               // batch, query head, its kv head
+  int64_t q0, rows;                               // the block's first query row and its number of rows
+  int64_t kv_len;                                 // S_b
+  const scalar_t* q;                              // query row 0 of (b, h)
+  const scalar_t* k;                              // key 0 of (b, hk)
+  const scalar_t* v;                              // value 0 of (b, hk)
   int64_t attn_mask_base, key_padding_mask_base;  // offsets of (b, h) in the masks
 };
 
 template <typename scalar_t>
 __device__ __forceinline__ BlockProblem<scalar_t> block_problem(const AttentionParams& p,
-                                                                const AttentionPointers& ptr, int64_t q_blocks,
-                                                                int64_t bh_count, int64_t rows_per_block) {
+                                                                const AttentionPointers& ptr,
+                                                                int64_t q_blocks, int64_t bh_count,
+                                                                int64_t rows_per_block) {
   const uint32_t block = blockIdx.x;
   const uint32_t nq = static_cast<uint32_t>(q_blocks), nbh = static_cast<uint32_t>(bh_count);
   uint32_t qb, bh;

@@ -31,9 +31,9 @@ BufferRef buffer_ref(const at::Tensor& t);
 void check_launch(id<MTLComputePipelineState> pso, const Launch& launch, const char* op);
 
 // Encodes one launch of `pso` into torch's live compute encoder on its current MPS stream (coalesced with
-// torch's own kernels; never created or ended here): buffers[i] bound at index i for i < num_buffers, then the
-// `params_size` bytes at `params` at index num_buffers. Nothing here throws: call it after every check (an
-// exception inside the stream's dispatch_sync block would end the process).
+// torch's own kernels; never created or ended here): buffers[i] bound at index i for i < num_buffers, then
+// the `params_size` bytes at `params` at index num_buffers. Nothing here throws: call it after every check
+// (an exception inside the stream's dispatch_sync block would end the process).
 void encode(id<MTLComputePipelineState> pso, const Launch& launch, const BufferRef* buffers, int num_buffers,
             const void* params, size_t params_size);
 

@@ -1,9 +1,9 @@
 // attnx: a C entry point to attnx::attention's CUDA kernels compiled for the CPU (see cuda_shim.h), for
 // ctypes.
 //
-// The launch goes through the real launcher, launch_attention() in csrc/cuda/attention.cu, so grid, block and
-// shared memory are the plan the GPU gets (plan_attention() in csrc/cuda/attention_plan.h).
-#include "cuda/attention.h"
+// The launch goes through the real launcher, launch_attention() in csrc/cuda/attention_kernel.cu, so grid,
+// block and shared memory are the plan the GPU gets (plan_attention() in csrc/cuda/attention_plan.h).
+#include "cuda/attention_kernel.h"
 
 extern "C" {
 

@@ -1,8 +1,8 @@
 """attnx's CUDA kernels compiled for the CPU with g++ and the shim in cuda_shim.h, driven through ctypes.
 
-``build()`` compiles ``csrc/cuda/attention.cu`` (the real source, as C++) with ``attention_emu.cpp`` and
+``build()`` compiles ``csrc/cuda/attention_kernel.cu`` (the real source, as C++) with ``attention_emu.cpp`` and
 ``cuda_shim.cpp`` into a shared library under ``build/emulation/``, cached by the hash of every source,
-header and flag. ``Emulator.attention`` mirrors the glue (csrc/cuda/attention_cuda.cpp and
+header and flag. ``Emulator.attention`` mirrors the glue (csrc/cuda/attention.cpp and
 common/attention.cpp): it reads the tensors' layouts into AttentionParams without copying, allocates out in
 (B, L, H, Dv) memory order and lse, and calls the same launcher a GPU build calls.
 """
@@ -24,8 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
 BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
-KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention.cu"),
-                    os.path.join(CSRC, "cuda", "attention_mma.cu"), os.path.join(HERE, "cuda_shim.cpp")]
+KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention_kernel.cu"),
+                    os.path.join(CSRC, "cuda", "attention_kernel_mma.cu"), os.path.join(HERE, "cuda_shim.cpp")]
 SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "attention_emu.cpp")]  # the ctypes library
 RACE_CHECK_SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "race_check.cpp")]  # the TSan executable
 # torch compiles .cu files with these; so does the emulation, so that the same conversions are exercised.
@@ -259,7 +259,7 @@ class Emulator:
                   softcap=0.0, sinks=None, out_layout="blhd", kernel="simt"):
         """attnx.attention on the emulated CUDA kernel: (out, lse) as the CUDA op returns them.
 
-        ``kernel``: "simt" (attention.cu) or "mma" (attention_mma.cu, with mma.sync emulated).
+        ``kernel``: "simt" (attention_kernel.cu) or "mma" (attention_kernel_mma.cu, with mma.sync emulated).
 
         key (B, Hkv, S, D) and value (B, Hkv, S, Dv) may have fewer heads than query (grouped KV heads);
         ``key_lengths`` is an int32 or int64 (B,) tensor of any stride, read in place; ``sinks`` (H,) of any

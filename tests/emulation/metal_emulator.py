@@ -3,7 +3,7 @@
 ``build()`` compiles every ``metal/*.metal`` file as C++ (against ``tests/emulation/metal/metal_stdlib``) with
 the runtime (``metal_runtime.cpp``) and the C entry points (``metal_emu.cpp``) into a shared library under
 ``build/emulation/``, cached by the hash of every source, header and flag. ``MetalEmulator.attention`` and
-``.linear`` mirror the MPS glue (``csrc/mps/attention_mps.mm``, ``linear_mps.mm``): they read the tensors'
+``.linear`` mirror the MPS glue (``csrc/mps/attention.mm``, ``linear.mm``): they read the tensors'
 layouts into AttentionParams / LinearParams without copying, allocate the outputs as the glue does, and
 launch the kernel that ``csrc/mps/metal_plan.h`` picks, with its grid and threadgroup size.
 """
@@ -248,7 +248,7 @@ class MetalEmulator:
         return p if ok else None
 
     def linear(self, input, weight, bias=None):
-        """attnx.linear on the emulated Metal kernels, as linear_mps.mm runs it: the input read in place
+        """attnx.linear on the emulated Metal kernels, as mps/linear.mm runs it: the input read in place
         when pack_linear_params accepts its layout, else copied once; a contiguous (..., N) output."""
         if input.dtype not in DTYPES:
             raise TypeError(f"attnx::linear: no Metal kernel for dtype {input.dtype}")

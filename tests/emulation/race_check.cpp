@@ -14,7 +14,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/attention.h"
+#include "cuda/attention_kernel.h"
 
 namespace {
 

@@ -2,9 +2,9 @@
 // those dtypes where it applies (ATTNX_CUDA_MMA=0 selects the SIMT kernel instead).
 //
 // Checked on an H100 against the float64 reference (tests/test_cuda.py; compute-sanitizer ran on the version
-// before cp.async and ldmatrix); the CPU emulation runs this source in CI with mma.sync, ldmatrix and cp.async
-// replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h). Grouped KV heads, key ranges,
-// soft-capping and sinks came later and have run only in that emulation, never on a GPU.
+// before cp.async and ldmatrix); the CPU emulation runs this source in CI with mma.sync, ldmatrix and
+// cp.async replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h). Grouped KV heads, key
+// ranges, soft-capping and sinks came later and have run only in that emulation, never on a GPU.
 //
 // FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query
 // rows), 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from
@@ -18,7 +18,7 @@
 // loop runs over the keys the block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window,
 // per-batch key lengths), past tiles key_padding_mask removes entirely. Grouped KV heads index the kv head in
 // place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish).
-#include "cuda/attention.h"
+#include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
 
 namespace attnx::cuda {
@@ -79,9 +79,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       const int nk = tile_keys(k0);
       bool all_masked = true;
       for (int j = lane; j < nk; j += kWarpSize) {
-        all_masked = all_masked && mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                                     kpm_base + (k0 + j) * p.key_padding_mask_stride[1]) ==
-                                       kNegInf;
+        all_masked =
+            all_masked && mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                            kpm_base + (k0 + j) * p.key_padding_mask_stride[1]) == kNegInf;
       }
       if (!__all_sync(kFullMask, all_masked)) return k0;
     }

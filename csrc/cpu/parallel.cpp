@@ -1,6 +1,6 @@
-// attnx: parallel.h on torch's intra-op thread pool (the one torch.set_num_threads sizes), reached through the
-// stable C API (torch_parallel_for, torch_get_num_threads; torch 2.10 on). An error thrown by `fn` on any thread
-// comes back as the call's error and is raised again here with its message.
+// attnx: parallel.h on torch's intra-op thread pool (the one torch.set_num_threads sizes), reached through
+// the stable C API (torch_parallel_for, torch_get_num_threads; torch 2.10 on). An error thrown by `fn` on any
+// thread comes back as the call's error and is raised again here with its message.
 #include "cpu/parallel.h"
 
 #include <torch/csrc/stable/c/shim.h>

@@ -1,6 +1,6 @@
 // attnx: attnx::attention's CUDA SIMT forward kernel, for float32, float64, float16 and bfloat16.
 //
-// Torch-free (raw pointers, AttentionParams, cudaStream_t): the glue is attention_cuda.cpp. The same source
+// Torch-free (raw pointers, AttentionParams, cudaStream_t): the glue is cuda/attention.cpp. The same source
 // is compiled for the CPU by tests/emulation/ and run there against the float64 reference.
 //
 // One block per (b, h, block of rows_per_block query rows); grid, block and shared-memory layout come from
@@ -30,7 +30,7 @@
 //
 // Head dims up to kMaxHeadDim; the glue falls back to a chunked composition of ATen ops above that.
 #include "attnx/philox.h"
-#include "cuda/attention.h"
+#include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
 
 namespace attnx::cuda {
@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int64_t L = p.q_len, S = p.kv_len;
   const int ldq = plan.ldq, ldk = plan.ldk, ldv = plan.ldv;
 
-  const BlockProblem<scalar_t> block = block_problem<scalar_t>(p, ptr, plan.q_blocks, plan.bh, plan.rows_per_block);
+  const BlockProblem<scalar_t> block =
+      block_problem<scalar_t>(p, ptr, plan.q_blocks, plan.bh, plan.rows_per_block);
   const int64_t b = block.b, h = block.h, q0 = block.q0, rows_in_block = block.rows, Sb = block.kv_len;
   const scalar_t* const q = block.q;
   const scalar_t* const k = block.k;
@@ -71,7 +72,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const acc_t dropout_scale = sizeof(acc_t) == 8 ? acc_t(double(p.dropout_scale) + double(p.dropout_scale_lo))
                                                  : acc_t(p.dropout_scale);
   const SoftCap<acc_t> cap = soft_cap_of<acc_t>(p);
-  const uint64_t dropout_row0 = static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L);  // row of query 0
+  const uint64_t dropout_row0 =
+      static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L);  // row of query 0
 
   // The block's queries, one row per warp at a time, lanes along D (coalesced when the last stride is 1).
   for (int r = warp; r < plan.rows_per_block; r += kWarps) {

@@ -1,7 +1,9 @@
 // attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernel is
-// attention.cu (torch-free), launched here on the current stream of the inputs' device. On the LibTorch
-// stable ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C shim, and
-// nothing here needs libc10_cuda.
+// cuda/attention_kernel.cu (torch-free), launched here on the current stream of the inputs' device. On the
+// LibTorch stable ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C
+// shim, and nothing here needs libc10_cuda.
+#include "common/attention.h"
+
 #include <cuda_runtime_api.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -12,10 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "common/attention.h"
 #include "common/stable.h"
-#include "cuda/attention.h"
 #include "cuda/attention_composite.h"
+#include "cuda/attention_kernel.h"
 
 // The C shim declares its CUDA calls only where torch's own USE_CUDA is defined, which an extension's build
 // does not define; this is the shim's declaration. It lives in libtorch_cuda.
@@ -43,8 +44,9 @@ cuda::DType kernel_dtype(ScalarType t) {
   }
 }
 
-// The tensor-core kernel where it covers the problem (float16/bfloat16, max(D, Dv) <= 128, no dropout) and the
-// device is sm80+; the SIMT kernel otherwise, or everywhere when ATTNX_CUDA_MMA=0 (read once per process).
+// The tensor-core kernel where it covers the problem (float16/bfloat16, max(D, Dv) <= 128, no dropout) and
+// the device is sm80+; the SIMT kernel otherwise, or everywhere when ATTNX_CUDA_MMA=0 (read once per
+// process).
 cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, int32_t device) {
   static const bool requested = [] {
     const char* flag = std::getenv("ATTNX_CUDA_MMA");

@@ -1,14 +1,15 @@
-// attnx: attnx::linear's own CPU GEMM for small fp32 problems (see linear_cpu_kernel.h).
+// attnx: attnx::linear's own CPU GEMM for small fp32 problems (see cpu/linear_kernel.h).
 //
 // At decoding shapes ((1, 64) x (64, 64): 4096 multiply-adds) the arithmetic takes a fraction of a
 // microsecond, while reaching torch's BLAS from the stable ABI is a boxed dispatcher call of a few. The loops
 // are written for the vectoriser: kLanes partial sums per dot product (one AVX-512 register, two AVX2, four
 // SSE), reduced pairwise; kRows rows of w share each load of a's row. GCC's function multi-versioning
 // (target_clones) compiles the function for x86-64-v4 (AVX-512) and v3 (AVX2 + FMA) beside the baseline and
-// picks one by the CPU when the library loads: no torch call, so nothing beyond the stable ABI (and, unlike the
-// attention kernels, ATEN_CPU_CAPABILITY does not move it). Which version runs can change the rounding (FMA
-// contracts a * b + s), never the order of the sums. Other compilers and targets build the baseline loops.
-#include "cpu/linear_cpu_kernel.h"
+// picks one by the CPU when the library loads: no torch call, so nothing beyond the stable ABI (and, unlike
+// the attention kernels, ATEN_CPU_CAPABILITY does not move it). Which version runs can change the rounding
+// (FMA contracts a * b + s), never the order of the sums. Other compilers and targets build the baseline
+// loops.
+#include "cpu/linear_kernel.h"
 
 namespace attnx::cpu {
 
@@ -49,8 +50,8 @@ inline void dot_rows(int64_t K, const float* a, const float* w, int64_t ldw, con
 }  // namespace
 
 ATTNX_LINEAR_CLONES
-void small_linear_f32(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* w, int64_t ldw,
-                      const float* bias, int64_t bias_stride, float* c, int64_t ldc) {
+void small_linear_f32(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* w,
+                      int64_t ldw, const float* bias, int64_t bias_stride, float* c, int64_t ldc) {
   for (int64_t i = 0; i < M; ++i) {
     const float* ai = a + i * lda;
     float* ci = c + i * ldc;

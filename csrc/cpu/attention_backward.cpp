@@ -1,14 +1,14 @@
 // attnx: attnx::attention_backward on CPU. The checks and layouts are common/attention.cpp; the kernel is
-// attention_backward_cpu_kernel_impl.h, compiled with the forward kernel for each ISA level (see
-// attention_backward_cpu_kernel.h) and picked at run time like the forward.
+// cpu/attention_backward_kernel_impl.h, compiled with the forward kernel for each ISA level (see
+// cpu/attention_backward_kernel.h) and picked at run time like the forward.
 #include <torch/csrc/stable/library.h>
 
 #include <optional>
 
-#include "common/attention.h"
 #include "common/aten.h"
-#include "cpu/attention_backward_cpu_kernel.h"
-#include "cpu/attention_cpu_kernel.h"
+#include "common/attention.h"
+#include "cpu/attention_backward_kernel.h"
+#include "cpu/attention_kernel.h"
 
 namespace attnx {
 

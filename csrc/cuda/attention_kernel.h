@@ -1,5 +1,5 @@
-// attnx: the torch-free entry point of attnx::attention's CUDA kernels (attention.cu), called by the glue
-// (attention_cuda.cpp) and by the CPU emulation (tests/emulation/).
+// attnx: the torch-free entry point of attnx::attention's CUDA kernels (cuda/attention_kernel.cu), called by
+// the glue (cuda/attention.cpp) and by the CPU emulation (tests/emulation/).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,8 +10,9 @@
 namespace attnx::cuda {
 
 enum class Kernel {
-  kSimt,  // attention.cu: every dtype, head dims up to kMaxHeadDim
-  kMma,  // attention_mma.cu: tensor cores, float16/bfloat16 on sm80+, head dims up to kMmaMaxHeadDim
+  kSimt,  // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
+  kMma,   // cuda/attention_kernel_mma.cu: tensor cores, float16/bfloat16 on sm80+, head dims up to
+          // kMmaMaxHeadDim
 };
 
 // Runs attention on `stream` with `kernel` and the launch of its plan (plan_attention / plan_attention_mma).
@@ -22,7 +23,7 @@ enum class Kernel {
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel = Kernel::kSimt);
 
-// The tensor-core launcher (attention_mma.cu), called by launch_attention for Kernel::kMma.
+// The tensor-core launcher (cuda/attention_kernel_mma.cu), called by launch_attention for Kernel::kMma.
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  cudaStream_t stream);
 

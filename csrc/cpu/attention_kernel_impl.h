@@ -1,6 +1,6 @@
 // attnx: attnx::attention's CPU kernel: flash-attention tiling with an online softmax, GEMMs on gemm.h.
 //
-// Included once per ISA level by a TU that has defined CPU_CAPABILITY (see attention_cpu_kernel.h); defines
+// Included once per ISA level by a TU that has defined CPU_CAPABILITY (see cpu/attention_kernel.h); defines
 // attnx::cpu::CPU_CAPABILITY::attention_kernel.
 //
 // A work item is a block of query tiles (BQ rows each) of one (b, h). For each tile of BK keys, transposed
@@ -291,7 +291,8 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
 // accumulator type: the double they stand for in float64, hi in float32.
 template <typename acc_t>
 acc_t split_value(float hi, float lo) {
-  return std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(hi) + lo) : static_cast<acc_t>(hi);
+  return std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(hi) + lo)
+                                       : static_cast<acc_t>(hi);
 }
 
 // Elements per call of dropout_draws, and the Philox blocks that cover them at any alignment.
@@ -388,8 +389,9 @@ void scale_row(acc_t* x, int64_t n, acc_t factor) {
 inline int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths, int64_t b) {
   if (p.key_lengths_kind == kKeyLengthsNone) return p.kv_len;
   const int64_t i = b * p.key_lengths_stride;
-  const int64_t n = p.key_lengths_kind == kKeyLengthsInt32 ? int64_t{static_cast<const int32_t*>(key_lengths)[i]}
-                                                           : static_cast<const int64_t*>(key_lengths)[i];
+  const int64_t n = p.key_lengths_kind == kKeyLengthsInt32
+                        ? int64_t{static_cast<const int32_t*>(key_lengths)[i]}
+                        : static_cast<const int64_t*>(key_lengths)[i];
   return range_kv_len(n, p.kv_len);
 }
 
@@ -509,8 +511,11 @@ class TileSkipFlags {
   TileSkipFlags() = default;
 
   template <typename Plan>
-  TileSkipFlags(const AttentionParams& p, const void* attn_mask, const void* key_padding_mask, const Plan& plan)
-      : q_tiles_(plan.q_tiles), k_tiles_(plan.k_tiles), heads_m_(plan.heads_m),
+  TileSkipFlags(const AttentionParams& p, const void* attn_mask, const void* key_padding_mask,
+                const Plan& plan)
+      : q_tiles_(plan.q_tiles),
+        k_tiles_(plan.k_tiles),
+        heads_m_(plan.heads_m),
         mask_batch_broadcast_(p.attn_mask_stride[0] == 0) {
     const int64_t L = p.q_len, S = p.kv_len, bq = plan.bq, bk = plan.bk, qt_n = plan.q_tiles,
                   kt_n = plan.k_tiles;
@@ -543,8 +548,8 @@ class TileSkipFlags {
               const int64_t k0 = kt * bk;
               bool masked = p.is_causal && k0 > q0 + nq - 1;
               if (!masked) {
-                masked = block_masked<acc_t>(m + b * st[0] + h * st[1] + q0 * st[2] + k0 * st[3], st[2], st[3],
-                                             nq, std::min(bk, S - k0));
+                masked = block_masked<acc_t>(m + b * st[0] + h * st[1] + q0 * st[2] + k0 * st[3], st[2],
+                                             st[3], nq, std::min(bk, S - k0));
               }
               flags[i * kt_n + kt] = masked;
             }
@@ -649,8 +654,8 @@ class AttentionCpu {
 
   // Query tiles [blk * block, ...) of (b, h). The loop over key tiles is outside the loop over query tiles:
   // each key tile is transposed (and value tile converted) once for up to `block` query tiles, and stays in
-  // cache while they use it; the queries and accumulators of the block stay in L2. Only the key tiles that the
-  // block's key range reaches are visited (is_causal, key lengths, the window: a window of w keys costs
+  // cache while they use it; the queries and accumulators of the block stay in L2. Only the key tiles that
+  // the block's key range reaches are visited (is_causal, key lengths, the window: a window of w keys costs
   // O(w), not O(S), per row).
   void run_item(int64_t b, int64_t h, int64_t blk, Scratch<acc_t>& ws) {
     const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim;
@@ -789,8 +794,10 @@ class AttentionCpu {
 
 }  // namespace
 
-void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype) {
-  dispatch_float_types(dtype, "attnx::attention", [&](auto tag) { AttentionCpu<decltype(tag)>(p, ptr).run(); });
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
+                      torch::headeronly::ScalarType dtype) {
+  dispatch_float_types(dtype, "attnx::attention",
+                       [&](auto tag) { AttentionCpu<decltype(tag)>(p, ptr).run(); });
 }
 
 }  // namespace CPU_CAPABILITY

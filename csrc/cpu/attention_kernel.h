@@ -1,9 +1,10 @@
 // attnx: the interface of attnx::attention's CPU kernel, which is compiled once per x86 ISA level.
 //
-// attention_cpu_kernel_impl.h holds the kernel. attention_cpu.cpp compiles it for the baseline ISA (namespace
-// DEFAULT) and attention_cpu_avx2.cpp / attention_cpu_avx512.cpp for AVX2 and AVX-512, each in its own
-// namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels; ATTNX_CPU_VARIANT picks
-// one at run time by torch's rule (cpu_capability(), so ATEN_CPU_CAPABILITY=avx2|default selects the others).
+// cpu/attention_kernel_impl.h holds the kernel. cpu/attention.cpp compiles it for the baseline ISA (namespace
+// DEFAULT) and cpu/attention_kernel_avx2.cpp / cpu/attention_kernel_avx512.cpp for AVX2 and AVX-512, each in
+// its own namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels; ATTNX_CPU_VARIANT
+// picks one at run time by torch's rule (cpu_capability(), so ATEN_CPU_CAPABILITY=avx2|default selects the
+// others).
 //
 // Every header the kernel needs is included here, before an ISA TU raises its target: inline functions from
 // these headers are then compiled for the baseline ISA in every TU, and only the kernel and its SIMD layer
@@ -56,7 +57,8 @@
 namespace attnx::cpu {
 
 // dtype: of query, key, value and out.
-using AttentionKernel = void (*)(const AttentionParams&, const AttentionPointers&, torch::headeronly::ScalarType);
+using AttentionKernel = void (*)(const AttentionParams&, const AttentionPointers&,
+                                 torch::headeronly::ScalarType);
 
 // The ISA levels the kernels are compiled for.
 enum class CpuCapability { kDefault, kAvx2, kAvx512 };
@@ -71,27 +73,34 @@ CpuCapability cpu_capability();
 template <typename Kernel>
 Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unused]] Kernel avx512) {
   switch (cpu_capability()) {
-    case CpuCapability::kAvx512: return avx512;
-    case CpuCapability::kAvx2: return avx2;
-    default: return portable;
+    case CpuCapability::kAvx512:
+      return avx512;
+    case CpuCapability::kAvx2:
+      return avx2;
+    default:
+      return portable;
   }
 }
 #if ATTNX_CPU_X86_VARIANTS
-#define ATTNX_CPU_VARIANT(name) \
-  ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::AVX2::name, &::attnx::cpu::AVX512::name)
+#define ATTNX_CPU_VARIANT(name)                                                       \
+  ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::AVX2::name, \
+                             &::attnx::cpu::AVX512::name)
 #else
 #define ATTNX_CPU_VARIANT(name) (&::attnx::cpu::DEFAULT::name)
 #endif
 
 namespace DEFAULT {
-void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype);
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
+                      torch::headeronly::ScalarType dtype);
 }
 #if ATTNX_CPU_X86_VARIANTS
 namespace AVX2 {
-void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype);
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
+                      torch::headeronly::ScalarType dtype);
 }
 namespace AVX512 {
-void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr, torch::headeronly::ScalarType dtype);
+void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
+                      torch::headeronly::ScalarType dtype);
 }
 #endif
 

@@ -1,13 +1,13 @@
 // attnx: the interface of attnx::attention_backward's CPU kernel, compiled once per x86 ISA level.
 //
-// The kernel (attention_backward_cpu_kernel_impl.h) is built from the forward kernel's tile helpers (mask
+// The kernel (cpu/attention_backward_kernel_impl.h) is built from the forward kernel's tile helpers (mask
 // reading, packing and transposes, tile GEMMs, vectorised exp), so it is compiled in the same translation
-// units as the forward, right after it: attention_cpu.cpp (DEFAULT), attention_cpu_avx2.cpp and
-// attention_cpu_avx512.cpp. attention_backward_cpu.cpp picks a variant at run time, as attention_cpu.cpp
-// does.
+// units as the forward, right after it: cpu/attention.cpp (DEFAULT), cpu/attention_kernel_avx2.cpp and
+// cpu/attention_kernel_avx512.cpp. cpu/attention_backward.cpp picks a variant at run time, as
+// cpu/attention.cpp does.
 #pragma once
 
-#include "cpu/attention_cpu_kernel.h"
+#include "cpu/attention_kernel.h"
 
 namespace attnx::cpu {
 

@@ -1,13 +1,13 @@
-// attnx: attnx::linear on CUDA. The layout work is common/linear.cpp; the GEMM is torch's addmm / mm on cuBLAS,
-// the one F.linear uses, so the only difference from F.linear is that no layout forces a detour. On the LibTorch
-// stable ABI: the device guard is the shim's accelerator-generic one, not c10::cuda's.
+// attnx: attnx::linear on CUDA. The layout work is common/linear.cpp; the GEMM is torch's addmm / mm on
+// cuBLAS, the one F.linear uses, so the only difference from F.linear is that no layout forces a detour. On
+// the LibTorch stable ABI: the device guard is the shim's accelerator-generic one, not c10::cuda's.
+#include "common/linear.h"
+
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 
 #include <optional>
-
-#include "common/linear.h"
 
 namespace attnx {
 

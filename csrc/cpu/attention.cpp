@@ -1,20 +1,21 @@
 // attnx: attnx::attention on CPU. The checks and layouts are common/attention.cpp; the kernel is
-// attention_cpu_kernel_impl.h, compiled here for the baseline ISA and in attention_cpu_avx2.cpp /
-// attention_cpu_avx512.cpp for wider vectors, and picked at run time like torch's own CPU kernels.
+// cpu/attention_kernel_impl.h, compiled here for the baseline ISA and in cpu/attention_kernel_avx2.cpp /
+// cpu/attention_kernel_avx512.cpp for wider vectors, and picked at run time like torch's own CPU kernels.
+#include "common/attention.h"
+
 #include <torch/csrc/stable/library.h>
 
 #include <cstdlib>
 #include <cstring>
 
-#include "common/attention.h"
-#include "cpu/attention_backward_cpu_kernel.h"
-#include "cpu/attention_cpu_kernel.h"
+#include "cpu/attention_backward_kernel.h"
+#include "cpu/attention_kernel.h"
 
 #define CPU_CAPABILITY DEFAULT
 #define CPU_CAPABILITY_DEFAULT
-#include "cpu/attention_cpu_kernel_impl.h"
+#include "cpu/attention_kernel_impl.h"
 // The backward kernel is built from the forward kernel's helpers, so it is compiled here, after them.
-#include "cpu/attention_backward_cpu_kernel_impl.h"
+#include "cpu/attention_backward_kernel_impl.h"
 
 namespace attnx {
 

@@ -1,7 +1,7 @@
 // attnx: attnx::attention's CPU kernel compiled for AVX-512 F/BW/VL/DQ + FMA (torch's AVX512 capability
-// level). See attention_cpu_kernel.h for why the target is raised here, after every non-vector header.
-#include "cpu/attention_backward_cpu_kernel.h"
-#include "cpu/attention_cpu_kernel.h"
+// level). See cpu/attention_kernel.h for why the target is raised here, after every non-vector header.
+#include "cpu/attention_backward_kernel.h"
+#include "cpu/attention_kernel.h"
 
 #if ATTNX_CPU_X86_VARIANTS
 #pragma GCC push_options
@@ -17,7 +17,8 @@
 #define __AVX512DQ__ 1
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
-#include "cpu/attention_cpu_kernel_impl.h"
-#include "cpu/attention_backward_cpu_kernel_impl.h"
+#include "cpu/attention_kernel_impl.h"
+// The backward kernel is built from the forward kernel's helpers: after them.
+#include "cpu/attention_backward_kernel_impl.h"
 #pragma GCC pop_options
 #endif

@@ -1,6 +1,6 @@
 // attnx: attnx::attention_backward's CPU kernel: FlashAttention-2's backward on the forward's tile helpers.
 //
-// Included once per ISA level, right after attention_cpu_kernel_impl.h and in the same translation unit: it
+// Included once per ISA level, right after cpu/attention_kernel_impl.h and in the same translation unit: it
 // uses that file's helpers (masks read in place, packing and transposes, tile GEMMs on gemm.h, vectorised
 // exp), which live in the same CPU_CAPABILITY namespace. Defines
 // attnx::cpu::CPU_CAPABILITY::attention_backward_kernel.
@@ -29,8 +29,9 @@
 // A operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq)
 // takes dS^T as its B operand: all five GEMMs run on gemm.h's row-major C (+)= A B (which takes no
 // transposes) without transposing anything per tile pair. The transposes are paid once per item instead:
-// (scale Q)^T and dO^T of the head are packed (D, L) and (Dv, L), and dQ is accumulated transposed. The softmax's per-query quantities (lse,
-// delta, a mask row) run along a tile row, so the vectorised pass loads them as vectors.
+// (scale Q)^T and dO^T of the head are packed (D, L) and (Dv, L), and dQ is accumulated transposed. The
+// softmax's per-query quantities (lse, delta, a mask row) run along a tile row, so the vectorised pass loads
+// them as vectors.
 //
 // Memory beyond the inputs and the gradients: per thread, (D + Dv) x L packed queries and output gradients,
 // D x L of dQ^T (plus L x (D + Dv) when Q or dO cannot be read in place: another dtype, or rows that are not
@@ -181,11 +182,11 @@ void add_row(acc_t* dst, const acc_t* src, int64_t n) {
 // The tiling plan and the per-thread scratch.
 
 struct BackwardPlan {
-  int64_t bq;           // queries per tile
-  int64_t bk;           // keys per tile
-  int64_t q_tiles;      // ceil(L / bq)
-  int64_t k_tiles;      // ceil(S / bk)
-  int64_t group;        // query heads per kv head, H / Hkv
+  int64_t bq;       // queries per tile
+  int64_t bk;       // keys per tile
+  int64_t q_tiles;  // ceil(L / bq)
+  int64_t k_tiles;  // ceil(S / bk)
+  int64_t group;    // query heads per kv head, H / Hkv
   // Work items are (batch slot, kv-head slot, chunk). A slot is one batch (kv head), or all of them when the
   // mask's gradient is summed over the batch (heads): the item that owns a gradient element of a broadcast
   // mask then runs every (b, h) that adds into it, so no two threads write one element.
@@ -252,21 +253,21 @@ struct BackwardScratch {
   acc_t* delta;  // (L,) rowsum(dO * O)
   acc_t* dqt;    // (D, ld_q) dQ^T / scale, with one chunk per head
   // One key tile, one tile pair.
-  acc_t* k;         // (bk, D) key tile converted, when it cannot be read in place
-  acc_t* kt;        // (D, ld_k) K^T
-  acc_t* v;         // (bk, Dv) value tile converted, when it cannot be read in place
-  acc_t* s;         // (bk, ld_t) S^T, then P^T
-  acc_t* dp;        // (bk, ld_t) dP^T, then dS^T
-  acc_t* bias;      // (bk, ld_t) attn_mask (+ key padding) of the pair, transposed; with mask_rows only
-  acc_t* rows;      // (bq, ld_k) the same, one query per row, before the transpose; with mask_rows, and with
-                    // mask_grad for dS transposed back to query rows
-  acc_t* key_bias;  // (bk,) key padding, plus attn_mask when it is the same for every query
-  acc_t* dk;        // (chunk_tiles * bk, D) dK / scale of the item's keys, summed over the kv head's group
-  acc_t* dv;        // (chunk_tiles * bk, Dv) dV of the item's keys, likewise
-  acc_t* deriv;     // (bk, ld_t) the soft-cap's derivative 1 - tanh^2 of the pair; with softcap only
+  acc_t* k;          // (bk, D) key tile converted, when it cannot be read in place
+  acc_t* kt;         // (D, ld_k) K^T
+  acc_t* v;          // (bk, Dv) value tile converted, when it cannot be read in place
+  acc_t* s;          // (bk, ld_t) S^T, then P^T
+  acc_t* dp;         // (bk, ld_t) dP^T, then dS^T
+  acc_t* bias;       // (bk, ld_t) attn_mask (+ key padding) of the pair, transposed; with mask_rows only
+  acc_t* rows;       // (bq, ld_k) the same, one query per row, before the transpose; with mask_rows, and with
+                     // mask_grad for dS transposed back to query rows
+  acc_t* key_bias;   // (bk,) key padding, plus attn_mask when it is the same for every query
+  acc_t* dk;         // (chunk_tiles * bk, D) dK / scale of the item's keys, summed over the kv head's group
+  acc_t* dv;         // (chunk_tiles * bk, Dv) dV of the item's keys, likewise
+  acc_t* deriv;      // (bk, ld_t) the soft-cap's derivative 1 - tanh^2 of the pair; with softcap only
   acc_t* drop_rows;  // (bq, ld_k) dropout factors of a tile pair, one query per row; with dropout only
   acc_t* drop;       // (bk, ld_t) the same, transposed to the tile's key-major layout; with dropout only
-  acc_t* tmp;       // (bq, max(D, Dv)) a query tile being packed or written
+  acc_t* tmp;        // (bq, max(D, Dv)) a query tile being packed or written
   // Operands over the whole head: row l at ptr + l * ld.
   Operand<acc_t> q_op{};
   Operand<acc_t> do_op{};
@@ -523,7 +524,8 @@ class AttentionBackwardCpu {
     }
     const bool capped = softcap_ > acc_t(0);
     if (capped) {
-      for (int64_t r = 0; r < nk; ++r) softcap_backward_row(ws.s + r * ld_t, ws.deriv + r * ld_t, nq, softcap_);
+      for (int64_t r = 0; r < nk; ++r)
+        softcap_backward_row(ws.s + r * ld_t, ws.deriv + r * ld_t, nq, softcap_);
     }
     if (Dv > 0) {
       tile_gemm(nk, nq, Dv, va.ptr, va.ld, ws.dot + q0, ld_q, ws.dp, ld_t, /*add_c=*/false);
@@ -560,8 +562,8 @@ class AttentionBackwardCpu {
       // The queries that see key k0 + r: [lo, hi) of the tile (is_causal, key lengths, the window).
       const int64_t s = k0 + r;
       const int64_t hi = std::clamp<int64_t>(range_query_end(s, L, kv_len_b, p_.window_left) - q0, 0, nq);
-      const int64_t lo = std::clamp<int64_t>(
-          range_query_begin(s, L, kv_len_b, p_.window_right, p_.is_causal) - q0, 0, hi);
+      const int64_t lo =
+          std::clamp<int64_t>(range_query_begin(s, L, kv_len_b, p_.window_right, p_.is_causal) - q0, 0, hi);
       const acc_t* row_mask = bias ? bias + r * ld_t : nullptr;
       const acc_t row_bias = (kb && !bias) ? kb[r] : acc_t(0);
       if (p_.dropout) {

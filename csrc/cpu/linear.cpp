@@ -2,6 +2,8 @@
 // common/linear.cpp; the GEMMs are torch's CPU BLAS, the one F.linear uses, run in shares per thread where
 // that beats BLAS's own threading (run_gemms_in_shares), or attnx's own kernel where they are too small for a
 // call into BLAS to pay (small_linear_f32). On the LibTorch stable ABI.
+#include "common/linear.h"
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 
@@ -10,9 +12,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/linear.h"
 #include "common/views.h"
-#include "cpu/linear_cpu_kernel.h"
+#include "cpu/linear_kernel.h"
 #include "cpu/parallel.h"
 
 namespace attnx {
@@ -38,11 +39,11 @@ constexpr bool kSharesMeasured = false;
 #endif
 
 // An fp32 GEMM with at most this many outputs and multiply-adds runs on small_linear_f32
-// (cpu/linear_cpu_kernel.h) rather than on torch's BLAS, whose call through the stable dispatcher (with its
-// views) costs a few us more. The kernel reduces each output's partial sums on its own, so the outputs bound it
-// as much as the arithmetic. Measured, one thread, us per call with a bias (BLAS / kernel): (1, 64) x (64, 64)
-// 6.9-7.2 / 4.1, (1, 128) x (128, 128) 7.5-8.1 / 5.4-5.7, (1, 256) x (256, 256) 11.5-13.5 / 9.7-10.0; with
-// more outputs BLAS wins: (4, 128) x (128, 128) 9.7 / 11.4-13.0, (16, 64) x (64, 64) 8.8-9.5 / 14.1.
+// (cpu/linear_kernel.h) rather than on torch's BLAS, whose call through the stable dispatcher (with its
+// views) costs a few us more. The kernel reduces each output's partial sums on its own, so the outputs bound
+// it as much as the arithmetic. Measured, one thread, us per call with a bias (BLAS / kernel): (1, 64) x (64,
+// 64) 6.9-7.2 / 4.1, (1, 128) x (128, 128) 7.5-8.1 / 5.4-5.7, (1, 256) x (256, 256) 11.5-13.5 / 9.7-10.0;
+// with more outputs BLAS wins: (4, 128) x (128, 128) 9.7 / 11.4-13.0, (16, 64) x (64, 64) 8.8-9.5 / 14.1.
 constexpr int64_t kMaxSmallOutputs = 256;
 constexpr int64_t kMaxSmallWork = int64_t(1) << 16;
 
@@ -52,8 +53,8 @@ float* data(const StridedMatrix& m) {
 
 void run_gemm_cpu(const LinearOperands& g) {
   const int64_t M = g.c.rows, N = g.c.cols, K = g.a.cols;
-  if (g.dtype == torch::headeronly::ScalarType::Float && M * N <= kMaxSmallOutputs && M * N * K <= kMaxSmallWork &&
-      g.a.col_stride == 1 && g.w.col_stride == 1) {
+  if (g.dtype == torch::headeronly::ScalarType::Float && M * N <= kMaxSmallOutputs &&
+      M * N * K <= kMaxSmallWork && g.a.col_stride == 1 && g.w.col_stride == 1) {
     const float* bias = g.bias ? data(*g.bias) : nullptr;
     const int64_t bias_stride = g.bias && g.bias->cols != 1 ? g.bias->col_stride : 0;
     cpu::small_linear_f32(M, N, K, data(g.a), g.a.row_stride, data(g.w), g.w.row_stride, bias, bias_stride,
@@ -119,8 +120,9 @@ void run_gemms_in_shares(const std::vector<LinearOperands>& gemms) {
     }
     return {lines.size(), 0};
   };
-  // Worker threads start with the default dispatch state (grad mode on, inference mode off), not the caller's:
-  // the views of each share are made on the thread that runs it (see LinearOperands), so none needs it.
+  // Worker threads start with the default dispatch state (grad mode on, inference mode off), not the
+  // caller's: the views of each share are made on the thread that runs it (see LinearOperands), so none needs
+  // it.
   cpu::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       Cut from = cut(t);
@@ -133,7 +135,8 @@ void run_gemms_in_shares(const std::vector<LinearOperands>& gemms) {
   });
 }
 
-// Each call's GEMMs (one per block of its weight rows) planned into its output, then all of them run in shares.
+// Each call's GEMMs (one per block of its weight rows) planned into its output, then all of them run in
+// shares.
 std::vector<torch::stable::Tensor> run_linears_in_shares(const std::vector<LinearCall>& calls) {
   std::vector<torch::stable::Tensor> outs;
   std::vector<LinearOperands> gemms;
@@ -149,8 +152,10 @@ std::vector<torch::stable::Tensor> run_linears_in_shares(const std::vector<Linea
       const auto block = [&](const torch::stable::Tensor& t, int64_t dim) {
         return parts == 1 ? t : views::narrow(t, dim, i * n, n);
       };
-      const std::optional<torch::stable::Tensor> bias = c.bias ? std::optional(block(*c.bias, 0)) : std::nullopt;
-      if (std::optional<LinearOperands> gemm = plan_linear_into(block(out, -1), rows, block(c.weight, 0), bias)) {
+      const std::optional<torch::stable::Tensor> bias =
+          c.bias ? std::optional(block(*c.bias, 0)) : std::nullopt;
+      if (std::optional<LinearOperands> gemm =
+              plan_linear_into(block(out, -1), rows, block(c.weight, 0), bias)) {
         gemms.push_back(std::move(*gemm));
       }
     }
