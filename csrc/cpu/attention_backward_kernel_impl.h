@@ -9,8 +9,12 @@
 //   P = exp(scale Q K^T + bias - lse),  delta = rowsum(dO * O),
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,  dK = scale dS^T Q.
 // A fully masked row has lse = +inf: its P is exp(-inf) = 0, so it contributes nothing and its dQ is 0.
-// With dropout, Z = keep / (1 - p) is regenerated per tile pair from the forward's Philox stream (out is the
-// dropped output, so delta = rowsum(dO * O) already is rowsum(dP * Z * P)):
+// Where one key tile holds every key of the head (S <= kBackwardKeysPerTile) and there is neither dropout nor
+// a sink, each row of P is whole in the tile pair, and the softmax's backward runs as torch's softmax
+// backward does: on P normalised by its row sum, with delta = rowsum(dP * P) of that same P (see
+// BackwardPlan:: whole_rows), rather than on exp(S - lse) with delta = rowsum(dO * O). With dropout, Z = keep
+// / (1 - p) is regenerated per tile pair from the forward's Philox stream (out is the dropped output, so
+// delta = rowsum(dO * O) already is rowsum(dP * Z * P)):
 //   dV = (Z * P)^T dO,  dS = P * (Z * dP - delta).
 //
 // Work item = (b, kv head, a chunk of consecutive key tiles). The item owns dK and dV of its keys: it runs
@@ -114,6 +118,102 @@ void softmax_backward_row(acc_t* s, acc_t* dp, const acc_t* bias, acc_t row_bias
   }
 }
 
+// softmax_backward_row over a whole (nk, nq) tile pair that holds every key its queries see (BackwardPlan::
+// whole_rows), in place on the key-major tiles s (S^T, scaled scores, leading dimension ld) and dp (dP^T):
+// with p = exp(s + bias - lse) over the keys a query sees ([lo[r], hi[r]) of key row r; s and dp are 0
+// elsewhere), s becomes P = p / rowsum(p), which dV sees, and dp becomes dS = P * (dp - delta) with delta =
+// rowsum(dP * P), both sums over the query's keys (P = 0 for a query that sees none). The bias of row r is
+// the mask row bias + r * ld when bias is not null, else row_bias[r] (0 when that is null). By blocks of one
+// vector of queries, each through both passes while its columns are in cache, the block's sums in registers;
+// a block shorter than a vector in scalars.
+template <typename acc_t>
+void softmax_backward_whole_rows(acc_t* s, acc_t* dp, int64_t ld, const acc_t* bias, const acc_t* row_bias,
+                                 const acc_t* lse, const int32_t* lo, const int32_t* hi, int64_t nk,
+                                 int64_t nq) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  for (int64_t c = 0; c < nq; c += W) {
+    const int64_t w = std::min(W, nq - c);
+    const bool full = w == W;
+    // The block's columns of key row r, the queries [j0, j1) of them that see it zeroed around.
+    const auto columns = [&](int64_t r, int64_t& j0, int64_t& j1) {
+      j0 = std::clamp<int64_t>(lo[r] - c, 0, w);
+      j1 = std::clamp<int64_t>(hi[r] - c, j0, w);
+    };
+    // rowsum(p) and rowsum(p * dp) of the block's queries: in vector lanes over the key rows seen by the
+    // whole block (two pairs of sums, for two rows at a time), in scalars over the others (a block's edge
+    // under is_causal or a window, a block shorter than a vector).
+    V sum0(acc_t(0)), dot0(acc_t(0)), sum1(acc_t(0)), dot1(acc_t(0));
+    acc_t sum[W], dot[W];
+    std::fill_n(sum, w, acc_t(0));
+    std::fill_n(dot, w, acc_t(0));
+    const V vlse = full ? V::loadu(lse + c) : V(acc_t(0));
+    const auto covers = [&](int64_t r) { return full && lo[r] <= c && c + W <= hi[r]; };
+    const auto vector_row = [&](int64_t r, V& vsum, V& vdot) {
+      acc_t* sr = s + r * ld + c;
+      const V vb = bias ? V::loadu(bias + r * ld + c) : V(row_bias ? row_bias[r] : acc_t(0));
+      const V p = vexp(V::loadu(sr) + vb - vlse);
+      p.store(sr);
+      vsum = vsum + p;
+      vdot = fmadd(p, V::loadu(dp + r * ld + c), vdot);
+    };
+    int64_t r = 0;
+    for (; r + 2 <= nk && covers(r) && covers(r + 1); r += 2) {
+      vector_row(r, sum0, dot0);
+      vector_row(r + 1, sum1, dot1);
+    }
+    for (; r < nk; ++r) {
+      if (covers(r)) {
+        vector_row(r, sum0, dot0);
+        continue;
+      }
+      acc_t *sr = s + r * ld + c, *dr = dp + r * ld + c;
+      int64_t j0, j1;
+      columns(r, j0, j1);
+      zero_outside(sr, dr, j0, j1, w);
+      const acc_t* br = bias ? bias + r * ld + c : nullptr;
+      const acc_t rb = row_bias ? row_bias[r] : acc_t(0);
+      for (int64_t j = j0; j < j1; ++j) {
+        const acc_t p = std::exp(sr[j] + (br ? br[j] : rb) - lse[c + j]);
+        sr[j] = p;
+        sum[j] += p;
+        dot[j] += p * dr[j];
+      }
+    }
+    // 1 / rowsum(p) and delta = rowsum(p * dp) / rowsum(p).
+    acc_t inv[W], delta[W];
+    if (full) {
+      (sum0 + sum1).store(inv);
+      (dot0 + dot1).store(delta);
+    }
+    for (int64_t j = 0; j < w; ++j) {
+      const acc_t total = full ? inv[j] + sum[j] : sum[j];
+      inv[j] = total > acc_t(0) ? acc_t(1) / total : acc_t(0);
+      delta[j] = (full ? delta[j] + dot[j] : dot[j]) * inv[j];
+    }
+    r = 0;
+    if (full) {
+      const V vinv = V::loadu(inv), vdelta = V::loadu(delta);
+      for (; r < nk && covers(r); ++r) {
+        acc_t *sr = s + r * ld + c, *dr = dp + r * ld + c;
+        const V p = V::loadu(sr) * vinv;
+        p.store(sr);
+        (p * (V::loadu(dr) - vdelta)).store(dr);
+      }
+    }
+    for (; r < nk; ++r) {
+      acc_t *sr = s + r * ld + c, *dr = dp + r * ld + c;
+      int64_t j0, j1;
+      columns(r, j0, j1);
+      for (int64_t j = j0; j < j1; ++j) {
+        const acc_t p = sr[j] * inv[j];
+        sr[j] = p;
+        dr[j] = p * (dr[j] - delta[j]);
+      }
+    }
+  }
+}
+
 // softmax_backward_row with dropout: z[j] is the element's dropout factor (0, or 1 / (1 - p) when kept);
 // s[j] becomes the dropped probability z p, which dV sees, and dp[j] becomes dS = p * (z * dp[j] - delta[j]).
 template <typename acc_t>
@@ -201,8 +301,18 @@ struct BackwardPlan {
   int64_t heads_m;      // attn_mask's distinct heads: H, or 1 when broadcast over heads
   bool mask_rows;       // attn_mask differs between queries: each tile pair builds a bias tile
   bool mask_grad;       // attn_mask's gradient is summed into AttentionBackwardPointers::grad_attn_mask
-  bool q_in_place;      // Q's rows are read in place as GEMM operands (else packed once per item)
-  bool do_in_place;     // likewise for dO
+  // One key tile holds every key (k_tiles == 1), without dropout or sinks: each tile pair holds whole rows of
+  // P, so the softmax backward normalises them and takes delta = rowsum(dP * P) from them
+  // (softmax_backward_whole_rows), as torch's softmax backward does, rather than using exp(S - lse) and
+  // rowsum(dO * O). Those rest on the rounded lse and out: every P of a row carries lse's rounding, and
+  // delta, from the forward's out, is not that of this P, so a row's dS does not sum to 0 to rounding, and
+  // the gradients that such sums cancel in (of a key bias: a shift shared by a row's scores changes nothing)
+  // measured 1.2x torch's float32 error in geometric mean at nn.MultiheadAttention's smallest shapes
+  // (tests/test_mha_accuracy.py). It costs a second pass over the pair's (nk, nq) tiles and spares the
+  // per-query rowsum(dO * O).
+  bool whole_rows;
+  bool q_in_place;   // Q's rows are read in place as GEMM operands (else packed once per item)
+  bool do_in_place;  // likewise for dO
 };
 
 BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, const int64_t* grad_mask_size,
@@ -236,6 +346,7 @@ BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, const int64_t
   plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
   plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
   plan.mask_rows = p.attn_mask_kind != kMaskNone && p.attn_mask_stride[2] != 0;
+  plan.whole_rows = plan.k_tiles == 1 && !p.dropout && !p.has_sinks;
   plan.q_in_place = q_in_place;
   plan.do_in_place = do_in_place;
   return plan;
@@ -250,7 +361,7 @@ struct BackwardScratch {
   acc_t* q;      // (L, D) Q, when it is not read in place
   acc_t* dout;   // (L, Dv) dO, when it is not read in place
   acc_t* lse;    // (L,)
-  acc_t* delta;  // (L,) rowsum(dO * O)
+  acc_t* delta;  // (L,) rowsum(dO * O); not with whole_rows
   acc_t* dqt;    // (D, ld_q) dQ^T / scale, with one chunk per head
   // One key tile, one tile pair.
   acc_t* k;          // (bk, D) key tile converted, when it cannot be read in place
@@ -413,7 +524,7 @@ class AttentionBackwardCpu {
   }
 
   // Queries [r0, L) of head (b, h) into the scratch: (scale Q)^T and dO^T transposed, Q and dO as row-major
-  // operands (in place when possible), lse and delta = rowsum(dO * O).
+  // operands (in place when possible), lse and (but with whole_rows) delta = rowsum(dO * O).
   void pack_head(int64_t b, int64_t h, int64_t r0, BackwardScratch<acc_t>& ws) {
     const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q;
     const int64_t *qs = p_.q_stride, *gs = bp_.grad_out_stride, *os = p_.out_stride, *ls = p_.lse_stride;
@@ -434,6 +545,7 @@ class AttentionBackwardCpu {
 
     for (int64_t l = r0; l < L; ++l) {
       ws.lse[l] = lse[l * ls[2]];
+      if (plan_.whole_rows) continue;  // delta comes from the tile pair (run_pair)
       const acc_t* g = ws.do_op.ptr + l * ws.do_op.ld;
       const scalar_t* o = out + l * os[2];
       acc_t sum = 0;
@@ -558,20 +670,35 @@ class AttentionBackwardCpu {
       transpose(ws.drop_rows, plan_.ld_k, ws.drop, ld_t, nq, nk);
     }
 
-    for (int64_t r = 0; r < nk; ++r) {
-      // The queries that see key k0 + r: [lo, hi) of the tile (is_causal, key lengths, the window).
+    // The queries that see key k0 + r: [lo, hi) of the tile (is_causal, key lengths, the window).
+    const auto query_range = [&](int64_t r, int64_t& lo, int64_t& hi) {
       const int64_t s = k0 + r;
-      const int64_t hi = std::clamp<int64_t>(range_query_end(s, L, kv_len_b, p_.window_left) - q0, 0, nq);
-      const int64_t lo =
-          std::clamp<int64_t>(range_query_begin(s, L, kv_len_b, p_.window_right, p_.is_causal) - q0, 0, hi);
-      const acc_t* row_mask = bias ? bias + r * ld_t : nullptr;
-      const acc_t row_bias = (kb && !bias) ? kb[r] : acc_t(0);
-      if (p_.dropout) {
-        softmax_backward_row_dropout(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
-                                     ws.delta + q0, ws.drop + r * ld_t, lo, hi, nq);
-      } else {
-        softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
-                             ws.delta + q0, lo, hi, nq);
+      hi = std::clamp<int64_t>(range_query_end(s, L, kv_len_b, p_.window_left) - q0, 0, nq);
+      lo = std::clamp<int64_t>(range_query_begin(s, L, kv_len_b, p_.window_right, p_.is_causal) - q0, 0, hi);
+    };
+    if (plan_.whole_rows) {
+      int32_t lo[kBackwardKeysPerTile], hi[kBackwardKeysPerTile];
+      for (int64_t r = 0; r < nk; ++r) {
+        int64_t l, h;
+        query_range(r, l, h);
+        lo[r] = static_cast<int32_t>(l);
+        hi[r] = static_cast<int32_t>(h);
+      }
+      softmax_backward_whole_rows(ws.s, ws.dp, ld_t, bias, (kb && !bias) ? kb : nullptr, ws.lse + q0, lo, hi,
+                                  nk, nq);
+    } else {
+      for (int64_t r = 0; r < nk; ++r) {
+        int64_t lo, hi;
+        query_range(r, lo, hi);
+        const acc_t* row_mask = bias ? bias + r * ld_t : nullptr;
+        const acc_t row_bias = (kb && !bias) ? kb[r] : acc_t(0);
+        if (p_.dropout) {
+          softmax_backward_row_dropout(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
+                                       ws.delta + q0, ws.drop + r * ld_t, lo, hi, nq);
+        } else {
+          softmax_backward_row(ws.s + r * ld_t, ws.dp + r * ld_t, row_mask, row_bias, ws.lse + q0,
+                               ws.delta + q0, lo, hi, nq);
+        }
       }
     }
     // dS is the gradient of the score the masks were added to: the mask's gradient; the soft-cap's derivative
