@@ -13,47 +13,15 @@ small shapes). Fakes are registered on the kernel ops; the routers need none (fa
 the op they choose).
 """
 
-import ctypes
-import functools
 import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-import attnx._C
+from attnx._compat import register_fake
 
 __all__ = ["attention", "attention_backward", "draw_dropout_seed", "linear", "mha"]
-
-
-def _torch_passes_errors_through() -> bool:
-    """Whether torch's C API passes an error's message back to the caller (torch >= 2.13)."""
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-
-
-def _register_fake(name: str):
-    """torch.library.register_fake(name). Under torch 2.10 to 2.12, whose C API drops the message of an error
-    raised below a dispatcher call (logging it to stderr), the fake hands its error's message to attnx's
-    library before raising it, so that the C++ op above it (a router, mha) raises it with that message
-    (csrc/common/stable.h, ``dispatch``)."""
-    if _torch_passes_errors_through():
-        return torch.library.register_fake(name)
-    note_error = ctypes.CDLL(attnx._C.__file__).attnx_note_error
-    note_error.argtypes = [ctypes.c_char_p]
-
-    def register(fn):
-        @functools.wraps(fn)
-        def fake(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except Exception as error:
-                note_error(str(error).encode())
-                raise
-
-        torch.library.register_fake(name)(fake)
-        return fn
-
-    return register
 
 
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -429,14 +397,14 @@ def _scalar_name(dtype: torch.dtype) -> str:
     }.get(dtype, str(dtype).removeprefix("torch."))
 
 
-@_register_fake("attnx::_linear")
+@register_fake("attnx::_linear")
 def _linear_fake(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     _check_linear_args(input, weight, bias)
     out_sizes = [*input.shape[:-1], weight.shape[0]]
     return input.new_empty_strided(out_sizes, _linear_out_strides(input.shape, input.stride(), out_sizes))
 
 
-_register_fake("attnx::_linear_autograd")(_linear_fake)
+register_fake("attnx::_linear_autograd")(_linear_fake)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -630,7 +598,7 @@ def _check_attention_args(
         )
 
 
-@_register_fake("attnx::_attention")
+@register_fake("attnx::_attention")
 def _attention_fake(
     query: Tensor,
     key: Tensor,
@@ -657,7 +625,7 @@ def _attention_fake(
     return out, lse
 
 
-_register_fake("attnx::_attention_autograd")(_attention_fake)
+register_fake("attnx::_attention_autograd")(_attention_fake)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -760,7 +728,7 @@ def _check_attention_backward_tensor(
     )
 
 
-@_register_fake("attnx::attention_backward")
+@register_fake("attnx::attention_backward")
 def _attention_backward_fake(
     grad_out: Tensor,
     query: Tensor,
@@ -833,7 +801,7 @@ def _check_mha_fake_args(query, num_heads, batch_first=False):
     )
 
 
-@_register_fake("attnx::_mha")
+@register_fake("attnx::_mha")
 def _mha_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
     bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
@@ -868,7 +836,7 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
     )
 
 
-@_register_fake("attnx::mha_forward")
+@register_fake("attnx::mha_forward")
 def _mha_forward_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
     bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias, key_padding_mask, attn_mask, is_causal,
@@ -931,7 +899,7 @@ _MHA_GRADS = (
 )
 
 
-@_register_fake("attnx::mha_backward")
+@register_fake("attnx::mha_backward")
 def _mha_backward_fake(
     grad_out, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight,
     k_proj_weight, v_proj_weight, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias,
