@@ -16,8 +16,15 @@ from torch import Tensor
 
 from attnx import _fake  # noqa: F401  (registers the fake kernels)
 from attnx._autograd import _AttentionFunction, _LinearFunction, _MhaFunction, records_backward
+from attnx._schema import check_signature
 
 __all__ = ["attention", "attention_backward", "draw_dropout_seed", "linear", "mha"]
+
+# Looked up once: the wrappers are called per layer and step, and cost little more than the ops.
+_linear_kernel = torch.ops.attnx._linear.default
+_attention_kernel = torch.ops.attnx._attention.default
+_attention_backward = torch.ops.attnx.attention_backward.default
+_mha_forward_op, _mha_kernel = torch.ops.attnx.mha_forward.default, torch.ops.attnx._mha.default
 
 
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -34,10 +41,6 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if records_backward(input, weight, bias):
         return _LinearFunction.apply(_linear_kernel, None, input, weight, bias)
     return _linear_kernel(input, weight, bias)
-
-
-# Looked up once: the wrappers are called per layer and step, and cost little more than the ops.
-_linear_kernel = torch.ops.attnx._linear.default
 
 
 def attention(
@@ -109,26 +112,20 @@ def attention(
     """
     if dropout_p > 0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(query.device)
-    if records_backward(query, key, value, attn_mask, key_padding_mask, sinks):
-        return _AttentionFunction.apply(
-            _attention_kernel, None, query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-            dropout_p, dropout_seed, window_left, window_right, key_lengths, softcap, sinks,
-        )
-    op = _attention_kernel
-    # Arguments at their defaults are left to the schema: torch.ops converts each one passed (~0.1 us apiece;
-    # all 14 cost a quarter of the whole call at decoding shapes).
+    options = (attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left,
+               window_right, key_lengths, softcap, sinks)
+    # Options past the last one given are left to the schema: torch.ops converts each one passed (~0.1 us
+    # apiece; all 11 cost a quarter of the whole call at decoding shapes), and the autograd Function saves
+    # and hands on fewer.
     if window_left == -1 and window_right == -1 and key_lengths is None and softcap is None and sinks is None:
         if (attn_mask is None and key_padding_mask is None and is_causal is False and scale is None
                 and dropout_p == 0.0 and dropout_seed is None):
-            return op(query, key, value)
-        return op(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed)
-    return op(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed,
-        window_left, window_right, key_lengths, softcap, sinks,
-    )
-
-
-_attention_kernel = torch.ops.attnx._attention.default
+            options = ()
+        else:
+            options = options[:6]
+    if records_backward(query, key, value, attn_mask, key_padding_mask, sinks):
+        return _AttentionFunction.apply(_attention_kernel, None, query, key, value, *options)
+    return _attention_kernel(query, key, value, *options)
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
@@ -184,7 +181,7 @@ def attention_backward(
     they are that rounding times the scale (~1e25 in float32 at scale 1e30), as in every FlashAttention-style
     backward; dV does not involve the subtraction.
     """
-    return torch.ops.attnx.attention_backward.default(
+    return _attention_backward(
         grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
         dropout_seed, window_left, window_right, key_lengths, softcap, sinks, grad_attn_mask,
     )
@@ -249,4 +246,8 @@ def mha(
     return _mha_kernel(*args)
 
 
-_mha_forward_op, _mha_kernel = torch.ops.attnx.mha_forward.default, torch.ops.attnx._mha.default
+# The wrappers spell their op's signature out, as API: held to the schema (csrc/schemas.cpp) here.
+for _wrapper, _op_name in ((linear, "linear"), (attention, "attention"),
+                           (attention_backward, "attention_backward"), (mha, "mha")):
+    check_signature(_wrapper, _op_name)
+del _wrapper, _op_name
