@@ -1,10 +1,11 @@
 """Typed wrappers of the ops under ``torch.ops.attnx``: the Python API of attnx's kernels.
 
-The rest of the op layer lives in private modules, which importing this one loads: ``_fake`` (fake kernels for
-torch.compile and export, and the Python mirrors of the C++ checks they need), ``_autograd`` (the
-``autograd.Function`` registered as each differentiable op's Autograd kernel), ``_schema`` (the ops' argument
-tables, read from their schemas) and ``_compat`` (torch < 2.13 support). Only these modules touch
-``torch.ops.attnx``.
+Each wrapper documents its op's arguments and results; the semantics are specified once, in
+:mod:`attnx.reference`. The rest of the op layer lives in private modules, which importing this one loads:
+``_fake`` (fake kernels for torch.compile and export, and the Python mirrors of the C++ checks they need),
+``_autograd`` (the ``autograd.Function`` registered as each differentiable op's Autograd kernel), ``_schema``
+(the ops' argument tables, read from their schemas) and ``_compat`` (torch < 2.13 support). Only these modules
+touch ``torch.ops.attnx``.
 
 A wrapper calls the kernel op directly when the call records no backward (no grad mode, or no argument that
 requires grad), else the op's Function around it: the decision the public op's router
@@ -30,13 +31,23 @@ _mha_forward_op, _mha_kernel = torch.ops.attnx.mha_forward.default, torch.ops.at
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` that takes every input layout without a detour.
 
-    input ``(*, K)``, weight ``(N, K)``, bias ``(N,)`` or None; returns ``(*, N)``, equal to
-    ``F.linear(input, weight, bias)``. Leading dims that form one dense block of rows, in any memory order
-    (a B=1 transpose, ``(L, B, E)`` views of batch-first data, slices with a storage offset, size-1 dims with
-    any stride), run as one GEMM without a copy, and the output keeps the memory order of input's leading
-    dims (contiguous whenever input's rows are in logical order). Rows repeated by stride-0 dims are computed
-    once.
-    Any other layout is copied exactly once. Differentiable in input, weight and bias.
+    Leading dims that form one dense block of rows, in any memory order (a B=1 transpose, ``(L, B, E)``
+    views of batch-first data, slices with a storage offset, size-1 dims with any stride), run as one GEMM
+    without a copy. Rows repeated by stride-0 dims are computed once. Any other layout is copied exactly
+    once. Semantics: :func:`attnx.reference.linear`.
+
+    Args:
+        input: ``(*, K)``, any strides.
+        weight: ``(N, K)``, of input's dtype.
+        bias: ``(N,)`` (or ``(1,)``, broadcast), or None.
+
+    Returns:
+        ``(*, N)``, equal to ``F.linear(input, weight, bias)``, in the memory order of input's leading dims
+        (contiguous whenever input's rows are in logical order). Differentiable in input, weight and bias.
+
+    Raises:
+        RuntimeError: for arguments ``F.linear`` rejects, with its message (``mat1 and mat2 shapes cannot be
+            multiplied ...``), or ``attnx::linear: expected ...`` where attnx is stricter (a 2-D weight).
     """
     if records_backward(input, weight, bias):
         return _LinearFunction.apply(_linear_kernel, None, input, weight, bias)
@@ -61,54 +72,59 @@ def attention(
 ) -> tuple[Tensor, Tensor]:
     """Fused scaled dot-product attention with ``nn.MultiheadAttention``'s masks; returns ``(out, lse)``.
 
-    query ``(B, H, L, D)``, key ``(B, Hkv, S, D)`` and value ``(B, Hkv, S, Dv)``, of one dtype (float32,
-    float64, bfloat16 or float16) and any strides: they are read in place, never copied. ``Hkv`` divides
-    ``H`` (grouped KV heads, GQA; ``Hkv == 1`` is MQA): query head ``h`` reads kv head ``h // (H // Hkv)``,
-    indexed in place (no repeat).
+    The semantics (scores, masks, key ranges, soft-capping, sinks, dropout, fully masked rows) are those of
+    :func:`attnx.reference.attention`. Every tensor is read in place through its strides, never copied:
+    masks are never merged into a ``(B, H, L, S)`` tensor (broadcast dims cost nothing), kv heads are
+    indexed, not repeated, and key tiles outside a row's key range are skipped, so a window's cost grows with
+    the window, not with S.
 
-    attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
-    ``(B, H, L, S)``. key_padding_mask: ``(B, S)``. For both, bool ``True`` means *masked out* (the
-    opposite of SDPA's bool mask) and a floating mask (any float dtype) is added to the scores; the two
-    combine. Masks are read in place through their own strides (broadcast dims cost nothing), never merged
-    into a ``(B, H, L, S)`` tensor. ``is_causal`` masks key ``s > l`` (top-left aligned, as SDPA).
-    ``scale`` defaults to ``1/sqrt(D)``.
+    Args:
+        query: ``(B, H, L, D)``, float32, float64, bfloat16 or float16, any strides.
+        key: ``(B, Hkv, S, D)``, of query's dtype; ``Hkv`` divides ``H`` (grouped KV heads, GQA; ``Hkv == 1``
+            is MQA): query head ``h`` reads kv head ``h // (H // Hkv)``.
+        value: ``(B, Hkv, S, Dv)``, of query's dtype.
+        attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
+            ``(B, H, L, S)``; bool ``True`` = *masked out* (the opposite of SDPA's bool mask), or any float
+            dtype, added to the scores.
+        key_padding_mask: ``(B, S)``, bool or float as attn_mask; the two combine.
+        is_causal: masks key ``s > l`` (top-left aligned, as SDPA).
+        scale: the scores' scale; None: ``1/sqrt(D)``.
+        dropout_p: in ``[0, 1]``, dropout on the attention probabilities, fused (``1`` drops everything, as
+            ``F.dropout``). The caller applies it only in training (pass ``0.0`` in eval, as to
+            ``F.scaled_dot_product_attention``).
+        dropout_seed: an int64 CPU tensor ``(seed, offset)``; the keep mask is a pure function of it and of
+            each element's ``(b, h, l, s)`` (:func:`attnx.reference.dropout_keep_mask`), identical on every
+            backend, never stored (the backward regenerates it). None: drawn by :func:`draw_dropout_seed`
+            when ``dropout_p > 0``, so ``torch.manual_seed`` makes runs reproducible.
+        window_left: with window_right, the keys a row sees around its diagonal (bottom-right aligned, as
+            FlashAttention; ``-1`` leaves a side unbounded): ``(-1, 0)`` is causal attention for a KV-cache
+            step or a chunked prefill, ``(w - 1, 0)`` a sliding window of ``w`` keys.
+        window_right: see window_left.
+        key_lengths: an int32/int64 ``(B,)`` tensor on query's device, the valid keys per batch (e.g. a
+            static KV cache's filled length); keys past it are never read. On the CPU values outside
+            ``[0, S]`` raise; on a GPU, where reading them would cost a device sync, they are clamped.
+        softcap: > 0 or None: scores become ``softcap * tanh(score / softcap)`` before the masks are added
+            (Gemma 2).
+        sinks: ``(H,)``, one logit per query head that joins every row's softmax denominator (and ``lse``)
+            and adds no value (gpt-oss).
 
-    Which keys a row sees, without a mask tensor: with ``S_b`` valid keys in batch ``b``
-    (``key_lengths[b]``, an int32/int64 ``(B,)`` tensor on query's device, e.g. a static KV cache's filled
-    length; else ``S``), keys ``s >= S_b`` are ignored, and query row ``l`` sits at key position
-    ``l + S_b - L`` (bottom-right aligned, as FlashAttention: a decoding step's query is the last position).
-    A window keeps key ``s`` iff ``l + S_b - L - window_left <= s <= l + S_b - L + window_right``, ``-1``
-    leaving a side unbounded: ``(-1, 0)`` is causal attention for a KV-cache step or a chunked prefill,
-    ``(w - 1, 0)`` a sliding window of ``w`` keys. Key tiles outside a row's range are skipped, so the cost
-    grows with the window, not with S. On the CPU key_lengths outside ``[0, S]`` raise; on a GPU, where
-    reading them would cost a device sync, they are clamped into ``[0, S]``.
+    Returns:
+        ``out``: ``(B, H, L, Dv)`` in query's dtype, laid out in memory as ``(B, L, H, Dv)`` so that
+        ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is a view; 0 for a row that sees no key.
 
-    ``softcap`` (> 0, or None): scores become ``softcap * tanh(score / softcap)`` before the masks are added
-    (Gemma 2). ``sinks`` ``(H,)``: one logit per query head that joins every row's softmax denominator (and
-    ``lse``) and adds no value (gpt-oss).
+        ``lse``: ``(B, H, L)``, the natural-log logsumexp of the scaled, masked scores (before dropout) in
+        float32 (float64 for float64 inputs); ``+inf`` for a row that sees no key. Not differentiable (as
+        SDPA's logsumexp).
 
-    ``dropout_p`` in ``[0, 1]``: dropout on the attention probabilities, fused (each is zeroed with
-    probability ``dropout_p`` and the kept ones scaled by ``1 / (1 - dropout_p)`` before they multiply value;
-    ``1`` drops everything, as ``F.dropout``). The mask is never stored: it is a pure function of
-    ``dropout_seed``, an int64 CPU tensor ``(seed, offset)``, and of each element's ``(b, h, l, s)``
-    (Philox4x32-10, see :func:`attnx.reference.dropout_keep_mask`), identical on every backend, and the
-    backward regenerates it. When ``dropout_seed`` is None it is drawn by :func:`draw_dropout_seed` from
-    torch's default generator of query's device type, so ``torch.manual_seed`` makes runs reproducible. The
-    caller applies dropout only in training (pass ``dropout_p=0.0`` in eval, as
-    ``F.scaled_dot_product_attention``).
+        Differentiable in query, key, value, a float attn_mask (a learned bias: its gradient comes summed
+        over the dims it broadcasts along, in its shape and dtype) and sinks, through
+        :func:`attention_backward`; autograd saves q, k, v, out, lse, the masks and the seed, nothing of size
+        ``(B, H, L, S)``. No double backward.
 
-    Returns out ``(B, H, L, Dv)`` in query's dtype, laid out in memory as ``(B, L, H, Dv)`` so that
-    ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is a view, and ``lse`` ``(B, H, L)``, the natural-log
-    logsumexp of the scaled, masked scores in float32 (float64 for float64 inputs), before dropout. A row
-    that sees no key (every key masked or outside its range, or S == 0) gives out 0 and ``lse = +inf``. The
-    semantics are those of :func:`attnx.reference.attention`.
-
-    Differentiable in query, key, value, a float ``attn_mask`` (a learned bias: its gradient comes summed
-    over the dims it broadcasts along, in its shape and dtype) and ``sinks``, through
-    :func:`attention_backward`, which recomputes the probabilities from the saved ``lse`` and the dropout
-    mask from the saved seed (autograd saves q, k, v, out, lse, the masks and the seed, nothing of size
-    ``(B, H, L, S)``). ``lse`` is not differentiable (as SDPA's logsumexp), a float ``key_padding_mask``
-    gets no gradient (one that requires grad makes the backward raise), and there is no double backward.
+    Raises:
+        RuntimeError: ``attnx::attention: expected ...`` for an argument of the wrong shape, dtype or device;
+            in the backward, for a float key_padding_mask that requires grad (it gets no gradient) and for a
+            double backward.
     """
     if dropout_p > 0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(query.device)
@@ -129,57 +145,66 @@ def attention(
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
-    """A fresh dropout seed for :func:`attention`: an int64 CPU tensor ``(seed, offset)`` drawn from torch's
-    default generator of ``device``'s type, so that ``torch.manual_seed`` (or ``torch.cuda.manual_seed``)
-    makes it reproducible.
+    """A fresh dropout seed for :func:`attention`, drawn from torch's default generator of ``device``'s type,
+    so that ``torch.manual_seed`` (or ``torch.cuda.manual_seed``) makes it reproducible.
 
     It lives on the CPU so that kernels read it on the host when they launch; for an accelerator the two
-    numbers are drawn there and copied back, which waits for the device's queue."""
+    numbers are drawn there and copied back, which waits for the device's queue.
+
+    Args:
+        device: the device (or device type) of the attention call.
+
+    Returns:
+        An int64 CPU tensor ``(seed, offset)``.
+    """
     seed = torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
     return seed if seed.device.type == "cpu" else seed.cpu()
 
 
 def attention_backward(
-    grad_out: Tensor,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    attn_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: Tensor | None = None,
-    window_left: int = -1,
-    window_right: int = -1,
-    key_lengths: Tensor | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+    # attention's options, as the forward call took them
+    attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None, is_causal: bool = False,
+    scale: float | None = None, dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
+    window_left: int = -1, window_right: int = -1, key_lengths: Tensor | None = None,
+    softcap: float | None = None, sinks: Tensor | None = None,
     grad_attn_mask: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`attention`'s out with respect to query, key, value, attn_mask and sinks.
 
-    grad_out and out ``(B, H, L, Dv)`` in query's dtype and ``lse`` ``(B, H, L)`` as :func:`attention`
-    returned them; the other arguments are those of the forward call. Any strides. FlashAttention-2 style: the
-    probabilities are recomputed tile by tile as ``exp(score - lse)`` and never stored; extra memory is
-    O(B*H*L) plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in float32 (float64 for float64).
-    Returns ``(grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks)``: grad_query ``(B, H, L, D)``,
-    grad_key ``(B, Hkv, S, D)`` and grad_value ``(B, Hkv, S, Dv)`` in query's dtype, each laid out in memory
-    as ``(B, N, H, E)``, like out (a kv head's gradients summed over its query heads); when
-    ``grad_attn_mask`` and attn_mask is a float mask, its gradient in its shape and dtype, summed over the
-    dims it broadcasts along (on the CPU without any ``(B, H, L, S)`` buffer unless the mask is that size),
-    else an empty tensor; with sinks, their gradient ``(H,)`` in their dtype, else an empty tensor. A fully
-    masked row (``lse = +inf``) contributes 0. With the forward's ``dropout_p`` and ``dropout_seed``, the
-    forward's dropout mask is regenerated (never read from memory): ``dV = (Z P)^T dO`` and
-    ``dS = P (Z dP - rowsum(dO O))``, ``Z`` the mask scaled by ``1 / (1 - dropout_p)``.
+    FlashAttention-2 style: the probabilities are recomputed tile by tile as ``exp(score - lse)`` and never
+    stored; extra memory is O(B*H*L) plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in float32
+    (float64 for float64). With the forward's ``dropout_p`` and ``dropout_seed``, the forward's dropout mask
+    is regenerated (never read from memory): ``dV = (Z P)^T dO`` and ``dS = P (Z dP - rowsum(dO O))``, ``Z``
+    the mask scaled by ``1 / (1 - dropout_p)``. A fully masked row (``lse = +inf``) contributes 0.
 
     Accuracy: ``dP - rowsum(dO O)`` subtracts two sums taken in different orders, so where a probability is
     near 1 it carries up to about ``(D + S) eps P |dO| . (|v_s| + |O|)`` of rounding, which the scale
     multiplies into dQ and dK. At a scale so large that the softmax is one-hot (the exact dQ and dK vanish)
     they are that rounding times the scale (~1e25 in float32 at scale 1e30), as in every FlashAttention-style
     backward; dV does not involve the subtraction.
+
+    Args:
+        grad_out: ``(B, H, L, Dv)`` in query's dtype, any strides.
+        query, key, value: those of the forward call.
+        out: ``(B, H, L, Dv)``, as :func:`attention` returned it.
+        lse: ``(B, H, L)``, as :func:`attention` returned it.
+        attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left, window_right,
+            key_lengths, softcap, sinks: those of the forward call (see :func:`attention`).
+        grad_attn_mask: whether to compute a float attn_mask's gradient.
+
+    Returns:
+        ``(grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks)``: grad_query ``(B, H, L, D)``,
+        grad_key ``(B, Hkv, S, D)`` and grad_value ``(B, Hkv, S, Dv)`` in query's dtype, each laid out in
+        memory as ``(B, N, H, E)``, like out (a kv head's gradients summed over its query heads);
+        grad_attn_mask, when ``grad_attn_mask`` and attn_mask is a float mask, in attn_mask's shape and
+        dtype, summed over the dims it broadcasts along (on the CPU without any ``(B, H, L, S)`` buffer
+        unless the mask is that size), else an empty tensor; grad_sinks ``(H,)`` in sinks' dtype with sinks,
+        else an empty tensor.
+
+    Raises:
+        RuntimeError: ``attnx::attention: expected ...`` or ``attnx::attention_backward: expected ...`` for
+            an argument of the wrong shape, dtype or device.
     """
     return _attention_backward(
         grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
@@ -215,20 +240,50 @@ def mha(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward in one dispatch; returns ``(out, lse, weights)``.
 
-    Batched, any strides: query ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``, or with
-    ``batch_first`` ``(B, L, E)``, ``(B, S, kdim)``, ``(B, S, vdim)``, read in place like the others (no
-    transposes around the call, in the forward or the backward). Exactly one of in_proj_weight ``(3E, E)`` or
-    q/k/v_proj_weight ``(E, E)``, ``(E, kdim)``, ``(E, vdim)``; in_proj_bias ``(3E,)`` applies in both cases.
-    bias_k, bias_v ``(1, 1, E)``; static_k, static_v ``(B*H, S, E/H)``; add_zero_attn appends a zero key.
-    key_padding_mask ``(B, S)`` and attn_mask ``(L, S)`` or ``(B*H, L, S)``, each bool (``True`` = masked out)
-    or float (added), read in place, never merged; appended keys extend them by one unmasked column.
-    ``is_causal`` applies a causal mask. ``dropout_p`` drops attention probabilities as :func:`attention`
-    does (a seed is drawn when none is given; not with need_weights): the caller passes 0 in eval, as to SDPA.
+    The semantics are :func:`attnx.reference.mha`. Batched, any strides: every tensor is read in place, with
+    no transposes around the call (in the forward or the backward), and the masks are never merged.
 
-    Returns out ``(L, B, E)`` (``(B, L, E)`` with ``batch_first``); lse ``(B, H, L)`` in float32 (float64
-    for float64 inputs), ``+inf`` for a fully masked row, whose out is 0; weights ``(B, L, S')`` if
-    average_attn_weights else ``(B, H, L, S')`` when need_weights (NaN for a fully masked row), else an empty
-    ``(0,)`` tensor. The semantics are :func:`attnx.reference.mha`.
+    Args:
+        query: ``(L, B, E)``, or ``(B, L, E)`` with batch_first.
+        key: ``(S, B, kdim)``, or ``(B, S, kdim)`` with batch_first.
+        value: ``(S, B, vdim)``, or ``(B, S, vdim)`` with batch_first.
+        num_heads: ``H``; divides ``E``.
+        in_proj_weight: ``(3E, E)``; exactly one of it or the three q/k/v_proj_weight.
+        in_proj_bias: ``(3E,)`` or None; applies with either form of weights.
+        q_proj_weight: ``(E, E)``.
+        k_proj_weight: ``(E, kdim)``.
+        v_proj_weight: ``(E, vdim)``.
+        bias_k: ``(1, 1, E)``, with bias_v: one key/value appended per batch.
+        bias_v: ``(1, 1, E)``.
+        add_zero_attn: appends a zero key/value.
+        out_proj_weight: ``(E, E)``.
+        out_proj_bias: ``(E,)`` or None.
+        key_padding_mask: ``(B, S)``, bool (``True`` = masked out) or float (added); appended keys extend it
+            by one unmasked column.
+        attn_mask: ``(L, S)`` or ``(B*H, L, S)``, bool or float as key_padding_mask; the two combine.
+        is_causal: applies a causal mask.
+        static_k: ``(B*H, S, E/H)``, the keys as they are (no projection).
+        static_v: ``(B*H, S, E/H)``, the values as they are.
+        need_weights: whether to return the attention weights.
+        average_attn_weights: whether the weights are averaged over heads.
+        dropout_p: drops attention probabilities as :func:`attention` does (not with need_weights); the
+            caller passes 0 in eval, as to SDPA.
+        dropout_seed: as :func:`attention`'s; drawn when None and ``dropout_p > 0``.
+        batch_first: whether query, key, value and out are ``(B, N, F)``.
+
+    Returns:
+        ``out``: ``(L, B, E)`` (``(B, L, E)`` with batch_first); 0 for a fully masked row.
+
+        ``lse``: ``(B, H, L)`` in float32 (float64 for float64 inputs), ``+inf`` for a fully masked row.
+
+        ``weights``: when need_weights, ``(B, L, S')`` if average_attn_weights else ``(B, H, L, S')`` (``S'``
+        counts the appended keys; NaN for a fully masked row), else an empty ``(0,)`` tensor.
+
+        Differentiable in every tensor argument but the masks (a float attn_mask included).
+
+    Raises:
+        RuntimeError: ``attnx::mha: expected ...`` for an argument of the wrong shape, dtype or device; in
+            the backward, for a float key_padding_mask that requires grad and for a double backward.
     """
     grad = records_backward(
         query, key, value, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,
