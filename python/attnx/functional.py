@@ -8,13 +8,14 @@ own shape), to ONE call of :func:`attnx.ops.mha`, which reads them in place.
 """
 
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from attnx import ops, reference
+from attnx import _composite, ops
 
 __all__ = ["multi_head_attention_forward"]
 
@@ -372,36 +373,17 @@ def _mha_with_dropout(
     ``batch_first``; 0 from a fully masked row, as the fused op), the fully masked rows ``(B, L)`` and the
     weights (or an empty tensor).
     """
-    if batch_first:  # a composition of many ops already: two transposes more change nothing
-        query, key, value = (x.transpose(0, 1) for x in (query, key, value))
-    q, k, v, attn_mask, key_padding_mask = reference._mha_project(
-        query,
-        key,
-        value,
-        num_heads,
-        in_proj_weight,
-        in_proj_bias,
-        q_proj_weight,
-        k_proj_weight,
-        v_proj_weight,
-        bias_k,
-        bias_v,
-        add_zero_attn,
-        key_padding_mask,
-        attn_mask,
-        static_k,
-        static_v,
-        project=ops.linear,
-    )
-    scores = reference._mha_scores(q, k, attn_mask, key_padding_mask, is_causal)  # (B, H, L, S')
+    # mha's arguments by name, for the steps shared with attnx.reference.mha (attnx/_composite.py); the
+    # first statement, so that locals() holds exactly the arguments.
+    call = SimpleNamespace(**locals())
+    q, k, v, attn_mask, key_padding_mask = _composite.in_projections(call, ops.linear)
+    scores = _composite.scores(q, k, attn_mask, key_padding_mask, is_causal)  # (B, H, L, S')
     fully_masked = torch.isneginf(scores).all(dim=-1)  # (B, H, L)
     probs = F.dropout(
         torch.softmax(scores, dim=-1), p=dropout_p, training=True
     )  # NaN rows where fully masked
     out = torch.matmul(probs.masked_fill(fully_masked.unsqueeze(-1), 0.0), v.to(probs.dtype)).to(query.dtype)
-    attn_output = reference._mha_out_projection(out, out_proj_weight, out_proj_bias, project=ops.linear)
-    if batch_first:
-        attn_output = attn_output.transpose(0, 1)
+    attn_output = _composite.out_projection(out, call, ops.linear)
     if not need_weights:
         return attn_output, fully_masked.any(dim=1), query.new_empty(0)
     weights = probs.to(query.dtype)
