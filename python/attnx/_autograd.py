@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from attnx._fake import MHA_GRADS
-from attnx._schema import AttentionOptions, MhaArgs, MhaBackwardArgs
+from attnx._schema import AttentionBackwardArgs, AttentionOptions, MhaArgs, MhaBackwardArgs
 
 __all__ = ["records_backward"]
 
@@ -135,6 +135,10 @@ _KEY_PADDING_MASK = AttentionOptions._fields.index("key_padding_mask")
 _SINKS = AttentionOptions._fields.index("sinks")
 _NO_NEEDS = (False,) * len(AttentionOptions._fields)  # needs_input_grad of options left out
 _attention_backward = torch.ops.attnx.attention_backward.default
+# The backward passes the options on by position: attention_backward takes them in attention's order,
+# between lse and grad_attn_mask.
+if AttentionBackwardArgs._fields[6:-1] != AttentionOptions._fields:
+    raise AssertionError("attnx::attention_backward's options differ from attnx::_attention's")
 
 
 class _AttentionFunction(torch.autograd.Function):
