@@ -249,4 +249,5 @@ def _mha_with_dropout(call: MhaArgs) -> tuple[Tensor, Tensor, Tensor]:
 
 def _seq_first_shape(x: Tensor, batch_first: bool) -> torch.Size:
     """x's shape, with its first two dims swapped when batch_first: the shape of ``x.transpose(1, 0)``."""
-    return torch.Size((x.shape[1], x.shape[0], *x.shape[2:])) if batch_first else x.shape
+    shape = x.shape
+    return torch.Size((shape[1], shape[0], *shape[2:])) if batch_first else shape
