@@ -233,8 +233,8 @@ def test_head_dim_above_256_has_no_kernel(emu):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The tensor-core kernel (cuda/attention_kernel_mma.cu), with mma.sync emulated over the PTX fragment layouts. It
-# rounds P to the input type before P V, as FlashAttention does; the bounds above absorb that.
+# The tensor-core kernel (cuda/attention_kernel_mma.cu), with mma.sync emulated over the PTX fragment
+# layouts. It rounds P to the input type before P V, as FlashAttention does; the bounds above absorb that.
 
 MMA_DTYPES = [torch.float16, torch.bfloat16]
 

@@ -238,7 +238,7 @@ def test_bad_input_errors_like_f_linear(case):
     # torch's GEMM rejects the dtype (bool) inside the kernel, whose call of it crosses torch's stable C API:
     # the error keeps its message and arrives as a RuntimeError, which NotImplementedError subclasses.
     assert got_type is (RuntimeError if want_type is NotImplementedError else want_type)
-    if case == "bool" and not attnx.ops._torch_passes_errors_through():
+    if case == "bool" and not attnx._compat.torch_passes_errors_through():
         # torch 2.10 to 2.12 log the message of an error raised inside their own kernel to stderr, and their C
         # API hands attnx only the failure (csrc/common/stable.h): the op says which call failed.
         want_msg = "attnx::linear: aten::mm.out failed (torch < 2.13 logs the error to stderr)"

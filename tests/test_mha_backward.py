@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from attnx import ops, reference
+from attnx import _fake, ops, reference
 from mha_helpers import MASK_CASES, make_masks
 from test_convert import DispatchRecorder
 from test_mha_op import (
@@ -187,7 +187,7 @@ def test_fake_kernels_match(projection, layout, extras):
     args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True)
     real = torch.ops.attnx.mha_forward(*args)
     grad_out = torch.randn(L, B, E)
-    mask = [1] * len(ops._MHA_GRADS)
+    mask = [1] * len(_fake.MHA_GRADS)
     real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, 0.0, None, *real[3:], real[1], mask)
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -386,7 +386,7 @@ def test_batch_first_fake_kernels_match(projection, extras):
         tail = (0.0, None, True)  # dropout_p, dropout_seed, batch_first
         real = torch.ops.attnx.mha_forward(*args, *tail)
         grad_out = torch.randn(batch, length, E)
-        mask = [1] * len(ops._MHA_GRADS)
+        mask = [1] * len(_fake.MHA_GRADS)
         real_grads = torch.ops.attnx.mha_backward(grad_out, None, *args, 0.0, None, *real[3:], real[1], mask,
                                                   True)
         inputs = args[:1] if projection == "self" else args[:3]  # one tensor as all three: one gradient

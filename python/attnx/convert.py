@@ -67,7 +67,14 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
     Parameters), and ``nn.TransformerEncoder`` stops converting input to nested tensors. Outputs are those of
     torch's slow path, in train and eval. timm's and open_clip's attention modules are converted too when that
     library is imported (see the module doc, :mod:`attnx.integrations.timm` and
-    :mod:`attnx.integrations.open_clip`). Idempotent. Returns ``model``.
+    :mod:`attnx.integrations.open_clip`). Modules whose type is a subclass of torch's are left alone.
+    Idempotent.
+
+    Args:
+        model: any module; converted in place.
+
+    Returns:
+        ``model`` itself.
     """
     integrations = _integrations(loaded_only=False)
     for module in model.modules():
@@ -89,8 +96,14 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
 
 def revert(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`convert`: torch's classes again, same objects and Parameters, torch's behaviour (fast paths
-    and nested tensors included), and timm's and open_clip's own classes for their modules. In place; returns
-    ``model``."""
+    and nested tensors included), and timm's and open_clip's own classes for their modules.
+
+    Args:
+        model: any module; each attnx module in it (converted, or built as one) is retyped in place.
+
+    Returns:
+        ``model`` itself.
+    """
     reversions = dict(_REVERSIONS)
     for integration in _integrations(loaded_only=True):
         reversions.update({attnx_cls: cls for cls, attnx_cls in integration.CONVERSIONS.items()})

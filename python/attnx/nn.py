@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnx import _mha_checks
 from attnx import functional as attnx_functional
+from attnx._schema import MhaArgs
 
 __all__ = ["MultiheadAttention", "TransformerEncoderLayer"]
 
@@ -43,64 +45,60 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ) -> tuple[Tensor, Tensor | None]:
         """Attention of query over key/value; returns ``(attn_output, attn_output_weights)``.
 
-        query ``(L, E)``, ``(L, B, E)`` or with ``batch_first`` ``(B, L, E)``; key ``(S, kdim)``,
-        ``(S, B, kdim)`` or ``(B, S, kdim)``; value likewise with vdim. key_padding_mask ``(B, S)`` or
-        ``(S,)``; attn_mask ``(L, S)`` or ``(B*num_heads, L, S)``; bool ``True`` = masked out, float = added.
-        ``is_causal`` is torch's hint that attn_mask is causal (it requires attn_mask).
+        One :func:`attnx.ops.mha` call (semantics: :func:`attnx.reference.mha`), forward and backward.
 
-        attn_output has query's layout (``(B, L, E)`` with ``batch_first``); attn_output_weights,
-        when ``need_weights``, is ``(B, L, S)`` averaged over heads or ``(B, num_heads, L, S)``
-        (``(L, S)`` / ``(num_heads, L, S)`` unbatched), else ``None``.
+        Args:
+            query: ``(L, E)``, ``(L, B, E)``, or ``(B, L, E)`` with ``batch_first``.
+            key: ``(S, kdim)``, ``(S, B, kdim)``, or ``(B, S, kdim)`` with ``batch_first``.
+            value: likewise, with vdim.
+            key_padding_mask: ``(B, S)`` or ``(S,)``; bool ``True`` = masked out, float = added.
+            need_weights: whether to return the attention weights.
+            attn_mask: ``(L, S)`` or ``(B*num_heads, L, S)``; bool ``True`` = masked out, float = added.
+            average_attn_weights: whether the weights are averaged over heads.
+            is_causal: torch's hint that attn_mask is causal (it requires attn_mask).
+
+        Returns:
+            ``attn_output``: query's layout (``(B, L, E)`` with ``batch_first``).
+
+            ``attn_output_weights``: when need_weights, ``(B, L, S)`` averaged over heads or
+            ``(B, num_heads, L, S)`` (``(L, S)`` / ``(num_heads, L, S)`` unbatched), else ``None``.
+
+        Raises:
+            AssertionError, RuntimeError: torch's module's, with its messages; it warns as torch's does for
+                masks of mismatched dtypes.
         """
         # Torch's module checks both masks (and warns on mismatched dtypes) before anything else.
-        attnx_functional._check_mask(
+        _mha_checks.check_mask(
             key_padding_mask,
             "key_padding_mask",
-            attnx_functional._none_or_dtype(attn_mask),
+            _mha_checks.none_or_dtype(attn_mask),
             "attn_mask",
             stacklevel=2,
         )
-        attnx_functional._check_mask(attn_mask, "attn_mask", None, "", check_other=False)
+        _mha_checks.check_mask(attn_mask, "attn_mask", None, "", check_other=False)
         if query.is_nested or key.is_nested or value.is_nested:
             raise AssertionError(
                 "MultiheadAttention does not support NestedTensor outside of its fast path. "
                 "The fast path was not hit because attnx.nn.MultiheadAttention has no fast path"
             )
 
-        # Torch's module transposes batch_first inputs to (L, B, E) views and its output back; here the op
-        # takes (B, L, E) as it is (batch_first=True), which saves those transposes and their backward twins.
-        batch_first = self.batch_first and query.dim() == 3
-
-        attn_output, attn_output_weights = attnx_functional._forward(
-            query,
-            key,
-            value,
-            self.embed_dim,
-            self.num_heads,
-            self.in_proj_weight,
-            self.in_proj_bias,
-            self.bias_k,
-            self.bias_v,
-            self.add_zero_attn,
-            self.dropout,
-            self.out_proj.weight,
-            self.out_proj.bias,
-            training=self.training,
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            use_separate_proj_weight=not self._qkv_same_embed_dim,
-            q_proj_weight=self.q_proj_weight,
-            k_proj_weight=self.k_proj_weight,
+        call = MhaArgs(
+            query=query, key=key, value=value, num_heads=self.num_heads,
+            in_proj_weight=self.in_proj_weight, in_proj_bias=self.in_proj_bias,
+            q_proj_weight=self.q_proj_weight, k_proj_weight=self.k_proj_weight,
             v_proj_weight=self.v_proj_weight,
-            static_k=None,
-            static_v=None,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-            check_mask_dtypes=False,
-            batch_first=batch_first,
+            bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+            out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
+            key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal, static_k=None,
+            static_v=None, need_weights=need_weights, average_attn_weights=average_attn_weights,
+            dropout_p=self.dropout,
+            # Torch's module transposes batch_first inputs to (L, B, E) views and its output back; here the op
+            # takes (B, L, E) as it is, which saves those transposes and their backward twins.
+            batch_first=self.batch_first and query.dim() == 3,
         )
-        return attn_output, attn_output_weights
+        return attnx_functional._forward(
+            call, self.embed_dim, self.training, not self._qkv_same_embed_dim, check_mask_dtypes=False
+        )
 
 
 class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
@@ -129,11 +127,12 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
         """src ``(S, E)``, ``(S, B, E)`` or ``(B, S, E)`` with ``batch_first``; src_mask ``(S, S)`` or
         ``(B*nhead, S, S)``; src_key_padding_mask ``(B, S)``. Returns src's shape."""
         # torch's layer canonicalises the masks exactly so (same checks, warnings, bool -> float of src's
-        # dtype); they stay (S, S) / (B, S): small, and never merged.
+        # dtype); they stay (S, S) / (B, S): small, and never merged. Torch's own _canonical_mask: attnx has
+        # no equivalent (_mha_checks.check_mask checks without converting).
         src_key_padding_mask = F._canonical_mask(
             mask=src_key_padding_mask,
             mask_name="src_key_padding_mask",
-            other_type=F._none_or_dtype(src_mask),
+            other_type=_mha_checks.none_or_dtype(src_mask),
             other_name="src_mask",
             target_type=src.dtype,
         )

@@ -5,9 +5,13 @@ benchmarks check outputs against it before timing, and fallbacks call it. Clarit
 """
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
+
+from attnx import _composite
+from attnx._composite import as_4d_attn_mask, as_4d_padding_mask, bool_to_additive
 
 
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -18,18 +22,13 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
+    # attnx::attention's arguments, in its schema's order, a line per concept of the spec below
+    query: Tensor, key: Tensor, value: Tensor,
+    attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: Tensor | None = None,
-    window_left: int = -1,
-    window_right: int = -1,
-    key_lengths: Tensor | None = None,
+    dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
+    window_left: int = -1, window_right: int = -1, key_lengths: Tensor | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
     *,
@@ -94,9 +93,9 @@ def attention(
         key, value = key.repeat_interleave(H // Hkv, dim=1), value.repeat_interleave(H // Hkv, dim=1)
     seen = key_range_mask(B, L, S, is_causal, window_left, window_right, key_lengths, query.device)
     bias = torch.zeros(seen.shape, dtype=acc, device=query.device).masked_fill(~seen, float("-inf"))
-    for mask in (_as_4d_attn_mask(attn_mask, B, H), _as_4d_padding_mask(key_padding_mask)):
+    for mask in (as_4d_attn_mask(attn_mask, B, H), as_4d_padding_mask(key_padding_mask)):
         if mask is not None:
-            bias = bias + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
+            bias = bias + (bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
             seen = seen & (~mask if mask.dtype == torch.bool else mask != float("-inf"))
     if read_unseen:
         scores = torch.matmul(query.to(acc), key.to(acc).transpose(-2, -1)) * scale  # (B, H, L, S)
@@ -218,44 +217,17 @@ def dropout_keep_mask(dropout_seed: Tensor, B: int, H: int, L: int, S: int, p: f
     return (draws < threshold).view(B, H, L, S)
 
 
-def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
-
-
-def _as_4d_attn_mask(mask: Tensor | None, B: int, H: int) -> Tensor | None:
-    if mask is None or mask.dim() != 3:
-        return mask  # (L, S) and 4-D masks broadcast as they are
-    return mask.view(B, H, *mask.shape[1:])  # nn.MultiheadAttention's (B*H, L, S)
-
-
-def _as_4d_padding_mask(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-
-
 def mha(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    num_heads: int,
-    in_proj_weight: Tensor | None,
-    in_proj_bias: Tensor | None,
-    q_proj_weight: Tensor | None,
-    k_proj_weight: Tensor | None,
-    v_proj_weight: Tensor | None,
-    bias_k: Tensor | None,
-    bias_v: Tensor | None,
-    add_zero_attn: bool,
-    out_proj_weight: Tensor,
-    out_proj_bias: Tensor | None,
-    key_padding_mask: Tensor | None,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    static_k: Tensor | None,
-    static_v: Tensor | None,
-    need_weights: bool,
-    average_attn_weights: bool,
-    dropout_p: float = 0.0,
-    dropout_seed: Tensor | None = None,
+    # attnx::mha's arguments, in its schema's order, grouped as the paragraphs below take them
+    query: Tensor, key: Tensor, value: Tensor, num_heads: int,
+    in_proj_weight: Tensor | None, in_proj_bias: Tensor | None,
+    q_proj_weight: Tensor | None, k_proj_weight: Tensor | None, v_proj_weight: Tensor | None,
+    bias_k: Tensor | None, bias_v: Tensor | None, add_zero_attn: bool,
+    out_proj_weight: Tensor, out_proj_bias: Tensor | None,
+    key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool,
+    static_k: Tensor | None, static_v: Tensor | None,
+    need_weights: bool, average_attn_weights: bool,
+    dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
     batch_first: bool = False,
     *,
     project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
@@ -290,17 +262,14 @@ def mha(
     ``project`` computes the in- and out-projections (``linear``'s signature); attnx.functional passes
     :func:`attnx.linear` to differentiate through attnx's own projections.
     """
-    if batch_first:
-        query, key, value = (x.transpose(0, 1) for x in (query, key, value))
-    q, k, v, attn_mask, key_padding_mask = _mha_project(
-        query, key, value, num_heads, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight,
-        v_proj_weight, bias_k, bias_v, add_zero_attn, key_padding_mask, attn_mask, static_k, static_v,
-        project=project,
-    )
+    # mha's arguments by name, for the steps it shares with attnx.functional (attnx/_composite.py); the first
+    # statement, so that locals() holds exactly the arguments.
+    call = SimpleNamespace(**locals())
+    q, k, v, attn_mask, key_padding_mask = _composite.in_projections(call, project)
     out, lse = attention(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p=dropout_p,
                          dropout_seed=dropout_seed)
     if need_weights:
-        scores = _mha_scores(q, k, attn_mask, key_padding_mask, is_causal)
+        scores = _composite.scores(q, k, attn_mask, key_padding_mask, is_causal)
         # Normalised by each row's maximum and sum, as torch's softmax: exp(score - lse) with a rounded lse
         # would be off by lse's rounding error, visible where scores are large. A fully masked row's scores
         # are replaced by 0 first, so that autograd through the softmax stays finite (its weights are NaN
@@ -316,99 +285,4 @@ def mha(
             weights = weights.mean(dim=1)
     else:
         weights = query.new_empty(0)
-    out = _mha_out_projection(out, out_proj_weight, out_proj_bias, project=project)
-    return (out.transpose(0, 1) if batch_first else out), lse, weights
-
-
-def _mha_project(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    num_heads: int,
-    in_proj_weight: Tensor | None,
-    in_proj_bias: Tensor | None,
-    q_proj_weight: Tensor | None,
-    k_proj_weight: Tensor | None,
-    v_proj_weight: Tensor | None,
-    bias_k: Tensor | None,
-    bias_v: Tensor | None,
-    add_zero_attn: bool,
-    key_padding_mask: Tensor | None,
-    attn_mask: Tensor | None,
-    static_k: Tensor | None,
-    static_v: Tensor | None,
-    *,
-    project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """:func:`mha` up to the attention core: q ``(B, H, L, D)``, k ``(B, H, S', D)``, v ``(B, H, S', D)``
-    and the masks extended by one unmasked key column per appended key (attn_mask ``(L, S')`` or
-    ``(B*H, L, S')``, key_padding_mask ``(B, S')``)."""
-    L, B, E = query.shape
-    H = num_heads
-    D = E // H
-    if in_proj_weight is not None:
-        w_q, w_k, w_v = in_proj_weight.chunk(3)
-    else:
-        w_q, w_k, w_v = q_proj_weight, k_proj_weight, v_proj_weight
-    b_q, b_k, b_v = (None, None, None) if in_proj_bias is None else in_proj_bias.chunk(3)
-    if (bias_k is not None or bias_v is not None) and (static_k is not None or static_v is not None):
-        raise ValueError("attnx: bias_k/bias_v cannot be combined with static_k/static_v")
-
-    def heads(x: Tensor) -> Tensor:  # (S, B, E) -> (B, H, S, D); head h of batch b is row b*H + h, as torch's
-        return x.reshape(x.shape[0], B, H, D).permute(1, 2, 0, 3)
-
-    q = heads(project(query, w_q, b_q))
-    if static_k is None:
-        k = project(key, w_k, b_k)
-        if bias_k is not None:
-            k = torch.cat([k, bias_k.expand(1, B, E)])
-        k = heads(k)
-    else:
-        k = static_k.reshape(B, H, *static_k.shape[1:])
-    if static_v is None:
-        v = project(value, w_v, b_v)
-        if bias_v is not None:
-            v = torch.cat([v, bias_v.expand(1, B, E)])
-        v = heads(v)
-    else:
-        v = static_v.reshape(B, H, *static_v.shape[1:])
-    if add_zero_attn:
-        k = torch.cat([k, k.new_zeros(B, H, 1, k.shape[-1])], dim=2)
-        v = torch.cat([v, v.new_zeros(B, H, 1, v.shape[-1])], dim=2)
-    appended = int(bias_k is not None) + int(add_zero_attn)
-    if appended:
-        # False / 0.0: the appended keys are visible to every query that sees any key.
-        attn_mask = None if attn_mask is None else torch.nn.functional.pad(attn_mask, (0, appended))
-        if key_padding_mask is not None:
-            key_padding_mask = torch.nn.functional.pad(key_padding_mask, (0, appended))
-    return q, k, v, attn_mask, key_padding_mask
-
-
-def _mha_scores(
-    q: Tensor, k: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool
-) -> Tensor:
-    """The scaled, masked scores ``(B, H, L, S)`` that :func:`attention` takes the softmax of, in its
-    accumulation dtype (float64 for float64 inputs, else float32); masked entries are ``-inf``."""
-    B, H, L, D = q.shape
-    S = k.shape[-2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * D**-0.5
-    if is_causal:
-        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(causal, float("-inf"))
-    for mask in (_as_4d_attn_mask(attn_mask, B, H), _as_4d_padding_mask(key_padding_mask)):
-        if mask is not None:
-            scores = scores + (_bool_to_additive(mask, acc) if mask.dtype == torch.bool else mask.to(acc))
-    return scores
-
-
-def _mha_out_projection(
-    out: Tensor,
-    out_proj_weight: Tensor,
-    out_proj_bias: Tensor | None,
-    *,
-    project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
-) -> Tensor:
-    """Heads ``(B, H, L, D)`` -> concatenated ``(L, B, H*D)`` -> out projection ``(L, B, E)``."""
-    B, H, L, D = out.shape
-    return project(out.permute(2, 0, 1, 3).reshape(L, B, H * D), out_proj_weight, out_proj_bias)
+    return _composite.out_projection(out, call, project), lse, weights

@@ -1,7 +1,7 @@
 """attnx's CUDA kernels compiled for the CPU with g++ and the shim in cuda_shim.h, driven through ctypes.
 
-``build()`` compiles ``csrc/cuda/attention_kernel.cu`` (the real source, as C++) with ``attention_emu.cpp`` and
-``cuda_shim.cpp`` into a shared library under ``build/emulation/``, cached by the hash of every source,
+``build()`` compiles ``csrc/cuda/attention_kernel.cu`` (the real source, as C++) with ``attention_emu.cpp``
+and ``cuda_shim.cpp`` into a shared library under ``build/emulation/``, cached by the hash of every source,
 header and flag. ``Emulator.attention`` mirrors the glue (csrc/cuda/attention.cpp and
 common/attention.cpp): it reads the tensors' layouts into AttentionParams without copying, allocates out in
 (B, L, H, Dv) memory order and lse, and calls the same launcher a GPU build calls.
@@ -25,7 +25,8 @@ CSRC = os.path.join(ROOT, "csrc")
 BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
 KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention_kernel.cu"),
-                    os.path.join(CSRC, "cuda", "attention_kernel_mma.cu"), os.path.join(HERE, "cuda_shim.cpp")]
+                    os.path.join(CSRC, "cuda", "attention_kernel_mma.cu"),
+                    os.path.join(HERE, "cuda_shim.cpp")]
 SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "attention_emu.cpp")]  # the ctypes library
 RACE_CHECK_SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "race_check.cpp")]  # the TSan executable
 # torch compiles .cu files with these; so does the emulation, so that the same conversions are exercised.
