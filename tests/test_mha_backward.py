@@ -10,8 +10,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from attnx import ops, reference
+from dispatch_helpers import DispatchRecorder
 from mha_helpers import MASK_CASES, make_masks
-from test_convert import DispatchRecorder
 from test_mha_op import (
     B,
     E,

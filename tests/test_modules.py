@@ -8,6 +8,7 @@ import torch
 
 import attnx
 from attnx import ops
+from dispatch_helpers import DispatchRecorder
 from mha_helpers import MASK_CASES, assert_close, make_masks, same_error, torch_fastpath, warning_messages
 
 E, H = 8, 2
@@ -230,8 +231,6 @@ def test_batch_first_passes_inputs_to_the_op_as_they_are(monkeypatch):
 
 def _training_step_dispatches(module, x, grad_out):
     """The dispatches of one training step (forward + backward) after zero_grad(set_to_none=True)."""
-    from test_convert import DispatchRecorder
-
     def step():
         module(x, x, x, need_weights=False)[0].backward(grad_out)
 
