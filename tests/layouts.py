@@ -1,7 +1,9 @@
-"""Input factories: the same logical tensor in the memory layouts attnx must read without a detour.
+"""Input factories: the same logical tensor in the memory layouts attnx must read without a detour; and what
+tests ask of an output's layout (``is_non_overlapping_and_dense``).
 
-Every factory returns a tensor of the requested logical ``shape`` (last dim = features) whose values come from
-the generator, laid out as named. Kernel tests take the layout as a parameter.
+``make`` returns a tensor of the requested logical ``shape`` (last dim = features) whose values come from
+the generator, laid out as named. Kernel tests take the layout as a parameter: test_linear.py,
+test_mha_op.py, test_threads.py, test_metal_emulation.py; test_fuzz.py checks outputs' layouts too.
 """
 
 import torch
@@ -58,3 +60,14 @@ def make(shape, layout: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
         # Every other element of a wider buffer along the feature dim.
         return rand((*shape[:-1], 2 * shape[-1]))[..., ::2]
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def is_non_overlapping_and_dense(t):
+    """Every element of a span of t.numel() elements is addressed exactly once."""
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: t.stride(d))
+    extent = 1
+    for d in dims:
+        if t.stride(d) != extent:
+            return False
+        extent *= t.shape[d]
+    return True
