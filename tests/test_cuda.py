@@ -21,9 +21,8 @@ import torch
 import attnx
 from attnx import reference
 from conftest import DEVICES, require_kernel
-from mha_helpers import make_masks
+from mha_helpers import check_mha, make_inputs, make_masks, mha_args
 from test_attention import _mask, _opcheck_cases, _padding, check, make_qkv
-from test_mha_op import _args, _check, _inputs
 
 CUDA = [p for p in DEVICES if p.id == "cuda"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -484,25 +483,25 @@ def test_linear_gradients_and_opcheck(device):
 @pytest.mark.parametrize("masks", ["none", "both_bool", "both_float", "causal", "am3_float"])
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_mha_matches_reference(device, masks, need_weights):
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float64)
     kpm, am, is_causal = make_masks(masks, 2, 4, 6, 9, torch.float64)
-    args = _args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights)
-    _check(to_device(args, device))
+    args = mha_args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights)
+    check_mha(to_device(args, device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 def test_mha_low_precision_and_extras(device, dtype, extras):
-    query, key, value, w = _inputs("separate" if extras == "none" else "kv_shared", "sliced", dtype)
+    query, key, value, w = make_inputs("separate" if extras == "none" else "kv_shared", "sliced", dtype)
     s = 5 if extras == "static_kv" else 9
     kpm, am, _ = make_masks("both_float", 2, 4, 6, s, dtype)
-    _check(to_device(_args(query, key, value, w, extras=extras, kpm=kpm, am=am), device), dtype)
+    check_mha(to_device(mha_args(query, key, value, w, extras=extras, kpm=kpm, am=am), device), dtype)
 
 
 def test_mha_opcheck(device):
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float32)
+    query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float32)
     kpm, am, _ = make_masks("both_bool", 2, 4, 6, 9, torch.float32)
-    args = _args(query, key, value, w, kpm=kpm, am=am, need_weights=True)
+    args = mha_args(query, key, value, w, kpm=kpm, am=am, need_weights=True)
     torch.library.opcheck(torch.ops.attnx.mha.default, to_device(args, device))
 
 
