@@ -212,6 +212,62 @@ def make_feature_masks(kind, B, H, L, S, dtype, gen):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Cases that every implementation runs (the CPU kernel, the emulated CUDA and Metal kernels, a GPU): inputs
+# and keyword arguments, and what they must give.
+
+
+def fully_masked_rows_case(L=6, dtype=torch.float32):
+    """(q, k, v) of (B, H, L, S) = (2, 2, L, 9) and masks under which query 2 sees no key and batch 1 none
+    at all."""
+    q, k, v = make_qkv(2, 2, L, 9, 8, 8, dtype=dtype)
+    mask = torch.zeros(L, 9, dtype=torch.bool)
+    mask[2] = True  # query 2 sees no key
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True  # batch 1 sees no key at all
+    return (q, k, v), {"attn_mask": mask, "key_padding_mask": kpm}
+
+
+def assert_fully_masked_rows(out, lse):
+    """fully_masked_rows_case's rows that see no key have out 0 and lse +inf."""
+    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+def nan_rows_case(L=5):
+    """(q, k, v) of (B, H, L, S) = (1, 2, L, 6) and an attn_mask that put NaN in two kinds of rows: every
+    score of row (h=1, l=2), through the query, and one score of row l=4 of every head, through the mask."""
+    q, k, v = make_qkv(1, 2, L, 6, 4, 4)
+    q[0, 1, 2, 0] = float("nan")
+    mask = torch.zeros(L, 6)
+    mask[4, 3] = float("nan")
+    return (q, k, v), {"attn_mask": mask}
+
+
+def assert_nan_rows(out, lse):
+    """NaN propagates to out and lse in nan_rows_case's two NaN rows, and to no other row of head 0."""
+    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
+    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
+    assert not out[0, 0, :4].isnan().any()
+
+
+def key_tile_skipping_cases():
+    """(q, k, v) of (B, H, L, S) = (2, 2, 20, 70) and two sets of masks for kernels with 32-key tiles: in
+    batch 0, key_padding_mask removes the whole first tile (which the kernel skips) and part of the third; in
+    batch 1, the whole last, partial tile; attn_mask removes a whole tile for some rows only (not skipped),
+    as a bool mask, then as a float one with -inf under is_causal."""
+    q, k, v = make_qkv(2, 2, 20, 70, 16, 16)
+    kpm = torch.zeros(2, 70, dtype=torch.bool)
+    kpm[0, :32] = True
+    kpm[0, 66:] = True
+    kpm[1, 64:] = True
+    mask = torch.zeros(20, 70, dtype=torch.bool)
+    mask[:10, 32:64] = True
+    additive = torch.zeros(20, 70).masked_fill(mask, float("-inf"))
+    return (q, k, v), [{"attn_mask": mask, "key_padding_mask": kpm},
+                       {"attn_mask": additive, "key_padding_mask": kpm, "is_causal": True}]
+
+
+# ------------------------------------------------------------------------------------------------------------
 # The comparisons.
 
 

@@ -28,11 +28,15 @@ from attention_helpers import (
     KEY_PADDING_MASK_KINDS,
     MASKED_SHAPE,
     QKV_LAYOUTS,
+    assert_fully_masked_rows,
+    assert_nan_rows,
     attention_opcheck_cases,
     check_forward,
+    fully_masked_rows_case,
     make_attn_mask,
     make_key_padding_mask,
     make_qkv,
+    nan_rows_case,
     run_python,
     run_under_cpu_capability,
 )
@@ -161,14 +165,10 @@ def test_masked_tiles_are_skipped_correctly():
 
 
 def test_fully_masked_rows():
-    q, k, v = make_qkv(2, 2, 6, 9, 8, 8)
-    mask = torch.zeros(6, 9, dtype=torch.bool)
-    mask[2] = True  # query 2 sees no key
-    kpm = torch.zeros(2, 9, dtype=torch.bool)
-    kpm[1] = True  # batch 1 sees no key at all
-    out, lse = check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    # Query 2 sees no key; batch 1 sees no key at all.
+    qkv, masks = fully_masked_rows_case()
+    out, lse = check_forward(*qkv, **masks)
+    assert_fully_masked_rows(out, lse)
     assert torch.isfinite(lse[0, :, [0, 1, 3, 4, 5]]).all()
 
 
@@ -193,14 +193,9 @@ def test_empty_sizes(sizes, dtype):
 
 
 def test_nan_propagates_per_row():
-    q, k, v = make_qkv(1, 2, 5, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
-    mask = torch.zeros(5, 6)
-    mask[4, 3] = float("nan")  # row l=4 of every head
-    out, lse = check_forward(q, k, v, attn_mask=mask)
-    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
-    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
-    assert not out[0, 0, :4].isnan().any()
+    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
+    qkv, masks = nan_rows_case()
+    assert_nan_rows(*check_forward(*qkv, **masks))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -24,15 +24,18 @@ from attention_helpers import (
     DTYPES,
     KEY_PADDING_MASK_KINDS,
     QKV_LAYOUTS,
+    assert_fully_masked_rows,
     assert_unseen_rows_empty,
     attention_opcheck_cases,
     check_forward,
+    fully_masked_rows_case,
     make_attn_mask,
     make_feature_masks,
     make_gqa,
     make_key_padding_mask,
     make_qkv,
     make_sinks,
+    nan_rows_case,
 )
 from attnx import reference
 from conftest import DEVICES, require_kernel
@@ -115,22 +118,14 @@ def test_attention_padding_and_mask(device, attn_mask, padding, is_causal):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_fully_masked_rows_and_scale(device, dtype):
-    q, k, v = qkv(device, 2, 2, 6, 9, 8, 8, dtype=dtype)
-    mask = torch.zeros(6, 9, dtype=torch.bool, device=device)
-    mask[2] = True
-    kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
-    kpm[1] = True
-    out, lse = check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm, scale=0.3)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    inputs, masks = fully_masked_rows_case(dtype=dtype)  # query 2 sees no key; batch 1 none at all
+    out, lse = check_forward(*to_device(inputs, device), **to_device(masks, device), scale=0.3)
+    assert_fully_masked_rows(out, lse)
 
 
 def test_attention_nan_and_empty(device):
-    q, k, v = qkv(device, 1, 2, 5, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")
-    mask = torch.zeros(5, 6, device=device)
-    mask[4, 3] = float("nan")
-    out, lse = check_forward(q, k, v, attn_mask=mask)
+    inputs, masks = nan_rows_case()
+    out, lse = check_forward(*to_device(inputs, device), **to_device(masks, device))
     assert out[0, 1, 2].isnan().all() and out[0, :, 4].isnan().all()
     for sizes in [(0, 2, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
                   (2, 2, 3, 4, 8, 0)]:

@@ -24,14 +24,19 @@ from attention_helpers import (
     KEY_PADDING_MASK_KINDS,
     MASKED_SHAPE,
     QKV_LAYOUTS,
+    assert_fully_masked_rows,
     assert_matches_reference,
+    assert_nan_rows,
     assert_unseen_rows_empty,
+    fully_masked_rows_case,
+    key_tile_skipping_cases,
     make_attn_mask,
     make_feature_masks,
     make_gqa,
     make_key_padding_mask,
     make_qkv,
     make_sinks,
+    nan_rows_case,
     seed_of,
 )
 from emulation import emulator
@@ -139,16 +144,9 @@ def test_masks_low_precision_and_strided(emu, dtype):
 def test_padding_skips_whole_tiles(emu):
     # Batch 0: key_padding_mask removes the whole first key tile (skipped by the block) and part of the third;
     # batch 1: the whole last, partial tile. attn_mask removes a whole tile for some rows only (not skipped).
-    q, k, v = make_qkv(2, 2, 20, 70, 16, 16)
-    kpm = torch.zeros(2, 70, dtype=torch.bool)
-    kpm[0, :32] = True
-    kpm[0, 66:] = True
-    kpm[1, 64:] = True
-    mask = torch.zeros(20, 70, dtype=torch.bool)
-    mask[:10, 32:64] = True
-    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    check(emu, q, k, v, attn_mask=torch.zeros(20, 70).masked_fill(mask, -math.inf), key_padding_mask=kpm,
-          is_causal=True)
+    qkv, cases = key_tile_skipping_cases()
+    for masks in cases:
+        check(emu, *qkv, **masks)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -157,14 +155,9 @@ def test_padding_skips_whole_tiles(emu):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_fully_masked_rows(emu, dtype):
-    q, k, v = make_qkv(2, 2, 6, 9, 8, 8, dtype=dtype)
-    mask = torch.zeros(6, 9, dtype=torch.bool)
-    mask[2] = True  # query 2 sees no key
-    kpm = torch.zeros(2, 9, dtype=torch.bool)
-    kpm[1] = True  # batch 1 sees no key at all (its only tile is skipped)
-    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    # Query 2 sees no key; batch 1 sees no key at all (its only tile is skipped).
+    qkv, masks = fully_masked_rows_case(dtype=dtype)
+    assert_fully_masked_rows(*check(emu, *qkv, **masks))
 
 
 def test_fully_masked_row_with_infinite_values(emu):
@@ -178,14 +171,9 @@ def test_fully_masked_row_with_infinite_values(emu):
 
 
 def test_nan_propagates_per_row(emu):
-    q, k, v = make_qkv(1, 2, 5, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
-    mask = torch.zeros(5, 6)
-    mask[4, 3] = float("nan")  # row l=4 of every head
-    out, lse = check(emu, q, k, v, attn_mask=mask)
-    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
-    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
-    assert not out[0, 0, :4].isnan().any()
+    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
+    qkv, masks = nan_rows_case()
+    assert_nan_rows(*check(emu, *qkv, **masks))
 
 
 @pytest.mark.parametrize("sizes", EMPTY_SIZES, ids=str)

@@ -29,11 +29,16 @@ from attention_helpers import (
     MASKED_SHAPE,
     QKV_LAYOUTS,
     assert_bounded,
+    assert_fully_masked_rows,
     assert_matches_reference,
+    assert_nan_rows,
+    fully_masked_rows_case,
+    key_tile_skipping_cases,
     make_attn_mask,
     make_gqa,
     make_key_padding_mask,
     make_qkv,
+    nan_rows_case,
 )
 from attnx import reference
 from emulation import metal_emulator
@@ -182,16 +187,9 @@ def test_attention_masks_low_precision_and_strided(emu, kernel, dtype):
 def test_attention_padding_skips_whole_tiles(emu):
     # Batch 0: key_padding_mask removes the whole first key tile (skipped by the threadgroup) and part of the
     # third; batch 1: the whole last, partial tile. attn_mask removes a whole tile for some rows only.
-    q, k, v = make_qkv(2, 2, 20, 70, 16, 16)
-    kpm = torch.zeros(2, 70, dtype=torch.bool)
-    kpm[0, :32] = True
-    kpm[0, 66:] = True
-    kpm[1, 64:] = True
-    mask = torch.zeros(20, 70, dtype=torch.bool)
-    mask[:10, 32:64] = True
-    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, kernel="tiled")
-    check(emu, q, k, v, attn_mask=torch.zeros(20, 70).masked_fill(mask, float("-inf")), key_padding_mask=kpm,
-          is_causal=True, kernel="tiled")
+    qkv, cases = key_tile_skipping_cases()
+    for masks in cases:
+        check(emu, *qkv, **masks, kernel="tiled")
 
 
 def test_attention_float64_masks_are_refused(emu):
@@ -207,15 +205,9 @@ def test_attention_float64_masks_are_refused(emu):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_fully_masked_rows(emu, kernel, dtype):
-    Lq = KERNELS[kernel]
-    q, k, v = make_qkv(2, 2, Lq, 9, 8, 8, dtype=dtype)
-    mask = torch.zeros(Lq, 9, dtype=torch.bool)
-    mask[2] = True  # query 2 sees no key
-    kpm = torch.zeros(2, 9, dtype=torch.bool)
-    kpm[1] = True  # batch 1 sees no key at all (skipped key by key, or tile by tile)
-    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    # Query 2 sees no key; batch 1 sees no key at all (skipped key by key, or tile by tile).
+    qkv, masks = fully_masked_rows_case(KERNELS[kernel], dtype)
+    assert_fully_masked_rows(*check(emu, *qkv, **masks))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -231,15 +223,9 @@ def test_attention_fully_masked_row_with_infinite_values(emu, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_nan_propagates_per_row(emu, kernel):
-    Lq = KERNELS[kernel]
-    q, k, v = make_qkv(1, 2, Lq, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
-    mask = torch.zeros(Lq, 6)
-    mask[4, 3] = float("nan")  # row l=4 of every head
-    out, lse = check(emu, q, k, v, attn_mask=mask)
-    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
-    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
-    assert not out[0, 0, :4].isnan().any()
+    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
+    qkv, masks = nan_rows_case(KERNELS[kernel])
+    assert_nan_rows(*check(emu, *qkv, **masks))
 
 
 @pytest.mark.parametrize("sizes", [*EMPTY_SIZES, (1, 1, 12, 0, 8, 8)], ids=str)
