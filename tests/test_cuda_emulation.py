@@ -39,7 +39,7 @@ from attention_helpers import (
     nan_rows_case,
     seed_of,
 )
-from emulation import emulator
+from emulation import build_cache, emulator
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -601,10 +601,10 @@ def composite():
 
     from torch.utils import cpp_extension
 
-    csrc = os.path.join(emulator.ROOT, "csrc")
+    csrc = emulator.CSRC
     with open(os.path.join(csrc, "cuda", "attention_composite.h"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]  # load hashes its sources, not the headers
-    build_dir = os.path.join(emulator.BUILD_DIR, "composite")
+    build_dir = os.path.join(build_cache.BUILD_DIR, "composite")
     os.makedirs(build_dir, exist_ok=True)
     source = os.path.join(build_dir, f"composite_{digest}.cpp")
     with open(source, "w") as f:

@@ -9,7 +9,6 @@ common/attention.cpp): it reads the tensors' layouts into AttentionParams withou
 
 import ctypes
 import glob
-import hashlib
 import math
 import os
 import re
@@ -19,10 +18,10 @@ import tempfile
 
 import torch
 
+from emulation.build_cache import ROOT, BuildFailed, cached_build
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
-BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
 KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention.cu"),
                     os.path.join(CSRC, "cuda", "attention_mma.cu"), os.path.join(HERE, "cuda_shim.cpp")]
@@ -103,34 +102,17 @@ def build(extra_flags=(), sources=SOURCES, shared=True):
     # -Bsymbolic: the library's cudaFuncSetAttribute & co. are the shim's, even in a process where torch has
     # loaded the real libcudart (whose versions fail without a driver).
     flags += ["-shared", "-Wl,-Bsymbolic"] if shared else []
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    except OSError as e:
-        raise Unavailable(f"{cxx} does not run: {e}") from e
-    digest = hashlib.sha256("\0".join([cxx, version, *flags, *sources]).encode())
-    for path in _depends() + list(sources):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    name = f"attention-{digest.hexdigest()[:16]}" + (".so" if shared else "")
-    target = os.path.join(BUILD_DIR, name)
-    if os.path.exists(target):
-        return target
-    os.makedirs(BUILD_DIR, exist_ok=True)
     # .cu files are C++ here; the -x c++ / -x none pair scopes that to them.
     cmd = [cxx, *flags]
     for src in sources:
         cmd += ["-x", "c++", src, "-x", "none"] if src.endswith(".cu") else [src]
-    fd, tmp = tempfile.mkstemp(dir=BUILD_DIR, prefix=name + ".")
-    os.close(fd)
-    result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        if "C++20" in result.stderr or "-std=c++20" in result.stderr:
-            raise Unavailable(f"{cxx} does not support C++20:\n{result.stderr[-2000:]}")
-        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, target)  # atomic: concurrent test processes never see a half-written library
-    return target
+    try:
+        return cached_build("attention", cxx, flags, list(sources), _depends(), cmd, shared=shared,
+                            what="emulation", unavailable=Unavailable)
+    except BuildFailed as e:
+        if "C++20" in e.stderr or "-std=c++20" in e.stderr:
+            raise Unavailable(f"{cxx} does not support C++20:\n{e.stderr[-2000:]}") from e
+        raise
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -10,23 +10,19 @@ launch the kernel that ``csrc/mps/metal_plan.h`` picks, with its grid and thread
 
 import ctypes
 import glob
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 
 import torch
 
 from emulation import emulator as cuda_emulator
+from emulation.build_cache import ROOT, cached_build
 from emulation.emulator import MASK_KINDS, AttentionParams, make_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM = os.path.join(HERE, "metal")
-ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
 METAL = os.path.join(ROOT, "metal")
-BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
 RUNTIME = [os.path.join(SHIM, "metal_runtime.cpp")]
 SOURCES = [*RUNTIME, os.path.join(SHIM, "metal_emu.cpp")]  # the ctypes library, beside the .metal files
@@ -79,29 +75,9 @@ def build(extra_flags=(), sources=SOURCES, shared=True, metal_sources=None):
     metal_sources = metal_files() if metal_sources is None else list(metal_sources)
     flags = [*FLAGS, *extra_flags, "-I" + SHIM, "-I" + CSRC, "-I" + os.path.join(CSRC, "include")]
     flags += ["-shared"] if shared else []
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    except OSError as e:
-        raise Unavailable(f"{cxx} does not run: {e}") from e
-    digest = hashlib.sha256("\0".join([cxx, version, *flags, *metal_sources, *sources]).encode())
-    for path in _depends() + list(metal_sources) + list(sources):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    name = f"metal-{digest.hexdigest()[:16]}" + (".so" if shared else "")
-    target = os.path.join(BUILD_DIR, name)
-    if os.path.exists(target):
-        return target
-    os.makedirs(BUILD_DIR, exist_ok=True)
     cmd = [cxx, *flags, "-x", "c++", *metal_sources, "-x", "none", *sources]
-    fd, tmp = tempfile.mkstemp(dir=BUILD_DIR, prefix=name + ".")
-    os.close(fd)
-    result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"Metal emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, target)  # atomic: concurrent test processes never see a half-written library
-    return target
+    return cached_build("metal", cxx, flags, [*metal_sources, *sources], _depends(), cmd, shared=shared,
+                        what="Metal emulation", unavailable=Unavailable)
 
 
 # ------------------------------------------------------------------------------------------------------------
