@@ -176,6 +176,24 @@ def split_scale(scale):
 KEY_LENGTHS_KINDS = {torch.int32: 1, torch.int64: 2}
 
 
+def empty_outputs(q, v, out_layout, lse_dtype):
+    """Uninitialised (out, lse) of attention over q and v, as the glue allocates them: out (B, H, L, Dv) in
+    the op's (B, L, H, Dv) memory order for ``out_layout`` "blhd", contiguous for "bhld"; lse (B, H, L) of
+    ``lse_dtype``."""
+    B, H, L, _ = q.shape
+    Dv = v.shape[3]
+    if out_layout == "blhd":
+        out = torch.empty(B, L, H, Dv, dtype=q.dtype).transpose(1, 2)
+    else:
+        out = torch.empty(B, H, L, Dv, dtype=q.dtype)
+    return out, torch.empty(B, H, L, dtype=lse_dtype)
+
+
+def data_ptr(t):
+    """The address of t's data for ctypes, or None for an absent tensor."""
+    return None if t is None else t.data_ptr()
+
+
 def make_params(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None, out=None,
                 lse=None, dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None,
                 softcap=0.0, sinks=None):
@@ -251,25 +269,15 @@ class Emulator:
         ``out_layout="bhld"`` writes into a contiguous (B, H, L, Dv) out instead of the op's (B, L, H, Dv)
         memory order, to check that the kernel honours out's strides.
         """
-        B, H, L, _ = q.shape
-        Dv = v.shape[3]
-        if out_layout == "blhd":
-            out = torch.empty(B, L, H, Dv, dtype=q.dtype).transpose(1, 2)
-        else:
-            out = torch.empty(B, H, L, Dv, dtype=q.dtype)
-        lse = torch.empty(B, H, L, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = empty_outputs(q, v, out_layout, acc)
         if sinks is not None:
             sinks = sinks.to(lse.dtype).contiguous()
         p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout_p,
                         dropout_seed, window_left, window_right, key_lengths, softcap or 0.0, sinks)
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
-
-        err = self.lib.attnx_emu_attention(
-            ctypes.byref(p), DTYPES[q.dtype], KERNELS[kernel], ptr(q), ptr(k), ptr(v), ptr(attn_mask),
-            ptr(key_padding_mask), ptr(out), ptr(lse), ptr(key_lengths), ptr(sinks),
-        )
+        tensors = (q, k, v, attn_mask, key_padding_mask, out, lse, key_lengths, sinks)
+        err = self.lib.attnx_emu_attention(ctypes.byref(p), DTYPES[q.dtype], KERNELS[kernel],
+                                           *(data_ptr(t) for t in tensors))
         if err != 0:
             raise RuntimeError(f"emulated launch failed: {CUDA_ERRORS.get(err, err)}")
         return out, lse

@@ -17,7 +17,7 @@ import torch
 
 from emulation import emulator as cuda_emulator
 from emulation.build_cache import ROOT, cached_build
-from emulation.emulator import MASK_KINDS, AttentionParams, make_params
+from emulation.emulator import MASK_KINDS, AttentionParams, data_ptr, empty_outputs, make_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM = os.path.join(HERE, "metal")
@@ -190,25 +190,15 @@ class MetalEmulator:
         if key_lengths is not None and key_lengths.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"attnx::attention: expected key_lengths of dtype int32 or int64, got "
                             f"{key_lengths.dtype}")
-        B, H, L, _ = q.shape
-        Dv = v.shape[3]
-        if out_layout == "blhd":
-            out = torch.empty(B, L, H, Dv, dtype=q.dtype).transpose(1, 2)
-        else:
-            out = torch.empty(B, H, L, Dv, dtype=q.dtype)
-        lse = torch.empty(B, H, L, dtype=torch.float32)
+        out, lse = empty_outputs(q, v, out_layout, torch.float32)
         sinks_acc = None if sinks is None else sinks.to(torch.float32).contiguous()
         p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                         window_left=window_left, window_right=window_right, key_lengths=key_lengths,
                         softcap=softcap, sinks=sinks_acc)
         self.last_plan = self.plan_attention(p, q.dtype)
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
-
-        err = self.lib.attnx_metal_emu_attention(ctypes.byref(p), DTYPES[q.dtype], ptr(q), ptr(k), ptr(v),
-                                                 ptr(attn_mask), ptr(key_padding_mask), ptr(out),
-                                                 ptr(lse), ptr(key_lengths), ptr(sinks_acc))
+        tensors = (q, k, v, attn_mask, key_padding_mask, out, lse, key_lengths, sinks_acc)
+        err = self.lib.attnx_metal_emu_attention(ctypes.byref(p), DTYPES[q.dtype],
+                                                 *(data_ptr(t) for t in tensors))
         if err != 0:
             raise RuntimeError(f"emulated Metal launch failed: {ERRORS.get(err, err)}")
         return out, lse
