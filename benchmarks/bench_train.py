@@ -66,14 +66,8 @@ def _seed_counts() -> dict:
             S,
             lambda b, h, q, kv: q >= 0,
         )
-        opts = dict(
-            PRESCALE_QK=False,
-            ROWS_GUARANTEED_SAFE=False,
-            BLOCKS_ARE_CONTIGUOUS=False,
-            WRITE_DQ=True,
-            OUTPUT_LOGSUMEXP=False,
-            OUTPUT_MAX=False,
-        )
+        opts = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
+                    OUTPUT_LOGSUMEXP=False, OUTPUT_MAX=False)
         counts["flex dense backward (math fallback)"] = count_dispatches(
             lambda: sdpa_dense_backward(
                 q,

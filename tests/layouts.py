@@ -1,7 +1,10 @@
-"""Input factories: the same logical tensor in the memory layouts attnx must read without a detour.
+"""Input factories: the same logical tensor in the memory layouts attnx must read without a detour; and what
+tests ask of layouts: a tensor moved to another device with its exact layout (``to_device``), an output's
+density (``is_non_overlapping_and_dense``).
 
-Every factory returns a tensor of the requested logical ``shape`` (last dim = features) whose values come from
-the generator, laid out as named. Kernel tests take the layout as a parameter.
+``make`` returns a tensor of the requested logical ``shape`` (last dim = features) whose values come from
+the generator, laid out as named. Kernel tests take the layout as a parameter: test_linear.py,
+test_mha_op.py, test_threads.py, test_metal_emulation.py; test_cuda.py and test_fuzz.py use the other two.
 """
 
 import torch
@@ -58,3 +61,27 @@ def make(shape, layout: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
         # Every other element of a wider buffer along the feature dim.
         return rand((*shape[:-1], 2 * shape[-1]))[..., ::2]
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def to_device(x, device):
+    """``x`` (or the tensors in a tuple, list or dict) on ``device``: same sizes, strides, storage offset."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(a, device) for a in x)
+    if isinstance(x, dict):
+        return {k: to_device(a, device) for k, a in x.items()}
+    if not isinstance(x, torch.Tensor):
+        return x
+    numel = x.untyped_storage().nbytes() // x.element_size()
+    storage = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage(), 0, (numel,))
+    return storage.to(device).as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def is_non_overlapping_and_dense(t):
+    """Every element of a span of t.numel() elements is addressed exactly once."""
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: t.stride(d))
+    extent = 1
+    for d in dims:
+        if t.stride(d) != extent:
+            return False
+        extent *= t.shape[d]
+    return True

@@ -1,10 +1,15 @@
-"""Shared helpers for the multi-head attention tests: inputs, masks, and comparisons with torch."""
+"""Shared helpers for the multi-head attention tests: masks, comparisons with torch (test_mha.py,
+test_modules.py, test_convert.py), and the inputs, argument tuples and checks of the fused op attnx::mha
+against its spec, reference.mha (test_mha_op.py, test_mha_backward.py, test_cuda.py)."""
 
 import contextlib
 import warnings
 
 import pytest
 import torch
+
+import layouts
+from attnx import ops, reference
 
 # Masks a test case can ask for: (key_padding_mask kind, attn_mask kind, is_causal).
 MASK_CASES = {
@@ -104,3 +109,130 @@ def torch_fastpath(enabled):
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(previous)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# attnx::mha's arguments, in the op's sizes: batch, heads, queries, keys, embedding; separate key/value dims.
+
+B, H, L, S, E = 2, 4, 6, 9, 16
+KDIM, VDIM = 12, 20
+
+
+def make_inputs(projection, layout, dtype, batch=B, length=L, source=S):
+    """(query, key, value, weights dict) in (L, B, E) form; ``layout`` decides their strides."""
+
+    def tensor(n, b, e):
+        if layout == "seq_first":
+            return torch.randn(n, b, e, dtype=dtype)
+        if layout == "batch_first":  # what a batch_first module passes: x.transpose(0, 1) of (B, N, E)
+            return torch.randn(b, n, e, dtype=dtype).transpose(0, 1)
+        if layout == "sliced":  # a window of a wider buffer: storage offset, row stride > E
+            return torch.randn(n + 1, b, e + 5, dtype=dtype)[1:, :, 2 : 2 + e]
+        raise ValueError(layout)
+
+    query = tensor(length, batch, E)
+    kdim, vdim = (KDIM, VDIM) if projection == "separate" else (E, E)
+    if projection == "self":
+        key = value = query
+    elif projection == "kv_shared":
+        key = value = tensor(source, batch, E)
+    else:
+        key, value = tensor(source, batch, kdim), tensor(source, batch, vdim)
+    w = {"out_proj_weight": torch.randn(E, E, dtype=dtype) / E**0.5}
+    if projection == "separate":
+        w["q_proj_weight"] = torch.randn(E, E, dtype=dtype) / E**0.5
+        w["k_proj_weight"] = torch.randn(E, kdim, dtype=dtype) / kdim**0.5
+        w["v_proj_weight"] = torch.randn(E, vdim, dtype=dtype) / vdim**0.5
+    else:
+        w["in_proj_weight"] = torch.randn(3 * E, E, dtype=dtype) / E**0.5
+    return query, key, value, w
+
+
+def make_inputs_batch_first(projection, layout, dtype, batch=B, length=L, source=S):
+    """(query, key, value, weights dict) in (B, L, E) form, as a batch_first module passes them to the op;
+    ``layout`` is one of tests/layouts.py's (``transposed`` at B=1: the seed report's strides)."""
+    query, key, value, w = make_inputs(projection, "seq_first", dtype, batch, length, source)
+
+    def relaid(x):
+        y = layouts.make((x.shape[1], x.shape[0], x.shape[2]), layout, dtype)
+        if layout == "expanded":  # stride 0 over the batch: the same sequence in every batch
+            return y
+        return y.copy_(x.transpose(0, 1))  # the seq-first case's values, in this layout
+
+    q = relaid(query)
+    k = q if key is query else relaid(key)
+    v = k if value is key else relaid(value)
+    return q, k, v, w
+
+
+def key_count(projection, extras, length=L):
+    """How many keys the masks of make_inputs' tensors cover: static_kv's 5, the queries themselves for
+    "self", S otherwise."""
+    return 5 if extras == "static_kv" else (length if projection == "self" else S)
+
+
+def inputs_and_masks(projection, layout, extras="none", masks="both_bool", dtype=torch.float64,
+                     batch_first=False):
+    """((query, key, value, weights) of make_inputs, or of make_inputs_batch_first, and mha_args' keyword
+    arguments kpm, am, is_causal of the MASK_CASES ``masks``, sized for them."""
+    make = make_inputs_batch_first if batch_first else make_inputs
+    inputs = make(projection, layout, dtype)
+    kpm, am, is_causal = make_masks(masks, B, H, L, key_count(projection, extras), dtype)
+    return inputs, {"kpm": kpm, "am": am, "is_causal": is_causal}
+
+
+def mha_args(query, key, value, w, *, bias=True, extras="none", kpm=None, am=None, is_causal=False,
+             need_weights=False, average=True, batch_first=False):
+    """attnx::mha's positional arguments for these inputs and weights (of make_inputs): random biases,
+    ``extras`` ("bias_kv", "zero_attn", "static_kv" or a "+"-joined mix), masks, the weights output."""
+    dtype, batch = query.dtype, query.shape[0 if batch_first else 1]
+    static = extras == "static_kv"
+    hd = E // H
+    s_static = 5
+    return (
+        query, key, value, H, w.get("in_proj_weight"),
+        torch.randn(3 * E, dtype=dtype) if bias else None,
+        w.get("q_proj_weight"), w.get("k_proj_weight"), w.get("v_proj_weight"),
+        torch.randn(1, 1, E, dtype=dtype) if "bias_kv" in extras else None,
+        torch.randn(1, 1, E, dtype=dtype) if "bias_kv" in extras else None,
+        "zero_attn" in extras, w["out_proj_weight"], torch.randn(E, dtype=dtype) if bias else None,
+        kpm, am, is_causal,
+        torch.randn(batch * H, s_static, hd, dtype=dtype) if static else None,
+        torch.randn(batch * H, s_static, hd, dtype=dtype) if static else None,
+        need_weights, average,
+    )
+
+
+def check_mha(args, dtype=torch.float64, **kwargs):
+    """ops.mha vs reference.mha: float64 to rounding; lower precisions within 3x the reference's own error."""
+    out, lse, weights = ops.mha(*args, **kwargs)
+    ref = reference.mha(*args, **kwargs)
+    if dtype == torch.float64:
+        for got, want in zip((out, lse, weights), ref, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, equal_nan=True)
+        return
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref64 = reference.mha(*args64, **kwargs)
+    for got, want, want64 in zip((out, lse, weights), ref, ref64, strict=True):
+        assert got.shape == want64.shape and got.dtype == want.dtype
+        finite = torch.isfinite(want64)
+        assert torch.equal(torch.isfinite(got), finite)
+        err = (got.double() - want64)[finite].abs().max().item() if finite.any() else 0.0
+        ref_err = (want.double() - want64)[finite].abs().max().item() if finite.any() else 0.0
+        assert err <= 3 * ref_err + 1e-5, (err, ref_err)
+
+
+def transposed_args(args):
+    """batch_first args -> the sequence-first call on (L, B, E) views (one tensor passed twice stays one)."""
+    views = {}
+    for t in args[:3]:
+        views.setdefault(id(t), t.transpose(0, 1))
+    return (*(views[id(t)] for t in args[:3]), *args[3:])
+
+
+def batch_first_masked_args(extras, **kwargs):
+    """mha's arguments for a batch_first call with both bool masks and the given extras. Key 0 stays visible
+    in every row: opcheck compares without equal_nan, and a fully masked row's weights are NaN."""
+    inputs, masks = inputs_and_masks("kv_shared", "contiguous", extras, dtype=torch.float32, batch_first=True)
+    masks["kpm"][:, 0], masks["am"][:, 0] = False, False
+    return mha_args(*inputs, extras=extras, batch_first=True, **masks, **kwargs)

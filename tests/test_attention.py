@@ -9,12 +9,11 @@ so the kernel may be at most K times as far from the exact result as the referen
 covers what that relative bound cannot: fp32 kernels use an exp accurate to ~20 ulp where the reference's is
 ~1 ulp (1e-5 on outputs and lse of magnitude <= ~10), fp64 sums in a different order (1e-12), and bf16/fp16
 outputs can round to the neighbouring representable value of the reference's (2e-3, one bf16 ulp at 0.25).
-Infinite and NaN entries must match exactly, position by position.
+Infinite and NaN entries must match exactly, position by position. The inputs, the mask factories and this
+comparison are attention_helpers.py's, shared with the other attention tests.
 """
 
-import os
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -22,92 +21,25 @@ import pytest
 import torch
 
 import attnx
-from attnx import reference
-
-K_BOUND = 4
-ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-3, torch.float16: 2e-3}
-LSE_ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-5, torch.float16: 1e-5}
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Inputs in every layout the op must take without copying.
-
-LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
-
-
-def _layout(shape, layout, dtype, gen, *, which):
-    """A (B, H, N, E) tensor of N(0, 1) values in `layout`; values are drawn in float32, then cast."""
-    B, H, N, E = shape
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen).to(dtype)
-
-    if layout == "contiguous":
-        return randn(B, H, N, E)
-    if layout == "blhd":  # nn.MultiheadAttention(batch_first=True) after its in-projection
-        return randn(B, N, H, E).transpose(1, 2)
-    if layout == "lbhd":  # sequence-first; at B == 1 the batch stride is left arbitrary
-        return randn(N, B, H, E).permute(1, 2, 0, 3)
-    if layout == "packed":  # one slice of a packed (B, N, 3, H, E) in-projection output: storage offset
-        slot = {"q": 0, "k": 1, "v": 2}[which]
-        return randn(B, N, 3, H, E)[:, :, slot].transpose(1, 2)
-    if layout == "expanded_kv":  # keys and values shared by all heads through stride 0 (GQA-like)
-        return randn(B, H, N, E) if which == "q" else randn(B, 1, N, E).expand(B, H, N, E)
-    if layout == "strided_last":  # last-dim stride 2
-        return randn(B, H, N, 2 * E)[..., ::2]
-    raise ValueError(layout)
-
-
-def make_qkv(B, H, L, S, D, Dv, dtype=torch.float32, layout="contiguous", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = _layout((B, H, L, D), layout, dtype, gen, which="q")
-    k = _layout((B, H, S, D), layout, dtype, gen, which="k")
-    v = _layout((B, H, S, Dv), layout, dtype, gen, which="v")
-    return q, k, v
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The comparison.
-
-
-def _upcast(x):
-    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
-def _assert_bounded(actual, ref64, ref_same, atol, what):
-    actual, ref64, ref_same = actual.double(), ref64.double(), ref_same.double()
-    assert actual.shape == ref64.shape
-    for pred, name in ((torch.isnan, "NaN"), (torch.isposinf, "+inf"), (torch.isneginf, "-inf")):
-        mismatch = pred(actual) != pred(ref64)
-        assert not mismatch.any(), f"{what}: {name} at different positions ({int(mismatch.sum())} entries)"
-    finite = torch.isfinite(ref64)
-    if not finite.any():
-        return
-    err = (actual - ref64)[finite].abs().max().item()
-    ref_err = (ref_same - ref64)[finite].abs().max().item()
-    bound = K_BOUND * ref_err + atol
-    assert err <= bound, f"{what}: max error {err:.3e} > {K_BOUND} * {ref_err:.3e} + {atol:.0e}"
-
-
-def assert_matches_reference(out, lse, q, k, v, **kwargs):
-    """(out, lse) of some implementation of attention(q, k, v, **kwargs) against the reference, in float64
-    and in the inputs' dtype (the bound above); returns (out, lse)."""
-    ref64_out, ref64_lse = reference.attention(
-        _upcast(q), _upcast(k), _upcast(v), **{n: _upcast(a) for n, a in kwargs.items()}
-    )
-    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
-    assert out.dtype == q.dtype and out.shape == ref_out.shape
-    assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
-    _assert_bounded(out, ref64_out, ref_out, ATOL[q.dtype], "out")
-    _assert_bounded(lse, ref64_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
-    return out, lse
-
-
-def check(q, k, v, **kwargs):
-    """Runs the op and compares out and lse with the reference; returns (out, lse)."""
-    return assert_matches_reference(*attnx.attention(q, k, v, **kwargs), q, k, v, **kwargs)
-
+from attention_helpers import (
+    ATTN_MASK_KINDS,
+    DTYPES,
+    EMPTY_SIZES,
+    KEY_PADDING_MASK_KINDS,
+    MASKED_SHAPE,
+    QKV_LAYOUTS,
+    assert_fully_masked_rows,
+    assert_nan_rows,
+    attention_opcheck_cases,
+    check_forward,
+    fully_masked_rows_case,
+    make_attn_mask,
+    make_key_padding_mask,
+    make_qkv,
+    nan_rows_case,
+    run_python,
+    run_under_cpu_capability,
+)
 
 # ------------------------------------------------------------------------------------------------------------
 # Shapes, dtypes and layouts.
@@ -129,11 +61,11 @@ BIG_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_shapes_dtypes_layouts(shape, dtype, layout):
-    check(*make_qkv(*shape, dtype=dtype, layout=layout))
+    check_forward(*make_qkv(*shape, dtype=dtype, layout=layout))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "blhd", "expanded_kv", "strided_last"])
@@ -141,7 +73,7 @@ def test_shapes_dtypes_layouts(shape, dtype, layout):
 @pytest.mark.parametrize("shape", BIG_SHAPES, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_tile_boundaries(shape, dtype, layout, is_causal):
-    check(*make_qkv(*shape, dtype=dtype, layout=layout), is_causal=is_causal)
+    check_forward(*make_qkv(*shape, dtype=dtype, layout=layout), is_causal=is_causal)
 
 
 def test_single_thread_plan():
@@ -149,86 +81,39 @@ def test_single_thread_plan():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        check(*make_qkv(1, 2, 1100, 700, 16, 16), is_causal=True)
+        check_forward(*make_qkv(1, 2, 1100, 700, 16, 16), is_causal=True)
     finally:
         torch.set_num_threads(threads)
 
 
 def test_custom_scale():
     q, k, v = make_qkv(2, 2, 20, 30, 16, 16)
-    check(q, k, v, scale=0.37)
-    check(q, k, v, scale=0.0)
+    check_forward(q, k, v, scale=0.37)
+    check_forward(q, k, v, scale=0.0)
 
 
 def test_b1_transposed_layout():
     # batch_first=True at B == 1 on MPS leaves strides (D, B*D, 1)-like views behind; here with heads too.
     q, k, v = make_qkv(1, 4, 12, 12, 8, 8, layout="lbhd")
     assert q.stride(0) == 4 * 8  # the size-1 batch dim carries a stride that is not the contiguous one
-    check(q, k, v)
+    check_forward(q, k, v)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Masks.
 
-B, H, L, S, D = 2, 3, 19, 41, 16
-
-
-def _mask(kind, gen):
-    """A mask `kind` for (B, H, L, S) = (2, 3, 19, 41); some are non-contiguous or broadcast views."""
-    def rand(*size):
-        return torch.rand(*size, generator=gen)
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen)
-
-    masks = {
-        "bool_ls": lambda: rand(L, S) < 0.3,
-        "float_ls": lambda: randn(L, S),
-        "float64_ls": lambda: randn(L, S).double(),
-        "bf16_ls": lambda: randn(L, S).bfloat16(),
-        "neginf_ls": lambda: randn(L, S).masked_fill(rand(L, S) < 0.3, float("-inf")),
-        "bool_bhls": lambda: rand(B * H, L, S) < 0.3,
-        "float_bhls": lambda: randn(B * H, L, S),
-        "bool_b1ls": lambda: rand(B, 1, L, S) < 0.3,
-        "float_1h1s": lambda: randn(1, H, 1, S),
-        "float_bh1s": lambda: randn(B, H, 1, S),
-        "bool_4d_full": lambda: rand(B, H, L, S) < 0.3,
-        "float_ls_transposed": lambda: randn(S, L).t(),  # key stride != 1
-        "bool_ls_sliced": lambda: (rand(L, 2 * S) < 0.3)[:, ::2],
-        "float_ls_expanded": lambda: randn(1, S).expand(L, S),  # stride 0 over queries
-        "float_bhls_sliced": lambda: randn(B * H, L + 5, S)[:, 5:],  # storage offset
-    }
-    return masks[kind]()
-
-
-def _padding(kind, gen):
-    if kind == "bool":
-        return torch.rand(B, S, generator=gen) < 0.3
-    if kind == "float":
-        return torch.randn(B, S, generator=gen)
-    if kind == "float_neginf":
-        return torch.zeros(B, S).masked_fill(torch.rand(B, S, generator=gen) < 0.3, float("-inf"))
-    if kind == "bool_transposed":
-        return (torch.rand(S, B, generator=gen) < 0.3).t()
-    if kind == "float16_expanded":
-        return torch.randn(B, 1, generator=gen).half().expand(B, S)
-    raise ValueError(kind)
-
-
-ATTN_MASKS = [
-    None, "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
-    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
-    "float_bhls_sliced",
-]
-PADDINGS = [None, "bool", "float", "float_neginf", "bool_transposed", "float16_expanded"]
+B, H, L, S = MASKED_SHAPE
+D = 16
+ATTN_MASKS = [None, *ATTN_MASK_KINDS]
+PADDINGS = [None, *KEY_PADDING_MASK_KINDS]
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
 def test_attn_mask(attn_mask, is_causal):
     gen = torch.Generator().manual_seed(1)
-    mask = None if attn_mask is None else _mask(attn_mask, gen)
-    check(*make_qkv(B, H, L, S, D, D, layout="blhd"), attn_mask=mask, is_causal=is_causal)
+    mask = None if attn_mask is None else make_attn_mask(attn_mask, gen)
+    check_forward(*make_qkv(B, H, L, S, D, D, layout="blhd"), attn_mask=mask, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -236,17 +121,17 @@ def test_attn_mask(attn_mask, is_causal):
 @pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
 def test_padding_and_attn_mask(attn_mask, padding, is_causal):
     gen = torch.Generator().manual_seed(2)
-    mask = None if attn_mask is None else _mask(attn_mask, gen)
-    kpm = None if padding is None else _padding(padding, gen)
-    check(*make_qkv(B, H, L, S, D, D), attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+    mask = None if attn_mask is None else make_attn_mask(attn_mask, gen)
+    kpm = None if padding is None else make_key_padding_mask(padding, gen)
+    check_forward(*make_qkv(B, H, L, S, D, D), attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_masks_low_precision_and_strided(dtype):
     gen = torch.Generator().manual_seed(3)
     q, k, v = make_qkv(B, H, L, S, D, 8, dtype=dtype, layout="strided_last")
-    check(q, k, v, attn_mask=_mask("float_ls", gen).to(dtype), key_padding_mask=_padding("bool", gen),
-          is_causal=True, scale=0.2)
+    check_forward(q, k, v, attn_mask=make_attn_mask("float_ls", gen).to(dtype),
+                  key_padding_mask=make_key_padding_mask("bool", gen), is_causal=True, scale=0.2)
 
 
 @pytest.mark.parametrize("layout", ["blhd", "strided_last"])
@@ -257,8 +142,8 @@ def test_single_query_with_masks(dtype, layout):
     gen = torch.Generator().manual_seed(6)
     q, k, v = make_qkv(2, 3, 1, 700, 19, 8, dtype=dtype, layout=layout)
     kpm = torch.rand(2, 700, generator=gen) < 0.3
-    check(q, k, v, attn_mask=torch.randn(2 * 3, 1, 700, generator=gen), key_padding_mask=kpm)
-    check(q, k, v, attn_mask=torch.rand(1, 700, generator=gen) < 0.2, is_causal=True)
+    check_forward(q, k, v, attn_mask=torch.randn(2 * 3, 1, 700, generator=gen), key_padding_mask=kpm)
+    check_forward(q, k, v, attn_mask=torch.rand(1, 700, generator=gen) < 0.2, is_causal=True)
 
 
 def test_masked_tiles_are_skipped_correctly():
@@ -270,9 +155,9 @@ def test_masked_tiles_are_skipped_correctly():
     kpm = torch.zeros(2, 1300, dtype=torch.bool)
     kpm[0, :512] = True  # batch 0: whole first key tile
     kpm[1, 1024:] = True  # batch 1: the last, partial key tile
-    check(q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm)
     additive = torch.zeros(600, 1300).masked_fill(mask, float("-inf"))
-    check(q, k, v, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
+    check_forward(q, k, v, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -280,14 +165,10 @@ def test_masked_tiles_are_skipped_correctly():
 
 
 def test_fully_masked_rows():
-    q, k, v = make_qkv(2, 2, 6, 9, 8, 8)
-    mask = torch.zeros(6, 9, dtype=torch.bool)
-    mask[2] = True  # query 2 sees no key
-    kpm = torch.zeros(2, 9, dtype=torch.bool)
-    kpm[1] = True  # batch 1 sees no key at all
-    out, lse = check(q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    # Query 2 sees no key; batch 1 sees no key at all.
+    qkv, masks = fully_masked_rows_case()
+    out, lse = check_forward(*qkv, **masks)
+    assert_fully_masked_rows(out, lse)
     assert torch.isfinite(lse[0, :, [0, 1, 3, 4, 5]]).all()
 
 
@@ -303,28 +184,18 @@ def test_float_neginf_mask_is_a_bool_mask():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(
-    "sizes",
-    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
-     (2, 2, 3, 4, 8, 0)],
-    ids=str,
-)
+@pytest.mark.parametrize("sizes", EMPTY_SIZES, ids=str)
 def test_empty_sizes(sizes, dtype):
     q, k, v = make_qkv(*sizes, dtype=dtype)
-    out, lse = check(q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
+    out, lse = check_forward(q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
     if sizes[3] == 0:  # no keys: every row is fully masked
         assert (out == 0).all() and torch.isposinf(lse).all()
 
 
 def test_nan_propagates_per_row():
-    q, k, v = make_qkv(1, 2, 5, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
-    mask = torch.zeros(5, 6)
-    mask[4, 3] = float("nan")  # row l=4 of every head
-    out, lse = check(q, k, v, attn_mask=mask)
-    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
-    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
-    assert not out[0, 0, :4].isnan().any()
+    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
+    qkv, masks = nan_rows_case()
+    assert_nan_rows(*check_forward(*qkv, **masks))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -355,23 +226,10 @@ def test_fake_matches_kernel(sizes, dtype):
         assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
 
 
-def _opcheck_cases():
-    q, k, v = make_qkv(2, 2, 5, 7, 8, 4, layout="blhd")
-    gen = torch.Generator().manual_seed(5)
-    kpm = torch.rand(2, 7, generator=gen) < 0.3
-    mask = torch.randn(5, 7, generator=gen)
-    return [
-        (q, k, v, None, None, False, None),
-        (q, k, v, mask, kpm, True, 0.5),
-        (q.double(), k.double(), v.double(), (torch.rand(4, 5, 7, generator=gen) < 0.2), None, False, None),
-        (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, kpm.float(), False, None),
-    ]
-
-
 @pytest.mark.parametrize("case", range(4))
 def test_opcheck(case):
     pytest.importorskip("expecttest")
-    torch.library.opcheck(torch.ops.attnx.attention.default, _opcheck_cases()[case])
+    torch.library.opcheck(torch.ops.attnx.attention.default, attention_opcheck_cases()[case])
 
 
 def test_compile_fullgraph():
@@ -411,40 +269,29 @@ def test_no_quadratic_memory():
     # Peak RSS growth during one call in a fresh process: a merged (B, 1, L, S) float mask alone would be
     # 128 MiB, attention weights (B, H, L, S) 512 MiB. The call needs its outputs (1 MiB) and per-thread
     # tiles.
-    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    grown = int(result.stdout.strip().splitlines()[-1])
+    grown = int(run_python(_MEMORY_SCRIPT).strip().splitlines()[-1])
     assert grown < 16 * 2**20, f"peak RSS grew by {grown / 2**20:.1f} MiB during the call"
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Every ISA variant of the CPU kernel (torch picks one per process from ATEN_CPU_CAPABILITY).
 
-_ISA_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_attention import check, make_qkv
-    assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
+_ISA_SCRIPT = """
+    from attention_helpers import check_forward, make_qkv
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         q, k, v = make_qkv(2, 3, 300, 530, 24, 20, dtype=dtype, layout="strided_last")
         kpm = torch.rand(2, 530) < 0.3
         mask = torch.randn(300, 530)
-        check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
-        check(*make_qkv(1, 2, 37, 53, 24, 24, dtype=dtype))
-        check(*make_qkv(2, 2, 1, 70, 24, 24, dtype=dtype, layout="blhd"), key_padding_mask=kpm[:, :70])
+        check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+        check_forward(*make_qkv(1, 2, 37, 53, 24, 24, dtype=dtype))
+        check_forward(*make_qkv(2, 2, 1, 70, 24, 24, dtype=dtype, layout="blhd"),
+                      key_padding_mask=kpm[:, :70])
     """
-)
 
 
 @pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_isa_variants(isa):
-    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("this CPU has no AVX2")
-    script = _ISA_SCRIPT.format(tests=os.path.dirname(__file__), isa=isa)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower())
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    run_under_cpu_capability(_ISA_SCRIPT, isa)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ float64 has g_same = g64, so its bound is atol alone: tight. atol covers what th
 float32 recomputes the probabilities with an exp accurate to ~20 ulp where the reference's is ~1 ulp;
 bfloat16/float16 round the saved out, which enters delta = rowsum(dO * O), where the reference differentiates
 its unrounded output. Expanded (stride-0) inputs are compared through the gradient of their un-expanded base.
+The leaves, their views and this comparison are attention_helpers.py's (check_backward).
 """
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -21,104 +21,25 @@ import pytest
 import torch
 
 import attnx
+from attention_helpers import (
+    ATTN_MASK_KINDS,
+    DTYPES,
+    EMPTY_SIZES,
+    KEY_PADDING_MASK_KINDS,
+    check_backward,
+    make_attn_mask,
+    make_key_padding_mask,
+    make_leaves,
+    run_python,
+    run_under_cpu_capability,
+    views,
+)
 from attnx import reference
-from test_attention import _mask, _padding
-
-K_BOUND = 4
-ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 4e-3, torch.float16: 2e-3}
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-
 
 # ------------------------------------------------------------------------------------------------------------
-# Inputs: leaves (what gradients are compared on) and the (B, H, N, E) views attention reads.
+# Shapes, dtypes, layouts: leaves (what gradients are compared on) and the (B, H, N, E) views attention reads.
 
 LAYOUTS = ["contiguous", "blhd", "lbhd", "sliced", "expanded_kv", "strided_last"]
-
-
-def make_leaves(B, H, L, S, D, Dv, dtype=torch.float32, layout="contiguous", seed=0):
-    """Leaf tensors for layout; `views(leaves)` turns them into the (B, H, N, E) query, key and value."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen).to(dtype)
-
-    if layout == "contiguous":
-        return [randn(B, H, L, D), randn(B, H, S, D), randn(B, H, S, Dv)]
-    if layout == "blhd":  # nn.MultiheadAttention(batch_first=True) after its in-projection
-        return [randn(B, L, H, D), randn(B, S, H, D), randn(B, S, H, Dv)]
-    if layout == "lbhd":  # sequence-first; at B == 1 the batch stride is the transposed B=1 layout's
-        return [randn(L, B, H, D), randn(S, B, H, D), randn(S, B, H, Dv)]
-    if layout == "sliced":  # a window of a larger buffer: storage offset, row stride > row
-        return [randn(B, H, L + 3, D + 5), randn(B, H, S + 2, D + 1), randn(B, H, S + 1, Dv + 7)]
-    if layout == "expanded_kv":  # keys and values shared by all heads through stride 0
-        return [randn(B, H, L, D), randn(B, 1, S, D), randn(B, 1, S, Dv)]
-    if layout == "strided_last":  # last-dim stride 2
-        return [randn(B, H, L, 2 * D), randn(B, H, S, 2 * D), randn(B, H, S, 2 * Dv)]
-    raise ValueError(layout)
-
-
-def views(leaves, layout):
-    q, k, v = leaves
-    if layout == "contiguous":
-        return q, k, v
-    if layout == "blhd":
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if layout == "lbhd":
-        return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-    if layout == "sliced":
-        L, D = q.shape[2] - 3, q.shape[3] - 5
-        S, Dv = k.shape[2] - 2, v.shape[3] - 7
-        return q[:, :, 2 : 2 + L, 1 : 1 + D], k[:, :, 1 : 1 + S, :D], v[:, :, :S, 3 : 3 + Dv]
-    if layout == "expanded_kv":
-        B, H = q.shape[:2]
-        return q, k.expand(B, H, *k.shape[2:]), v.expand(B, H, *v.shape[2:])
-    if layout == "strided_last":
-        return q[..., ::2], k[..., ::2], v[..., ::2]
-    raise ValueError(layout)
-
-
-def _upcast(x):
-    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
-def _grads(fn, leaves, layout, grad_out, kwargs):
-    leaves = [t.detach().requires_grad_() for t in leaves]
-    out, _ = fn(*views(leaves, layout), **kwargs)
-    return out, torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
-
-
-def _assert_bounded(actual, ref64, ref_same, atol, what):
-    actual, ref64, ref_same = actual.double(), ref64.double(), ref_same.double()
-    assert actual.shape == ref64.shape
-    assert torch.isfinite(ref64).all(), f"{what}: the reference gradient is not finite"
-    assert torch.isfinite(actual).all(), f"{what}: {int((~torch.isfinite(actual)).sum())} non-finite entries"
-    if actual.numel() == 0:
-        return
-    err = (actual - ref64).abs().max().item()
-    ref_err = (ref_same - ref64).abs().max().item()
-    bound = K_BOUND * ref_err + atol
-    assert err <= bound, f"{what}: max error {err:.3e} > {K_BOUND} * {ref_err:.3e} + {atol:.0e}"
-
-
-def check(leaves, layout="contiguous", grad_out=None, **kwargs):
-    """Gradients of attnx.attention w.r.t. the leaves against the reference's; returns them."""
-    dtype = leaves[0].dtype
-    if grad_out is None:
-        q, _, v = views(leaves, layout)
-        B, H, L, _ = q.shape
-        grad_out = torch.randn(B, H, L, v.shape[3], generator=torch.Generator().manual_seed(7)).to(dtype)
-    _, grads = _grads(attnx.attention, leaves, layout, grad_out, kwargs)
-    _, g64 = _grads(reference.attention, [_upcast(t) for t in leaves], layout, _upcast(grad_out),
-                    {n: _upcast(a) for n, a in kwargs.items()})
-    _, g_same = _grads(reference.attention, leaves, layout, grad_out, kwargs)
-    for name, g, r64, rs, leaf in zip("qkv", grads, g64, g_same, leaves, strict=True):
-        assert g.dtype == dtype and g.shape == leaf.shape
-        _assert_bounded(g, r64, rs, ATOL[dtype], f"grad {name}")
-    return grads
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Shapes, dtypes, layouts.
 
 # (B, H, L, S, D, Dv)
 SHAPES = [
@@ -135,7 +56,7 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_shapes_dtypes_layouts(shape, dtype, layout):
-    check(make_leaves(*shape, dtype=dtype, layout=layout), layout)
+    check_backward(make_leaves(*shape, dtype=dtype, layout=layout), layout)
 
 
 # The backward tiles 128 queries by 128 keys; a head's keys are split into chunks when B*H is small next to
@@ -157,30 +78,30 @@ def test_tile_boundaries_and_plans(shape, dtype, is_causal, threads):
     try:
         if threads == "one":
             torch.set_num_threads(1)
-        check(make_leaves(*shape, dtype=dtype, layout="blhd"), "blhd", is_causal=is_causal)
+        check_backward(make_leaves(*shape, dtype=dtype, layout="blhd"), "blhd", is_causal=is_causal)
     finally:
         torch.set_num_threads(saved)
 
 
 def test_custom_scale():
     leaves = make_leaves(2, 2, 20, 30, 16, 12, dtype=torch.float64)
-    check(leaves, scale=0.37)
-    check(leaves, scale=0.0)  # uniform probabilities: dq = dk = 0 exactly
-    check(leaves, scale=3.0, is_causal=True)
+    check_backward(leaves, scale=0.37)
+    check_backward(leaves, scale=0.0)  # uniform probabilities: dq = dk = 0 exactly
+    check_backward(leaves, scale=3.0, is_causal=True)
 
 
 def test_b1_transposed_layout():
     leaves = make_leaves(1, 4, 12, 12, 8, 8, dtype=torch.float64, layout="lbhd")
     q = views(leaves, "lbhd")[0]
     assert q.stride(0) == 4 * 8  # the size-1 batch dim carries a stride that is not the contiguous one
-    check(leaves, "lbhd")
+    check_backward(leaves, "lbhd")
 
 
 def test_expanded_grad_out():
     # out.sum().backward() hands the backward a grad_out of stride 0 everywhere.
     leaves = make_leaves(2, 2, 20, 30, 16, 16, dtype=torch.float64, layout="blhd")
     ones = torch.ones(1, 1, 1, 1, dtype=torch.float64).expand(2, 2, 20, 16)
-    check(leaves, "blhd", grad_out=ones, is_causal=True)
+    check_backward(leaves, "blhd", grad_out=ones, is_causal=True)
     q, k, v = (t.detach().requires_grad_() for t in leaves)
     attnx.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0].sum().backward()
     q64, k64, v64 = (t.detach().requires_grad_() for t in leaves)
@@ -190,43 +111,38 @@ def test_expanded_grad_out():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Masks (test_attention's factories: (B, H, L, S) = (2, 3, 19, 41)), in float64 against the float64 reference.
+# Masks (attention_helpers' factories: (B, H, L, S) = (2, 3, 19, 41)), in float64 against the float64
+# reference.
 
-ATTN_MASKS = [
-    None, "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
-    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
-    "float_bhls_sliced",
-]
+ATTN_MASKS = [None, *ATTN_MASK_KINDS]
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
 def test_attn_mask(attn_mask, is_causal):
     gen = torch.Generator().manual_seed(1)
-    mask = None if attn_mask is None else _mask(attn_mask, gen)
-    check(make_leaves(2, 3, 19, 41, 16, 16, dtype=torch.float64, layout="blhd"), "blhd", attn_mask=mask,
-          is_causal=is_causal)
+    mask = None if attn_mask is None else make_attn_mask(attn_mask, gen)
+    check_backward(make_leaves(2, 3, 19, 41, 16, 16, dtype=torch.float64, layout="blhd"), "blhd",
+                   attn_mask=mask, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize(
-    "padding", [None, "bool", "float", "float_neginf", "bool_transposed", "float16_expanded"], ids=str
-)
+@pytest.mark.parametrize("padding", [None, *KEY_PADDING_MASK_KINDS], ids=str)
 @pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
 def test_padding_and_attn_mask(attn_mask, padding, is_causal):
     gen = torch.Generator().manual_seed(2)
-    mask = None if attn_mask is None else _mask(attn_mask, gen)
-    kpm = None if padding is None else _padding(padding, gen)
-    check(make_leaves(2, 3, 19, 41, 16, 16, dtype=torch.float64), attn_mask=mask, key_padding_mask=kpm,
-          is_causal=is_causal)
+    mask = None if attn_mask is None else make_attn_mask(attn_mask, gen)
+    kpm = None if padding is None else make_key_padding_mask(padding, gen)
+    check_backward(make_leaves(2, 3, 19, 41, 16, 16, dtype=torch.float64), attn_mask=mask,
+                   key_padding_mask=kpm, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_masks_low_precision_and_strided(dtype):
     gen = torch.Generator().manual_seed(3)
     leaves = make_leaves(2, 3, 19, 41, 16, 8, dtype=dtype, layout="strided_last")
-    check(leaves, "strided_last", attn_mask=_mask("float_ls", gen).to(dtype),
-          key_padding_mask=_padding("bool", gen), is_causal=True, scale=0.2)
+    check_backward(leaves, "strided_last", attn_mask=make_attn_mask("float_ls", gen).to(dtype),
+                   key_padding_mask=make_key_padding_mask("bool", gen), is_causal=True, scale=0.2)
 
 
 def test_masked_tiles_are_skipped_correctly():
@@ -238,9 +154,9 @@ def test_masked_tiles_are_skipped_correctly():
     kpm = torch.zeros(2, 400, dtype=torch.bool)
     kpm[0, :128] = True  # batch 0: the whole first key tile
     kpm[1, 384:] = True  # batch 1: the last, partial key tile
-    check(leaves, attn_mask=mask, key_padding_mask=kpm)
+    check_backward(leaves, attn_mask=mask, key_padding_mask=kpm)
     additive = torch.zeros(300, 400).masked_fill(mask, float("-inf"))
-    check(leaves, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
+    check_backward(leaves, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -254,22 +170,17 @@ def test_fully_masked_rows(dtype):
     mask[2] = True  # query 2 sees no key
     kpm = torch.zeros(2, 9, dtype=torch.bool)
     kpm[1] = True  # batch 1 sees no key at all
-    dq, dk, dv = check(leaves, attn_mask=mask, key_padding_mask=kpm)
+    dq, dk, dv = check_backward(leaves, attn_mask=mask, key_padding_mask=kpm)
     assert (dq[:, :, 2] == 0).all()
     assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
     assert (dq[0, :, [0, 1, 3, 4, 5]] != 0).any()
 
 
-@pytest.mark.parametrize(
-    "sizes",
-    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
-     (2, 2, 3, 4, 8, 0)],
-    ids=str,
-)
+@pytest.mark.parametrize("sizes", EMPTY_SIZES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_empty_sizes(sizes, dtype):
     kpm = torch.zeros(sizes[0], sizes[3], dtype=torch.bool)
-    dq, dk, dv = check(make_leaves(*sizes, dtype=dtype), key_padding_mask=kpm)
+    dq, dk, dv = check_backward(make_leaves(*sizes, dtype=dtype), key_padding_mask=kpm)
     if sizes[2] == 0:  # no queries: no gradient reaches the keys
         assert (dk == 0).all() and (dv == 0).all()
     if sizes[3] == 0:  # no keys: every row is fully masked
@@ -569,35 +480,23 @@ def test_no_quadratic_memory():
     # Peak RSS of a fresh process around one backward: (B, H, L, S) probabilities would be 128 MiB. The call
     # returns 3 MiB of gradients and may add per-thread buffers (3 * L * D floats and tiles, ~1 MiB each).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, cwd=root)
-    assert result.returncode == 0, result.stderr
-    grown = int(result.stdout.strip().splitlines()[-1])
+    grown = int(run_python(_MEMORY_SCRIPT, cwd=root).strip().splitlines()[-1])
     assert grown < 16 * 2**20, f"peak RSS grew by {grown / 2**20:.1f} MiB during the backward"
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Every ISA variant of the CPU kernel.
 
-_ISA_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_attention_backward import check, make_leaves
-    assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
+_ISA_SCRIPT = """
+    from attention_helpers import check_backward, make_leaves
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         leaves = make_leaves(2, 3, 150, 140, 24, 20, dtype=dtype, layout="strided_last")
-        check(leaves, "strided_last", attn_mask=torch.randn(150, 140),
-              key_padding_mask=torch.rand(2, 140) < 0.3, is_causal=True)
-        check(make_leaves(1, 2, 37, 53, 24, 24, dtype=dtype, layout="blhd"), "blhd")
+        check_backward(leaves, "strided_last", attn_mask=torch.randn(150, 140),
+                       key_padding_mask=torch.rand(2, 140) < 0.3, is_causal=True)
+        check_backward(make_leaves(1, 2, 37, 53, 24, 24, dtype=dtype, layout="blhd"), "blhd")
     """
-)
 
 
 @pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_isa_variants(isa):
-    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("this CPU has no AVX2")
-    script = _ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), isa=isa)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower())
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    run_under_cpu_capability(_ISA_SCRIPT, isa)

@@ -2,8 +2,9 @@
 grouped KV heads (GQA / MQA), key ranges (bottom-right windows, per-batch key lengths, decoding and chunked
 prefill), soft-capping, attention sinks, and the gradient of a float attn_mask (a learned bias).
 
-Bounds as in test_attention.py (forward) and test_attention_backward.py (gradients): the kernel may be at most
-K times as far from the float64 reference as the reference in the inputs' dtype is, plus a small atol.
+Bounds as in test_attention.py (forward) and test_attention_backward.py (gradients), through
+attention_helpers.py: the kernel may be at most K times as far from the float64 reference as the reference in
+the inputs' dtype is, plus a small atol.
 """
 
 import re
@@ -12,21 +13,25 @@ import pytest
 import torch
 
 import attnx
+from attention_helpers import (
+    DTYPES,
+    GRAD_ATOL,
+    QKV_LAYOUTS,
+    assert_grad_bounded,
+    check_forward,
+    make_in_layout,
+    upcast,
+)
 from attnx import reference
-from test_attention import _layout, _upcast, check
-from test_attention_backward import ATOL as GRAD_ATOL
-from test_attention_backward import _assert_bounded as _assert_grad_bounded
-
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
 
 
 def make_gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous", seed=0):
-    """query (B, H, L, D) and key/value with Hkv heads, in `layout` (test_attention's layouts)."""
+    """query (B, H, L, D) and key/value with Hkv heads, in `layout` (one of QKV_LAYOUTS), all three from one
+    generator (attention_helpers.make_gqa draws key and value from a second one)."""
     gen = torch.Generator().manual_seed(seed)
-    q = _layout((B, H, L, D), layout, dtype, gen, which="q")
-    k = _layout((B, Hkv, S, D), layout, dtype, gen, which="k")
-    v = _layout((B, Hkv, S, Dv), layout, dtype, gen, which="v")
+    q = make_in_layout((B, H, L, D), layout, dtype, gen, which="q")
+    k = make_in_layout((B, Hkv, S, D), layout, dtype, gen, which="k")
+    v = make_in_layout((B, Hkv, S, Dv), layout, dtype, gen, which="v")
     return q, k, v
 
 
@@ -46,12 +51,12 @@ def check_grads(q, k, v, grad_names=("q", "k", "v"), **kwargs):
         return torch.autograd.grad(out, list(ls.values()), cast(grad_out).to(out.dtype))
 
     got = grads(attnx.attention, lambda t: t)
-    g64 = grads(reference.attention, _upcast)
+    g64 = grads(reference.attention, upcast)
     g_same = grads(reference.attention, lambda t: t)
     for name, g, r64, rs in zip(leaves, got, g64, g_same, strict=True):
         assert g.shape == leaves[name].shape and g.dtype == leaves[name].dtype, name
-        _assert_grad_bounded(g, r64, rs, GRAD_ATOL[q.dtype] * (4 if name in ("attn_mask", "sinks") else 1),
-                             f"grad {name}")
+        assert_grad_bounded(g, r64, rs, GRAD_ATOL[q.dtype] * (4 if name in ("attn_mask", "sinks") else 1),
+                            f"grad {name}")
     return got
 
 
@@ -61,12 +66,12 @@ def check_grads(q, k, v, grad_names=("q", "k", "v"), **kwargs):
 GROUPS = [(4, 1), (4, 2), (6, 3), (4, 4)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", GROUPS, ids=str)
 def test_gqa_forward(heads, dtype, layout):
     H, Hkv = heads
-    check(*make_gqa(2, H, Hkv, 37, 53, 24, 16, dtype=dtype, layout=layout))
+    check_forward(*make_gqa(2, H, Hkv, 37, 53, 24, 16, dtype=dtype, layout=layout))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -114,7 +119,7 @@ def test_windows(shape, window, is_causal):
     L, S = shape
     q, k, v = make_gqa(2, 2, 1, L, S, 16, 8, dtype=torch.float64)
     kwargs = dict(window_left=window[0], window_right=window[1], is_causal=is_causal)
-    check(q, k, v, **kwargs)
+    check_forward(q, k, v, **kwargs)
     if L * S < 10000:
         check_grads(q, k, v, **kwargs)
 
@@ -127,7 +132,7 @@ def test_key_lengths(shape, window, lengths_dtype):
     q, k, v = make_gqa(3, 4, 2, L, S, 16, 16, dtype=torch.float64)
     lengths = torch.tensor([S, 0, S // 3 + 1], dtype=lengths_dtype)  # full, empty, partial
     kwargs = dict(key_lengths=lengths, window_left=window[0], window_right=window[1])
-    _, lse = check(q, k, v, **kwargs)
+    _, lse = check_forward(q, k, v, **kwargs)
     assert torch.isposinf(lse[1]).all()  # no valid key: out 0, lse +inf
     check_grads(q, k, v, **kwargs)
 
@@ -139,19 +144,19 @@ def test_unfilled_cache_slots_are_never_read():
     for t in (k, v):
         t[0, :, 513:] = float("nan")
         t[1, :, 5:] = float("inf")
-    out, lse = check(q, k, v, key_lengths=lengths, window_left=-1, window_right=0)
+    out, lse = check_forward(q, k, v, key_lengths=lengths, window_left=-1, window_right=0)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     grads = check_grads(q, k, v, key_lengths=lengths, window_left=-1, window_right=0)
     assert all(torch.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 def test_decoding_step(dtype, layout):
     # One query per sequence against a cache: the bottom-right causal window puts it at the last valid key.
     q, k, v = make_gqa(4, 8, 2, 1, 77, 32, 32, dtype=dtype, layout=layout)
-    check(q, k, v, key_lengths=torch.tensor([77, 1, 40, 64]), window_left=-1, window_right=0)
-    check(q, k, v, window_left=15, window_right=0)  # a sliding window while decoding
+    check_forward(q, k, v, key_lengths=torch.tensor([77, 1, 40, 64]), window_left=-1, window_right=0)
+    check_forward(q, k, v, window_left=15, window_right=0)  # a sliding window while decoding
 
 
 def test_window_with_masks_and_rows_that_see_nothing():
@@ -159,7 +164,7 @@ def test_window_with_masks_and_rows_that_see_nothing():
     kpm = torch.zeros(2, 30, dtype=torch.bool)
     kpm[1, 20:] = True  # batch 1's window rows near the end see only padded keys
     mask = torch.randn(12, 30, dtype=torch.float64)
-    _, lse = check(q, k, v, attn_mask=mask, key_padding_mask=kpm, window_left=2, window_right=0)
+    _, lse = check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm, window_left=2, window_right=0)
     assert torch.isposinf(lse[1, :, -1]).all()
     check_grads(q, k, v, attn_mask=mask, key_padding_mask=kpm, window_left=2, window_right=0)
 
@@ -183,7 +188,7 @@ def test_softcap(softcap, dtype):
     q, k, v = make_gqa(2, 4, 2, 37, 53, 16, 16, dtype=dtype)
     q = q * 4  # scores beyond the cap, where tanh bends
     mask = torch.randn(37, 53).to(dtype)
-    check(q, k, v, softcap=softcap, attn_mask=mask)
+    check_forward(q, k, v, softcap=softcap, attn_mask=mask)
     check_grads(q, k, v, softcap=softcap, attn_mask=mask, is_causal=True)
 
 
@@ -194,7 +199,7 @@ def test_sinks(dtype, sinks_dtype):
     sinks = (torch.randn(4) * 3).to(sinks_dtype)
     kpm = torch.zeros(2, 45, dtype=torch.bool)
     kpm[1] = True  # batch 1 sees no key: out 0 and lse +inf, sink or not
-    _, lse = check(q, k, v, sinks=sinks, key_padding_mask=kpm)
+    _, lse = check_forward(q, k, v, sinks=sinks, key_padding_mask=kpm)
     assert torch.isposinf(lse[1]).all() and torch.isfinite(lse[0]).all()
     check_grads(q, k, v, grad_names=("q", "k", "v", "sinks"), sinks=sinks, key_padding_mask=kpm)
 
@@ -215,7 +220,7 @@ def test_everything_together():
         key_lengths=torch.tensor([150, 90, 41]),
         window_left=30, window_right=2, softcap=5.0, sinks=torch.randn(6, dtype=torch.float64),
     )
-    check(q, k, v, **kwargs)
+    check_forward(q, k, v, **kwargs)
     check_grads(q, k, v, grad_names=("q", "k", "v", "attn_mask", "sinks"), **kwargs)
 
 

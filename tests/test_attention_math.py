@@ -6,9 +6,16 @@ import pytest
 import torch
 
 import attnx
+from attention_helpers import (
+    ATTN_MASK_KINDS,
+    KEY_PADDING_MASK_KINDS,
+    MASKED_SHAPE,
+    make_attn_mask,
+    make_key_padding_mask,
+)
 from attnx import reference
-from test_attention import ATTN_MASKS, PADDINGS, B, H, L, S, _mask, _padding
 
+B, H, L, S = MASKED_SHAPE
 D = 16
 MATH = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
@@ -29,12 +36,12 @@ def _inputs(layout, seed=0):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("padding", PADDINGS)
-@pytest.mark.parametrize("attn_mask", ATTN_MASKS)
+@pytest.mark.parametrize("padding", [None, *KEY_PADDING_MASK_KINDS])
+@pytest.mark.parametrize("attn_mask", [None, *ATTN_MASK_KINDS])
 def test_math_backward_matches_the_reference_and_the_kernel(attn_mask, padding, is_causal):
     gen = torch.Generator().manual_seed(1)
-    am = _mask(attn_mask, gen) if attn_mask else None
-    kpm = _padding(padding, gen) if padding else None
+    am = make_attn_mask(attn_mask, gen) if attn_mask else None
+    kpm = make_key_padding_mask(padding, gen) if padding else None
     q, k, v = (t.requires_grad_() for t in _inputs("blhd"))
     out, lse = attnx.attention(q, k, v, am, kpm, is_causal)
     grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype)

@@ -1,15 +1,14 @@
 """attnx.convert / attnx.revert on torch's Transformer modules: same outputs, shared parameters, and proof by
 dispatch counting that a converted model runs attnx's attention (never torch's fused paths) in every mode."""
 
-import collections
 import copy
 import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnx
+from dispatch_helpers import DispatchRecorder
 from mha_helpers import torch_fastpath
 
 E, HEADS, FF = 16, 2, 32
@@ -23,20 +22,6 @@ TORCH_FAST_PATH_OPS = (
     "aten::_masked_softmax",
 )
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-
-
-class DispatchRecorder(TorchDispatchMode):
-    """Counts every op that reaches the dispatcher below autograd, by name (``aten::addmm``, ``attnx::_mha``):
-    attnx's routed ops show as the kernel op they chose (``attnx::_mha`` without grad, ``attnx::mha_forward``
-    in grad mode; see csrc/schemas.cpp)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.name()] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def attnx_op_count(counts):

@@ -2,7 +2,7 @@
 
 Every test takes the ``cuda`` device param of conftest.DEVICES, so without a GPU (or without CUDA kernels in
 the build) they show as skipped. Inputs are built on the CPU by the same factories as the CPU tests and moved
-to the GPU with their exact layout (strides, storage offset, stride-0 dims): see ``to_device``.
+to the GPU with their exact layout (strides, storage offset, stride-0 dims): see ``layouts.to_device``.
 
 Also worth running by hand on a GPU machine:
     compute-sanitizer --tool memcheck  python -m pytest tests/test_cuda.py -k "attention and not big" -x
@@ -19,14 +19,30 @@ import pytest
 import torch
 
 import attnx
+from attention_helpers import (
+    ATTN_MASK_KINDS,
+    DTYPES,
+    KEY_PADDING_MASK_KINDS,
+    QKV_LAYOUTS,
+    assert_fully_masked_rows,
+    assert_unseen_rows_empty,
+    attention_opcheck_cases,
+    check_forward,
+    fully_masked_rows_case,
+    make_attn_mask,
+    make_feature_masks,
+    make_gqa,
+    make_key_padding_mask,
+    make_qkv,
+    make_sinks,
+    nan_rows_case,
+)
 from attnx import reference
 from conftest import DEVICES, require_kernel
-from mha_helpers import make_masks
-from test_attention import _mask, _opcheck_cases, _padding, check, make_qkv
-from test_mha_op import _args, _check, _inputs
+from layouts import to_device
+from mha_helpers import check_mha, make_inputs, make_masks, mha_args
 
 CUDA = [p for p in DEVICES if p.id == "cuda"]
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 pytestmark = pytest.mark.parametrize("device", CUDA)
 
@@ -37,28 +53,19 @@ def _kernels(device):
     require_kernel("attnx::linear", device)
 
 
-def to_device(x, device):
-    """``x`` (or the tensors in a tuple, list or dict) on ``device``: same sizes, strides, storage offset."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_device(a, device) for a in x)
-    if isinstance(x, dict):
-        return {k: to_device(a, device) for k, a in x.items()}
-    if not isinstance(x, torch.Tensor):
-        return x
-    numel = x.untyped_storage().nbytes() // x.element_size()
-    storage = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage(), 0, (numel,))
-    return storage.to(device).as_strided(x.shape, x.stride(), x.storage_offset())
-
-
 def qkv(device, *args, **kwargs):
     return to_device(make_qkv(*args, **kwargs), device)
+
+
+def gqa(device, *args, **kwargs):
+    """make_gqa's query (B, H, L, D) and key/value with Hkv heads, on `device`."""
+    return to_device(make_gqa(*args, **kwargs), device)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # attnx.attention
 
 
-LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
 SHAPES = [
     (2, 3, 37, 53, 24, 24),  # odd sizes, partial query blocks and key tiles
     (1, 2, 16, 16, 32, 8),  # Dv < D
@@ -72,11 +79,11 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_attention_shapes_dtypes_layouts(device, shape, dtype, layout):
-    check(*qkv(device, *shape, dtype=dtype, layout=layout))
+    check_forward(*qkv(device, *shape, dtype=dtype, layout=layout))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -88,57 +95,46 @@ def test_attention_big(device, shape, is_causal, dtype):
     kpm = torch.rand(B, S, device=device) < 0.2
     kpm[:, :100] = True  # whole key tiles removed by padding
     mask = torch.randn(L, S, device=device)
-    check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+    check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("attn_mask", [
-    "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
-    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
-    "float_bhls_sliced",
-])
+@pytest.mark.parametrize("attn_mask", ATTN_MASK_KINDS)
 def test_attention_masks(device, attn_mask, is_causal):
-    mask = to_device(_mask(attn_mask, torch.Generator().manual_seed(1)), device)
-    check(*qkv(device, 2, 3, 19, 41, 16, 16, layout="blhd"), attn_mask=mask, is_causal=is_causal)
+    mask = to_device(make_attn_mask(attn_mask, torch.Generator().manual_seed(1)), device)
+    check_forward(*qkv(device, 2, 3, 19, 41, 16, 16, layout="blhd"), attn_mask=mask, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("padding", ["bool", "float", "float_neginf", "bool_transposed", "float16_expanded"])
+@pytest.mark.parametrize("padding", KEY_PADDING_MASK_KINDS)
 @pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
 def test_attention_padding_and_mask(device, attn_mask, padding, is_causal):
     gen = torch.Generator().manual_seed(2)
-    mask = None if attn_mask is None else to_device(_mask(attn_mask, gen), device)
-    kpm = to_device(_padding(padding, gen), device)
-    check(*qkv(device, 2, 3, 19, 41, 16, 16), attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+    mask = None if attn_mask is None else to_device(make_attn_mask(attn_mask, gen), device)
+    kpm = to_device(make_key_padding_mask(padding, gen), device)
+    check_forward(*qkv(device, 2, 3, 19, 41, 16, 16), attn_mask=mask, key_padding_mask=kpm,
+                  is_causal=is_causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_fully_masked_rows_and_scale(device, dtype):
-    q, k, v = qkv(device, 2, 2, 6, 9, 8, 8, dtype=dtype)
-    mask = torch.zeros(6, 9, dtype=torch.bool, device=device)
-    mask[2] = True
-    kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
-    kpm[1] = True
-    out, lse = check(q, k, v, attn_mask=mask, key_padding_mask=kpm, scale=0.3)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    inputs, masks = fully_masked_rows_case(dtype=dtype)  # query 2 sees no key; batch 1 none at all
+    out, lse = check_forward(*to_device(inputs, device), **to_device(masks, device), scale=0.3)
+    assert_fully_masked_rows(out, lse)
 
 
 def test_attention_nan_and_empty(device):
-    q, k, v = qkv(device, 1, 2, 5, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")
-    mask = torch.zeros(5, 6, device=device)
-    mask[4, 3] = float("nan")
-    out, lse = check(q, k, v, attn_mask=mask)
+    inputs, masks = nan_rows_case()
+    out, lse = check_forward(*to_device(inputs, device), **to_device(masks, device))
     assert out[0, 1, 2].isnan().all() and out[0, :, 4].isnan().all()
     for sizes in [(0, 2, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
                   (2, 2, 3, 4, 8, 0)]:
-        check(*qkv(device, *sizes))
+        check_forward(*qkv(device, *sizes))
 
 
 def test_attention_many_heads(device):
     # B*H = 70000 blocks of one query block each: past grid.y's 65535 (the grid is 1-D).
-    check(*qkv(device, 700, 100, 3, 5, 8, 8))
+    check_forward(*qkv(device, 700, 100, 3, 5, 8, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -149,14 +145,14 @@ def test_attention_head_dim_above_256_falls_back(device, dims, dtype):
     kpm = torch.rand(2, 50, device=device) < 0.3
     kpm[1] = True  # fully masked rows in the fallback too
     mask = torch.randn(4, 37, 50, device=device)
-    check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
 
 
 def test_attention_head_dim_above_256_chunks(device):
     # Scores of (B, H, L, S) = 1 x 1 x 1200 x 70000 fp32 are 336 MB: the fallback takes two chunks of queries.
     q, k, v = (torch.randn(1, 1, n, 272, device=device) for n in (1200, 70000, 70000))
     kpm = torch.rand(1, 70000, device=device) < 0.5
-    check(q, k, v, key_padding_mask=kpm, is_causal=True)
+    check_forward(q, k, v, key_padding_mask=kpm, is_causal=True)
 
 
 def test_attention_side_stream_and_device_guard(device):
@@ -203,7 +199,8 @@ def test_attention_no_quadratic_memory(device):
 @pytest.mark.parametrize("case", range(4))
 def test_attention_opcheck(device, case):
     pytest.importorskip("expecttest")
-    torch.library.opcheck(torch.ops.attnx.attention.default, to_device(_opcheck_cases()[case], device))
+    args = to_device(attention_opcheck_cases()[case], device)
+    torch.library.opcheck(torch.ops.attnx.attention.default, args)
 
 
 def test_attention_fake_matches_kernel(device):
@@ -227,16 +224,16 @@ _MMA_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_attention import check, make_qkv
-    from test_cuda import to_device
+    from attention_helpers import check_forward, make_qkv
+    from layouts import to_device
     for dtype in (torch.float16, torch.bfloat16):
         for shape in [(2, 3, 37, 53, 64, 64), (1, 2, 300, 600, 128, 128), (1, 1, 70, 90, 32, 32)]:
             for layout in ("contiguous", "blhd", "strided_last", "expanded_kv"):
                 q, k, v = to_device(make_qkv(*shape, dtype=dtype, layout=layout), "cuda")
                 kpm = torch.rand(shape[0], shape[3], device="cuda") < 0.3
                 mask = torch.randn(shape[2], shape[3], device="cuda")
-                check(q, k, v)
-                check(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+                check_forward(q, k, v)
+                check_forward(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
     # Grouped KV heads, a window with key lengths, soft-capping, sinks and masks, on the kernel chosen.
     for dtype in (torch.float16, torch.bfloat16):
         q = to_device(make_qkv(2, 6, 100, 150, 64, 64, dtype=dtype, layout="blhd")[0], "cuda")
@@ -245,11 +242,11 @@ _MMA_SCRIPT = textwrap.dedent(
         lengths = torch.tensor([150, 80], device="cuda")
         sinks = torch.linspace(-1.0, 2.0, 6, device="cuda")
         for window in ((-1, 0), (20, 3), (-1, -1)):
-            check(q, k, v, key_padding_mask=kpm, window_left=window[0], window_right=window[1],
-                  key_lengths=lengths, softcap=5.0, sinks=sinks)
+            check_forward(q, k, v, key_padding_mask=kpm, window_left=window[0], window_right=window[1],
+                          key_lengths=lengths, softcap=5.0, sinks=sinks)
     # What the mma kernel does not cover still runs, on the SIMT kernel: float32, head dim 256.
-    check(*to_device(make_qkv(2, 3, 37, 53, 64, 64, dtype=torch.float32), "cuda"), is_causal=True)
-    check(*to_device(make_qkv(1, 2, 37, 53, 256, 256, dtype=torch.float16), "cuda"), is_causal=True)
+    check_forward(*to_device(make_qkv(2, 3, 37, 53, 64, 64, dtype=torch.float32), "cuda"), is_causal=True)
+    check_forward(*to_device(make_qkv(1, 2, 37, 53, 256, 256, dtype=torch.float16), "cuda"), is_causal=True)
     print("ok")
     """
 )
@@ -275,7 +272,7 @@ def test_attention_kernel_choice(device, mma):
 def test_attention_dropout(device, dtype):
     seed = torch.tensor([17, 3])
     q, k, v = make_qkv(2, 3, 37, 53, 24, 24, dtype=dtype, layout="blhd")
-    check(*to_device((q, k, v), device), is_causal=True, dropout_p=0.3, dropout_seed=seed)
+    check_forward(*to_device((q, k, v), device), is_causal=True, dropout_p=0.3, dropout_seed=seed)
     if dtype == torch.float64:
         cpu, _ = attnx.attention(q, k, v, is_causal=True, dropout_p=0.3, dropout_seed=seed)
         q, k, v = to_device((q, k, v), device)
@@ -305,36 +302,14 @@ def test_attention_dropout_seeding_and_errors(device):
 WINDOWS = [(-1, 0), (3, 0), (2, 2), (0, -1), (-1, -1)]
 
 
-def gqa(device, B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
-    """query (B, H, L, D) and key/value with Hkv heads, in `layout`, on `device`."""
-    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
-    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
-    return to_device((q, k, v), device)
-
-
-def _sinks(H, dtype, device):
-    return torch.linspace(-1.0, 2.0, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                          device=device)
-
-
-def _assert_unseen_rows_empty(out, lse, **kwargs):
-    """Rows that see no key by the key range alone have out 0 and lse +inf."""
-    B, H, L, _ = out.shape
-    S = kwargs["S"]
-    seen = reference.key_range_mask(B, L, S, kwargs.get("is_causal", False), kwargs.get("window_left", -1),
-                                    kwargs.get("window_right", -1), kwargs.get("key_lengths"))
-    empty = ~seen.any(dim=-1).expand(B, H, L)
-    assert (out.cpu()[empty] == 0).all() and torch.isposinf(lse.cpu()[empty]).all()
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
 def test_attention_grouped_kv_heads(device, heads, dtype, layout):
     H, Hkv = heads
     q, k, v = gqa(device, 2, H, Hkv, 37, 70, 64, 64, dtype=dtype, layout=layout)
-    check(q, k, v)
-    check(q, k, v, is_causal=True, key_padding_mask=torch.rand(2, 70, device=device) < 0.3)
+    check_forward(q, k, v)
+    check_forward(q, k, v, is_causal=True, key_padding_mask=torch.rand(2, 70, device=device) < 0.3)
 
 
 @pytest.mark.parametrize("lengths", [None, torch.int32, torch.int64], ids=str)
@@ -348,8 +323,8 @@ def test_attention_windows_and_key_lengths(device, dtype, window, lengths):
     kwargs = {"window_left": window[0], "window_right": window[1], "key_lengths": key_lengths}
     for is_causal in (False, True):
         q, k, v = gqa(device, B, 4, 2, L, S, 64, 64, dtype=dtype, layout="blhd")
-        out, lse = check(q, k, v, is_causal=is_causal, **kwargs)
-        _assert_unseen_rows_empty(out, lse, S=S, is_causal=is_causal, **kwargs)
+        out, lse = check_forward(q, k, v, is_causal=is_causal, **kwargs)
+        assert_unseen_rows_empty(out, lse, S, is_causal=is_causal, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -359,7 +334,8 @@ def test_attention_decoding_and_chunked_prefill(device, dtype):
     for L in (1, 16, 100):
         for window in ((-1, 0), (64, 0), (-1, -1)):
             q, k, v = gqa(device, 4, 8, 2, L, S, 128, 128, dtype=dtype, layout="blhd")
-            out, lse = check(q, k, v, window_left=window[0], window_right=window[1], key_lengths=key_lengths)
+            out, lse = check_forward(q, k, v, window_left=window[0], window_right=window[1],
+                                     key_lengths=key_lengths)
             assert (out[2] == 0).all() and torch.isposinf(lse[2]).all()
 
 
@@ -386,28 +362,29 @@ def test_attention_softcap(device, dtype):
     L, S = 70, 130
     cap = 10 / 3 if dtype == torch.float64 else 2.5
     q, k, v = gqa(device, 2, 3, 3, L, S, 64, 64, dtype=dtype, layout="blhd")
-    check(q, k, v, softcap=cap, scale=1.0)
+    check_forward(q, k, v, softcap=cap, scale=1.0)
     mask = to_device(torch.rand(L, S, generator=gen) < 0.3, device)
     kpm = to_device(torch.randn(2, S, generator=gen), device)
-    check(q, k, v, softcap=cap, scale=1.0, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
-    check(q, k, v, softcap=50.0, attn_mask=to_device(torch.randn(L, S, generator=gen).to(dtype), device))
+    check_forward(q, k, v, softcap=cap, scale=1.0, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    bias = to_device(torch.randn(L, S, generator=gen).to(dtype), device)
+    check_forward(q, k, v, softcap=50.0, attn_mask=bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_sinks(device, dtype):
     L, S = 70, 130
     q, k, v = gqa(device, 2, 4, 2, L, S, 64, 64, dtype=dtype, layout="blhd")
-    sinks = _sinks(4, dtype, device)
-    check(q, k, v, sinks=sinks)
+    sinks = make_sinks(4, dtype, device)
+    check_forward(q, k, v, sinks=sinks)
     sinks[1], sinks[2] = 40.0, -math.inf  # far above every score; no sink at all
-    check(q, k, v, sinks=sinks)
+    check_forward(q, k, v, sinks=sinks)
     # Sinks in another floating dtype are converted by the glue.
-    check(q, k, v, sinks=sinks.to(dtype) if dtype != torch.float64 else sinks.float())
+    check_forward(q, k, v, sinks=sinks.to(dtype) if dtype != torch.float64 else sinks.float())
     mask = torch.zeros(L, S, dtype=torch.bool, device=device)
     mask[3] = True  # query 3 sees no key: out 0, lse +inf, sink or not
     kpm = torch.zeros(2, S, device=device)
     kpm[1] = -math.inf  # batch 1 sees no key
-    out, lse = check(q, k, v, sinks=sinks, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
+    out, lse = check_forward(q, k, v, sinks=sinks, attn_mask=mask, key_padding_mask=kpm, is_causal=True)
     assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
     assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
 
@@ -420,26 +397,22 @@ def test_attention_all_features_together(device, dtype, mask, head_dim):
     gen = torch.Generator().manual_seed(5)
     B, H, L, S = 3, 6, 90, 140
     q, k, v = gqa(device, B, H, 3, L, S, head_dim, 48, dtype=dtype, layout="lbhd")
-    if mask == "bool":
-        attn_mask = torch.rand(B * H, L, S, generator=gen) < 0.2
-        kpm = torch.rand(B, S, generator=gen) < 0.2
-    else:
-        attn_mask = torch.randn(B * H, L, S, generator=gen).to(dtype)
-        kpm = torch.randn(B, S, generator=gen).masked_fill(torch.rand(B, S, generator=gen) < 0.2, -math.inf)
+    attn_mask, kpm = make_feature_masks(mask, B, H, L, S, dtype, gen)
     kwargs = {"attn_mask": to_device(attn_mask, device), "key_padding_mask": to_device(kpm, device),
               "window_left": 30, "window_right": 2,
               "key_lengths": torch.tensor([S, 0, L - 4], device=device), "softcap": 4.0,
-              "sinks": _sinks(H, dtype, device), "scale": 0.2}
+              "sinks": make_sinks(H, dtype, device), "scale": 0.2}
     for is_causal in (False, True):
-        out, lse = check(q, k, v, is_causal=is_causal, **kwargs)
-        _assert_unseen_rows_empty(out, lse, S=S, is_causal=is_causal, **kwargs)
+        out, lse = check_forward(q, k, v, is_causal=is_causal, **kwargs)
+        assert_unseen_rows_empty(out, lse, S, is_causal=is_causal, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_all_features_with_dropout(device, dtype):
     q, k, v = gqa(device, 2, 4, 2, 37, 53, 24, 24, dtype=dtype)
-    check(q, k, v, window_left=6, window_right=0, key_lengths=torch.tensor([53, 30], device=device),
-          softcap=3.0, sinks=_sinks(4, dtype, device), dropout_p=0.3, dropout_seed=torch.tensor([11, 5]))
+    check_forward(q, k, v, window_left=6, window_right=0, key_lengths=torch.tensor([53, 30], device=device),
+                  softcap=3.0, sinks=make_sinks(4, dtype, device), dropout_p=0.3,
+                  dropout_seed=torch.tensor([11, 5]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -448,8 +421,8 @@ def test_attention_big_window(device, dtype):
     B, H, L, S = 2, 4, 1030, 1500
     q, k, v = gqa(device, B, H, 2, L, S, 128, 128, dtype=dtype, layout="blhd")
     key_lengths = torch.tensor([S, 1200], device=device)
-    check(q, k, v, window_left=127, window_right=0, key_lengths=key_lengths, softcap=30.0,
-          sinks=_sinks(H, dtype, device))
+    check_forward(q, k, v, window_left=127, window_right=0, key_lengths=key_lengths, softcap=30.0,
+                  sinks=make_sinks(H, dtype, device))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -484,25 +457,25 @@ def test_linear_gradients_and_opcheck(device):
 @pytest.mark.parametrize("masks", ["none", "both_bool", "both_float", "causal", "am3_float"])
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_mha_matches_reference(device, masks, need_weights):
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float64)
     kpm, am, is_causal = make_masks(masks, 2, 4, 6, 9, torch.float64)
-    args = _args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights)
-    _check(to_device(args, device))
+    args = mha_args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights)
+    check_mha(to_device(args, device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 def test_mha_low_precision_and_extras(device, dtype, extras):
-    query, key, value, w = _inputs("separate" if extras == "none" else "kv_shared", "sliced", dtype)
+    query, key, value, w = make_inputs("separate" if extras == "none" else "kv_shared", "sliced", dtype)
     s = 5 if extras == "static_kv" else 9
     kpm, am, _ = make_masks("both_float", 2, 4, 6, s, dtype)
-    _check(to_device(_args(query, key, value, w, extras=extras, kpm=kpm, am=am), device), dtype)
+    check_mha(to_device(mha_args(query, key, value, w, extras=extras, kpm=kpm, am=am), device), dtype)
 
 
 def test_mha_opcheck(device):
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float32)
+    query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float32)
     kpm, am, _ = make_masks("both_bool", 2, 4, 6, 9, torch.float32)
-    args = _args(query, key, value, w, kpm=kpm, am=am, need_weights=True)
+    args = mha_args(query, key, value, w, kpm=kpm, am=am, need_weights=True)
     torch.library.opcheck(torch.ops.attnx.mha.default, to_device(args, device))
 
 

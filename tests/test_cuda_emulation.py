@@ -18,14 +18,28 @@ import subprocess
 import pytest
 import torch
 
-from attnx import reference
-from emulation import emulator
-from test_attention import (
-    _mask,
-    _padding,
+from attention_helpers import (
+    ATTN_MASK_KINDS,
+    EMPTY_SIZES,
+    KEY_PADDING_MASK_KINDS,
+    MASKED_SHAPE,
+    QKV_LAYOUTS,
+    assert_fully_masked_rows,
     assert_matches_reference,
+    assert_nan_rows,
+    assert_unseen_rows_empty,
+    fully_masked_rows_case,
+    key_tile_skipping_cases,
+    make_attn_mask,
+    make_feature_masks,
+    make_gqa,
+    make_key_padding_mask,
     make_qkv,
+    make_sinks,
+    nan_rows_case,
+    seed_of,
 )
+from emulation import build_cache, emulator
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -40,7 +54,7 @@ def emu():
 
 
 def check(emu, q, k, v, out_layout="blhd", kernel="simt", **kwargs):
-    """Runs the emulated kernel and compares out and lse with the reference, as test_attention.check does."""
+    """Runs the emulated kernel and compares out and lse with the reference, as check_forward does."""
     out, lse = emu.attention(q, k, v, out_layout=out_layout, kernel=kernel, **kwargs)
     return assert_matches_reference(out, lse, q, k, v, **kwargs)
 
@@ -48,10 +62,7 @@ def check(emu, q, k, v, out_layout="blhd", kernel="simt", **kwargs):
 # ------------------------------------------------------------------------------------------------------------
 # Dtypes, layouts, head-dim buckets, tile and block boundaries.
 
-LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dtypes_layouts(emu, dtype, layout):
     # L = 20: two query blocks of 16, the second partial; S = 37: two key tiles, the second partial.
@@ -100,30 +111,25 @@ def test_custom_scale(emu):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Masks (the factories of test_attention: B, H, L, S, D = 2, 3, 19, 41, 16).
+# Masks (the factories of attention_helpers: B, H, L, S, D = 2, 3, 19, 41, 16).
 
-B, H, L, S, D = 2, 3, 19, 41, 16
-ATTN_MASKS = [
-    "bool_ls", "float_ls", "float64_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls",
-    "float_1h1s", "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
-    "float_bhls_sliced",
-]
-PADDINGS = ["bool", "float", "float_neginf", "bool_transposed", "float16_expanded"]
+B, H, L, S = MASKED_SHAPE
+D = 16
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
+@pytest.mark.parametrize("attn_mask", ATTN_MASK_KINDS, ids=str)
 def test_attn_mask(emu, attn_mask, is_causal):
-    mask = _mask(attn_mask, torch.Generator().manual_seed(1))
+    mask = make_attn_mask(attn_mask, torch.Generator().manual_seed(1))
     check(emu, *make_qkv(B, H, L, S, D, D, layout="blhd"), attn_mask=mask, is_causal=is_causal)
 
 
-@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+@pytest.mark.parametrize("padding", KEY_PADDING_MASK_KINDS, ids=str)
 @pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls"], ids=str)
 def test_padding_and_attn_mask(emu, attn_mask, padding):
     gen = torch.Generator().manual_seed(2)
-    mask = None if attn_mask is None else _mask(attn_mask, gen)
-    kpm = _padding(padding, gen)
+    mask = None if attn_mask is None else make_attn_mask(attn_mask, gen)
+    kpm = make_key_padding_mask(padding, gen)
     check(emu, *make_qkv(B, H, L, S, D, D), attn_mask=mask, key_padding_mask=kpm, is_causal=padding == "bool")
 
 
@@ -131,23 +137,16 @@ def test_padding_and_attn_mask(emu, attn_mask, padding):
 def test_masks_low_precision_and_strided(emu, dtype):
     gen = torch.Generator().manual_seed(3)
     q, k, v = make_qkv(B, H, L, S, D, 8, dtype=dtype, layout="strided_last")
-    check(emu, q, k, v, attn_mask=_mask("float_ls", gen).to(dtype), key_padding_mask=_padding("bool", gen),
-          is_causal=True, scale=0.2)
+    check(emu, q, k, v, attn_mask=make_attn_mask("float_ls", gen).to(dtype),
+          key_padding_mask=make_key_padding_mask("bool", gen), is_causal=True, scale=0.2)
 
 
 def test_padding_skips_whole_tiles(emu):
     # Batch 0: key_padding_mask removes the whole first key tile (skipped by the block) and part of the third;
     # batch 1: the whole last, partial tile. attn_mask removes a whole tile for some rows only (not skipped).
-    q, k, v = make_qkv(2, 2, 20, 70, 16, 16)
-    kpm = torch.zeros(2, 70, dtype=torch.bool)
-    kpm[0, :32] = True
-    kpm[0, 66:] = True
-    kpm[1, 64:] = True
-    mask = torch.zeros(20, 70, dtype=torch.bool)
-    mask[:10, 32:64] = True
-    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    check(emu, q, k, v, attn_mask=torch.zeros(20, 70).masked_fill(mask, -math.inf), key_padding_mask=kpm,
-          is_causal=True)
+    qkv, cases = key_tile_skipping_cases()
+    for masks in cases:
+        check(emu, *qkv, **masks)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -156,14 +155,9 @@ def test_padding_skips_whole_tiles(emu):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_fully_masked_rows(emu, dtype):
-    q, k, v = make_qkv(2, 2, 6, 9, 8, 8, dtype=dtype)
-    mask = torch.zeros(6, 9, dtype=torch.bool)
-    mask[2] = True  # query 2 sees no key
-    kpm = torch.zeros(2, 9, dtype=torch.bool)
-    kpm[1] = True  # batch 1 sees no key at all (its only tile is skipped)
-    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    # Query 2 sees no key; batch 1 sees no key at all (its only tile is skipped).
+    qkv, masks = fully_masked_rows_case(dtype=dtype)
+    assert_fully_masked_rows(*check(emu, *qkv, **masks))
 
 
 def test_fully_masked_row_with_infinite_values(emu):
@@ -177,22 +171,12 @@ def test_fully_masked_row_with_infinite_values(emu):
 
 
 def test_nan_propagates_per_row(emu):
-    q, k, v = make_qkv(1, 2, 5, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
-    mask = torch.zeros(5, 6)
-    mask[4, 3] = float("nan")  # row l=4 of every head
-    out, lse = check(emu, q, k, v, attn_mask=mask)
-    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
-    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
-    assert not out[0, 0, :4].isnan().any()
+    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
+    qkv, masks = nan_rows_case()
+    assert_nan_rows(*check(emu, *qkv, **masks))
 
 
-@pytest.mark.parametrize(
-    "sizes",
-    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
-     (2, 2, 3, 4, 8, 0)],
-    ids=str,
-)
+@pytest.mark.parametrize("sizes", EMPTY_SIZES, ids=str)
 def test_empty_sizes(emu, sizes):
     q, k, v = make_qkv(*sizes)
     out, lse = check(emu, q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
@@ -239,7 +223,7 @@ def test_head_dim_above_256_has_no_kernel(emu):
 MMA_DTYPES = [torch.float16, torch.bfloat16]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [24, 64])
 def test_mma_dtypes_layouts(emu, dtype, layout, head_dim):
@@ -266,15 +250,15 @@ def test_mma_many_blocks_and_tiles(emu, is_causal):
 @pytest.mark.parametrize("attn_mask", ["bool_ls", "float64_ls", "neginf_ls", "float_bhls", "float_1h1s",
                                        "bool_4d_full", "float_ls_transposed", "float_ls_expanded"], ids=str)
 def test_mma_attn_mask(emu, attn_mask, is_causal):
-    mask = _mask(attn_mask, torch.Generator().manual_seed(1))
+    mask = make_attn_mask(attn_mask, torch.Generator().manual_seed(1))
     q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.bfloat16, layout="blhd")
     check(emu, q, k, v, attn_mask=mask, is_causal=is_causal, kernel="mma")
 
 
-@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+@pytest.mark.parametrize("padding", KEY_PADDING_MASK_KINDS, ids=str)
 def test_mma_padding_and_attn_mask(emu, padding):
     gen = torch.Generator().manual_seed(2)
-    mask, kpm = _mask("float_bhls", gen), _padding(padding, gen)
+    mask, kpm = make_attn_mask("float_bhls", gen), make_key_padding_mask(padding, gen)
     q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.float16)
     check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=padding == "bool", scale=0.3,
           kernel="mma")
@@ -314,26 +298,23 @@ def test_mma_refuses_what_it_does_not_cover(emu):
 # emulated kernel must drop exactly the reference's mask, and the CPU kernel's.
 
 
-def _seed(seed, offset=0):
-    return torch.tensor([seed, offset], dtype=torch.int64)
-
-
 @pytest.mark.parametrize("layout", ["contiguous", "blhd", "expanded_kv", "strided_last"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dropout_matches_reference(emu, dtype, layout):
     # Two query blocks and two key tiles, both partial.
     check(emu, *make_qkv(2, 2, 20, 37, 24, 24, dtype=dtype, layout=layout), dropout_p=0.3,
-          dropout_seed=_seed(17, 3))
+          dropout_seed=seed_of(17, 3))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_dropout_masks_and_tiles(emu, is_causal):
     gen = torch.Generator().manual_seed(2)
     q, k, v = make_qkv(B, H, L, S, D, D, dtype=torch.float64, layout="blhd")
-    check(emu, q, k, v, attn_mask=_mask("float_bhls", gen), key_padding_mask=_padding("bool", gen),
-          is_causal=is_causal, dropout_p=0.5, dropout_seed=_seed(-3, 2**33))
+    check(emu, q, k, v, attn_mask=make_attn_mask("float_bhls", gen),
+          key_padding_mask=make_key_padding_mask("bool", gen), is_causal=is_causal, dropout_p=0.5,
+          dropout_seed=seed_of(-3, 2**33))
     check(emu, *make_qkv(1, 1, 50, 70, 16, 16, dtype=torch.float64), is_causal=is_causal, dropout_p=0.2,
-          dropout_seed=_seed(5))
+          dropout_seed=seed_of(5))
 
 
 def test_dropout_same_mask_as_the_cpu_kernel(emu):
@@ -341,7 +322,7 @@ def test_dropout_same_mask_as_the_cpu_kernel(emu):
 
     q, k, v = make_qkv(2, 3, 21, 45, 16, 16, dtype=torch.float64, layout="blhd")
     for p in (0.1, 0.6, 1.0):
-        kwargs = {"is_causal": True, "dropout_p": p, "dropout_seed": _seed(2024, 1)}
+        kwargs = {"is_causal": True, "dropout_p": p, "dropout_seed": seed_of(2024, 1)}
         emu_out, emu_lse = emu.attention(q, k, v, **kwargs)
         cpu_out, cpu_lse = attnx.attention(q, k, v, **kwargs)
         torch.testing.assert_close(emu_out, cpu_out, rtol=0, atol=1e-12)
@@ -351,9 +332,10 @@ def test_dropout_same_mask_as_the_cpu_kernel(emu):
 def test_dropout_is_not_on_the_mma_kernel(emu):
     # The glue runs the SIMT kernel when dropout_p > 0; the mma launcher refuses it.
     q, k, v = make_qkv(1, 1, 3, 5, 16, 16, dtype=torch.float16)
-    assert emu.plan(emulator.make_params(q, k, v, dropout_p=0.1, dropout_seed=_seed(1)), torch.float16).bucket
+    params = emulator.make_params(q, k, v, dropout_p=0.1, dropout_seed=seed_of(1))
+    assert emu.plan(params, torch.float16).bucket
     with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
-        emu.attention(q, k, v, dropout_p=0.1, dropout_seed=_seed(1), kernel="mma")
+        emu.attention(q, k, v, dropout_p=0.1, dropout_seed=seed_of(1), kernel="mma")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -373,14 +355,6 @@ def _lens(kernel):
     return (20, 45) if kernel == "simt" else (70, 100)
 
 
-def make_gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
-    """query (B, H, L, D) and key/value with Hkv heads, all in `layout` ("expanded_kv": one stored kv head
-    broadcast over the Hkv heads by stride 0)."""
-    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
-    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
-    return q, k, v
-
-
 def _key_lengths(values, kind):
     """values as a (B,) key_lengths tensor: None, "int32", or "int64" read through a stride of 2."""
     if kind is None:
@@ -388,20 +362,6 @@ def _key_lengths(values, kind):
     if kind == "int32":
         return torch.tensor(values, dtype=torch.int32)
     return torch.tensor([x for v in values for x in (v, -7)], dtype=torch.int64)[::2]
-
-
-def _sinks(H, dtype):
-    """(H,) sink logits around the scores' range: -1 .. 2."""
-    return torch.linspace(-1.0, 2.0, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-
-
-def _assert_unseen_rows_empty(out, lse, B, L, S, **kwargs):
-    """Rows that see no key by the key range alone (reference.key_range_mask) have out 0 and lse +inf."""
-    seen = reference.key_range_mask(B, L, S, kwargs.get("is_causal", False), kwargs.get("window_left", -1),
-                                    kwargs.get("window_right", -1), kwargs.get("key_lengths"))
-    empty = ~seen.any(dim=-1).expand(B, out.shape[1], L)  # (B, H, L)
-    assert (out[empty] == 0).all() and torch.isposinf(lse[empty]).all()
-    return int(empty.sum())
 
 
 @pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
@@ -412,7 +372,7 @@ def test_grouped_kv_heads(emu, kernel, dtype, heads):
     check(emu, *make_gqa(2, H, Hkv, L, S, 24, 24, dtype=dtype, layout="blhd"), is_causal=True, kernel=kernel)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
 def test_grouped_kv_heads_layouts(emu, kernel, dtype, layout):
     L, S = _lens(kernel)
@@ -435,7 +395,7 @@ def test_windows_and_key_lengths(emu, kernel, dtype, window, lengths):
     out, lse = check(emu, q, k, v, kernel=kernel, **kwargs)
     if lengths is not None:
         assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
-    empty_rows = _assert_unseen_rows_empty(out, lse, 3, L, S, **kwargs)
+    empty_rows = assert_unseen_rows_empty(out, lse, S, **kwargs)
     if window[1] == 0 and lengths is not None:
         assert empty_rows > 2 * L  # batch 1, and the first rows of batch 2
 
@@ -450,7 +410,7 @@ def test_windows_with_causal_and_more_queries_than_keys(emu, kernel, dtype, wind
         kwargs = {"is_causal": is_causal, "window_left": window[0], "window_right": window[1],
                   "key_lengths": _key_lengths([S, S - 5], "int32")}
         out, lse = check(emu, *make_gqa(2, 2, 1, L, S, 16, 16, dtype=dtype), kernel=kernel, **kwargs)
-        _assert_unseen_rows_empty(out, lse, 2, L, S, **kwargs)
+        assert_unseen_rows_empty(out, lse, S, **kwargs)
 
 
 @pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES)
@@ -506,7 +466,7 @@ def test_softcap(emu, kernel, dtype):
 def test_sinks(emu, kernel, dtype):
     L, S = _lens(kernel)
     q, k, v = make_gqa(2, 4, 2, L, S, 16, 16, dtype=dtype, layout="blhd")
-    sinks = _sinks(4, dtype)
+    sinks = make_sinks(4, dtype)
     check(emu, q, k, v, sinks=sinks, kernel=kernel)
     # A sink far above every score (the row's probabilities ~exp(-40)), and a -inf sink (no sink at all).
     sinks[1], sinks[2] = 40.0, -math.inf
@@ -534,17 +494,12 @@ def test_all_features_together(emu, kernel, dtype, mask):
     L, S = _lens(kernel)
     B, H = 3, 6
     q, k, v = make_gqa(B, H, 3, L, S, 24, 16, dtype=dtype, layout="lbhd")
-    if mask == "bool":
-        attn_mask = torch.rand(B * H, L, S, generator=gen) < 0.2
-        kpm = torch.rand(B, S, generator=gen) < 0.2
-    else:
-        attn_mask = torch.randn(B * H, L, S, generator=gen).to(dtype)
-        kpm = torch.randn(B, S, generator=gen).masked_fill(torch.rand(B, S, generator=gen) < 0.2, -math.inf)
+    attn_mask, kpm = make_feature_masks(mask, B, H, L, S, dtype, gen)
     kwargs = {"attn_mask": attn_mask, "key_padding_mask": kpm, "window_left": 9, "window_right": 2,
               "key_lengths": _key_lengths([S, 0, L - 4], "int64"), "softcap": 4.0,
-              "sinks": _sinks(H, dtype), "scale": 0.4}
+              "sinks": make_sinks(H, dtype), "scale": 0.4}
     out, lse = check(emu, q, k, v, kernel=kernel, **kwargs)
-    _assert_unseen_rows_empty(out, lse, B, L, S, **kwargs)
+    assert_unseen_rows_empty(out, lse, S, **kwargs)
     check(emu, q, k, v, kernel=kernel, is_causal=True, **kwargs)
 
 
@@ -553,7 +508,7 @@ def test_all_features_with_dropout(emu, dtype):
     # The SIMT kernel's dropout draws by (b, h, l, s) of the query head: the same mask as the reference's.
     q, k, v = make_gqa(2, 4, 2, 20, 45, 16, 16, dtype=dtype)
     check(emu, q, k, v, window_left=6, window_right=0, key_lengths=_key_lengths([45, 30], "int32"),
-          softcap=3.0, sinks=_sinks(4, dtype), dropout_p=0.3, dropout_seed=_seed(11, 5))
+          softcap=3.0, sinks=make_sinks(4, dtype), dropout_p=0.3, dropout_seed=seed_of(11, 5))
 
 
 @pytest.mark.parametrize("kernel", ["simt", "mma"])
@@ -650,14 +605,14 @@ def composite():
 
     from torch.utils import cpp_extension
 
-    csrc = os.path.join(emulator.ROOT, "csrc")
+    csrc = emulator.CSRC
     digest = hashlib.sha256()  # load hashes its sources, not the headers
     for header in ("cuda/attention_composite.h", "common/attention.h", "common/aten.h", "common/views.h",
                    "common/stable.h", "common/compat.h", "include/attnx/params.h"):
         with open(os.path.join(csrc, header), "rb") as f:
             digest.update(f.read())
     digest = digest.hexdigest()[:16]
-    build_dir = os.path.join(emulator.BUILD_DIR, "composite")
+    build_dir = os.path.join(build_cache.BUILD_DIR, "composite")
     os.makedirs(build_dir, exist_ok=True)
     source = os.path.join(build_dir, f"composite_{digest}.cpp")
     with open(source, "w") as f:
@@ -689,7 +644,7 @@ def test_composite_features(composite, dtype):
     bool_mask = torch.rand(B * H, L, S, generator=gen) < 0.2
     float_mask = torch.randn(L, S, generator=gen).to(dtype)
     kpm = torch.rand(B, S, generator=gen) < 0.2
-    sinks = _sinks(H, dtype)
+    sinks = make_sinks(H, dtype)
     for window in WINDOWS:
         for is_causal in (False, True):
             for extra in (
@@ -703,11 +658,11 @@ def test_composite_features(composite, dtype):
                 kwargs = {"is_causal": is_causal, "window_left": window[0], "window_right": window[1],
                           **extra}
                 out, lse = check_composite(composite, q, k, v, **kwargs)
-                _assert_unseen_rows_empty(out, lse, B, L, S, **kwargs)
+                assert_unseen_rows_empty(out, lse, S, **kwargs)
     # A head dim the kernels do not cover, as the glue sends it here.
     q, k, v = make_gqa(2, 4, 1, 9, 20, 288, 264, dtype=dtype)
     check_composite(composite, q, k, v, is_causal=True, window_left=4,
-                    key_lengths=_key_lengths([20, 5], "int32"), softcap=5.0, sinks=_sinks(4, dtype))
+                    key_lengths=_key_lengths([20, 5], "int32"), softcap=5.0, sinks=make_sinks(4, dtype))
 
 
 # ------------------------------------------------------------------------------------------------------------

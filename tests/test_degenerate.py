@@ -230,27 +230,20 @@ def test_nonfinite_float_mask_where_the_other_mask_masks(value, dtype):
 
 
 def _fully_masked(how, dtype):
-    """Masks under which query 3 of every head (and, for the padding masks, all of batch 1) sees no key."""
-    if how == "bool_attn_mask":
+    """Masks under which query 3 of every head (for the attn_masks; all of batch 1 for the padding masks)
+    sees no key, or (causal_and_mask) query 0."""
+    if how == "causal_and_mask":  # is_causal, and a bool mask that removes the one key (0) query 0 may see
         mask = torch.zeros(L, S, dtype=torch.bool)
-        mask[3] = True
-        return {"attn_mask": mask}
-    if how == "float_attn_mask_neginf":
-        mask = torch.randn(L, S, dtype=dtype)
-        mask[3] = -INF
-        return {"attn_mask": mask}
-    if how == "bool_key_padding_mask":
-        kpm = torch.zeros(B, S, dtype=torch.bool)
-        kpm[1] = True
-        return {"key_padding_mask": kpm}
-    if how == "float_key_padding_mask_neginf":
-        kpm = torch.zeros(B, S, dtype=dtype)
-        kpm[1] = -INF
-        return {"key_padding_mask": kpm}
-    # is_causal with a bool mask that removes the one key (key 0) that query 0 may see
-    mask = torch.zeros(L, S, dtype=torch.bool)
-    mask[0, 0] = True
-    return {"attn_mask": mask, "is_causal": True}
+        mask[0, 0] = True
+        return {"attn_mask": mask, "is_causal": True}
+    name, shape, row = ("attn_mask", (L, S), 3) if "attn_mask" in how else ("key_padding_mask", (B, S), 1)
+    if how.startswith("bool"):
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[row] = True
+    else:  # -inf over the row; a float attn_mask holds random biases elsewhere
+        mask = torch.randn(shape, dtype=dtype) if name == "attn_mask" else torch.zeros(shape, dtype=dtype)
+        mask[row] = -INF
+    return {name: mask}
 
 
 FULLY_MASKED = ["bool_attn_mask", "float_attn_mask_neginf", "bool_key_padding_mask",

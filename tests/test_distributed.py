@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attnx
+from dispatch_helpers import DispatchRecorder
 
 E, HEADS, FF, LAYERS = 16, 2, 32, 2
 BATCH, LENGTH, WORLD = 4, 7, 2
@@ -84,8 +85,6 @@ def test_ddp_gradients_match_a_single_process(tmp_path):
 def test_the_converted_layers_run_attnx():
     """The comparison above is about attnx only if the converted layers run attnx's fused forward and
     backward."""
-    from test_convert import DispatchRecorder
-
     model = _model().train()
     x, target, padding = _data()
     with DispatchRecorder() as recorder:

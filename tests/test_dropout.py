@@ -9,28 +9,23 @@ matrix make out the mask itself) and check its keep rate and the expectation of 
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import attnx
+from attention_helpers import (
+    DTYPES,
+    check_backward,
+    check_forward,
+    make_leaves,
+    make_qkv,
+    run_under_cpu_capability,
+    seed_of,
+    views,
+)
 from attnx import reference
-from test_attention import check as check_forward
-from test_attention import make_qkv
-from test_attention_backward import check as check_backward
-from test_attention_backward import make_leaves, views
-
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-
-
-def seed_of(seed, offset=0):
-    return torch.tensor([seed, offset], dtype=torch.int64)
-
 
 # ------------------------------------------------------------------------------------------------------------
 # The RNG.
@@ -436,26 +431,16 @@ def test_bad_inputs(case, fake):
 # ------------------------------------------------------------------------------------------------------------
 # Every ISA variant of the CPU kernels draws the same mask.
 
-_ISA_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_dropout import check_backward, check_forward, make_leaves, make_qkv, seed_of
-    assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
+_ISA_SCRIPT = """
+    from attention_helpers import check_backward, check_forward, make_leaves, make_qkv, seed_of
     for dtype in (torch.float32, torch.float64):
         check_forward(*make_qkv(2, 3, 150, 140, 24, 20, dtype=dtype, layout="strided_last"), is_causal=True,
                       dropout_p=0.3, dropout_seed=seed_of(6))
         leaves = make_leaves(2, 3, 150, 140, 24, 20, dtype=dtype, layout="strided_last")
         check_backward(leaves, "strided_last", is_causal=True, dropout_p=0.3, dropout_seed=seed_of(6))
     """
-)
 
 
 @pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_isa_variants(isa):
-    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("this CPU has no AVX2")
-    script = _ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), isa=isa)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower())
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    run_under_cpu_capability(_ISA_SCRIPT, isa)

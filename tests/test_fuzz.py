@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnx
 from attnx import ops, reference
-from test_linear import is_non_overlapping_and_dense
+from layouts import is_non_overlapping_and_dense
 
 DEFAULT_CASES = {
     "attention_forward": 300,

@@ -45,26 +45,33 @@ def test_backend_mismatch(backend, built, built_cuda, running, running_cuda, loa
     assert (backend_mismatch(backend, built, built_cuda, running, running_cuda) == "") == loads
 
 
-def _import_copy(tmp_path, edit):
-    """Imports a copy of the installed package, changed by ``edit(copy_dir)``, in a fresh interpreter."""
+def _import_copy(tmp_path, edit, code="import attnx", python_flags=()):
+    """Runs ``code`` (by default ``import attnx``) in a fresh interpreter started with ``python_flags``, on a
+    copy of the installed package changed by ``edit(copy_dir)``."""
     copy = tmp_path / "attnx"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     edit(copy)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    return subprocess.run([sys.executable, "-c", "import attnx"], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, *python_flags, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
 
 
-def test_a_torch_below_the_floor_is_a_clear_import_error(tmp_path):
+def _build_info(backends, torch_version, min_torch):
+    """An ``edit`` for _import_copy: the copy's _build_info.py says it was built with ``backends`` against
+    ``torch_version``, and needs torch >= ``min_torch``. Skips where this build has no _build_info.py."""
     if not os.path.exists(os.path.join(PACKAGE, "_build_info.py")):
         pytest.skip("this build of attnx has no _build_info.py (not built by setup.py)")
 
-    def later_floor(copy):
+    def edit(copy):
         (copy / "_build_info.py").write_text(
-            "BACKENDS = ('CPU',)\nTORCH_VERSION = '99.0.0'\nMIN_TORCH = '99.0'\nCUDA_VERSION = None\n"
-            "CUDA_ARCH_LIST = None\n"
+            f"BACKENDS = {backends!r}\nTORCH_VERSION = {torch_version!r}\nMIN_TORCH = {min_torch!r}\n"
+            "CUDA_VERSION = None\nCUDA_ARCH_LIST = None\n"
         )
 
-    result = _import_copy(tmp_path, later_floor)
+    return edit
+
+
+def test_a_torch_below_the_floor_is_a_clear_import_error(tmp_path):
+    result = _import_copy(tmp_path, _build_info(("CPU",), "99.0.0", "99.0"))
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last == (f"ImportError: attnx needs torch >= 99.0, but torch {torch.__version__} is installed. "
@@ -86,22 +93,10 @@ def test_a_library_that_does_not_load_is_a_clear_import_error(tmp_path):
 
 
 def test_a_backend_library_this_torch_cannot_take_is_left_out_with_a_warning(tmp_path):
-    if not os.path.exists(os.path.join(PACKAGE, "_build_info.py")):
-        pytest.skip("this build of attnx has no _build_info.py (not built by setup.py)")
-
-    def mps_for_another_torch(copy):
-        (copy / "_build_info.py").write_text(
-            "BACKENDS = ('CPU', 'MPS')\nTORCH_VERSION = '1.0.0'\nMIN_TORCH = '2.10'\nCUDA_VERSION = None\n"
-            "CUDA_ARCH_LIST = None\n"
-        )
-
-    copy = tmp_path / "attnx"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    mps_for_another_torch(copy)
+    mps_for_another_torch = _build_info(("CPU", "MPS"), "1.0.0", "2.10")
     code = ("import torch, attnx; x = torch.ones(2, 3); w = torch.ones(4, 3); "
             "print(torch.ops.attnx.linear(x, w, None).sum().item(), attnx._loader.loaded_backends())")
-    result = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    result = _import_copy(tmp_path, mps_for_another_torch, code, python_flags=("-W", "always"))
     assert result.returncode == 0, result.stderr
     expected = ("RuntimeWarning: attnx's MPS kernels are not loaded: they were built against torch 1.0.x "
                 f"(torch's regular ABI) and torch {torch.__version__} is installed.")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnx
+from attention_helpers import assert_matches_reference, make_qkv
 from attnx import reference
 
 N = 65536  # L = S; B * H * L * S = 2^33
@@ -78,8 +79,6 @@ def _far_masks():
 
 
 def _far_cases(dtype=torch.float32):
-    from test_attention import make_qkv
-
     (mask, padding), (far_mask, far_padding) = _far_masks()
     assert far_mask.stride(0) > 2**31 and far_padding.storage_offset() > 2**31
     return make_qkv(2, 2, 3, 70, 8, 8, dtype=dtype), dict(attn_mask=mask, key_padding_mask=padding), dict(
@@ -89,8 +88,6 @@ def _far_cases(dtype=torch.float32):
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_mask_offsets_past_2_to_31(is_causal):
-    from test_attention import assert_matches_reference
-
     (q, k, v), masks, far_masks = _far_cases()
     with torch.no_grad():
         out, lse = attnx.attention(q, k, v, **far_masks, is_causal=is_causal)
@@ -110,8 +107,6 @@ def test_mask_offsets_past_2_to_31_backward():
 @pytest.mark.parametrize("kernel", ["simt", "mma"])  # the tensor-core kernel takes 16-bit inputs only
 def test_mask_offsets_past_2_to_31_cuda_emulation(kernel):
     from emulation import emulator
-    from test_attention import assert_matches_reference
-
     try:
         emu = emulator.Emulator(emulator.build())
     except emulator.Unavailable as e:
@@ -123,8 +118,6 @@ def test_mask_offsets_past_2_to_31_cuda_emulation(kernel):
 
 def test_mask_offsets_past_2_to_31_metal_emulation():
     from emulation import metal_emulator
-    from test_attention import assert_matches_reference
-
     try:
         emu = metal_emulator.MetalEmulator(metal_emulator.build())
     except metal_emulator.Unavailable as e:
@@ -153,8 +146,6 @@ def _far_kv(k, v):
 
 
 def _far_kv_case():
-    from test_attention import make_qkv
-
     q, k, v = make_qkv(2, 2, 3, 70, 8, 8, dtype=torch.bfloat16)
     far_k, far_v = _far_kv(k, v)
     assert far_k.stride(0) > 2**31 and far_v[1].storage_offset() > 2**31
@@ -178,8 +169,6 @@ def test_key_value_strides_past_2_to_31():
 @pytest.mark.parametrize("kernel", ["simt", "mma"])
 def test_key_value_strides_past_2_to_31_cuda_emulation(kernel):
     from emulation import emulator
-    from test_attention import assert_matches_reference
-
     try:
         emu = emulator.Emulator(emulator.build())
     except emulator.Unavailable as e:
@@ -191,8 +180,6 @@ def test_key_value_strides_past_2_to_31_cuda_emulation(kernel):
 
 def test_key_value_strides_past_2_to_31_metal_emulation():
     from emulation import metal_emulator
-    from test_attention import assert_matches_reference
-
     try:
         emu = metal_emulator.MetalEmulator(metal_emulator.build())
     except metal_emulator.Unavailable as e:

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import attnx
 from attnx import reference
 from conftest import DEVICES, FLOAT_DTYPES, require_kernel
-from layouts import FOLDABLE, LAYOUTS, make
+from layouts import FOLDABLE, LAYOUTS, is_non_overlapping_and_dense, make
 
 K, N = 12, 10  # in/out features differ, so an input-sized copy is distinguishable from an output-sized one
 BATCH_SHAPES = [(), (7,), (1,), (5, 1), (1, 5), (3, 4), (2, 1, 3), (0, 3)]
@@ -101,17 +101,6 @@ def test_output_layout(layout):
         rows_in_order = leading == sorted(leading, reverse=True)
         if rows_in_order or layout in ("gapped", "expanded"):
             assert out.stride() == torch.empty(out.shape).stride(), (batch, out.stride())
-
-
-def is_non_overlapping_and_dense(t):
-    """Every element of a span of t.numel() elements is addressed exactly once."""
-    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: t.stride(d))
-    extent = 1
-    for d in dims:
-        if t.stride(d) != extent:
-            return False
-        extent *= t.shape[d]
-    return True
 
 
 def _copies(fn):

@@ -20,19 +20,30 @@ import sys
 import pytest
 import torch
 
+from attention_helpers import (
+    ATOL,
+    ATTN_MASK_KINDS,
+    EMPTY_SIZES,
+    KEY_PADDING_MASK_KINDS,
+    LSE_ATOL,
+    MASKED_SHAPE,
+    QKV_LAYOUTS,
+    assert_bounded,
+    assert_fully_masked_rows,
+    assert_matches_reference,
+    assert_nan_rows,
+    fully_masked_rows_case,
+    key_tile_skipping_cases,
+    make_attn_mask,
+    make_gqa,
+    make_key_padding_mask,
+    make_qkv,
+    nan_rows_case,
+)
 from attnx import reference
 from emulation import metal_emulator
 from layouts import LAYOUTS as LINEAR_LAYOUTS
 from layouts import make
-from test_attention import (
-    ATOL,
-    LSE_ATOL,
-    _assert_bounded,
-    _mask,
-    _padding,
-    assert_matches_reference,
-    make_qkv,
-)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metal"))
 import embed  # noqa: E402  (metal/embed.py, the build step that embeds the sources)
@@ -61,7 +72,7 @@ def emu():
 
 
 def check(emu, q, k, v, out_layout="blhd", kernel=None, **kwargs):
-    """Runs the emulated kernel and compares out and lse with the reference, as test_attention.check does."""
+    """Runs the emulated kernel and compares out and lse with the reference, as check_forward does."""
     out, lse = emu.attention(q, k, v, out_layout=out_layout, **kwargs)
     if kernel is not None:
         assert metal_emulator.ATTENTION_KERNELS[emu.last_plan.kernel] == kernel
@@ -71,10 +82,7 @@ def check(emu, q, k, v, out_layout="blhd", kernel=None, **kwargs):
 # ------------------------------------------------------------------------------------------------------------
 # Attention: dtypes, layouts, head-dim buckets, tile and threadgroup boundaries.
 
-ATTENTION_LAYOUTS = ["contiguous", "blhd", "lbhd", "packed", "expanded_kv", "strided_last"]
-
-
-@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_dtypes_layouts(emu, kernel, dtype, layout):
@@ -127,15 +135,12 @@ def test_attention_custom_scale(emu):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Masks (the factories of test_attention: B, H, L, S, D = 2, 3, 19, 41, 16; L = 19 takes the tiled kernel).
+# Masks (the factories of attention_helpers: B, H, L, S, D = 2, 3, 19, 41, 16; L = 19 takes the tiled
+# kernel). Metal has no float64: no float64 mask.
 
-B, H, L, S, D = 2, 3, 19, 41, 16
-ATTN_MASKS = [
-    "bool_ls", "float_ls", "bf16_ls", "neginf_ls", "bool_bhls", "float_bhls", "bool_b1ls", "float_1h1s",
-    "float_bh1s", "bool_4d_full", "float_ls_transposed", "bool_ls_sliced", "float_ls_expanded",
-    "float_bhls_sliced",
-]
-PADDINGS = ["bool", "float", "float_neginf", "bool_transposed", "float16_expanded"]
+B, H, L, S = MASKED_SHAPE
+D = 16
+ATTN_MASKS = [kind for kind in ATTN_MASK_KINDS if kind != "float64_ls"]
 
 
 def _rows(q, k, v, kernel):
@@ -153,20 +158,20 @@ def _cut_mask(mask, kernel):
 @pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_attn_mask(emu, kernel, attn_mask, is_causal):
-    mask = _cut_mask(_mask(attn_mask, torch.Generator().manual_seed(1)), kernel)
+    mask = _cut_mask(make_attn_mask(attn_mask, torch.Generator().manual_seed(1)), kernel)
     q, k, v = _rows(*make_qkv(B, H, L, S, D, D, layout="blhd"), kernel)
     check(emu, q, k, v, attn_mask=mask, is_causal=is_causal, kernel=kernel)
 
 
-@pytest.mark.parametrize("padding", PADDINGS, ids=str)
+@pytest.mark.parametrize("padding", KEY_PADDING_MASK_KINDS, ids=str)
 @pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls"], ids=str)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_padding_and_attn_mask(emu, kernel, attn_mask, padding):
     gen = torch.Generator().manual_seed(2)
-    mask = None if attn_mask is None else _cut_mask(_mask(attn_mask, gen), kernel)
+    mask = None if attn_mask is None else _cut_mask(make_attn_mask(attn_mask, gen), kernel)
     q, k, v = _rows(*make_qkv(B, H, L, S, D, D), kernel)
-    check(emu, q, k, v, attn_mask=mask, key_padding_mask=_padding(padding, gen), is_causal=padding == "bool",
-          kernel=kernel)
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=make_key_padding_mask(padding, gen),
+          is_causal=padding == "bool", kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -174,24 +179,17 @@ def test_attention_padding_and_attn_mask(emu, kernel, attn_mask, padding):
 def test_attention_masks_low_precision_and_strided(emu, kernel, dtype):
     gen = torch.Generator().manual_seed(3)
     q, k, v = _rows(*make_qkv(B, H, L, S, D, 8, dtype=dtype, layout="strided_last"), kernel)
-    mask = _cut_mask(_mask("float_ls", gen).to(dtype), kernel)
-    check(emu, q, k, v, attn_mask=mask, key_padding_mask=_padding("bool", gen), is_causal=True, scale=0.2,
-          kernel=kernel)
+    mask = _cut_mask(make_attn_mask("float_ls", gen).to(dtype), kernel)
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=make_key_padding_mask("bool", gen), is_causal=True,
+          scale=0.2, kernel=kernel)
 
 
 def test_attention_padding_skips_whole_tiles(emu):
     # Batch 0: key_padding_mask removes the whole first key tile (skipped by the threadgroup) and part of the
     # third; batch 1: the whole last, partial tile. attn_mask removes a whole tile for some rows only.
-    q, k, v = make_qkv(2, 2, 20, 70, 16, 16)
-    kpm = torch.zeros(2, 70, dtype=torch.bool)
-    kpm[0, :32] = True
-    kpm[0, 66:] = True
-    kpm[1, 64:] = True
-    mask = torch.zeros(20, 70, dtype=torch.bool)
-    mask[:10, 32:64] = True
-    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, kernel="tiled")
-    check(emu, q, k, v, attn_mask=torch.zeros(20, 70).masked_fill(mask, float("-inf")), key_padding_mask=kpm,
-          is_causal=True, kernel="tiled")
+    qkv, cases = key_tile_skipping_cases()
+    for masks in cases:
+        check(emu, *qkv, **masks, kernel="tiled")
 
 
 def test_attention_float64_masks_are_refused(emu):
@@ -207,15 +205,9 @@ def test_attention_float64_masks_are_refused(emu):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_fully_masked_rows(emu, kernel, dtype):
-    Lq = KERNELS[kernel]
-    q, k, v = make_qkv(2, 2, Lq, 9, 8, 8, dtype=dtype)
-    mask = torch.zeros(Lq, 9, dtype=torch.bool)
-    mask[2] = True  # query 2 sees no key
-    kpm = torch.zeros(2, 9, dtype=torch.bool)
-    kpm[1] = True  # batch 1 sees no key at all (skipped key by key, or tile by tile)
-    out, lse = check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm)
-    assert (out[:, :, 2] == 0).all() and torch.isposinf(lse[:, :, 2]).all()
-    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    # Query 2 sees no key; batch 1 sees no key at all (skipped key by key, or tile by tile).
+    qkv, masks = fully_masked_rows_case(KERNELS[kernel], dtype)
+    assert_fully_masked_rows(*check(emu, *qkv, **masks))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -231,23 +223,12 @@ def test_attention_fully_masked_row_with_infinite_values(emu, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_nan_propagates_per_row(emu, kernel):
-    Lq = KERNELS[kernel]
-    q, k, v = make_qkv(1, 2, Lq, 6, 4, 4)
-    q[0, 1, 2, 0] = float("nan")  # row (h=1, l=2): every score NaN
-    mask = torch.zeros(Lq, 6)
-    mask[4, 3] = float("nan")  # row l=4 of every head
-    out, lse = check(emu, q, k, v, attn_mask=mask)
-    assert out[0, 1, 2].isnan().all() and lse[0, 1, 2].isnan()
-    assert out[0, :, 4].isnan().all() and lse[0, :, 4].isnan().all()
-    assert not out[0, 0, :4].isnan().any()
+    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
+    qkv, masks = nan_rows_case(KERNELS[kernel])
+    assert_nan_rows(*check(emu, *qkv, **masks))
 
 
-@pytest.mark.parametrize(
-    "sizes",
-    [(0, 2, 3, 4, 8, 8), (2, 0, 3, 4, 8, 8), (2, 2, 0, 4, 8, 8), (2, 2, 3, 0, 8, 8), (2, 2, 3, 4, 0, 8),
-     (2, 2, 3, 4, 8, 0), (1, 1, 12, 0, 8, 8)],
-    ids=str,
-)
+@pytest.mark.parametrize("sizes", [*EMPTY_SIZES, (1, 1, 12, 0, 8, 8)], ids=str)
 def test_attention_empty_sizes(emu, sizes):
     q, k, v = make_qkv(*sizes)
     out, lse = check(emu, q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
@@ -260,15 +241,7 @@ def test_attention_empty_sizes(emu, sizes):
 # Query lengths per kernel: vector 1 (a decoding step) and 5; tiled 40 (two threadgroups, the second partial).
 
 
-def make_gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
-    """query (B, H, L, D) and key, value (B, Hkv, S, D|Dv) in `layout` (test_attention's layouts; with
-    "expanded_kv" the Hkv kv heads are one head expanded through stride 0)."""
-    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
-    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
-    return q, k, v
-
-
-@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
 @pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_attention_grouped_kv_heads(emu, kernel, heads, layout):
@@ -365,10 +338,11 @@ def test_attention_softcap(emu, kernel, dtype):
     gen = torch.Generator().manual_seed(4)
     q, k, v = _rows(*make_qkv(B, H, L, S, D, D, dtype=dtype, layout="blhd"), kernel)
     check(emu, q, k, v, softcap=1.5, scale=1.0, kernel=kernel)
-    mask = _cut_mask(_mask("bool_ls", gen), kernel)
-    check(emu, q, k, v, softcap=1.5, scale=1.0, attn_mask=mask, key_padding_mask=_padding("float", gen),
-          is_causal=True, kernel=kernel)
-    check(emu, q, k, v, softcap=30.0, attn_mask=_cut_mask(_mask("float_bhls", gen), kernel), kernel=kernel)
+    mask = _cut_mask(make_attn_mask("bool_ls", gen), kernel)
+    check(emu, q, k, v, softcap=1.5, scale=1.0, attn_mask=mask,
+          key_padding_mask=make_key_padding_mask("float", gen), is_causal=True, kernel=kernel)
+    bias = _cut_mask(make_attn_mask("float_bhls", gen), kernel)
+    check(emu, q, k, v, softcap=30.0, attn_mask=bias, kernel=kernel)
 
 
 SINKS = {
@@ -386,8 +360,8 @@ def test_attention_sinks(emu, kernel, masks, sinks):
     q, k, v = _rows(*make_qkv(B, H, L, S, D, D, layout="blhd"), kernel)
     kwargs = {}
     if masks is not None:
-        kwargs["attn_mask"] = _cut_mask(_mask(f"{masks}_ls", gen), kernel)
-        kwargs["key_padding_mask"] = _padding(masks, gen)
+        kwargs["attn_mask"] = _cut_mask(make_attn_mask(f"{masks}_ls", gen), kernel)
+        kwargs["key_padding_mask"] = make_key_padding_mask(masks, gen)
     check(emu, q, k, v, sinks=SINKS[sinks](), kernel=kernel, **kwargs)
 
 
@@ -442,8 +416,8 @@ def test_attention_key_lengths_out_of_range_are_clamped(emu):
                                  window_right=0)
         ref_out, ref_lse = reference.attention(q.double(), k.double(), v.double(), window_right=0,
                                                key_lengths=torch.tensor([0, 20, 7]))
-        _assert_bounded(out, ref_out, ref_out, ATOL[q.dtype], "out")
-        _assert_bounded(lse, ref_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
+        assert_bounded(out, ref_out, ref_out, ATOL[q.dtype], "out")
+        assert_bounded(lse, ref_lse, ref_lse, LSE_ATOL[q.dtype], "lse")
 
 
 @pytest.mark.parametrize("window", [(40, 0), (-1, 5)], ids=str)

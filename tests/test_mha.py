@@ -50,11 +50,23 @@ def strided(x, layout):
     return wide[..., 1::2]
 
 
-def both(args, **kwargs):
-    """(torch's result, attnx's result) for the same F.multi_head_attention_forward arguments."""
+def both(query, key, value, add_zero_attn=False, dropout_p=0.0, **kwargs):
+    """(torch's result, attnx's result) of F.multi_head_attention_forward(query, key, value, E, H, ...) with
+    the same arguments: no zero attention key and no dropout unless asked for."""
+    args = (query, key, value, E, H)
+    kwargs = dict(add_zero_attn=add_zero_attn, dropout_p=dropout_p, **kwargs)
     expected = F.multi_head_attention_forward(*args, **kwargs)
     actual = functional.multi_head_attention_forward(*args, **kwargs)
     return expected, actual
+
+
+def op_args(query, key, value, p, *, zero_attn=False, kpm=None, am=None, is_causal=False, need_weights=True,
+            average=True):
+    """attnx::mha's positional arguments (reference.mha's, ops.mha's) for the parameters ``p`` of params(),
+    without static keys."""
+    return (query, key, value, H, p["in_proj_weight"], p["in_proj_bias"], p["q_proj_weight"],
+            p["k_proj_weight"], p["v_proj_weight"], p["bias_k"], p["bias_v"], zero_attn, p["out_proj_weight"],
+            p["out_proj_bias"], kpm, am, is_causal, None, None, need_weights, average)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -74,18 +86,9 @@ def test_functional_matches_torch(dtype, batch, separate, layout):
         # weights is an endless cycle: strict=False lets zip stop at the end of MASK_CASES.
         for case, (need_weights, average) in zip(MASK_CASES, weights, strict=False):
             kpm, am, is_causal = make_masks(case, batch or 1, H, L, S, dtype, batched=batch is not None)
-            expected, actual = both(
-                (query, key, value, E, H),
-                add_zero_attn=zero_attn,
-                dropout_p=0.0,
-                training=training,
-                key_padding_mask=kpm,
-                attn_mask=am,
-                is_causal=is_causal,
-                need_weights=need_weights,
-                average_attn_weights=average,
-                **p,
-            )
+            expected, actual = both(query, key, value, add_zero_attn=zero_attn, training=training,
+                                    key_padding_mask=kpm, attn_mask=am, is_causal=is_causal,
+                                    need_weights=need_weights, average_attn_weights=average, **p)
             msg = f"bias={bias} bias_kv={bias_kv} zero_attn={zero_attn} {case} {need_weights} {average}"
             assert_close(actual[0], expected[0], dtype, msg)
             assert_close(actual[1], expected[1], dtype, msg)
@@ -102,17 +105,9 @@ def test_static_k_v_match_torch(dtype, zero_attn, static):
     static_v = torch.randn(B * H, S_static, D, dtype=dtype) if "v" in static else None
     kpm = torch.rand(B, S_static) < 0.3
     for need_weights, average in WEIGHTS:
-        expected, actual = both(
-            (query, key, key, E, H),
-            add_zero_attn=zero_attn,
-            dropout_p=0.0,
-            static_k=static_k,
-            static_v=static_v,
-            key_padding_mask=kpm,
-            need_weights=need_weights,
-            average_attn_weights=average,
-            **p,
-        )
+        expected, actual = both(query, key, key, add_zero_attn=zero_attn, static_k=static_k,
+                                static_v=static_v, key_padding_mask=kpm, need_weights=need_weights,
+                                average_attn_weights=average, **p)
         assert_close(actual[0], expected[0], dtype)
         assert_close(actual[1], expected[1], dtype)
 
@@ -146,11 +141,9 @@ def test_dropout_path_matches_torch_and_eval_ignores_it():
             assert_close(actual[1], expected[1], dtype, f"{need_weights} {case}")
         else:
             seed = ops.draw_dropout_seed(query.device)  # what the fused path drew
-            expected = reference.mha(
-                query, key, key, H, p["in_proj_weight"], p["in_proj_bias"], None, None, None, p["bias_k"],
-                p["bias_v"], True, p["out_proj_weight"], p["out_proj_bias"], kpm, am, is_causal, None, None,
-                False, False, 0.3, seed,
-            )
+            spec_args = op_args(query, key, key, p, zero_attn=True, kpm=kpm, am=am, is_causal=is_causal,
+                                need_weights=False, average=False)
+            expected = reference.mha(*spec_args, 0.3, seed)
             assert actual[1] is None
         assert_close(actual[0], expected[0], dtype, f"{need_weights} {case}")
         eval_out = functional.multi_head_attention_forward(*args, training=False, **kwargs)
@@ -163,15 +156,7 @@ def test_is_causal_hint_drops_attn_mask_unchecked_like_torch():
     p = params(torch.float64)
     query, key = torch.randn(4, 3, E, dtype=torch.float64), torch.randn(6, 3, E, dtype=torch.float64)
     int_mask = torch.zeros(4, 6, dtype=torch.int64)
-    expected, actual = both(
-        (query, key, key, E, H),
-        add_zero_attn=False,
-        dropout_p=0.0,
-        attn_mask=int_mask,
-        is_causal=True,
-        need_weights=False,
-        **p,
-    )
+    expected, actual = both(query, key, key, attn_mask=int_mask, is_causal=True, need_weights=False, **p)
     assert_close(actual[0], expected[0], torch.float64)
 
 
@@ -218,29 +203,9 @@ def test_reference_mha_outputs():
     kpm_copy, am_copy = kpm.clone(), am.clone()
 
     def run(need_weights, average, kpm=kpm, am=am, zero_attn=False, bias_kv=True):
-        return reference.mha(
-            query,
-            key,
-            key,
-            H,
-            p["in_proj_weight"],
-            p["in_proj_bias"],
-            None,
-            None,
-            None,
-            p["bias_k"] if bias_kv else None,
-            p["bias_v"] if bias_kv else None,
-            zero_attn,
-            p["out_proj_weight"],
-            p["out_proj_bias"],
-            kpm,
-            am,
-            False,
-            None,
-            None,
-            need_weights,
-            average,
-        )
+        params = p if bias_kv else {**p, "bias_k": None, "bias_v": None}
+        return reference.mha(*op_args(query, key, key, params, zero_attn=zero_attn, kpm=kpm, am=am,
+                                      need_weights=need_weights, average=average))
 
     # Without bias_k: batch 1 (all keys padded) and query 0 (attn_mask row all True) see no key at all.
     out, lse, weights = run(True, False, bias_kv=False)
@@ -276,29 +241,7 @@ def test_reference_mha_lse_is_the_logsumexp_of_the_scaled_scores():
     B, L, S = 2, 3, 5
     p = params(torch.float64)
     query, key = torch.randn(L, B, E, dtype=torch.float64), torch.randn(S, B, E, dtype=torch.float64)
-    out, lse, weights = reference.mha(
-        query,
-        key,
-        key,
-        H,
-        p["in_proj_weight"],
-        p["in_proj_bias"],
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
-        p["out_proj_weight"],
-        p["out_proj_bias"],
-        None,
-        None,
-        True,
-        None,
-        None,
-        True,
-        False,
-    )
+    out, lse, weights = reference.mha(*op_args(query, key, key, p, is_causal=True, average=False))
     w_q, w_k, _ = p["in_proj_weight"].chunk(3)
     b_q, b_k, _ = p["in_proj_bias"].chunk(3)
     q = (query @ w_q.T + b_q).reshape(L, B, H, D).permute(1, 2, 0, 3)
@@ -315,29 +258,9 @@ def test_ops_mha_wrapper_returns_the_schema_s_outputs():
     p = params(torch.float32, separate=True, kdim=5, vdim=3)
     query, key, value = torch.randn(L, B, E), torch.randn(S, B, 5), torch.randn(S, B, 3)
     for need_weights, average in WEIGHTS:
-        out, lse, weights = ops.mha(
-            query,
-            key,
-            value,
-            H,
-            None,
-            p["in_proj_bias"],
-            p["q_proj_weight"],
-            p["k_proj_weight"],
-            p["v_proj_weight"],
-            None,
-            None,
-            True,
-            p["out_proj_weight"],
-            p["out_proj_bias"],
-            torch.rand(B, S) < 0.2,
-            torch.rand(B * H, L, S) < 0.2,
-            False,
-            None,
-            None,
-            need_weights,
-            average,
-        )
+        out, lse, weights = ops.mha(*op_args(query, key, value, p, zero_attn=True, kpm=torch.rand(B, S) < 0.2,
+                                             am=torch.rand(B * H, L, S) < 0.2, need_weights=need_weights,
+                                             average=average))
         assert out.shape == (L, B, E) and lse.shape == (B, H, L) and lse.dtype == torch.float32
         expected = ((B, L, S + 1) if average else (B, H, L, S + 1)) if need_weights else (0,)
         assert weights.shape == expected

@@ -10,19 +10,22 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from attnx import _fake, ops, reference
-from mha_helpers import MASK_CASES, make_masks
-from test_convert import DispatchRecorder
-from test_mha_op import (
+from dispatch_helpers import DispatchRecorder
+from mha_helpers import (
+    MASK_CASES,
     B,
     E,
     H,
     L,
     S,
-    _args,
-    _batch_first_masked_args,
-    _inputs,
-    _inputs_batch_first,
-    _transposed_args,
+    batch_first_masked_args,
+    inputs_and_masks,
+    key_count,
+    make_inputs,
+    make_inputs_batch_first,
+    make_masks,
+    mha_args,
+    transposed_args,
 )
 
 # mha's argument positions that can require grad (masks excepted): query .. static_v.
@@ -70,28 +73,24 @@ def _check_grads(args, **kwargs):
 @pytest.mark.parametrize("projection", ["self", "kv_shared", "distinct", "separate"])
 @pytest.mark.parametrize("extras", ["none", "bias_kv", "zero_attn", "bias_kv+zero_attn", "static_kv"])
 def test_gradients_of_every_argument(projection, layout, extras):
-    query, key, value, w = _inputs(projection, layout, torch.float64)
-    s = 5 if extras == "static_kv" else (L if projection == "self" else S)
-    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float64)
+    inputs, mask_args = inputs_and_masks(projection, layout, extras)
     for bias in (True, False):
-        _check_grads(_args(query, key, value, w, bias=bias, extras=extras, kpm=kpm, am=am))
+        _check_grads(mha_args(*inputs, bias=bias, extras=extras, **mask_args))
 
 
 @pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("masks", MASK_CASES)
 def test_masks_and_weights(masks, need_weights, average):
     """Including gradients that flow back through the attention weights output."""
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
-    kpm, am, is_causal = make_masks(masks, B, H, L, S, torch.float64)
-    _check_grads(_args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights,
-                       average=average))
+    inputs, mask_args = inputs_and_masks("kv_shared", "batch_first", masks=masks)
+    _check_grads(mha_args(*inputs, **mask_args, need_weights=need_weights, average=average))
 
 
 def test_fully_masked_rows_get_no_gradient():
-    query, key, value, w = _inputs("kv_shared", "seq_first", torch.float64)
+    query, key, value, w = make_inputs("kv_shared", "seq_first", torch.float64)
     kpm = torch.zeros(B, S, dtype=torch.bool)
     kpm[1] = True  # every key of batch 1
-    args, leaves = _leaves(_args(query, key, value, w, kpm=kpm))
+    args, leaves = _leaves(mha_args(query, key, value, w, kpm=kpm))
     out, _, _ = ops.mha(*args)
     out.sum().backward()
     query_grad, key_grad = args[0].grad, args[1].grad
@@ -102,9 +101,8 @@ def test_fully_masked_rows_get_no_gradient():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_low_precision(dtype):
     """Within a few times the error of the reference's own gradients in that dtype (both against float64)."""
-    query, key, value, w = _inputs("self", "batch_first", torch.float64)
-    kpm, am, _ = make_masks("both_float", B, H, L, L, torch.float64)
-    args64 = _args(query, key, value, w, kpm=kpm, am=am)
+    inputs, mask_args = inputs_and_masks("self", "batch_first", masks="both_float")
+    args64 = mha_args(*inputs, **mask_args)
     converted = {id(a): a.to(dtype) for a in args64 if isinstance(a, torch.Tensor) and a.is_floating_point()}
     args = [converted.get(id(a), a) for a in args64]  # one tensor passed three times stays one
     want64 = _grads(reference.mha, args64)
@@ -120,14 +118,14 @@ def test_low_precision(dtype):
 def test_gradcheck(extras, need_weights, batch_first):
     b, n = 2, 3
     if batch_first:
-        query, key, value, w = _inputs_batch_first("distinct", "transposed", torch.float64, b, n, 4)
+        query, key, value, w = make_inputs_batch_first("distinct", "transposed", torch.float64, b, n, 4)
     else:
-        query, key, value, w = _inputs("distinct", "batch_first", torch.float64, b, n, 4)
+        query, key, value, w = make_inputs("distinct", "batch_first", torch.float64, b, n, 4)
     s = 5 if extras == "static_kv" else 4
     # Finite float masks: no row is fully masked, so every output is finite for the finite differences.
     kpm, am = (m.nan_to_num(neginf=-3.0) for m in make_masks("both_float", b, H, n, s, torch.float64)[:2])
-    args, leaves = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am,
-                                 need_weights=need_weights, average=False, batch_first=batch_first))
+    args, leaves = _leaves(mha_args(query, key, value, w, extras=extras, kpm=kpm, am=am,
+                                    need_weights=need_weights, average=False, batch_first=batch_first))
     positions = [i for i, a in enumerate(args) if any(a is leaf for leaf in leaves)]
 
     def fn(*xs):
@@ -142,8 +140,8 @@ def test_gradcheck(extras, need_weights, batch_first):
 
 
 def test_one_layer_forward_and_backward_in_two_dispatches():
-    query, key, value, w = _inputs("self", "batch_first", torch.float32)
-    args, leaves = _leaves(_args(query, key, value, w))
+    query, key, value, w = make_inputs("self", "batch_first", torch.float32)
+    args, leaves = _leaves(mha_args(query, key, value, w))
     grad = torch.randn(L, B, E)
     with DispatchRecorder() as counter:
         out, _, _ = ops.mha(*args)
@@ -156,8 +154,8 @@ def test_one_layer_forward_and_backward_in_two_dispatches():
 
 
 def test_no_grad_runs_mha_and_keeps_nothing():
-    query, key, value, w = _inputs("self", "batch_first", torch.float32)
-    args, _ = _leaves(_args(query, key, value, w))
+    query, key, value, w = make_inputs("self", "batch_first", torch.float32)
+    args, _ = _leaves(mha_args(query, key, value, w))
     with DispatchRecorder() as counter, torch.no_grad():
         out, _, _ = ops.mha(*args)
     assert dict(counter.counts) == {"attnx::_mha": 1} and out.grad_fn is None
@@ -167,9 +165,9 @@ def test_backward_has_no_attention_sized_memory():
     """Nothing near [B, H, L, S] is allocated in the forward or the backward (no weights asked for); the
     kernels' per-thread tile buffers are a fixed size, small against it at this length."""
     b, h, n = 2, 4, 512
-    query, key, value, w = _inputs("self", "batch_first", torch.float32, b, n, n)
+    query, key, value, w = make_inputs("self", "batch_first", torch.float32, b, n, n)
     kpm, am, _ = make_masks("both_float", b, h, n, n, torch.float32)
-    args, _ = _leaves(_args(query, key, value, w, kpm=kpm, am=am))
+    args, _ = _leaves(mha_args(query, key, value, w, kpm=kpm, am=am))
     attention_bytes = b * h * n * n * 4
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
         out, _, _ = ops.mha(*args)
@@ -181,10 +179,8 @@ def test_backward_has_no_attention_sized_memory():
 @pytest.mark.parametrize("projection,layout", [("self", "batch_first"), ("separate", "seq_first")])
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 def test_fake_kernels_match(projection, layout, extras):
-    query, key, value, w = _inputs(projection, layout, torch.float32)
-    s = 5 if extras == "static_kv" else (L if projection == "self" else S)
-    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
-    args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True)
+    inputs, mask_args = inputs_and_masks(projection, layout, extras, dtype=torch.float32)
+    args = mha_args(*inputs, extras=extras, **mask_args, need_weights=True)
     real = torch.ops.attnx.mha_forward(*args)
     grad_out = torch.randn(L, B, E)
     mask = [1] * len(_fake.MHA_GRADS)
@@ -200,10 +196,8 @@ def test_fake_kernels_match(projection, layout, extras):
 
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 def test_opcheck(extras):
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float32)
-    s = 5 if extras == "static_kv" else S
-    kpm, am, _ = make_masks("both_bool", B, H, L, s, torch.float32)
-    args, _ = _leaves(_args(query, key, value, w, extras=extras, kpm=kpm, am=am))
+    inputs, mask_args = inputs_and_masks("kv_shared", "batch_first", extras, dtype=torch.float32)
+    args, _ = _leaves(mha_args(*inputs, extras=extras, **mask_args))
     torch.library.opcheck(torch.ops.attnx.mha.default, args)
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     torch.library.opcheck(torch.ops.attnx.mha_forward.default, detached)
@@ -215,13 +209,13 @@ def test_opcheck(extras):
 def test_float_mask_gradient(mask_rank, extras, need_weights):
     # A learned bias passed as attn_mask, (L, S) or (B*H, L, S): its gradient from the fused backward, plus
     # what flows back through the weights output when it is used; appended keys' columns are not the mask's.
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
+    query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float64)
     shape = (L, S) if mask_rank == 2 else (B * H, L, S)
     bias = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     kpm, _, _ = make_masks("kpm_bool", B, H, L, S, torch.float64)
     got, want = [], []
-    base = _args(query, key, value, w, kpm=kpm, am=bias, extras=extras, need_weights=need_weights,
-                 average=False)
+    base = mha_args(query, key, value, w, kpm=kpm, am=bias, extras=extras, need_weights=need_weights,
+                    average=False)
     for fn, out_list in ((ops.mha, got), (reference.mha, want)):
         leaf = bias.clone().requires_grad_()
         args, leaves = _leaves([leaf if a is bias else a for a in base])
@@ -237,9 +231,9 @@ def test_float_mask_gradient(mask_rank, extras, need_weights):
 
 
 def test_float_key_padding_mask_requiring_grad_is_a_clear_error():
-    query, key, value, w = _inputs("kv_shared", "seq_first", torch.float64)
+    query, key, value, w = make_inputs("kv_shared", "seq_first", torch.float64)
     kpm, _, _ = make_masks("kpm_float", B, H, L, S, torch.float64)
-    args, _ = _leaves(_args(query, key, value, w, kpm=kpm.nan_to_num(neginf=-3.0).requires_grad_()))
+    args, _ = _leaves(mha_args(query, key, value, w, kpm=kpm.nan_to_num(neginf=-3.0).requires_grad_()))
     out, _, _ = ops.mha(*args)
     with pytest.raises(RuntimeError, match="attnx.mha: no gradient for a float key_padding_mask"):
         out.sum().backward()
@@ -250,8 +244,8 @@ def test_no_python_runs_without_grad():
     # kernel, so no Python runs below torch.ops (a Python autograd kernel costs ~10 us per call, grad or not).
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("attnx::_mha", "Autograd")
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("attnx::mha_backward", "Autograd")
-    query, key, value, w = _inputs("self", "batch_first", torch.float32)
-    args = _args(query, key, value, w)
+    query, key, value, w = make_inputs("self", "batch_first", torch.float32)
+    args = mha_args(query, key, value, w)
     op = torch.ops.attnx.mha.default
     ran = []
 
@@ -270,8 +264,8 @@ def test_no_python_runs_without_grad():
 
 
 def test_double_backward_is_a_clear_error():
-    query, key, value, w = _inputs("self", "seq_first", torch.float64)
-    args, leaves = _leaves(_args(query, key, value, w))
+    query, key, value, w = make_inputs("self", "seq_first", torch.float64)
+    args, leaves = _leaves(mha_args(query, key, value, w))
     out, _, _ = ops.mha(*args)
     (grad,) = torch.autograd.grad(out.sum(), [args[0]], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward is not implemented"):
@@ -283,11 +277,9 @@ def test_double_backward_is_a_clear_error():
 def test_dropout_forward_and_gradients_match_the_reference(extras, masks):
     """The fused dropout's mask is reference.dropout_keep_mask of the seed, in the forward and in the
     backward."""
-    query, key, value, w = _inputs("kv_shared", "batch_first", torch.float64)
-    s = 5 if extras == "static_kv" else S
-    kpm, am, is_causal = make_masks(masks, B, H, L, s, torch.float64)
+    inputs, mask_args = inputs_and_masks("kv_shared", "batch_first", extras, masks)
     seed = torch.tensor([1234, 5], dtype=torch.int64)
-    args = (*_args(query, key, value, w, extras=extras, kpm=kpm, am=am, is_causal=is_causal), 0.4, seed)
+    args = (*mha_args(*inputs, extras=extras, **mask_args), 0.4, seed)
     out, lse, _ = ops.mha(*args)
     want_out, want_lse, _ = reference.mha(*args)
     torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-10)
@@ -297,8 +289,8 @@ def test_dropout_forward_and_gradients_match_the_reference(extras, masks):
 
 
 def test_dropout_draws_a_seed_from_torch_s_generator():
-    query, key, value, w = _inputs("self", "batch_first", torch.float64)
-    args = _args(query, key, value, w)
+    query, key, value, w = make_inputs("self", "batch_first", torch.float64)
+    args = mha_args(query, key, value, w)
     torch.manual_seed(0)
     first = ops.mha(*args, dropout_p=0.3)[0]
     torch.manual_seed(0)
@@ -307,9 +299,9 @@ def test_dropout_draws_a_seed_from_torch_s_generator():
 
 
 def test_dropout_with_weights_is_a_clear_error():
-    query, key, value, w = _inputs("self", "batch_first", torch.float64)
+    query, key, value, w = make_inputs("self", "batch_first", torch.float64)
     with pytest.raises(RuntimeError, match="attnx::mha: need_weights with dropout_p > 0 is not supported"):
-        ops.mha(*_args(query, key, value, w, need_weights=True), dropout_p=0.3)
+        ops.mha(*mha_args(query, key, value, w, need_weights=True), dropout_p=0.3)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -354,14 +346,13 @@ def test_gradcheck_unbatched_through_the_functional_layer(causal):
 def test_batch_first_gradients(projection, layout, batch):
     """Against autograd through reference.mha(batch_first=True) in float64, and bitwise the gradients of the
     sequence-first call on the transposed views."""
-    query, key, value, w = _inputs_batch_first(projection, layout, torch.float64, batch)
+    query, key, value, w = make_inputs_batch_first(projection, layout, torch.float64, batch)
     cases = [("none", "both_bool", False), ("bias_kv+zero_attn", "causal_float_kpm", True),
              ("static_kv", "am3_float", False)]
     for extras, masks, need_weights in cases:
-        s = 5 if extras == "static_kv" else (L if projection == "self" else S)
-        kpm, am, is_causal = make_masks(masks, batch, H, L, s, torch.float64)
-        args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, is_causal=is_causal,
-                     need_weights=need_weights, batch_first=True)
+        kpm, am, is_causal = make_masks(masks, batch, H, L, key_count(projection, extras), torch.float64)
+        args = mha_args(query, key, value, w, extras=extras, kpm=kpm, am=am, is_causal=is_causal,
+                        need_weights=need_weights, batch_first=True)
         _check_grads(args, batch_first=True)
         got = _grads(ops.mha, args, batch_first=True)
         for i, (a, b) in enumerate(zip(got, _grads(_mha_on_transposed_views, args), strict=True)):
@@ -371,7 +362,7 @@ def test_batch_first_gradients(projection, layout, batch):
 def _mha_on_transposed_views(*args):
     """What a batch_first module ran before the op took batch_first: the sequence-first op on (L, B, E) views,
     its out transposed back."""
-    out, lse, weights = ops.mha(*_transposed_args(args))
+    out, lse, weights = ops.mha(*transposed_args(args))
     return out.transpose(0, 1), lse, weights
 
 
@@ -379,10 +370,11 @@ def _mha_on_transposed_views(*args):
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 def test_batch_first_fake_kernels_match(projection, extras):
     for batch, length in [(B, L), (1, L), (B, 1)]:
-        query, key, value, w = _inputs_batch_first(projection, "contiguous", torch.float32, batch, length)
-        s = 5 if extras == "static_kv" else (length if projection == "self" else S)
-        kpm, am, _ = make_masks("both_bool", batch, H, length, s, torch.float32)
-        args = _args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True, batch_first=True)
+        query, key, value, w = make_inputs_batch_first(projection, "contiguous", torch.float32, batch, length)
+        kpm, am, _ = make_masks("both_bool", batch, H, length, key_count(projection, extras, length),
+                                torch.float32)
+        args = mha_args(query, key, value, w, extras=extras, kpm=kpm, am=am, need_weights=True,
+                        batch_first=True)
         tail = (0.0, None, True)  # dropout_p, dropout_seed, batch_first
         real = torch.ops.attnx.mha_forward(*args, *tail)
         grad_out = torch.randn(batch, length, E)
@@ -410,7 +402,7 @@ def _significant_strides(t):
 
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 def test_batch_first_opcheck(extras):
-    args, _ = _leaves(_batch_first_masked_args(extras))
+    args, _ = _leaves(batch_first_masked_args(extras))
     torch.library.opcheck(torch.ops.attnx.mha.default, (*args, 0.0, None, True))
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     torch.library.opcheck(torch.ops.attnx.mha_forward.default, (*detached, 0.0, None, True))
@@ -419,8 +411,8 @@ def test_batch_first_opcheck(extras):
 def test_batch_first_forward_and_backward_in_two_dispatches():
     """No transposes around the op: the two ops and autograd's one detach per leaf, and the input's gradient
     in the input's (B, L, E) layout (so AccumulateGrad keeps it as it is, without a copy)."""
-    query, key, value, w = _inputs_batch_first("self", "contiguous", torch.float32)
-    args, leaves = _leaves(_args(query, key, value, w, batch_first=True))
+    query, key, value, w = make_inputs_batch_first("self", "contiguous", torch.float32)
+    args, leaves = _leaves(mha_args(query, key, value, w, batch_first=True))
     grad = torch.randn(B, L, E)
     with DispatchRecorder() as counter:
         out, _, _ = ops.mha(*args, batch_first=True)

@@ -8,6 +8,7 @@ import torch
 
 import attnx
 from attnx import ops
+from dispatch_helpers import DispatchRecorder
 from mha_helpers import MASK_CASES, assert_close, make_masks, same_error, torch_fastpath, warning_messages
 
 E, H = 8, 2
@@ -73,13 +74,8 @@ def test_matches_torch_slow_path(dtype, batch, batch_first, attn):
             # weights is an endless cycle: strict=False lets zip stop at the end of MASK_CASES.
             for case, (need_weights, average) in zip(MASK_CASES, weights, strict=False):
                 kpm, am, is_causal = make_masks(case, batch or 1, H, L, S, dtype, batched=batch is not None)
-                kwargs = dict(
-                    key_padding_mask=kpm,
-                    attn_mask=am,
-                    is_causal=is_causal,
-                    need_weights=need_weights,
-                    average_attn_weights=average,
-                )
+                kwargs = dict(key_padding_mask=kpm, attn_mask=am, is_causal=is_causal,
+                              need_weights=need_weights, average_attn_weights=average)
                 expected = reference(query, key, value, **kwargs)
                 actual = module(query, key, value, **kwargs)
                 msg = f"bias={bias} {extra} {case} need_weights={need_weights} average={average}"
@@ -230,8 +226,6 @@ def test_batch_first_passes_inputs_to_the_op_as_they_are(monkeypatch):
 
 def _training_step_dispatches(module, x, grad_out):
     """The dispatches of one training step (forward + backward) after zero_grad(set_to_none=True)."""
-    from test_convert import DispatchRecorder
-
     def step():
         module(x, x, x, need_weights=False)[0].backward(grad_out)
 

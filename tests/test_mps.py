@@ -12,9 +12,18 @@ import torch
 import torch.nn as nn
 
 import attnx
+from attention_helpers import (
+    ATOL,
+    LSE_ATOL,
+    assert_bounded,
+    make_attn_mask,
+    make_gqa,
+    make_key_padding_mask,
+    make_qkv,
+    upcast,
+)
 from attnx import reference
 from conftest import DEVICES, require_kernel
-from test_attention import ATOL, LSE_ATOL, _assert_bounded, _mask, _padding, _upcast, make_qkv
 
 MPS = [d for d in DEVICES if d.id == "mps"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -33,11 +42,11 @@ def check(device, q, k, v, attn_mask=None, key_padding_mask=None, key_lengths=No
     dq, dk, dv, dm, dp, dl, ds = _to(device, q, k, v, attn_mask, key_padding_mask, key_lengths, sinks)
     out, lse = attnx.attention(dq, dk, dv, attn_mask=dm, key_padding_mask=dp, key_lengths=dl, sinks=ds,
                                **kwargs)
-    masks64 = {n: _upcast(m) for n, m in masks.items()}
-    ref64 = reference.attention(_upcast(q), _upcast(k), _upcast(v), **masks64, **kwargs)
+    masks64 = {n: upcast(m) for n, m in masks.items()}
+    ref64 = reference.attention(upcast(q), upcast(k), upcast(v), **masks64, **kwargs)
     ref = reference.attention(q, k, v, **masks, **kwargs)
-    _assert_bounded(out.cpu(), ref64[0], ref[0], ATOL[q.dtype], "out")
-    _assert_bounded(lse.cpu(), ref64[1], ref[1], LSE_ATOL[q.dtype], "lse")
+    assert_bounded(out.cpu(), ref64[0], ref[0], ATOL[q.dtype], "out")
+    assert_bounded(lse.cpu(), ref64[1], ref[1], LSE_ATOL[q.dtype], "lse")
     return out, lse
 
 
@@ -63,8 +72,8 @@ def test_attention_head_dims(device, kernel, d):
 @pytest.mark.parametrize("padding", [None, "bool", "float16_expanded"])
 def test_attention_masks(device, attn_mask, padding):
     gen = torch.Generator().manual_seed(1)
-    mask = _mask(attn_mask, gen)
-    kpm = None if padding is None else _padding(padding, gen)
+    mask = make_attn_mask(attn_mask, gen)
+    kpm = None if padding is None else make_key_padding_mask(padding, gen)
     check(device, *make_qkv(2, 3, 19, 41, 16, 16, layout="blhd"), attn_mask=mask, key_padding_mask=kpm)
 
 
@@ -80,20 +89,14 @@ def test_attention_fully_masked_rows(device):
 # Grouped KV heads, key ranges, soft-capping and sinks (tests/test_metal_emulation.py has the finer cases).
 
 
-def _gqa(B, H, Hkv, L, S, D, Dv, dtype=torch.float32, layout="contiguous"):
-    q = make_qkv(B, H, L, S, D, Dv, dtype=dtype, layout=layout)[0]
-    _, k, v = make_qkv(B, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=1)
-    return q, k, v
-
-
 @pytest.mark.parametrize("device", MPS)
 @pytest.mark.parametrize("layout", ["contiguous", "blhd", "lbhd", "expanded_kv", "strided_last"])
 @pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 3)], ids=str)
 @pytest.mark.parametrize("kernel", QUERY_LENGTHS)
 def test_attention_grouped_kv_heads(device, kernel, heads, layout):
-    q, k, v = _gqa(2, *heads, QUERY_LENGTHS[kernel], 77, 64, 64, layout=layout)
+    q, k, v = make_gqa(2, *heads, QUERY_LENGTHS[kernel], 77, 64, 64, layout=layout)
     check(device, q, k, v, is_causal=True)
-    q, k, v = _gqa(1, *heads, QUERY_LENGTHS[kernel], 40, 64, 64, layout="lbhd")  # the B=1 transpose
+    q, k, v = make_gqa(1, *heads, QUERY_LENGTHS[kernel], 40, 64, 64, layout="lbhd")  # the B=1 transpose
     check(device, q, k, v)
 
 
@@ -104,7 +107,7 @@ def test_attention_grouped_kv_heads(device, kernel, heads, layout):
 def test_attention_key_ranges(device, kernel, lq, window, lengths):
     B, S = 4, 100
     key_lengths = None if lengths is None else torch.tensor([0, S, 37, 1], dtype=lengths)
-    q, k, v = _gqa(B, 4, 2, lq, S, 64, 64, layout="blhd")
+    q, k, v = make_gqa(B, 4, 2, lq, S, 64, 64, layout="blhd")
     for is_causal in (False, True):
         check(device, q, k, v, window_left=window[0], window_right=window[1], key_lengths=key_lengths,
               is_causal=is_causal)
@@ -145,7 +148,7 @@ def test_attention_softcap_and_sinks(device, kernel, dtype):
 def test_attention_all_features(device, kernel, dtype):
     gen = torch.Generator().manual_seed(3)
     lq, S = QUERY_LENGTHS[kernel], 90
-    q, k, v = _gqa(2, 4, 2, lq, S, 64, 48, dtype=dtype, layout="strided_last")
+    q, k, v = make_gqa(2, 4, 2, lq, S, 64, 48, dtype=dtype, layout="strided_last")
     check(device, q, k, v, attn_mask=torch.rand(2 * 4, lq, S, generator=gen) < 0.2,
           key_padding_mask=torch.randn(2, S, generator=gen).to(dtype), window_left=50, window_right=2,
           key_lengths=torch.tensor([S, 61]), softcap=2.0, sinks=torch.randn(4, generator=gen))

@@ -117,6 +117,11 @@ def _padding(kind):
     return mask
 
 
+def _text(padding):
+    """B random sequences of L tokens with _padding(padding): forward's input_ids and attention_mask."""
+    return dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding(padding))
+
+
 def _build(factory, attn_implementation="eager"):
     cls, cfg, *_ = factory()
     with warnings.catch_warnings():
@@ -185,7 +190,7 @@ def test_from_pretrained_selects_attnx(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path, attn_implementation="attnx", dtype=torch.float64).eval()
     assert loaded.config._attn_implementation == "attnx"
-    inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("left"))
+    inputs = _text("left")
     with torch.no_grad():
         actual = loaded(**inputs).logits
     _assert_close_where_kept(actual, _outputs(model, inputs, "eager", "logits"), inputs["attention_mask"])
@@ -213,11 +218,9 @@ def test_enable_names_models_whose_attention_is_not_in_the_registry():
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_decoder_forward_matches_eager(name, padding):
     model = _build(DECODERS[name])
-    mask = _padding(padding)
-    inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=mask)
-    _assert_close_where_kept(
-        _outputs(model, inputs, "attnx", "logits"), _outputs(model, inputs, "eager", "logits"), mask
-    )
+    inputs = _text(padding)
+    actual, expected = (_outputs(model, inputs, impl, "logits") for impl in ("attnx", "eager"))
+    _assert_close_where_kept(actual, expected, inputs["attention_mask"])
 
 
 @pytest.mark.parametrize(
@@ -231,9 +234,8 @@ def test_decoder_forward_in_lower_precision(name, dtype, tol):
         warnings.simplefilter("ignore")
         model = cls._from_config(cfg, attn_implementation="eager", dtype=dtype,
                                  experts_implementation="eager").eval()
-    mask = _padding("left")
-    inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=mask)
-    keep = mask.bool()
+    inputs = _text("left")
+    keep = inputs["attention_mask"].bool()
     actual, expected = (_outputs(model, inputs, impl, "logits")[keep].float() for impl in ("attnx", "eager"))
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
 
@@ -248,22 +250,20 @@ def test_seq2seq_forward_matches_eager(name, padding):
     if source == "input_features":  # Whisper's encoder takes no padding mask
         inputs["input_features"] = torch.randn(B, 8, 16, dtype=torch.float64)
     else:
-        inputs.update(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding(padding))
-    _assert_close_where_kept(
-        _outputs(model, inputs, "attnx", "logits"), _outputs(model, inputs, "eager", "logits"), decoder_mask
-    )
+        inputs.update(_text(padding))
+    actual, expected = (_outputs(model, inputs, impl, "logits") for impl in ("attnx", "eager"))
+    _assert_close_where_kept(actual, expected, decoder_mask)
 
 
 def _encoder_inputs(name, padding):
     pixels = torch.randn(B, 3, 16, 16, dtype=torch.float64)
     if name == "vit":
         return dict(pixel_values=pixels), "logits", None
-    mask = _padding(padding)
-    inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=mask)
+    inputs = _text(padding)
     if name == "clip":
         inputs["pixel_values"] = pixels
         return inputs, "text_embeds", None  # pooled at the last (EOS-id) token, which the padding keeps
-    return inputs, "logits", mask
+    return inputs, "logits", inputs["attention_mask"]
 
 
 @pytest.mark.parametrize(("name", "padding"), [
@@ -299,7 +299,7 @@ def _generate(model, name, inputs, **kwargs):
 def test_greedy_generate_is_token_identical(name):
     model = _build(DECODERS[name])
     model.generation_config.pad_token_id = 0
-    inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("left"))
+    inputs = _text("left")
     expected = _generate(model, "eager", inputs)
     assert torch.equal(_generate(model, "attnx", inputs), expected)
     assert torch.equal(_generate(model, "attnx", inputs, cache_implementation="static"), expected)
@@ -319,7 +319,7 @@ def test_seq2seq_greedy_generate_is_token_identical(name):
                 warnings.simplefilter("ignore")
                 return generate(model, **inputs, max_new_tokens=10, do_sample=False, **kwargs)
     else:
-        inputs = dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("right"))
+        inputs = _text("right")
 
         def run(impl, **kwargs):
             return _generate(model, impl, inputs, **kwargs)
@@ -372,8 +372,7 @@ def _training_inputs(name):
         labels = torch.randint(3, VOCAB, (B, L))
         if source == "input_features":
             return SEQ2SEQ, dict(input_features=torch.randn(B, 8, 16, dtype=torch.float64), labels=labels)
-        return SEQ2SEQ, dict(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("right"),
-                             labels=labels)
+        return SEQ2SEQ, dict(**_text("right"), labels=labels)
     if name == "vit":
         return ENCODERS, dict(pixel_values=torch.randn(B, 3, 16, 16, dtype=torch.float64),
                               labels=torch.randint(0, 5, (B,)))
@@ -434,7 +433,7 @@ def test_padding_and_gqa_are_read_in_place(monkeypatch):
     spy = _Spy(monkeypatch)
     model = _build(DECODERS["llama-gqa"], "attnx")
     with torch.no_grad():
-        model(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("left"))
+        model(**_text("left"))
     assert len(spy.calls) == 2
     for call in spy.calls:
         assert call["attn_mask"] is None  # no (B, 1, L, S) mask
@@ -459,8 +458,7 @@ def test_sliding_window_and_static_cache_become_a_key_range(monkeypatch):
     model.generation_config.pad_token_id = 0
     spy = _Spy(monkeypatch)
     with torch.no_grad():
-        model.generate(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("left"),
-                       max_new_tokens=3, do_sample=False, cache_implementation="static")
+        model.generate(**_text("left"), max_new_tokens=3, do_sample=False, cache_implementation="static")
     assert spy.calls and all(call["attn_mask"] is None for call in spy.calls)
     windows = {(call["window_left"], call["window_right"]) for call in spy.calls}
     assert windows == {(-1, 0), (3, 0)}  # the full layer and the sliding one (a window of 4 keys)
@@ -506,7 +504,7 @@ def test_a_users_4d_masks_keep_transformers_conventions():
 def test_fully_padded_rows_are_finite():
     model = _build(DECODERS["llama-gqa"], "attnx")
     with torch.no_grad():
-        logits = model(input_ids=torch.randint(3, VOCAB, (B, L)), attention_mask=_padding("left")).logits
+        logits = model(**_text("left")).logits
     assert torch.isfinite(logits).all()
 
 

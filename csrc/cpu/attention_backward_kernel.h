@@ -15,19 +15,8 @@ namespace attnx::cpu {
 using AttentionBackwardKernel = void (*)(const AttentionBackwardParams&, const AttentionBackwardPointers&,
                                          torch::headeronly::ScalarType);
 
-namespace DEFAULT {
-void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
-                               torch::headeronly::ScalarType dtype);
-}
-#if ATTNX_CPU_X86_VARIANTS
-namespace AVX2 {
-void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
-                               torch::headeronly::ScalarType dtype);
-}
-namespace AVX512 {
-void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
-                               torch::headeronly::ScalarType dtype);
-}
-#endif
+ATTNX_CPU_DECLARE_VARIANTS(void attention_backward_kernel(const AttentionBackwardParams& p,
+                                                          const AttentionBackwardPointers& ptr,
+                                                          torch::headeronly::ScalarType dtype))
 
 }  // namespace attnx::cpu

@@ -85,23 +85,15 @@ Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unuse
 #define ATTNX_CPU_VARIANT(name)                                                       \
   ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::AVX2::name, \
                              &::attnx::cpu::AVX512::name)
+// Declares a kernel's entry point in each ISA namespace it is compiled in.
+#define ATTNX_CPU_DECLARE_VARIANTS(...) \
+  namespace DEFAULT { __VA_ARGS__; } namespace AVX2 { __VA_ARGS__; } namespace AVX512 { __VA_ARGS__; }
 #else
 #define ATTNX_CPU_VARIANT(name) (&::attnx::cpu::DEFAULT::name)
+#define ATTNX_CPU_DECLARE_VARIANTS(...) namespace DEFAULT { __VA_ARGS__; }
 #endif
 
-namespace DEFAULT {
-void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
-                      torch::headeronly::ScalarType dtype);
-}
-#if ATTNX_CPU_X86_VARIANTS
-namespace AVX2 {
-void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
-                      torch::headeronly::ScalarType dtype);
-}
-namespace AVX512 {
-void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
-                      torch::headeronly::ScalarType dtype);
-}
-#endif
+ATTNX_CPU_DECLARE_VARIANTS(void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
+                                                 torch::headeronly::ScalarType dtype))
 
 }  // namespace attnx::cpu

@@ -9,7 +9,6 @@ common/attention.cpp): it reads the tensors' layouts into AttentionParams withou
 
 import ctypes
 import glob
-import hashlib
 import math
 import os
 import re
@@ -19,10 +18,10 @@ import tempfile
 
 import torch
 
+from emulation.build_cache import ROOT, BuildFailed, cached_build
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
-BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
 KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention_kernel.cu"),
                     os.path.join(CSRC, "cuda", "attention_kernel_mma.cu"),
@@ -104,34 +103,17 @@ def build(extra_flags=(), sources=SOURCES, shared=True):
     # -Bsymbolic: the library's cudaFuncSetAttribute & co. are the shim's, even in a process where torch has
     # loaded the real libcudart (whose versions fail without a driver).
     flags += ["-shared", "-Wl,-Bsymbolic"] if shared else []
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    except OSError as e:
-        raise Unavailable(f"{cxx} does not run: {e}") from e
-    digest = hashlib.sha256("\0".join([cxx, version, *flags, *sources]).encode())
-    for path in _depends() + list(sources):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    name = f"attention-{digest.hexdigest()[:16]}" + (".so" if shared else "")
-    target = os.path.join(BUILD_DIR, name)
-    if os.path.exists(target):
-        return target
-    os.makedirs(BUILD_DIR, exist_ok=True)
     # .cu files are C++ here; the -x c++ / -x none pair scopes that to them.
     cmd = [cxx, *flags]
     for src in sources:
         cmd += ["-x", "c++", src, "-x", "none"] if src.endswith(".cu") else [src]
-    fd, tmp = tempfile.mkstemp(dir=BUILD_DIR, prefix=name + ".")
-    os.close(fd)
-    result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        if "C++20" in result.stderr or "-std=c++20" in result.stderr:
-            raise Unavailable(f"{cxx} does not support C++20:\n{result.stderr[-2000:]}")
-        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, target)  # atomic: concurrent test processes never see a half-written library
-    return target
+    try:
+        return cached_build("attention", cxx, flags, list(sources), _depends(), cmd, shared=shared,
+                            what="emulation", unavailable=Unavailable)
+    except BuildFailed as e:
+        if "C++20" in e.stderr or "-std=c++20" in e.stderr:
+            raise Unavailable(f"{cxx} does not support C++20:\n{e.stderr[-2000:]}") from e
+        raise
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -193,6 +175,24 @@ def split_scale(scale):
 
 
 KEY_LENGTHS_KINDS = {torch.int32: 1, torch.int64: 2}
+
+
+def empty_outputs(q, v, out_layout, lse_dtype):
+    """Uninitialised (out, lse) of attention over q and v, as the glue allocates them: out (B, H, L, Dv) in
+    the op's (B, L, H, Dv) memory order for ``out_layout`` "blhd", contiguous for "bhld"; lse (B, H, L) of
+    ``lse_dtype``."""
+    B, H, L, _ = q.shape
+    Dv = v.shape[3]
+    if out_layout == "blhd":
+        out = torch.empty(B, L, H, Dv, dtype=q.dtype).transpose(1, 2)
+    else:
+        out = torch.empty(B, H, L, Dv, dtype=q.dtype)
+    return out, torch.empty(B, H, L, dtype=lse_dtype)
+
+
+def data_ptr(t):
+    """The address of t's data for ctypes, or None for an absent tensor."""
+    return None if t is None else t.data_ptr()
 
 
 def make_params(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None, out=None,
@@ -270,25 +270,15 @@ class Emulator:
         ``out_layout="bhld"`` writes into a contiguous (B, H, L, Dv) out instead of the op's (B, L, H, Dv)
         memory order, to check that the kernel honours out's strides.
         """
-        B, H, L, _ = q.shape
-        Dv = v.shape[3]
-        if out_layout == "blhd":
-            out = torch.empty(B, L, H, Dv, dtype=q.dtype).transpose(1, 2)
-        else:
-            out = torch.empty(B, H, L, Dv, dtype=q.dtype)
-        lse = torch.empty(B, H, L, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = empty_outputs(q, v, out_layout, acc)
         if sinks is not None:
             sinks = sinks.to(lse.dtype).contiguous()
         p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout_p,
                         dropout_seed, window_left, window_right, key_lengths, softcap or 0.0, sinks)
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
-
-        err = self.lib.attnx_emu_attention(
-            ctypes.byref(p), DTYPES[q.dtype], KERNELS[kernel], ptr(q), ptr(k), ptr(v), ptr(attn_mask),
-            ptr(key_padding_mask), ptr(out), ptr(lse), ptr(key_lengths), ptr(sinks),
-        )
+        tensors = (q, k, v, attn_mask, key_padding_mask, out, lse, key_lengths, sinks)
+        err = self.lib.attnx_emu_attention(ctypes.byref(p), DTYPES[q.dtype], KERNELS[kernel],
+                                           *(data_ptr(t) for t in tensors))
         if err != 0:
             raise RuntimeError(f"emulated launch failed: {CUDA_ERRORS.get(err, err)}")
         return out, lse

@@ -10,23 +10,19 @@ launch the kernel that ``csrc/mps/metal_plan.h`` picks, with its grid and thread
 
 import ctypes
 import glob
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 
 import torch
 
 from emulation import emulator as cuda_emulator
-from emulation.emulator import MASK_KINDS, AttentionParams, make_params
+from emulation.build_cache import ROOT, cached_build
+from emulation.emulator import MASK_KINDS, AttentionParams, data_ptr, empty_outputs, make_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM = os.path.join(HERE, "metal")
-ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
 METAL = os.path.join(ROOT, "metal")
-BUILD_DIR = os.path.join(ROOT, "build", "emulation")
 
 RUNTIME = [os.path.join(SHIM, "metal_runtime.cpp")]
 SOURCES = [*RUNTIME, os.path.join(SHIM, "metal_emu.cpp")]  # the ctypes library, beside the .metal files
@@ -47,7 +43,7 @@ def metal_files():
 
 def _depends():
     files = glob.glob(os.path.join(METAL, "*")) + glob.glob(os.path.join(SHIM, "*"))
-    files.append(os.path.join(HERE, "barrier.h"))
+    files += [os.path.join(HERE, "barrier.h"), os.path.join(HERE, "race_check.h")]
     files += glob.glob(os.path.join(CSRC, "include", "attnx", "*.h"))
     files += glob.glob(os.path.join(CSRC, "mps", "*.h"))
     return sorted(set(files))
@@ -79,29 +75,9 @@ def build(extra_flags=(), sources=SOURCES, shared=True, metal_sources=None):
     metal_sources = metal_files() if metal_sources is None else list(metal_sources)
     flags = [*FLAGS, *extra_flags, "-I" + SHIM, "-I" + CSRC, "-I" + os.path.join(CSRC, "include")]
     flags += ["-shared"] if shared else []
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    except OSError as e:
-        raise Unavailable(f"{cxx} does not run: {e}") from e
-    digest = hashlib.sha256("\0".join([cxx, version, *flags, *metal_sources, *sources]).encode())
-    for path in _depends() + list(metal_sources) + list(sources):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    name = f"metal-{digest.hexdigest()[:16]}" + (".so" if shared else "")
-    target = os.path.join(BUILD_DIR, name)
-    if os.path.exists(target):
-        return target
-    os.makedirs(BUILD_DIR, exist_ok=True)
     cmd = [cxx, *flags, "-x", "c++", *metal_sources, "-x", "none", *sources]
-    fd, tmp = tempfile.mkstemp(dir=BUILD_DIR, prefix=name + ".")
-    os.close(fd)
-    result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"Metal emulation build failed:\n{' '.join(cmd)}\n{result.stderr[-6000:]}")
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, target)  # atomic: concurrent test processes never see a half-written library
-    return target
+    return cached_build("metal", cxx, flags, [*metal_sources, *sources], _depends(), cmd, shared=shared,
+                        what="Metal emulation", unavailable=Unavailable)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -214,25 +190,15 @@ class MetalEmulator:
         if key_lengths is not None and key_lengths.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"attnx::attention: expected key_lengths of dtype int32 or int64, got "
                             f"{key_lengths.dtype}")
-        B, H, L, _ = q.shape
-        Dv = v.shape[3]
-        if out_layout == "blhd":
-            out = torch.empty(B, L, H, Dv, dtype=q.dtype).transpose(1, 2)
-        else:
-            out = torch.empty(B, H, L, Dv, dtype=q.dtype)
-        lse = torch.empty(B, H, L, dtype=torch.float32)
+        out, lse = empty_outputs(q, v, out_layout, torch.float32)
         sinks_acc = None if sinks is None else sinks.to(torch.float32).contiguous()
         p = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                         window_left=window_left, window_right=window_right, key_lengths=key_lengths,
                         softcap=softcap, sinks=sinks_acc)
         self.last_plan = self.plan_attention(p, q.dtype)
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
-
-        err = self.lib.attnx_metal_emu_attention(ctypes.byref(p), DTYPES[q.dtype], ptr(q), ptr(k), ptr(v),
-                                                 ptr(attn_mask), ptr(key_padding_mask), ptr(out),
-                                                 ptr(lse), ptr(key_lengths), ptr(sinks_acc))
+        tensors = (q, k, v, attn_mask, key_padding_mask, out, lse, key_lengths, sinks_acc)
+        err = self.lib.attnx_metal_emu_attention(ctypes.byref(p), DTYPES[q.dtype],
+                                                 *(data_ptr(t) for t in tensors))
         if err != 0:
             raise RuntimeError(f"emulated Metal launch failed: {ERRORS.get(err, err)}")
         return out, lse

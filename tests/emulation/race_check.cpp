@@ -8,17 +8,16 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cmath>
 #include <cstdio>
 #include <random>
 #include <type_traits>
 #include <vector>
 
 #include "cuda/attention_kernel.h"
+#include "race_check.h"
 
 namespace {
 
-using attnx::AttentionParams;
 using attnx::cuda::DType;
 using attnx::cuda::Kernel;
 
@@ -40,56 +39,25 @@ std::vector<T> randn(size_t n, std::mt19937& gen) {
   return out;
 }
 
-// Contiguous (B, H, N, D) strides.
-void contiguous(int64_t* st, int64_t H, int64_t N, int64_t D) {
-  st[3] = 1;
-  st[2] = D;
-  st[1] = N * D;
-  st[0] = H * N * D;
-}
-
-// The features beyond masks: kv heads (0: as many as query heads), the window, key lengths (B of them, or
-// none), soft-capping, sinks.
-struct Features {
-  int64_t kv_heads = 0;
-  int64_t window_left = -1, window_right = -1;
+// The features beyond masks, with key lengths (B of them, or none).
+struct Features : attnx::race_check::Features {
   std::vector<int32_t> key_lengths;
-  float softcap = 0.0f;
-  bool sinks = false;
 };
 
 template <typename T>
 int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
         const Features& f = {}) {
   std::mt19937 gen(0);
-  const int64_t Hkv = f.kv_heads > 0 ? f.kv_heads : H;
-  AttentionParams p{};
-  p.batch = B, p.heads = H, p.q_len = L, p.kv_len = S, p.head_dim = D, p.v_head_dim = D;
-  p.kv_heads = Hkv;
-  contiguous(p.q_stride, H, L, D);
-  contiguous(p.k_stride, Hkv, S, D);
-  contiguous(p.v_stride, Hkv, S, D);
-  contiguous(p.out_stride, H, L, D);
-  p.lse_stride[0] = H * L, p.lse_stride[1] = L, p.lse_stride[2] = 1;
-  p.window_left = f.window_left, p.window_right = f.window_right;
+  attnx::AttentionParams p = attnx::race_check::params(B, H, L, S, D, causal, f);
   if (!f.key_lengths.empty()) p.key_lengths_kind = attnx::kKeyLengthsInt32, p.key_lengths_stride = 1;
-  p.softcap = f.softcap;
-  p.has_sinks = f.sinks;
   std::vector<double> sinks(H, 0.5);  // room for float64's; the float kernels read the first H floats
-  const auto q = randn<T>(B * H * L * D, gen), k = randn<T>(B * Hkv * S * D, gen),
-             v = randn<T>(B * Hkv * S * D, gen);
+  const auto q = randn<T>(B * H * L * D, gen), k = randn<T>(B * p.kv_heads * S * D, gen),
+             v = randn<T>(B * p.kv_heads * S * D, gen);
   std::vector<T> out(B * H * L * D);
   std::vector<double> lse(B * H * L);  // room for float64's
   // A random (L, S) bool mask and a float key_padding_mask that removes whole tiles of batch 0.
-  std::vector<unsigned char> attn_mask(L * S);
-  for (auto& m : attn_mask) m = gen() % 10 == 0;
-  std::vector<float> padding(B * S, 0.0f);
-  for (int64_t s = 0; s < S && s < 64; ++s) padding[s] = -INFINITY;
-  p.attn_mask_kind = attnx::kMaskBool, p.attn_mask_stride[2] = S, p.attn_mask_stride[3] = 1;
-  p.key_padding_mask_kind = attnx::kMaskFloat32, p.key_padding_mask_stride[0] = S,
-  p.key_padding_mask_stride[1] = 1;
-  p.is_causal = causal;
-  p.scale = 0.25f;
+  const auto attn_mask = attnx::race_check::random_attn_mask(L, S, gen);
+  const auto padding = attnx::race_check::padding_of_first_keys(B, S, 64);
   attnx::AttentionPointers ptr{};
   ptr.query = q.data();
   ptr.key = k.data();

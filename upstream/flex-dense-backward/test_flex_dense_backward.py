@@ -171,20 +171,8 @@ def _inputs(B, Hq, Hkv, L, S, D, score_mod, mask_mod, buffers, dtype, Bkv=None, 
         fw_graph, joint_graph = fa.create_fw_bw_graph(score_mod, example, buffers)
     grad_out = torch.randn_like(out)
     grad_lse = torch.randn_like(lse)
-    return dict(
-        q=q,
-        k=k,
-        v=v,
-        out=out,
-        lse=lse,
-        grad_out=grad_out,
-        grad_lse=grad_lse,
-        fw_graph=fw_graph,
-        joint_graph=joint_graph,
-        block_mask=block_mask,
-        scale=scale,
-        buffers=buffers,
-    )
+    return dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, grad_lse=grad_lse, fw_graph=fw_graph,
+                joint_graph=joint_graph, block_mask=block_mask, scale=scale, buffers=buffers)
 
 
 def _call(fn, x, joint=True, grad_lse=True):

@@ -6,13 +6,13 @@
 // pytest suite checks them): each launch covers several key tiles, both masks, causal, partial tiles, and
 // every kernel (vector and tiled attention, gemv and gemm linear); two attention launches per kernel add
 // grouped KV heads, key lengths, a window, soft-capping and sinks.
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "../race_check.h"
 #include "attnx/params.h"
 
 extern "C" {
@@ -45,56 +45,26 @@ std::vector<unsigned char> randn(size_t n, int dtype, std::mt19937& gen) {
   return out;
 }
 
-// Contiguous (B, H, N, E) strides.
-void contiguous(int64_t* st, int64_t H, int64_t N, int64_t E) {
-  st[3] = 1;
-  st[2] = E;
-  st[1] = N * E;
-  st[0] = H * N * E;
-}
-
 // Grouped KV heads, key ranges, soft-capping and sinks; the defaults are plain attention.
-struct Features {
-  int64_t kv_heads = 0;  // 0: as many as query heads
-  int64_t window_left = -1, window_right = -1;
+struct Features : attnx::race_check::Features {
   bool key_lengths = false;  // batch b has S - 7 b keys (int64)
-  float softcap = 0.0f;
-  bool sinks = false;
 };
 
 int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
               Features f = Features{}) {
   std::mt19937 gen(0);
-  const int64_t Hkv = f.kv_heads > 0 ? f.kv_heads : H;
-  attnx::AttentionParams p{};
-  p.batch = B, p.heads = H, p.q_len = L, p.kv_len = S, p.head_dim = D, p.v_head_dim = D;
-  p.kv_heads = Hkv;
-  contiguous(p.q_stride, H, L, D);
-  contiguous(p.k_stride, Hkv, S, D);
-  contiguous(p.v_stride, Hkv, S, D);
-  contiguous(p.out_stride, H, L, D);
-  p.lse_stride[0] = H * L, p.lse_stride[1] = L, p.lse_stride[2] = 1;
-  p.window_left = f.window_left, p.window_right = f.window_right;
+  attnx::AttentionParams p = attnx::race_check::params(B, H, L, S, D, causal, f);
   std::vector<int64_t> lengths(B);
   for (int64_t b = 0; b < B; ++b) lengths[b] = S - 7 * b;
   if (f.key_lengths) p.key_lengths_kind = attnx::kKeyLengthsInt64, p.key_lengths_stride = 1;
-  p.softcap = f.softcap;
   std::vector<float> sinks(H, 0.5f);
-  p.has_sinks = f.sinks;
-  auto q = randn(B * H * L * D, dtype, gen), k = randn(B * Hkv * S * D, dtype, gen),
-       v = randn(B * Hkv * S * D, dtype, gen);
+  auto q = randn(B * H * L * D, dtype, gen), k = randn(B * p.kv_heads * S * D, dtype, gen),
+       v = randn(B * p.kv_heads * S * D, dtype, gen);
   auto out = randn(B * H * L * D, dtype, gen);
   std::vector<float> lse(B * H * L);
   // A random (L, S) bool mask and a float key_padding_mask that removes the first tile of batch 0.
-  std::vector<unsigned char> attn_mask(L * S);
-  for (auto& m : attn_mask) m = gen() % 10 == 0;
-  std::vector<float> padding(B * S, 0.0f);
-  for (int64_t s = 0; s < S && s < 32; ++s) padding[s] = -INFINITY;
-  p.attn_mask_kind = attnx::kMaskBool, p.attn_mask_stride[2] = S, p.attn_mask_stride[3] = 1;
-  p.key_padding_mask_kind = attnx::kMaskFloat32, p.key_padding_mask_stride[0] = S;
-  p.key_padding_mask_stride[1] = 1;
-  p.is_causal = causal;
-  p.scale = 0.25f;
+  auto attn_mask = attnx::race_check::random_attn_mask(L, S, gen);
+  auto padding = attnx::race_check::padding_of_first_keys(B, S, 32);
   const int err = attnx_metal_emu_attention(&p, dtype, q.data(), k.data(), v.data(), attn_mask.data(),
                                             padding.data(), out.data(), lse.data(),
                                             f.key_lengths ? lengths.data() : nullptr,
