@@ -21,6 +21,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   return PyModule_Create(&module_def);
 }
 
+// The schema strings are laid out by argument, not by clang-format.
+// clang-format off
 STABLE_TORCH_LIBRARY(attnx, m) {
   // F.linear for every input layout: leading dims that form one dense block (in any order) fold into a single
   // GEMM without a copy; the output keeps the memory order of input's leading dims.
@@ -41,11 +43,14 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // (keys at or past key_lengths[b] are ignored) and a window (window_left, window_right) around the
   // bottom-right-aligned diagonal, -1 = unbounded. softcap > 0 turns each scaled score x into
   // softcap * tanh(x / softcap) before the masks. sinks (H,) join each row's softmax denominator (and lse).
-#define ATTNX_ATTENTION_SIGNATURE                                                                         \
-  "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "     \
-  "bool is_causal=False, float? scale=None, float dropout_p=0.0, Tensor? dropout_seed=None, "            \
-  "int window_left=-1, int window_right=-1, Tensor? key_lengths=None, float? softcap=None, "              \
-  "Tensor? sinks=None) -> (Tensor out, Tensor lse)"
+  // The options, attention's arguments after value (common/attention.h, AttentionOptions), are the same in
+  // attention_backward.
+#define ATTNX_ATTENTION_OPTIONS                                                                            \
+  "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, "      \
+  "float dropout_p=0.0, Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "             \
+  "Tensor? key_lengths=None, float? softcap=None, Tensor? sinks=None"
+#define ATTNX_ATTENTION_SIGNATURE \
+  "(Tensor query, Tensor key, Tensor value, " ATTNX_ATTENTION_OPTIONS ") -> (Tensor out, Tensor lse)"
   m.def("attention" ATTNX_ATTENTION_SIGNATURE);
   m.def("_attention" ATTNX_ATTENTION_SIGNATURE);
   m.def("_attention_autograd" ATTNX_ATTENTION_SIGNATURE);
@@ -60,9 +65,7 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // and dropout_seed, the dropout mask is regenerated, not read.
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
-      "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, "
-      "float dropout_p=0.0, Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "
-      "Tensor? key_lengths=None, float? softcap=None, Tensor? sinks=None, bool grad_attn_mask=False) -> "
+      ATTNX_ATTENTION_OPTIONS ", bool grad_attn_mask=False) -> "
       "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask, Tensor grad_sinks)");
   // The whole nn.MultiheadAttention forward in one dispatch: query (L, B, E), key (S, B, kdim), value
   // (S, B, vdim), or with batch_first (B, L, E), (B, S, kdim), (B, S, vdim) (read through their strides, so a
@@ -72,12 +75,16 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // (not with need_weights). Returns out (L, B, E) ((B, L, E) with batch_first), lse (B, H, L) and the
   // attention weights when need_weights ((B, L, S') averaged over heads or (B, H, L, S')), else an empty
   // tensor. batch_first comes last so that positional calls written before it existed keep their meaning.
-#define ATTNX_MHA_ARGUMENTS                                                                                \
-  "(Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, " \
-  "Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, "  \
-  "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "           \
-  "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "              \
-  "bool average_attn_weights, float dropout_p=0.0, Tensor? dropout_seed=None, bool batch_first=False)"
+  // (The arguments before dropout_p are also mha_backward's, which takes dropout_p, dropout_seed and
+  // batch_first in other places: common/mha.h, MhaArgs, holds them all.)
+#define ATTNX_MHA_LEADING_ARGUMENTS                                                                      \
+  "Tensor query, Tensor key, Tensor value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, " \
+  "Tensor? q_proj_weight, Tensor? k_proj_weight, Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, " \
+  "bool add_zero_attn, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? key_padding_mask, "          \
+  "Tensor? attn_mask, bool is_causal, Tensor? static_k, Tensor? static_v, bool need_weights, "             \
+  "bool average_attn_weights"
+#define ATTNX_MHA_ARGUMENTS \
+  "(" ATTNX_MHA_LEADING_ARGUMENTS ", float dropout_p=0.0, Tensor? dropout_seed=None, bool batch_first=False)"
   m.def("mha" ATTNX_MHA_ARGUMENTS " -> (Tensor out, Tensor lse, Tensor weights)");
   m.def("_mha" ATTNX_MHA_ARGUMENTS " -> (Tensor out, Tensor lse, Tensor weights)");
   // mha for autograd (what attnx::mha runs in grad mode): mha's outputs plus
@@ -94,11 +101,8 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // each where output_mask asks for it and an empty tensor elsewhere. When query, key and value are one
   // tensor, grad_query is the gradient of all three.
   m.def(
-      "mha_backward(Tensor grad_out, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, int num_heads, "
-      "Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor? q_proj_weight, Tensor? k_proj_weight, "
-      "Tensor? v_proj_weight, Tensor? bias_k, Tensor? bias_v, bool add_zero_attn, Tensor out_proj_weight, "
-      "Tensor? out_proj_bias, Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, Tensor? static_k, "
-      "Tensor? static_v, bool need_weights, bool average_attn_weights, float dropout_p, Tensor? dropout_seed, "
-      "Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, int[] output_mask, bool batch_first=False) -> "
-      "Tensor[]");
+      "mha_backward(Tensor grad_out, Tensor? grad_weights, " ATTNX_MHA_LEADING_ARGUMENTS
+      ", float dropout_p, Tensor? dropout_seed, Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, "
+      "int[] output_mask, bool batch_first=False) -> Tensor[]");
 }
+// clang-format on

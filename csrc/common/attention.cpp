@@ -335,29 +335,27 @@ Tensor sinks_grad(const Tensor& grad_out, const Tensor& out, const Tensor& lse, 
 
 }  // namespace
 
+// (The problems are built at the end, member by member from locals: a default-constructed stable Tensor is an
+// allocation in the shim, which a decoding step would pay for each one.)
 AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, AttentionOptions options) {
   check_attention_args(query, key, value, options);
-  AttentionProblem pb{};
-  pb.params = attention_params(query, key, value, options, pb.ptr);
-  pb.dtype = query.scalar_type();
-  pb.sinks_acc = sinks_for_kernels(options.sinks, pb.dtype);
-  pb.ptr.sinks = pb.sinks_acc ? pb.sinks_acc->const_data_ptr() : nullptr;
-  AttentionParams& p = pb.params;
+  AttentionPointers ptr{};
+  AttentionParams p = attention_params(query, key, value, options, ptr);
+  const ScalarType dtype = query.scalar_type();
+  std::optional<Tensor> sinks_acc = sinks_for_kernels(options.sinks, dtype);
+  ptr.sinks = sinks_acc ? sinks_acc->const_data_ptr() : nullptr;
 
   // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
   const Device device = query.device();
-  pb.out = empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, pb.dtype, device);
-  pb.lse = aten::empty({p.batch, p.heads, p.q_len}, attention_acc_dtype(pb.dtype), device);
-  copy_strides(pb.out, p.out_stride);
-  copy_strides(pb.lse, p.lse_stride);
-  pb.ptr.out = pb.out.mutable_data_ptr();
-  pb.ptr.lse = pb.lse.mutable_data_ptr();
-
-  pb.query = std::move(query);
-  pb.key = std::move(key);
-  pb.value = std::move(value);
-  pb.options = std::move(options);
-  return pb;
+  Tensor out = empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, dtype, device);
+  Tensor lse = aten::empty({p.batch, p.heads, p.q_len}, attention_acc_dtype(dtype), device);
+  copy_strides(out, p.out_stride);
+  copy_strides(lse, p.lse_stride);
+  ptr.out = out.mutable_data_ptr();
+  ptr.lse = lse.mutable_data_ptr();
+  return AttentionProblem{
+      std::move(query),     std::move(key), std::move(value), std::move(options), p, ptr, dtype,
+      std::move(sinks_acc), std::move(out), std::move(lse)};
 }
 
 AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value,
@@ -372,74 +370,81 @@ AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor quer
   check_backward_tensor(out, "out", out_shape, "(B, H, L, Dv)", dtype, query);
   check_backward_tensor(lse, "lse", lse_shape, "(B, H, L)", attention_acc_dtype(dtype), query);
 
-  AttentionBackwardProblem pb{};
-  AttentionBackwardParams& bp = pb.params;
-  AttentionBackwardPointers& ptr = pb.ptr;
+  AttentionBackwardParams bp{};
+  AttentionBackwardPointers ptr{};
   bp.fwd = attention_params(query, key, value, options, ptr.fwd);
-  pb.dtype = dtype;
-  pb.sinks_acc = sinks_for_kernels(options.sinks, dtype);
-  ptr.fwd.sinks = pb.sinks_acc ? pb.sinks_acc->const_data_ptr() : nullptr;
-  pb.grad_attn_mask =
+  std::optional<Tensor> sinks_acc = sinks_for_kernels(options.sinks, dtype);
+  ptr.fwd.sinks = sinks_acc ? sinks_acc->const_data_ptr() : nullptr;
+  const bool want_mask_grad =
       grad_attn_mask && options.attn_mask && options.attn_mask->scalar_type() != ScalarType::Bool;
-  if (pb.grad_attn_mask) {
+  if (want_mask_grad) {
     const std::array<int64_t, 4> g = mask_grad_shape(*options.attn_mask, B, H);
     std::copy(g.begin(), g.end(), bp.grad_attn_mask_size);
   }
   // The gradients take out's layout, (B, N, H, E) in memory: a multi-head caller's in-projection gradient
   // reads them as (B, N, H*E) views.
   const Device device = query.device();
-  pb.grad_query = empty_bnhe(B, H, L, D, dtype, device);
-  pb.grad_key = empty_bnhe(B, Hkv, S, D, dtype, device);
-  pb.grad_value = empty_bnhe(B, Hkv, S, Dv, dtype, device);
+  Tensor grad_query = empty_bnhe(B, H, L, D, dtype, device);
+  Tensor grad_key = empty_bnhe(B, Hkv, S, D, dtype, device);
+  Tensor grad_value = empty_bnhe(B, Hkv, S, Dv, dtype, device);
   copy_strides(out, bp.fwd.out_stride);
   copy_strides(lse, bp.fwd.lse_stride);
   copy_strides(grad_out, bp.grad_out_stride);
-  copy_strides(pb.grad_query, bp.grad_query_stride);
-  copy_strides(pb.grad_key, bp.grad_key_stride);
-  copy_strides(pb.grad_value, bp.grad_value_stride);
+  copy_strides(grad_query, bp.grad_query_stride);
+  copy_strides(grad_key, bp.grad_key_stride);
+  copy_strides(grad_value, bp.grad_value_stride);
   // The saved out and lse are read here: const, though AttentionPointers names them as the forward writes
   // them.
   ptr.fwd.out = const_cast<void*>(out.const_data_ptr());
   ptr.fwd.lse = const_cast<void*>(lse.const_data_ptr());
   ptr.grad_out = grad_out.const_data_ptr();
-  ptr.grad_query = pb.grad_query.mutable_data_ptr();
-  ptr.grad_key = pb.grad_key.mutable_data_ptr();
-  ptr.grad_value = pb.grad_value.mutable_data_ptr();
+  ptr.grad_query = grad_query.mutable_data_ptr();
+  ptr.grad_key = grad_key.mutable_data_ptr();
+  ptr.grad_value = grad_value.mutable_data_ptr();
   ptr.grad_attn_mask = nullptr;
-
-  pb.grad_out = std::move(grad_out);
-  pb.query = std::move(query);
-  pb.key = std::move(key);
-  pb.value = std::move(value);
-  pb.out = std::move(out);
-  pb.lse = std::move(lse);
-  pb.options = std::move(options);
-  return pb;
+  return AttentionBackwardProblem{std::move(grad_out),
+                                  std::move(query),
+                                  std::move(key),
+                                  std::move(value),
+                                  std::move(out),
+                                  std::move(lse),
+                                  std::move(options),
+                                  want_mask_grad,
+                                  bp,
+                                  ptr,
+                                  dtype,
+                                  std::move(sinks_acc),
+                                  std::move(grad_query),
+                                  std::move(grad_key),
+                                  std::move(grad_value),
+                                  std::nullopt};
 }
 
 namespace detail {
 
+// The tensors are taken from the stack as they are (to<Tensor>), not through default-constructed ones (see
+// prepare_attention).
 AttentionProblem unbox_attention(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  Tensor query, key, value;
+  using torch::stable::detail::to;
   AttentionOptions options;
-  const auto args = std::tuple_cat(std::tie(query, key, value), AttentionOptions::fields(options));
-  stable::check_stack("attnx::attention", num_args, std::tuple_size_v<decltype(args)>, num_outputs, 2);
-  stable::unbox(stack, args);
-  return prepare_attention(std::move(query), std::move(key), std::move(value), std::move(options));
+  const auto fields = AttentionOptions::fields(options);
+  stable::check_stack("attnx::attention", num_args, 3 + std::tuple_size_v<decltype(fields)>, num_outputs, 2);
+  stable::unbox(stack + 3, fields);
+  return prepare_attention(to<Tensor>(stack[0]), to<Tensor>(stack[1]), to<Tensor>(stack[2]),
+                           std::move(options));
 }
 
 AttentionBackwardProblem unbox_attention_backward(StableIValue* stack, uint64_t num_args,
                                                   uint64_t num_outputs) {
-  Tensor grad_out, query, key, value, out, lse;
+  using torch::stable::detail::to;
   AttentionOptions options;
-  bool grad_attn_mask = false;
-  const auto args = std::tuple_cat(std::tie(grad_out, query, key, value, out, lse),
-                                   AttentionOptions::fields(options), std::tie(grad_attn_mask));
-  stable::check_stack("attnx::attention_backward", num_args, std::tuple_size_v<decltype(args)>, num_outputs,
-                      5);
-  stable::unbox(stack, args);
-  return prepare_attention_backward(std::move(grad_out), std::move(query), std::move(key), std::move(value),
-                                    std::move(out), std::move(lse), std::move(options), grad_attn_mask);
+  const auto fields = AttentionOptions::fields(options);
+  constexpr uint64_t kOptions = std::tuple_size_v<decltype(fields)>;
+  stable::check_stack("attnx::attention_backward", num_args, 6 + kOptions + 1, num_outputs, 5);
+  stable::unbox(stack + 6, fields);
+  return prepare_attention_backward(to<Tensor>(stack[0]), to<Tensor>(stack[1]), to<Tensor>(stack[2]),
+                                    to<Tensor>(stack[3]), to<Tensor>(stack[4]), to<Tensor>(stack[5]),
+                                    std::move(options), to<bool>(stack[6 + kOptions]));
 }
 
 void box_attention_backward(StableIValue* stack, AttentionBackwardProblem& pb) {

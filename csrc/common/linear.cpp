@@ -150,61 +150,68 @@ bool has_repeated_rows(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef stride
   return false;
 }
 
+// The leading dim whose stride steps from one row to the next in memory: the innermost folded one (any, when
+// there is one row).
+size_t fold_inner_dim(const RowFold& fold, size_t leading) {
+  return fold.dims.empty() ? leading : static_cast<size_t>(fold.dims.back());
+}
+
 }  // namespace
 
-Tensor linear_rows(const Tensor& input) {
+LinearRows linear_rows(const Tensor& input) {
   const IntHeaderOnlyArrayRef sizes = input.sizes(), strides = input.strides();
-  if (has_repeated_rows(sizes, strides) || fold_rows(sizes, strides).dense) return input;
+  LinearRows r{input, fold_rows(sizes, strides), has_repeated_rows(sizes, strides), input.scalar_type()};
+  if (r.repeated || r.fold.dense) return r;
   // No single row stride exists (a strided slice such as x[:, ::2], or interleaved dims): copying the input
   // once into a contiguous buffer is the cheapest way to one GEMM.
-  return aten::contiguous(input);
+  r.rows = aten::contiguous(input);
+  r.fold = fold_rows(sizes, stable::contiguous_strides(sizes));
+  return r;
 }
 
-Tensor empty_linear_output(const Tensor& input, int64_t out_features) {
-  const IntHeaderOnlyArrayRef in_sizes = input.sizes(), in_strides = input.strides();
+Tensor empty_linear_output(const LinearRows& rows, int64_t out_features) {
+  const IntHeaderOnlyArrayRef in_sizes = rows.rows.sizes();
   std::vector<int64_t> out_sizes(in_sizes.begin(), in_sizes.end());
   out_sizes.back() = out_features;
-  const int64_t M = product(in_sizes.slice(0, in_sizes.size() - 1));
-  // Repeated rows are computed once and broadcast into a fresh output; rows that do not fold are copied to
-  // contiguous, whose rows are in logical order: both contiguous.
-  if (M == 0 || out_features == 0 || has_repeated_rows(in_sizes, in_strides)) {
-    return aten::new_empty(input, out_sizes);
-  }
-  const RowFold fold = fold_rows(in_sizes, in_strides);
-  if (!fold.dense) return aten::new_empty(input, out_sizes);
-  return aten::empty_strided(out_sizes, output_strides(out_sizes, fold), input.scalar_type(), input.device());
+  // An empty output, and repeated rows (computed once and broadcast into a fresh output) are contiguous.
+  // Otherwise the output takes the rows' memory order (a contiguous copy's is the logical one).
+  const bool empty =
+      out_features == 0 || product(IntHeaderOnlyArrayRef(out_sizes).slice(0, out_sizes.size() - 1)) == 0;
+  const std::vector<int64_t> strides =
+      rows.repeated || empty ? stable::contiguous_strides(out_sizes) : output_strides(out_sizes, rows.fold);
+  return aten::empty_strided(out_sizes, strides, rows.dtype, rows.rows.device());
 }
 
-std::optional<LinearOperands> plan_linear_into(const Tensor& out, const Tensor& input, const Tensor& weight,
-                                               const std::optional<Tensor>& bias) {
-  const IntHeaderOnlyArrayRef in_sizes = input.sizes(), in_strides = input.strides();
+std::optional<LinearOperands> plan_linear_into(const Tensor& out, const LinearRows& rows,
+                                               const Tensor& weight, const std::optional<Tensor>& bias) {
+  const IntHeaderOnlyArrayRef in_sizes = rows.rows.sizes();
   const size_t leading = in_sizes.size() - 1;
   const int64_t K = in_sizes.back();
   const int64_t M = product(in_sizes.slice(0, leading));
-  const int64_t N = weight.size(0);
+  const IntHeaderOnlyArrayRef w_sizes = weight.sizes(), w_strides = weight.strides();
+  const int64_t N = w_sizes[0];
   if (M == 0 || N == 0) return std::nullopt;
 
   // Rows repeated through a stride-0 (expanded) dim: run the GEMM on the distinct rows only and broadcast the
   // result into the output. One copy, of the output, instead of a copy of the input plus repeated arithmetic.
-  if (has_repeated_rows(in_sizes, in_strides)) {
+  if (rows.repeated) {
+    const IntHeaderOnlyArrayRef in_strides = rows.rows.strides();
     std::vector<int64_t> distinct_sizes(in_sizes.begin(), in_sizes.end());
     for (size_t d = 0; d < leading; ++d) {
       if (in_strides[d] == 0) distinct_sizes[d] = 1;
     }
-    aten::copy_(out, linear_via_gemm(reinterpret(input, distinct_sizes, in_strides), weight, bias));
+    aten::copy_(out, linear_via_gemm(reinterpret(rows.rows, distinct_sizes, in_strides), weight, bias));
     return std::nullopt;
   }
 
-  const Tensor rows = linear_rows(input);
-  const RowFold fold = fold_rows(rows.sizes(), rows.strides());
   // out was laid out with the rows' order (empty_linear_output), so both are (M, *) matrices walked in the
   // same order.
-  const int64_t out_row_stride =
-      out.stride(static_cast<int64_t>(fold.dims.empty() ? leading : fold.dims.back()));
-  LinearOperands gemm{as_matrix(rows, M, K, fold.row_stride, rows.stride(static_cast<int64_t>(leading))),
-                      as_matrix(weight, N, K, weight.stride(0), weight.stride(1)),
-                      as_matrix(out, M, N, out_row_stride, out.stride(static_cast<int64_t>(leading))),
-                      std::nullopt, input.scalar_type()};
+  const IntHeaderOnlyArrayRef out_strides = out.strides();
+  const int64_t out_row_stride = out_strides[fold_inner_dim(rows.fold, leading)];
+  const int64_t in_col_stride = rows.rows.stride(static_cast<int64_t>(leading));
+  LinearOperands gemm{as_matrix(rows.rows, M, K, rows.fold.row_stride, in_col_stride),
+                      as_matrix(weight, N, K, w_strides[0], w_strides[1]),
+                      as_matrix(out, M, N, out_row_stride, out_strides[leading]), std::nullopt, rows.dtype};
   if (bias) {
     const int64_t size = bias->size(0);
     gemm.bias = StridedMatrix{*bias, 0, 1, size, size, size == 1 ? 1 : bias->stride(0)};
@@ -246,7 +253,7 @@ void run_gemm(const LinearOperands& g) {
 
 Tensor linear_via_gemm(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   check_linear_args(input, weight, bias);
-  const Tensor rows = linear_rows(input);
+  const LinearRows rows = linear_rows(input);
   const Tensor out = empty_linear_output(rows, weight.size(0));
   if (const std::optional<LinearOperands> gemm = plan_linear_into(out, rows, weight, bias)) run_gemm(*gemm);
   return out;

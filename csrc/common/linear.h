@@ -53,21 +53,26 @@ struct LinearOperands {
   torch::headeronly::ScalarType dtype;
 };
 
-// input itself when its leading dims fold into one block of rows (RowFold) or repeat through stride-0 dims,
-// else a contiguous copy: what a GEMM reads, so that several GEMMs over one input copy it at most once.
-torch::stable::Tensor linear_rows(const torch::stable::Tensor& input);
+// An input's leading dims as the rows of a GEMM operand, its layout read once: the input itself when they
+// fold into one block of rows (RowFold) or repeat through stride-0 dims, else a contiguous copy, so that
+// several GEMMs over one input copy it at most once.
+struct LinearRows {
+  torch::stable::Tensor rows;  // the input, or its contiguous copy
+  RowFold fold;                // of rows
+  bool repeated;               // rows repeat through a stride-0 dim (rows is the input as given)
+  torch::headeronly::ScalarType dtype;
+};
+LinearRows linear_rows(const torch::stable::Tensor& input);
 
-// An uninitialised output for input @ weight.T with out_features columns, laid out as linear lays out its
-// output: the memory order of input's leading dims (output_strides), contiguous when they do not fold or
-// repeat. A column block of it is a valid output for plan_linear_into.
-torch::stable::Tensor empty_linear_output(const torch::stable::Tensor& input, int64_t out_features);
+// An uninitialised output for rows @ weight.T with out_features columns, laid out as linear lays out its
+// output: the memory order of the input's leading dims (output_strides), contiguous when they repeat. A
+// column block of it is a valid output for plan_linear_into.
+torch::stable::Tensor empty_linear_output(const LinearRows& rows, int64_t out_features);
 
-// out = input @ weight.T + bias, out an empty_linear_output for input (or a column block of one): the GEMM to
-// run, or nothing when there is nothing to compute or it was computed already (rows repeated through stride-0
-// dims: one GEMM over the distinct rows, run here, broadcast into out). Copies input once when its rows do
-// not fold (pass linear_rows(input) to share that copy).
-std::optional<LinearOperands> plan_linear_into(const torch::stable::Tensor& out,
-                                               const torch::stable::Tensor& input,
+// out = input @ weight.T + bias, out an empty_linear_output for these rows (or a column block of one): the
+// GEMM to run, or nothing when there is nothing to compute or it was computed already (rows repeated through
+// stride-0 dims: one GEMM over the distinct rows, run here, broadcast into out).
+std::optional<LinearOperands> plan_linear_into(const torch::stable::Tensor& out, const LinearRows& rows,
                                                const torch::stable::Tensor& weight,
                                                const std::optional<torch::stable::Tensor>& bias);
 

@@ -85,6 +85,8 @@ Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unuse
 #define ATTNX_CPU_VARIANT(name)                                                       \
   ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::AVX2::name, \
                              &::attnx::cpu::AVX512::name)
+// One line per namespace: not clang-format's layout.
+// clang-format off
 // Declares a kernel's entry point in each ISA namespace it is compiled in.
 #define ATTNX_CPU_DECLARE_VARIANTS(...) \
   namespace DEFAULT { __VA_ARGS__; } namespace AVX2 { __VA_ARGS__; } namespace AVX512 { __VA_ARGS__; }
@@ -92,6 +94,7 @@ Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unuse
 #define ATTNX_CPU_VARIANT(name) (&::attnx::cpu::DEFAULT::name)
 #define ATTNX_CPU_DECLARE_VARIANTS(...) namespace DEFAULT { __VA_ARGS__; }
 #endif
+// clang-format on
 
 ATTNX_CPU_DECLARE_VARIANTS(void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
                                                  torch::headeronly::ScalarType dtype))

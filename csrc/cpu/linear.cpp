@@ -142,7 +142,7 @@ std::vector<torch::stable::Tensor> run_linears_in_shares(const std::vector<Linea
   std::vector<LinearOperands> gemms;
   for (const LinearCall& c : calls) {
     check_linear_args(c.input, c.weight, c.bias);
-    const torch::stable::Tensor rows = linear_rows(c.input);
+    const LinearRows rows = linear_rows(c.input);
     const int64_t N = c.weight.size(0);
     const torch::stable::Tensor out = empty_linear_output(rows, N);
     // A bias of one element broadcasts over every block: its GEMM stays whole.
@@ -171,9 +171,16 @@ std::vector<torch::stable::Tensor> run_linears_in_shares(const std::vector<Linea
 
 }  // namespace
 
+// One linear, run_linears_in_shares' work without its lists: linear is called per layer and step.
 torch::stable::Tensor linear_cpu(const torch::stable::Tensor& input, const torch::stable::Tensor& weight,
                                  const std::optional<torch::stable::Tensor>& bias) {
-  return run_linears_in_shares({LinearCall{input, weight, bias}})[0];
+  check_linear_args(input, weight, bias);
+  const LinearRows rows = linear_rows(input);
+  torch::stable::Tensor out = empty_linear_output(rows, weight.size(0));
+  if (std::optional<LinearOperands> gemm = plan_linear_into(out, rows, weight, bias)) {
+    run_gemms_in_shares({std::move(*gemm)});
+  }
+  return out;
 }
 
 }  // namespace attnx
