@@ -90,12 +90,10 @@ LinearOperands gemm_part(const LinearOperands& gemm, bool by_rows, int64_t begin
 // ---------------------------------------------------------------------------------------------------------------
 // Independent linears (mha's in-projections), run the way the backend of their device runs them best.
 
-// out = input @ weight^T + bias, where weight's rows (and bias) are `parts` equal blocks that are projections
-// of their own (q, k and v of a packed in-projection): a backend may compute the blocks apart.
+// out = input @ weight^T + bias.
 struct LinearCall {
   torch::stable::Tensor input, weight;
   std::optional<torch::stable::Tensor> bias;
-  int64_t parts = 1;
 };
 
 // Runs linears that do not depend on each other and returns their outputs, each laid out as attnx::linear
@@ -103,7 +101,7 @@ struct LinearCall {
 using LinearRunner = std::vector<torch::stable::Tensor> (*)(const std::vector<LinearCall>& calls);
 
 // A backend's way of running independent linears on its device type, registered once at load time
-// (cpu/linear.cpp: their GEMMs, each block apart, in shares per thread).
+// (cpu/linear.cpp: their GEMMs at once, in shares per thread).
 void register_linear_runner(torch::headeronly::DeviceType device_type, LinearRunner runner);
 
 // Runs the linears with the runner registered for their device type; without one, each as one call of the

@@ -46,12 +46,6 @@ bool is_same(const Tensor& a, const Tensor& b) {
   return a.get() == b.get() || a.sizes().data() == b.sizes().data();
 }
 
-// The same memory seen the same way: then one GEMM against the packed weight can serve both.
-bool same_view(const Tensor& a, const Tensor& b) {
-  return is_same(a, b) || (a.data_ptr() == b.data_ptr() && a.sizes().equals(b.sizes()) &&
-                           a.strides().equals(b.strides()) && a.scalar_type() == b.scalar_type());
-}
-
 OptTensor rows(const OptTensor& t, int64_t start, int64_t length) {
   return t ? OptTensor(views::narrow(*t, 0, start, length)) : std::nullopt;
 }
@@ -141,8 +135,8 @@ OptTensor pad_keys(const OptTensor& mask, int64_t extra) {
 
 // The sequence-first (N, B, F) form of mha's query, key and value: batch_first (B, N, F) arguments as their
 // transposes, views whose strides the projections and kernels read as they are (no copy). A tensor passed as
-// several arguments stays one tensor, so that self-attention is still recognised (one packed in-projection
-// output forward, one gradient backward).
+// several arguments stays one tensor, so that self-attention is still recognised (one input gradient
+// backward).
 struct SeqFirst {
   Tensor query, key, value;
 };
@@ -161,12 +155,11 @@ SeqFirst seq_first(const MhaArgs& a) {
 // In-projections.
 
 // q, k, v (N, B, E) = input @ weight^T + bias for query, key and value, where k (v) is absent when static_k
-// (static_v) replaces it. With the packed in_proj_weight and neither static_k nor static_v, the projections
-// of inputs that are one view (self-attention: all three; or key and value) are one linear against
-// consecutive weight rows, whose (N, B, 3E) or (S, B, 2E) output they are column blocks of; every other
-// projection is a linear of its own. Outputs are laid out as attnx::linear lays them out. The layout depends
-// on the arguments only, never on the device (the mha_forward fake states it, python/attnx/_fake.py); how the
-// linears run is the backend's (run_linears: the CPU computes each block apart, in shares per thread).
+// (static_v) replaces it: one linear each, against its block of in_proj_weight's rows, each output laid out
+// as attnx::linear lays out its own. The layout depends on the arguments only, never on the device (the
+// mha_forward fake states it, python/attnx/_fake.py): separate dense outputs, because the CPU kernels read
+// rows of a packed (N, B, 3E) output more slowly at power-of-two widths (cache-set conflicts), and how the
+// linears run is the backend's (run_linears: the CPU runs them at once, in shares per thread).
 struct InProjections {
   OptTensor q, k, v;
 };
@@ -176,18 +169,7 @@ InProjections in_projections(const MhaArgs& a, const SeqFirst& seq) {
   const auto weight = [&](int64_t i, const OptTensor& separate) {
     return a.in_proj_weight ? views::narrow(*a.in_proj_weight, 0, i * E, E) : *separate;
   };
-  const bool packed = a.in_proj_weight && !a.static_k && !a.static_v;
-  if (packed && same_view(seq.query, seq.key) && same_view(seq.key, seq.value)) {
-    const Tensor qkv = run_linears({LinearCall{seq.query, *a.in_proj_weight, a.in_proj_bias, 3}})[0];
-    return {views::narrow(qkv, 2, 0, E), views::narrow(qkv, 2, E, E), views::narrow(qkv, 2, 2 * E, E)};
-  }
   std::vector<LinearCall> calls{{seq.query, weight(0, a.q_proj_weight), rows(a.in_proj_bias, 0, E)}};
-  if (packed && same_view(seq.key, seq.value)) {
-    calls.push_back(
-        {seq.key, views::narrow(*a.in_proj_weight, 0, E, 2 * E), rows(a.in_proj_bias, E, 2 * E), 2});
-    const std::vector<Tensor> out = run_linears(calls);
-    return {out[0], views::narrow(out[1], 2, 0, E), views::narrow(out[1], 2, E, E)};
-  }
   if (!a.static_k) calls.push_back({seq.key, weight(1, a.k_proj_weight), rows(a.in_proj_bias, E, E)});
   if (!a.static_v) calls.push_back({seq.value, weight(2, a.v_proj_weight), rows(a.in_proj_bias, 2 * E, E)});
   const std::vector<Tensor> out = run_linears(calls);

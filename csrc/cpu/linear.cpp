@@ -135,29 +135,16 @@ void run_gemms_in_shares(const std::vector<LinearOperands>& gemms) {
   });
 }
 
-// Each call's GEMMs (one per block of its weight rows) planned into its output, then all of them run in
-// shares.
+// Each call's GEMM planned into its output, then all of them run in shares.
 std::vector<torch::stable::Tensor> run_linears_in_shares(const std::vector<LinearCall>& calls) {
   std::vector<torch::stable::Tensor> outs;
   std::vector<LinearOperands> gemms;
   for (const LinearCall& c : calls) {
     check_linear_args(c.input, c.weight, c.bias);
     const LinearRows rows = linear_rows(c.input);
-    const int64_t N = c.weight.size(0);
-    const torch::stable::Tensor out = empty_linear_output(rows, N);
-    // A bias of one element broadcasts over every block: its GEMM stays whole.
-    const int64_t parts = c.parts > 1 && N % c.parts == 0 && (!c.bias || c.bias->size(0) == N) ? c.parts : 1;
-    const int64_t n = N / parts;
-    for (int64_t i = 0; i < parts; ++i) {
-      const auto block = [&](const torch::stable::Tensor& t, int64_t dim) {
-        return parts == 1 ? t : views::narrow(t, dim, i * n, n);
-      };
-      const std::optional<torch::stable::Tensor> bias =
-          c.bias ? std::optional(block(*c.bias, 0)) : std::nullopt;
-      if (std::optional<LinearOperands> gemm =
-              plan_linear_into(block(out, -1), rows, block(c.weight, 0), bias)) {
-        gemms.push_back(std::move(*gemm));
-      }
+    const torch::stable::Tensor out = empty_linear_output(rows, c.weight.size(0));
+    if (std::optional<LinearOperands> gemm = plan_linear_into(out, rows, c.weight, c.bias)) {
+      gemms.push_back(std::move(*gemm));
     }
     outs.push_back(out);
   }

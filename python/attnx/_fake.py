@@ -419,15 +419,6 @@ def _seq_first(query, key, value, batch_first):
     return q, k, v
 
 
-def _same_view(a: Tensor, b: Tensor) -> bool:
-    """``same_view`` in csrc/common/mha.cpp: the same memory seen the same way."""
-    return a is b or (
-        a.untyped_storage()._cdata == b.untyped_storage()._cdata
-        and a.storage_offset() == b.storage_offset()
-        and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-    )
-
-
 @register_fake("attnx::mha_forward")
 def _mha_forward_fake(*args, **kwargs) -> tuple[Tensor, ...]:
     # The layouts of mha_forward_impl in csrc/common/mha.cpp: the same projections (run as linear's fake), the
@@ -435,7 +426,7 @@ def _mha_forward_fake(*args, **kwargs) -> tuple[Tensor, ...]:
     a = MhaArgs(*args, **kwargs)
     _check_mha_fake_args(a)
     query, key, value = _seq_first(a.query, a.key, a.value, a.batch_first)
-    in_proj_weight, bias_k, static_k, static_v = a.in_proj_weight, a.bias_k, a.static_k, a.static_v
+    bias_k, static_k, static_v = a.bias_k, a.static_k, a.static_v
     L, B, E = query.shape
     H = a.num_heads
 
@@ -443,18 +434,10 @@ def _mha_forward_fake(*args, **kwargs) -> tuple[Tensor, ...]:
         w = x.new_empty((rows, x.shape[2]))
         return _linear_fake(x, w, None)
 
-    # in_projections in csrc/common/mha.cpp: with the packed weight and no static_k / static_v, inputs that
-    # are one view share one output, whatever the device.
-    packed = in_proj_weight is not None and static_k is None and static_v is None
-    if packed and _same_view(query, key) and _same_view(key, value):
-        q, k, v = project(query, 3 * E).split(E, dim=2)
-    else:
-        q = project(query, E)
-        if packed and _same_view(key, value):
-            k, v = project(key, 2 * E).split(E, dim=2)
-        else:
-            k = project(key, E) if static_k is None else None
-            v = project(value, E) if static_v is None else None
+    # in_projections in csrc/common/mha.cpp: one output per projection, whatever the device.
+    q = project(query, E)
+    k = project(key, E) if static_k is None else None
+    v = project(value, E) if static_v is None else None
     if bias_k is not None:
         k = torch.cat([k, k.new_empty((1, B, E))])
         v = torch.cat([v, v.new_empty((1, B, E))])
