@@ -86,7 +86,7 @@ wheel-venv-test:
 	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS)
 	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet $(WHEEL_DIR)/*.whl
 	$(WHEEL_VENV)/venv/bin/python -m pip list 2>/dev/null | grep -E "^(torch|attnx) "
-	cp -r csrc metal tests benchmarks upstream pyproject.toml README.md Makefile $(WHEEL_VENV)/
+	cp -r csrc metal tests benchmarks upstream docs pyproject.toml README.md Makefile $(WHEEL_VENV)/
 	cd $(WHEEL_VENV) && venv/bin/python -c "import attnx, torch; print('attnx from', attnx.__file__, \
 		'under torch', torch.__version__)"
 	cd $(WHEEL_VENV) && venv/bin/python -m attnx.info
