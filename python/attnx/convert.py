@@ -95,8 +95,10 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def revert(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`convert`: torch's classes again, same objects and Parameters, torch's behaviour (fast paths
-    and nested tensors included), and timm's and open_clip's own classes for their modules.
+    """Undo :func:`convert`: torch's classes again, for the same objects and Parameters.
+
+    Torch's behaviour comes back, fast paths and nested tensors included, and timm's and open_clip's modules
+    get their own classes back.
 
     Args:
         model: any module; each attnx module in it (converted, or built as one) is retyped in place.

@@ -47,16 +47,16 @@ def multi_head_attention_forward(
 ) -> tuple[Tensor, Tensor | None]:
     r"""Drop-in for torch's ``F.multi_head_attention_forward``; returns ``(attn_output, attn_weights)``.
 
-    Forward and backward are each one fused op (:func:`attnx.ops.mha`; semantics:
-    :func:`attnx.reference.mha`), dropout included: its keep mask comes from attnx's counter-based RNG seeded
-    from torch's generator, so ``torch.manual_seed`` reproduces a run, and outputs match torch's in
-    distribution, not draw for draw. Dropout with ``need_weights`` (whose weights are the dropped
-    probabilities), or on a device without a fused dropout backward (all but the CPU for now), runs
-    :mod:`attnx.reference`'s composition projected through :func:`attnx.linear` with torch's ``F.dropout``,
-    materialising the ``(B, H, L, S')`` probabilities as torch does, and equals torch's result under one seed.
+    Forward and backward are each one fused op (:func:`attnx.mha`), dropout included: its keep mask comes
+    from attnx's counter-based RNG seeded from torch's generator, so ``torch.manual_seed`` reproduces a run,
+    and outputs match torch's in distribution, not draw for draw. Dropout with ``need_weights`` (whose
+    weights are the dropped probabilities), or on a device without a fused dropout backward (all but the CPU
+    for now), runs :mod:`attnx.reference`'s composition projected through :func:`attnx.linear` with torch's
+    ``F.dropout``, materialising the ``(B, H, L, S')`` probabilities as torch does, and equals torch's result
+    under one seed.
 
-    Shapes are sequence-first; the unbatched forms drop ``B``. Masks: bool ``True`` = masked out, float =
-    added to the scores.
+    Shapes are sequence-first; the unbatched forms drop ``B``. Masks, bool or float, as in
+    :func:`attnx.attention`.
 
     Args:
         query: ``(L, B, E)`` or ``(L, E)``.

@@ -45,15 +45,15 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ) -> tuple[Tensor, Tensor | None]:
         """Attention of query over key/value; returns ``(attn_output, attn_output_weights)``.
 
-        One :func:`attnx.ops.mha` call (semantics: :func:`attnx.reference.mha`), forward and backward.
+        One :func:`attnx.mha` call, forward and backward.
 
         Args:
             query: ``(L, E)``, ``(L, B, E)``, or ``(B, L, E)`` with ``batch_first``.
             key: ``(S, kdim)``, ``(S, B, kdim)``, or ``(B, S, kdim)`` with ``batch_first``.
             value: likewise, with vdim.
-            key_padding_mask: ``(B, S)`` or ``(S,)``; bool ``True`` = masked out, float = added.
+            key_padding_mask: ``(B, S)`` or ``(S,)``, bool or float, as in :func:`attnx.attention`.
             need_weights: whether to return the attention weights.
-            attn_mask: ``(L, S)`` or ``(B*num_heads, L, S)``; bool ``True`` = masked out, float = added.
+            attn_mask: ``(L, S)`` or ``(B*num_heads, L, S)``, bool or float, as in :func:`attnx.attention`.
             average_attn_weights: whether the weights are averaged over heads.
             is_causal: torch's hint that attn_mask is causal (it requires attn_mask).
 
@@ -124,8 +124,21 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
-        """src ``(S, E)``, ``(S, B, E)`` or ``(B, S, E)`` with ``batch_first``; src_mask ``(S, S)`` or
-        ``(B*nhead, S, S)``; src_key_padding_mask ``(B, S)``. Returns src's shape."""
+        """Torch's slow-path forward, in train and eval: ``self_attn`` always runs.
+
+        The masks are canonicalised to float of src's dtype, as torch's layer does, and stay ``(S, S)`` /
+        ``(B, S)``, never merged.
+
+        Args:
+            src: ``(S, E)``, ``(S, B, E)``, or ``(B, S, E)`` with ``batch_first``.
+            src_mask: ``(S, S)`` or ``(B*nhead, S, S)``, bool or float, as in :func:`attnx.attention`, or
+                None.
+            src_key_padding_mask: ``(B, S)``, bool or float, as in :func:`attnx.attention`, or None.
+            is_causal: torch's hint that src_mask is causal, handed to ``self_attn``.
+
+        Returns:
+            A tensor of src's shape.
+        """
         # torch's layer canonicalises the masks exactly so (same checks, warnings, bool -> float of src's
         # dtype); they stay (S, S) / (B, S): small, and never merged. Torch's own _canonical_mask: attnx has
         # no equivalent (_mha_checks.check_mask checks without converting).

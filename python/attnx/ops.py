@@ -1,11 +1,13 @@
 """Typed wrappers of the ops under ``torch.ops.attnx``: the Python API of attnx's kernels.
 
-Each wrapper documents its op's arguments and results; the semantics are specified once, in
-:mod:`attnx.reference`. The rest of the op layer lives in private modules, which importing this one loads:
-``_fake`` (fake kernels for torch.compile and export, and the Python mirrors of the C++ checks they need),
-``_autograd`` (the ``autograd.Function`` registered as each differentiable op's Autograd kernel), ``_schema``
-(the ops' argument tables, read from their schemas) and ``_compat`` (torch < 2.13 support). Only these modules
-touch ``torch.ops.attnx``.
+Each wrapper documents its op: arguments, results and semantics. :func:`attention`'s docstring states the
+rules that every op shares (masks, key ranges, soft-capping, sinks, dropout, grouped kv heads, rows that see
+no key) and the others refer to it. :mod:`attnx.reference` computes the same semantics in plain PyTorch: the
+executable spec that the tests hold the kernels to. The rest of the op layer lives in private modules, which
+importing this one loads: ``_fake`` (fake kernels for torch.compile and export, and the Python mirrors of the
+C++ checks they need), ``_autograd`` (the ``autograd.Function`` registered as each differentiable op's
+Autograd kernel), ``_schema`` (the ops' argument tables, read from their schemas) and ``_compat`` (torch <
+2.13 support). Only these modules touch ``torch.ops.attnx``.
 
 A wrapper calls the kernel op directly when the call records no backward (no grad mode, or no argument that
 requires grad), else the op's Function around it: the decision the public op's router
@@ -72,49 +74,69 @@ def attention(
 ) -> tuple[Tensor, Tensor]:
     """Fused scaled dot-product attention with ``nn.MultiheadAttention``'s masks; returns ``(out, lse)``.
 
-    The semantics (scores, masks, key ranges, soft-capping, sinks, dropout, fully masked rows) are those of
-    :func:`attnx.reference.attention`. Every tensor is read in place through its strides, never copied:
-    masks are never merged into a ``(B, H, L, S)`` tensor (broadcast dims cost nothing), kv heads are
-    indexed, not repeated, and key tiles outside a row's key range are skipped, so a window's cost grows with
-    the window, not with S.
+    Each query row ``l`` attends to the keys it sees: its scores ``scale * q_l . k_s``, soft-capped when
+    softcap is given, plus the masks, go through a softmax (with the row's sink, if any) that weighs the
+    values. Every tensor is read in place through its strides, never copied: masks
+    are never merged into a ``(B, H, L, S)`` tensor (broadcast dims cost nothing), kv heads are indexed, not
+    repeated, and key tiles outside a row's key range are skipped, so a window's cost grows with the window,
+    not with S. :func:`attnx.reference.attention` computes the same in plain PyTorch.
+
+    Masks: attn_mask and key_padding_mask combine. For both, a bool ``True`` means *masked out* (the opposite
+    of SDPA's bool mask, the same as ``nn.MultiheadAttention``'s) and a float mask, of any float dtype, is
+    added to the scores.
+
+    Key range: which keys a row sees at all, before the masks are read (the exact bounds:
+    :func:`attnx.reference.key_range_mask`). With ``S_b`` valid keys in batch ``b`` (``key_lengths[b]``, or
+    ``S``), keys ``s >= S_b`` are masked and never read: a static KV cache's unfilled slots may hold
+    anything, NaN included. Query row ``l`` sits at key position ``l + S_b - L`` (the last ``L`` positions,
+    FlashAttention's bottom-right alignment), and the window ``(window_left, window_right)`` keeps the keys
+    from ``window_left`` before that position to ``window_right`` after it, ``-1`` leaving a side unbounded:
+    ``(-1, 0)`` is bottom-right causal attention (a KV-cache step or a chunked prefill), ``(w - 1, 0)`` a
+    sliding window of ``w`` keys.
+
+    A row that sees no key (every key masked, or ``S == 0``) gives out 0 and ``lse = +inf``, sink or not, so
+    that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row NaN out and lse. What a NaN or inf
+    does where a row reaches it only through keys it does not see: :func:`attnx.reference.attention`.
 
     Args:
         query: ``(B, H, L, D)``, float32, float64, bfloat16 or float16, any strides.
         key: ``(B, Hkv, S, D)``, of query's dtype; ``Hkv`` divides ``H`` (grouped KV heads, GQA; ``Hkv == 1``
-            is MQA): query head ``h`` reads kv head ``h // (H // Hkv)``.
+            is MQA, ``Hkv == H`` plain multi-head attention): query head ``h`` reads kv head
+            ``h // (H // Hkv)``.
         value: ``(B, Hkv, S, Dv)``, of query's dtype.
         attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
-            ``(B, H, L, S)``; bool ``True`` = *masked out* (the opposite of SDPA's bool mask), or any float
-            dtype, added to the scores.
-        key_padding_mask: ``(B, S)``, bool or float as attn_mask; the two combine.
-        is_causal: masks key ``s > l`` (top-left aligned, as SDPA).
+            ``(B, H, L, S)``; bool or float (see Masks above), or None.
+        key_padding_mask: ``(B, S)``, bool or float (see Masks above), or None.
+        is_causal: masks key ``s > l``: top-left aligned, as SDPA's, unlike the window.
         scale: the scores' scale; None: ``1/sqrt(D)``.
-        dropout_p: in ``[0, 1]``, dropout on the attention probabilities, fused (``1`` drops everything, as
-            ``F.dropout``). The caller applies it only in training (pass ``0.0`` in eval, as to
+        dropout_p: in ``[0, 1]``, dropout on the attention probabilities, fused: each probability is kept
+            where :func:`attnx.reference.dropout_keep_mask` of dropout_seed says so and scaled by
+            ``1 / (1 - dropout_p)``, dropped (0) elsewhere, before it multiplies value; ``1`` drops everything
+            (out 0), as ``F.dropout``. The caller applies it only in training (pass ``0.0`` in eval, as to
             ``F.scaled_dot_product_attention``).
         dropout_seed: an int64 CPU tensor ``(seed, offset)``; the keep mask is a pure function of it and of
-            each element's ``(b, h, l, s)`` (:func:`attnx.reference.dropout_keep_mask`), identical on every
-            backend, never stored (the backward regenerates it). None: drawn by :func:`draw_dropout_seed`
-            when ``dropout_p > 0``, so ``torch.manual_seed`` makes runs reproducible.
-        window_left: with window_right, the keys a row sees around its diagonal (bottom-right aligned, as
-            FlashAttention; ``-1`` leaves a side unbounded): ``(-1, 0)`` is causal attention for a KV-cache
-            step or a chunked prefill, ``(w - 1, 0)`` a sliding window of ``w`` keys.
-        window_right: see window_left.
+            each element's ``(b, h, l, s)``, identical on every backend, never stored (the backward
+            regenerates it). None: drawn by :func:`draw_dropout_seed` when ``dropout_p > 0``, so
+            ``torch.manual_seed`` makes runs reproducible.
+        window_left: how many keys before its key position a row sees (see Key range above); ``-1``:
+            unbounded.
+        window_right: how many keys after its key position a row sees; ``-1``: unbounded.
         key_lengths: an int32/int64 ``(B,)`` tensor on query's device, the valid keys per batch (e.g. a
-            static KV cache's filled length); keys past it are never read. On the CPU values outside
-            ``[0, S]`` raise; on a GPU, where reading them would cost a device sync, they are clamped.
+            static KV cache's filled length), or None (``S``); keys past it are never read. On the CPU values
+            outside ``[0, S]`` raise; on a GPU, where reading them would cost a device sync, they are clamped.
         softcap: > 0 or None: scores become ``softcap * tanh(score / softcap)`` before the masks are added
             (Gemma 2).
-        sinks: ``(H,)``, one logit per query head that joins every row's softmax denominator (and ``lse``)
-            and adds no value (gpt-oss).
+        sinks: ``(H,)`` or None: one logit per query head that joins every row's softmax denominator and adds
+            no value (gpt-oss): the probabilities are ``exp(score - lse)`` with
+            ``lse = log(exp(sink_h) + sum_s exp(score_s))``, so a sink takes probability mass.
 
     Returns:
         ``out``: ``(B, H, L, Dv)`` in query's dtype, laid out in memory as ``(B, L, H, Dv)`` so that
         ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is a view; 0 for a row that sees no key.
 
-        ``lse``: ``(B, H, L)``, the natural-log logsumexp of the scaled, masked scores (before dropout) in
-        float32 (float64 for float64 inputs); ``+inf`` for a row that sees no key. Not differentiable (as
-        SDPA's logsumexp).
+        ``lse``: ``(B, H, L)``, the natural-log logsumexp of the scaled, masked scores (before dropout; sink
+        included) in float32 (float64 for float64 inputs); ``+inf`` for a row that sees no key. Not
+        differentiable (as SDPA's logsumexp).
 
         Differentiable in query, key, value, a float attn_mask (a learned bias: its gradient comes summed
         over the dims it broadcasts along, in its shape and dtype) and sinks, through
@@ -145,11 +167,11 @@ def attention(
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
-    """A fresh dropout seed for :func:`attention`, drawn from torch's default generator of ``device``'s type,
-    so that ``torch.manual_seed`` (or ``torch.cuda.manual_seed``) makes it reproducible.
+    """A fresh dropout seed for :func:`attention`, from torch's default generator of ``device``'s type.
 
-    It lives on the CPU so that kernels read it on the host when they launch; for an accelerator the two
-    numbers are drawn there and copied back, which waits for the device's queue.
+    Drawn so that ``torch.manual_seed`` (or ``torch.cuda.manual_seed``) makes it reproducible. It lives on
+    the CPU so that kernels read it on the host when they launch; for an accelerator the two numbers are drawn
+    there and copied back, which waits for the device's queue.
 
     Args:
         device: the device (or device type) of the attention call.
@@ -173,10 +195,11 @@ def attention_backward(
     """The gradients of :func:`attention`'s out with respect to query, key, value, attn_mask and sinks.
 
     FlashAttention-2 style: the probabilities are recomputed tile by tile as ``exp(score - lse)`` and never
-    stored; extra memory is O(B*H*L) plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in float32
-    (float64 for float64). With the forward's ``dropout_p`` and ``dropout_seed``, the forward's dropout mask
-    is regenerated (never read from memory): ``dV = (Z P)^T dO`` and ``dS = P (Z dP - rowsum(dO O))``, ``Z``
-    the mask scaled by ``1 / (1 - dropout_p)``. A fully masked row (``lse = +inf``) contributes 0.
+    stored; extra memory is ``O(B*H*L)`` plus per-thread buffers, never ``(B, H, L, S)``. Accumulates in
+    float32 (float64 for float64). With the forward's ``dropout_p`` and ``dropout_seed``, the forward's
+    dropout mask is regenerated (never read from memory): ``dV = (Z P)^T dO`` and
+    ``dS = P (Z dP - rowsum(dO O))``, ``Z`` the mask scaled by ``1 / (1 - dropout_p)``. A fully masked row
+    (``lse = +inf``) contributes 0. The options mean what they mean in :func:`attention`.
 
     Accuracy: ``dP - rowsum(dO O)`` subtracts two sums taken in different orders, so where a probability is
     near 1 it carries up to about ``(D + S) eps P |dO| . (|v_s| + |O|)`` of rounding, which the scale
@@ -186,21 +209,36 @@ def attention_backward(
 
     Args:
         grad_out: ``(B, H, L, Dv)`` in query's dtype, any strides.
-        query, key, value: those of the forward call.
+        query: the forward call's.
+        key: the forward call's.
+        value: the forward call's.
         out: ``(B, H, L, Dv)``, as :func:`attention` returned it.
         lse: ``(B, H, L)``, as :func:`attention` returned it.
-        attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left, window_right,
-            key_lengths, softcap, sinks: those of the forward call (see :func:`attention`).
+        attn_mask: the forward call's.
+        key_padding_mask: the forward call's.
+        is_causal: the forward call's.
+        scale: the forward call's.
+        dropout_p: the forward call's.
+        dropout_seed: the forward call's.
+        window_left: the forward call's.
+        window_right: the forward call's.
+        key_lengths: the forward call's.
+        softcap: the forward call's.
+        sinks: the forward call's.
         grad_attn_mask: whether to compute a float attn_mask's gradient.
 
     Returns:
-        ``(grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks)``: grad_query ``(B, H, L, D)``,
-        grad_key ``(B, Hkv, S, D)`` and grad_value ``(B, Hkv, S, Dv)`` in query's dtype, each laid out in
-        memory as ``(B, N, H, E)``, like out (a kv head's gradients summed over its query heads);
-        grad_attn_mask, when ``grad_attn_mask`` and attn_mask is a float mask, in attn_mask's shape and
+        ``(grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks)``.
+
+        ``grad_query`` ``(B, H, L, D)``, ``grad_key`` ``(B, Hkv, S, D)`` and ``grad_value``
+        ``(B, Hkv, S, Dv)``: in query's dtype, each laid out in memory as ``(B, N, H, E)``, like out (a kv
+        head's gradients summed over its query heads).
+
+        ``grad_attn_mask``: when ``grad_attn_mask`` and attn_mask is a float mask, in attn_mask's shape and
         dtype, summed over the dims it broadcasts along (on the CPU without any ``(B, H, L, S)`` buffer
-        unless the mask is that size), else an empty tensor; grad_sinks ``(H,)`` in sinks' dtype with sinks,
-        else an empty tensor.
+        unless the mask is that size), else an empty tensor.
+
+        ``grad_sinks``: ``(H,)`` in sinks' dtype with sinks, else an empty tensor.
 
     Raises:
         RuntimeError: ``attnx::attention: expected ...`` or ``attnx::attention_backward: expected ...`` for
@@ -240,50 +278,61 @@ def mha(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole ``nn.MultiheadAttention`` forward in one dispatch; returns ``(out, lse, weights)``.
 
-    The semantics are :func:`attnx.reference.mha`. Batched, any strides: every tensor is read in place, with
-    no transposes around the call (in the forward or the backward), and the masks are never merged.
+    Batched, sequence-first, or batch-first with batch_first (the same computation on the transposes). Any
+    strides: every tensor is read in place, with no transposes around the call (in the forward or the
+    backward), and the masks are never merged. The inputs are projected (with either in_proj_weight or the
+    three q/k/v_proj_weight, and in_proj_bias in both cases) and split into ``H`` heads of ``E/H`` features;
+    bias_k/bias_v, then add_zero_attn, append keys and values (``S'`` keys in all), each key extending the
+    masks by one column that masks nothing; each head runs :func:`attention` with scale ``1 / sqrt(E/H)``,
+    the masks and is_causal; the heads are concatenated and out-projected. :func:`attnx.reference.mha`
+    computes the same in plain PyTorch.
 
     Args:
         query: ``(L, B, E)``, or ``(B, L, E)`` with batch_first.
         key: ``(S, B, kdim)``, or ``(B, S, kdim)`` with batch_first.
         value: ``(S, B, vdim)``, or ``(B, S, vdim)`` with batch_first.
         num_heads: ``H``; divides ``E``.
-        in_proj_weight: ``(3E, E)``; exactly one of it or the three q/k/v_proj_weight.
+        in_proj_weight: ``(3E, E)``, the q, k and v rows in that order; exactly one of it or the three
+            q/k/v_proj_weight.
         in_proj_bias: ``(3E,)`` or None; applies with either form of weights.
         q_proj_weight: ``(E, E)``.
         k_proj_weight: ``(E, kdim)``.
         v_proj_weight: ``(E, vdim)``.
-        bias_k: ``(1, 1, E)``, with bias_v: one key/value appended per batch.
+        bias_k: ``(1, 1, E)``, with bias_v: one projected key/value appended per batch; not with
+            static_k/static_v.
         bias_v: ``(1, 1, E)``.
-        add_zero_attn: appends a zero key/value.
+        add_zero_attn: appends one zero key/value per head, after bias_k/bias_v's.
         out_proj_weight: ``(E, E)``.
         out_proj_bias: ``(E,)`` or None.
-        key_padding_mask: ``(B, S)``, bool (``True`` = masked out) or float (added); appended keys extend it
-            by one unmasked column.
-        attn_mask: ``(L, S)`` or ``(B*H, L, S)``, bool or float as key_padding_mask; the two combine.
-        is_causal: applies a causal mask.
-        static_k: ``(B*H, S, E/H)``, the keys as they are (no projection).
+        key_padding_mask: ``(B, S)``, bool or float, as in :func:`attention`.
+        attn_mask: ``(L, S)`` or ``(B*H, L, S)``, bool or float, as in :func:`attention`; the two combine.
+        is_causal: masks key ``s > l``, top-left aligned over all ``S'`` keys (appended ones included), as
+            SDPA's.
+        static_k: ``(B*H, S, E/H)``, the keys as they are (no projection), replacing the projected ones.
         static_v: ``(B*H, S, E/H)``, the values as they are.
         need_weights: whether to return the attention weights.
         average_attn_weights: whether the weights are averaged over heads.
-        dropout_p: drops attention probabilities as :func:`attention` does (not with need_weights); the
-            caller passes 0 in eval, as to SDPA.
+        dropout_p: drops attention probabilities as :func:`attention` does (the same keep mask, over the
+            ``S'`` keys); not with need_weights. The caller passes 0 in eval, as to SDPA.
         dropout_seed: as :func:`attention`'s; drawn when None and ``dropout_p > 0``.
         batch_first: whether query, key, value and out are ``(B, N, F)``.
 
     Returns:
-        ``out``: ``(L, B, E)`` (``(B, L, E)`` with batch_first); 0 for a fully masked row.
+        ``out``: ``(L, B, E)`` (``(B, L, E)`` with batch_first) in query's dtype; 0 for a fully masked row.
 
-        ``lse``: ``(B, H, L)`` in float32 (float64 for float64 inputs), ``+inf`` for a fully masked row.
+        ``lse``: ``(B, H, L)`` as :func:`attention` gives it: float32 (float64 for float64 inputs), ``+inf``
+        for a fully masked row.
 
-        ``weights``: when need_weights, ``(B, L, S')`` if average_attn_weights else ``(B, H, L, S')`` (``S'``
-        counts the appended keys; NaN for a fully masked row), else an empty ``(0,)`` tensor.
+        ``weights``: when need_weights, the attention probabilities in query's dtype, normalised as torch's
+        softmax, ``(B, L, S')`` if average_attn_weights else ``(B, H, L, S')`` (NaN for a fully masked row, as
+        torch's softmax gives), else an empty ``(0,)`` tensor.
 
         Differentiable in every tensor argument but the masks (a float attn_mask included).
 
     Raises:
-        RuntimeError: ``attnx::mha: expected ...`` for an argument of the wrong shape, dtype or device; in
-            the backward, for a float key_padding_mask that requires grad and for a double backward.
+        RuntimeError: ``attnx::mha: ...``: ``expected ...`` for an argument of the wrong shape, dtype or
+            device; for bias_k with static_k/static_v and for need_weights with ``dropout_p > 0``; in the
+            backward, for a float key_padding_mask that requires grad and for a double backward.
     """
     grad = records_backward(
         query, key, value, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, bias_k,

@@ -15,8 +15,16 @@ from attnx._composite import as_4d_attn_mask, as_4d_padding_mask, bool_to_additi
 
 
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``input @ weight.T + bias`` for input ``(*, K)``, weight ``(N, K)``, bias ``(N,)``; returns
-    ``(*, N)``."""
+    """The spec of :func:`attnx.linear`: ``input @ weight.T + bias``.
+
+    Args:
+        input: ``(*, K)``.
+        weight: ``(N, K)``.
+        bias: ``(N,)``, or None.
+
+    Returns:
+        ``(*, N)``.
+    """
     out = torch.matmul(input, weight.t())
     return out if bias is None else out + bias
 
@@ -34,39 +42,11 @@ def attention(
     *,
     read_unseen: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Scaled dot-product attention with nn.MultiheadAttention's mask semantics; returns ``(out, lse)``.
+    """The spec of :func:`attnx.attention`, in plain PyTorch; returns ``(out, lse)``.
 
-    query ``(B, H, L, D)``, key ``(B, Hkv, S, D)``, value ``(B, Hkv, S, Dv)``. ``Hkv`` divides ``H``
-    (grouped KV heads; ``Hkv == H`` is plain multi-head attention): query head ``h`` reads kv head
-    ``h // (H // Hkv)``.
-
-    The score of query ``l`` and key ``s`` is ``x = scale * q_l . k_s`` (``scale`` defaults to
-    ``1 / sqrt(D)``); with ``softcap > 0`` it becomes ``softcap * tanh(x / softcap)``; then the masks are
-    added. attn_mask: ``(L, S)``, ``(B*H, L, S)`` (nn.MultiheadAttention's 3-D form) or 4-D broadcastable to
-    ``(B, H, L, S)``. key_padding_mask: ``(B, S)``. For both, bool ``True`` means *masked out* (the opposite
-    of SDPA's bool mask) and a float mask is added to the scores; the two combine.
-
-    Which keys a row sees at all (:func:`key_range_mask`): ``is_causal`` masks key ``s > l`` (top-left
-    aligned, as SDPA). With ``S_b`` valid keys in batch ``b`` (``key_lengths[b]``, an integer ``(B,)``
-    tensor, or ``S``), keys ``s >= S_b`` are masked, and query row ``l`` sits at key position
-    ``l + S_b - L`` (the last ``L`` positions, FlashAttention's bottom-right alignment): a window
-    ``(window_left, window_right)`` keeps key ``s`` iff ``l + S_b - L - window_left <= s <= l + S_b - L +
-    window_right``, ``-1`` leaving that side unbounded (``(-1, 0)`` is bottom-right causal attention). Keys
-    at or past ``S_b`` are never read: a static KV cache's unfilled slots may hold anything, NaN included.
-
-    sinks: ``(H,)`` logits, one per query head, that join each row's softmax denominator: the probabilities
-    are ``exp(score - lse)`` with ``lse = log(exp(sink_h) + sum_s exp(score_s))``, so a sink takes
-    probability mass but adds no value.
-
-    ``dropout_p`` in ``[0, 1]``: each probability is kept where :func:`dropout_keep_mask` of ``dropout_seed``
-    (an int64 tensor ``(seed, offset)``) says so and scaled by ``1 / (1 - dropout_p)``, dropped (0) elsewhere,
-    before it multiplies value; ``dropout_p == 1`` drops everything (out 0), as ``F.dropout``. ``lse`` is that
-    of the undropped scores.
-
-    Returns out ``(B, H, L, Dv)`` in query's dtype and the logsumexp ``lse`` ``(B, H, L)`` (sink included) in
-    float32 (float64 for float64 inputs). A row that sees no key (every key masked, or S == 0) gives out 0 and
-    ``lse = +inf``, sink or not, so that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row
-    NaN out and lse. Differentiable (through autograd) in query, key, value, a float attn_mask and sinks.
+    Computes the semantics that :func:`attnx.attention`'s docstring states, step by step: the scores
+    ``(B, H, L, S)`` in float64 for float64 inputs (float32 otherwise), the kv heads repeated, every mask
+    added, the softmax and dropout applied, autograd for the gradients.
 
     Positions a row does not see: key ``s`` is unseen by row ``l`` when :func:`key_range_mask` excludes it or
     a mask removes it (bool ``True``, float ``-inf``). With finite inputs they contribute exactly nothing. A
@@ -79,6 +59,31 @@ def attention(
     never been read (``read_unseen=False``: every product of the scores, of ``probs @ value`` and of their
     gradients is taken only over seen pairs). An output element may be NaN only where one of the two answers
     is; where they differ it is the one or the other. Keys past ``key_lengths`` are never read, in either.
+
+    Args:
+        query: as in :func:`attnx.attention`.
+        key: as in :func:`attnx.attention`.
+        value: as in :func:`attnx.attention`.
+        attn_mask: as in :func:`attnx.attention`.
+        key_padding_mask: as in :func:`attnx.attention`.
+        is_causal: as in :func:`attnx.attention`.
+        scale: as in :func:`attnx.attention`.
+        dropout_p: as in :func:`attnx.attention`.
+        dropout_seed: as in :func:`attnx.attention`, on any device; required when ``dropout_p > 0``.
+        window_left: as in :func:`attnx.attention`.
+        window_right: as in :func:`attnx.attention`.
+        key_lengths: as in :func:`attnx.attention`.
+        softcap: as in :func:`attnx.attention`.
+        sinks: as in :func:`attnx.attention`.
+        read_unseen: which of the two answers above to give for non-finite values at unseen positions:
+            True, propagate them; False, never read them.
+
+    Returns:
+        ``out`` and ``lse`` as :func:`attnx.attention` defines them, a row that sees no key included (out 0,
+        ``lse = +inf``). Differentiable (through autograd) in query, key, value, a float attn_mask and sinks.
+
+    Raises:
+        ValueError: for ``dropout_p > 0`` without a dropout_seed.
     """
     B, H, L, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
@@ -145,9 +150,25 @@ def key_range_mask(
     key_lengths: Tensor | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """The keys each query row may see before the masks are read, as a bool ``(B, 1, L, S)`` tensor (True =
-    seen): ``s <= l`` under ``is_causal``; ``s < S_b``; ``l + S_b - L - window_left <= s <= l + S_b - L +
-    window_right`` (each bound ignored when -1). See :func:`attention`."""
+    """The keys each query row may see before the masks are read: :func:`attnx.attention`'s key range.
+
+    Row ``l`` sees key ``s`` iff ``s < S_b``, ``l + S_b - L - window_left <= s <= l + S_b - L +
+    window_right`` (each window bound ignored when -1) and, under ``is_causal``, ``s <= l``; ``S_b`` is
+    ``key_lengths[b]`` clamped to ``[0, S]``, or ``S``.
+
+    Args:
+        B: the batch size.
+        L: the query length.
+        S: the key length.
+        is_causal: as in :func:`attnx.attention`.
+        window_left: as in :func:`attnx.attention`.
+        window_right: as in :func:`attnx.attention`.
+        key_lengths: as in :func:`attnx.attention`, on any device.
+        device: where the mask is returned (None: the CPU).
+
+    Returns:
+        A bool ``(B, 1, L, S)`` tensor, True where the key is seen.
+    """
     lengths = torch.full((B,), S) if key_lengths is None else key_lengths.to("cpu", torch.int64).clamp(0, S)
     lengths = lengths.view(B, 1, 1, 1)
     row = torch.arange(L).view(1, 1, L, 1)
@@ -184,8 +205,16 @@ def _mulhilo32(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def philox4x32_10(counter: Sequence[Tensor], key: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32-10 (Salmon et al., SC 2011; Random123) of the counters ``(x, y, z, w)`` (int64 tensors of
-    values in [0, 2^32), broadcastable) under the key ``(k0, k1)``; returns the four output words likewise."""
+    """Philox4x32-10 (Salmon et al., SC 2011; Random123): the counter-based generator of attention dropout.
+
+    Args:
+        counter: the counters ``(x, y, z, w)``, int64 tensors (or ints) of values in ``[0, 2^32)``,
+            broadcastable.
+        key: the key ``(k0, k1)``, ints in ``[0, 2^32)``.
+
+    Returns:
+        The four output words, int64 tensors of values in ``[0, 2^32)`` of the counters' broadcast shape.
+    """
     x, y, z, w = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
     k0, k1 = key
     for round_ in range(10):
@@ -198,13 +227,25 @@ def philox4x32_10(counter: Sequence[Tensor], key: Sequence[int]) -> tuple[Tensor
 
 
 def dropout_keep_mask(dropout_seed: Tensor, B: int, H: int, L: int, S: int, p: float) -> Tensor:
-    """The keep mask ``(B, H, L, S)`` (bool, on the CPU) of attention dropout with probability ``p``.
+    """The keep mask of attention dropout with probability ``p``: which probabilities dropout keeps.
 
-    ``dropout_seed`` is an int64 tensor ``(seed, offset)``. Element ``(b, h, l, s)`` has the row-major index
+    Element ``(b, h, l, s)`` has the row-major index
     ``e = ((b * H + h) * L + l) * S + s``; its draw is word ``e % 4`` of Philox4x32-10 at counter
     ``(e // 4 mod 2^32, e // 4 >> 32, offset mod 2^32, offset >> 32)`` under key
     ``(seed mod 2^32, seed >> 32)`` (both taken as uint64), and it is kept when the draw is below
-    ``floor((1 - p) * 2^32)`` (capped at 2^32 - 1), a keep rate of ``1 - p`` to within 2^-32."""
+    ``floor((1 - p) * 2^32)`` (capped at 2^32 - 1), a keep rate of ``1 - p`` to within 2^-32.
+
+    Args:
+        dropout_seed: an int64 tensor ``(seed, offset)``.
+        B: the batch size.
+        H: the number of (query) heads.
+        L: the query length.
+        S: the key length.
+        p: the dropout probability, in ``[0, 1]``.
+
+    Returns:
+        A bool ``(B, H, L, S)`` tensor on the CPU, True where the element is kept.
+    """
     seed, offset = (int(v) & 0xFFFFFFFFFFFFFFFF for v in dropout_seed.tolist())
     n = B * H * L * S
     g = torch.arange((n + 3) // 4, dtype=torch.int64)
@@ -232,35 +273,46 @@ def mha(
     *,
     project: Callable[[Tensor, Tensor, Tensor | None], Tensor] = linear,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The whole ``nn.MultiheadAttention`` forward; returns ``(out, lse, weights)``.
+    """The spec of :func:`attnx.mha`, in plain PyTorch; returns ``(out, lse, weights)``.
 
-    Batched, sequence-first: query ``(L, B, E)``, key ``(S, B, kdim)``, value ``(S, B, vdim)``, or with
-    ``batch_first`` ``(B, L, E)``, ``(B, S, kdim)``, ``(B, S, vdim)`` (the same computation on their
-    transposes); any strides. Projections: either in_proj_weight ``(3E, E)`` (q, k, v rows in that order)
-    or q_proj_weight ``(E, E)``, k_proj_weight ``(E, kdim)``, v_proj_weight ``(E, vdim)``; in_proj_bias
-    ``(3E,)`` applies in both cases.
-    bias_k, bias_v ``(1, 1, E)`` append one projected key/value per batch; static_k, static_v
-    ``(B*H, S, E/H)`` replace the projected keys/values (and cannot be combined with bias_k/bias_v);
-    add_zero_attn appends one zero key/value per head after both. Each appended key extends the masks by one
-    column that masks nothing.
+    Computes the semantics that :func:`attnx.mha`'s docstring states, step by step: the projections, the
+    appended keys, :func:`attention` per head, the out projection. Unlike the op, it takes need_weights with
+    ``dropout_p > 0``: the weights it returns are then the dropped ones, as torch's.
 
-    key_padding_mask ``(B, S)`` and attn_mask ``(L, S)`` or ``(B*H, L, S)``: bool ``True`` = masked out, float
-    = added to the scores; the two combine. ``is_causal`` applies a causal mask on top (key ``s > l`` masked,
-    top-left aligned over all ``S'`` keys, appended ones included, as SDPA). Scores are scaled by
-    ``1 / sqrt(E/H)``.
+    Args:
+        query: as in :func:`attnx.mha`.
+        key: as in :func:`attnx.mha`.
+        value: as in :func:`attnx.mha`.
+        num_heads: as in :func:`attnx.mha`.
+        in_proj_weight: as in :func:`attnx.mha`.
+        in_proj_bias: as in :func:`attnx.mha`.
+        q_proj_weight: as in :func:`attnx.mha`.
+        k_proj_weight: as in :func:`attnx.mha`.
+        v_proj_weight: as in :func:`attnx.mha`.
+        bias_k: as in :func:`attnx.mha`.
+        bias_v: as in :func:`attnx.mha`.
+        add_zero_attn: as in :func:`attnx.mha`.
+        out_proj_weight: as in :func:`attnx.mha`.
+        out_proj_bias: as in :func:`attnx.mha`.
+        key_padding_mask: as in :func:`attnx.mha`.
+        attn_mask: as in :func:`attnx.mha`.
+        is_causal: as in :func:`attnx.mha`.
+        static_k: as in :func:`attnx.mha`.
+        static_v: as in :func:`attnx.mha`.
+        need_weights: as in :func:`attnx.mha`.
+        average_attn_weights: as in :func:`attnx.mha`.
+        dropout_p: as in :func:`attnx.mha`, need_weights or not.
+        dropout_seed: as in :func:`attnx.mha`; required when ``dropout_p > 0``.
+        batch_first: as in :func:`attnx.mha`.
+        project: computes the in- and out-projections (``linear``'s signature); attnx.functional passes
+            :func:`attnx.linear` to differentiate through attnx's own projections.
 
-    Returns out ``(L, B, E)`` (``(B, L, E)`` with ``batch_first``) in query's dtype; ``lse`` ``(B, H, L)``
-    as :func:`attention` gives it (a fully masked row has ``lse = +inf`` and contributes 0 to out); and when
-    ``need_weights`` the attention probabilities ``exp(score - lse)`` in query's dtype, ``(B, L, S')``
-    averaged over heads if ``average_attn_weights`` else ``(B, H, L, S')`` (``S'`` counts the appended keys;
-    a fully masked row's weights are NaN, as torch's softmax gives), else an empty ``(0,)`` tensor.
+    Returns:
+        ``out``, ``lse`` and ``weights`` as :func:`attnx.mha` defines them.
 
-    ``dropout_p`` / ``dropout_seed`` drop attention probabilities as :func:`attention` does (the same keep
-    mask, :func:`dropout_keep_mask` over the ``S'`` keys); the weights returned are the dropped ones, as
-    torch's.
-
-    ``project`` computes the in- and out-projections (``linear``'s signature); attnx.functional passes
-    :func:`attnx.linear` to differentiate through attnx's own projections.
+    Raises:
+        ValueError: for bias_k/bias_v with static_k/static_v, and for ``dropout_p > 0`` without a
+            dropout_seed.
     """
     # mha's arguments by name, for the steps it shares with attnx.functional (attnx/_composite.py); the first
     # statement, so that locals() holds exactly the arguments.
