@@ -1,14 +1,18 @@
 """``python -m benchmarks [--quick] [--only CASE] [--device D]``: the seed problems and attnx's answer.
 
 Runs every case on the CPU and on each GPU present, prints a table per case (progress lines go to stderr),
-merges the results into ``benchmarks/results/<device>-<date>.json`` and draws the scaling plots
-(``<device>-<date>-scaling.png``, when matplotlib is installed). ``--quick`` takes fewer shapes and
-repetitions (a couple of minutes on a small CPU); ``--smoke`` takes tiny shapes, to check that a case runs.
+merges the results into ``benchmarks/results/<device>-<date>.json``, writes the run's record
+``<device>-<date>-<commit>.md`` (the machine, load and command, then the tables as printed) and its copy
+``LATEST-<device>.md``, and draws the scaling plots (``<device>-<date>-scaling.png``, when matplotlib is
+installed). ``--quick`` takes fewer shapes and repetitions (a couple of minutes on a small CPU); ``--smoke``
+takes tiny shapes, to check that a case runs, and writes nothing unless given ``--results-dir``.
 """
 
 import argparse
+import datetime
 import inspect
 import os
+import shlex
 import sys
 import time
 
@@ -26,7 +30,7 @@ from . import (
     bench_scaling,
     bench_train,
 )
-from .common import RESULTS_DIR, progress, write_results
+from .common import RESULTS_DIR, load_average, machine, progress, write_record, write_results
 
 # name -> module with TITLE, DEVICES (the devices it has cases for) and run(device, quick[, smoke]) returning
 # {"results": <JSON-able>, "text": <tables>}. The first four are the seed problems, in the report's order.
@@ -71,6 +75,7 @@ def main(argv=None) -> int:
         help=f"where results and plots go (default: {os.path.relpath(RESULTS_DIR)}; a --smoke run writes "
         "none unless given one)",
     )
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
 
     options = {"quick": args.quick, "smoke": args.smoke}
@@ -86,6 +91,14 @@ def main(argv=None) -> int:
         return 1
     start = time.perf_counter()
     for device in devices:
+        run = {
+            "started": datetime.datetime.now(datetime.timezone.utc),
+            "machine": machine(device),
+            "load_start": load_average(),
+            "command": shlex.join(["python", "-m", "benchmarks", *argv]),
+            "options": vars(args),
+            "skipped": {},
+        }
         results = {}
         for name in (n for d, n in plan if d == device):
             module = BENCHMARKS[name]
@@ -94,11 +107,12 @@ def main(argv=None) -> int:
             if args.smoke:
                 if "smoke" not in inspect.signature(module.run).parameters:
                     progress("no smoke shapes, skipped")
+                    run["skipped"][name] = "no smoke shapes"
                     continue
                 kwargs["smoke"] = True
             progress(f"{module.TITLE}")
             t0 = time.perf_counter()
-            load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+            load = load_average()
             out = module.run(**kwargs)
             results[name] = {
                 "results": out["results"],
@@ -107,13 +121,19 @@ def main(argv=None) -> int:
                 "load_average_at_start": load,
             }
             print(f"== [{device}] {name}: {module.TITLE}\n{out['text']}\n", flush=True)
+        run["ended"], run["load_end"] = datetime.datetime.now(datetime.timezone.utc), load_average()
         if not results:
             continue
         if args.smoke and not args.results_dir:
             print(f"[{device}] smoke run: no result file written", flush=True)
             continue
-        path = write_results(device, results, options, args.results_dir or RESULTS_DIR)
+        results_dir = args.results_dir or RESULTS_DIR
+        path = write_results(device, results, options, results_dir, now=run["ended"])
         print(f"[{device}] results written to {path}", flush=True)
+        # the record holds the very strings printed above, so its tables are the run's own output
+        cases = {name: {"title": BENCHMARKS[name].TITLE, **case} for name, case in results.items()}
+        record, latest = write_record(device, cases, run, results_dir)
+        print(f"[{device}] record written to {record} (copied to {latest})", flush=True)
         if "scaling" in results and not args.no_plots:
             print(f"[{device}] {bench_scaling.plot(path)}", flush=True)
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)

@@ -236,8 +236,10 @@ def device_name(device: str) -> str:
     return cpu_name()
 
 
-def environment(device: str) -> dict:
-    """Labels for a result file: what ran, where, on which commit, under which load."""
+def environment(device: str, now=None) -> dict:
+    """Labels for a result file: what ran, where, on which commit, under which load (``now``: a UTC datetime,
+    by default the present)."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
     env = {
         "device": device,
         "device_name": device_name(device),
@@ -245,24 +247,25 @@ def environment(device: str) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "commit": commit(),
-        "date": datetime.date.today().isoformat(),
-        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        # UTC, the clock of the run's Markdown record too, so that a run's JSON and record share their date
+        "date": now.date().isoformat(),
+        "time": now.isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
     if hasattr(os, "getloadavg"):
-        env["load_average"] = [round(x, 2) for x in os.getloadavg()]
+        env["load_average"] = load_average()
     return env
 
 
-def write_results(device: str, results: dict, options: dict, results_dir: str = RESULTS_DIR) -> str:
+def write_results(device: str, results: dict, options: dict, results_dir: str = RESULTS_DIR, now=None) -> str:
     """Merge this run's cases into ``<results_dir>/<device>-<date>.json`` and return its path.
 
     A case run again replaces its earlier entry; cases not run keep theirs, so ``--only`` updates one case.
-    Every case records the environment and options it ran under.
+    Every case records the environment and options it ran under; ``now`` dates them (see :func:`environment`).
     """
     os.makedirs(results_dir, exist_ok=True)
-    env = environment(device)
+    env = environment(device, now)
     path = os.path.join(results_dir, f"{device}-{env['date']}.json")
     data = {"format": RESULTS_FORMAT, "cases": {}}
     if os.path.exists(path):
@@ -279,6 +282,173 @@ def write_results(device: str, results: dict, options: dict, results_dir: str = 
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+# -----------------------------------------------------------------------------------------------------------
+# The Markdown record of a run: what a reader needs to judge its tables (where, when, on what, under which
+# load), then the tables exactly as the cases printed them
+
+
+def load_average():
+    """The 1, 5 and 15 minute load averages, or None where the system keeps none."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def _cores() -> str:
+    """Logical CPUs, the physical cores /proc/cpuinfo lists, and how many CPUs this process may use (a
+    container or taskset may allow fewer than the machine has)."""
+    logical = os.cpu_count()
+    text = f"{logical} logical CPUs"
+    try:
+        with open("/proc/cpuinfo") as f:
+            blocks = f.read().split("\n\n")
+    except OSError:
+        blocks = []
+    cores = set()
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "core id" in fields:
+            cores.add((fields.get("physical id"), fields["core id"]))
+    if cores:
+        text += f", {len(cores)} physical cores"
+    if hasattr(os, "sched_getaffinity"):
+        usable = len(os.sched_getaffinity(0))
+        if usable != logical:
+            text += f", {usable} usable by this process"
+    return text
+
+
+def _nvidia_driver() -> str:
+    # torch reports the CUDA version it was built with, not the driver's; nvidia-smi knows the driver (one per
+    # machine, so the first line serves whichever GPU torch numbers as current)
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no nvidia-smi)"
+    return out.splitlines()[0].strip() if out.strip() else "unknown"
+
+
+def gpu(device: str):
+    """The GPU a run used, with its compute capability, runtime and driver; None on the CPU."""
+    if device == "cuda":
+        index = torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        hip = torch.version.hip
+        runtime = f"HIP {hip}" if hip else f"CUDA {torch.version.cuda} (torch's build)"
+        return (
+            f"{torch.cuda.get_device_name(index)} (compute capability {major}.{minor}), {runtime}, "
+            f"driver {_nvidia_driver()}"
+        )
+    if device == "mps":
+        return f"{device_name(device)}, macOS {platform.mac_ver()[0]}"
+    return None
+
+
+def machine(device: str) -> dict:
+    """What a run's record says about where it ran; taken when the run starts, since cases change the thread
+    count while they run."""
+    return {
+        "cpu": f"{cpu_name()} ({platform.machine()})",
+        "cores": _cores(),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": gpu(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "commit": commit(),
+    }
+
+
+def _fenced(text: str) -> str:
+    # a fence longer than any run of backticks in the text, so that no table can close its block early
+    fence = "```"
+    while fence in text:
+        fence += "`"
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def record(device: str, cases: dict, run: dict) -> str:
+    """The Markdown record of one device's part of a run.
+
+    ``cases``: ``{name: {"title", "text", "seconds", "load_average_at_start"}}`` in the order they ran;
+    ``run``: ``started`` and ``ended`` (UTC datetimes), ``machine`` (:func:`machine`), ``load_start`` and
+    ``load_end``, ``command``, ``options`` and ``skipped`` (cases not run, with why). The tables go in as the
+    cases printed them: nothing here reformats a figure.
+    """
+    m, started, ended, options = run["machine"], run["started"], run["ended"], run["options"]
+    # in the title, so that tiny smoke shapes or a quick run's fewer repetitions are not read as a full run
+    mode = "--smoke" if options.get("smoke") else "--quick" if options.get("quick") else "full"
+    head, dirty, _ = m["commit"].partition("+dirty")
+    tree = (
+        "not a git checkout" if head == "unknown"
+        else "uncommitted changes in the tree, outside benchmarks/results" if dirty else "clean tree"
+    )
+    lines = [
+        f"# attnx benchmarks: {device}, {started:%Y-%m-%d %H:%M} UTC, {mode}",
+        "",
+        "Written by `python -m benchmarks`: the header is what the runner read from the machine, each table",
+        "is the text its case printed.",
+        "",
+        f"- date: {started:%Y-%m-%d %H:%M:%S} to {ended:%Y-%m-%d %H:%M:%S} UTC "
+        f"({(ended - started).total_seconds():.0f} s)",
+        f"- machine: {m['cpu']}; {m['cores']}; torch threads at the start: {m['threads']}",
+        f"- ISA level torch reports: {m['cpu_capability']}",
+    ]
+    if m["gpu"]:
+        lines.append(f"- GPU: {m['gpu']}")
+    lines += [
+        f"- torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- attnx commit: {m['commit']} ({tree})",
+        f"- load average (1, 5, 15 min): {run['load_start']} at the start, {run['load_end']} at the end",
+        f"- command: `{run['command']}`",
+        "- options: " + ", ".join(f"{k}={v!r}" for k, v in options.items()),
+    ]
+    for name, why in run.get("skipped", {}).items():
+        lines.append(f"- not run: {name} ({why})")
+    for name, case in cases.items():
+        lines += [
+            "",
+            f"## {name}: {case['title']}",
+            "",
+            f"{case['seconds']:.0f} s, load average at the start of the case {case['load_average_at_start']}",
+            "",
+            _fenced(case["text"]),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_record(device: str, cases: dict, run: dict, results_dir: str = RESULTS_DIR) -> tuple:
+    """Write :func:`record` to ``<results_dir>/<device>-<date>-<commit>.md`` and copy it to
+    ``<results_dir>/LATEST-<device>.md``; return both paths.
+
+    A record is never replaced: a second run on the same day and commit gets ``-2``, ``-3``, ... The latest
+    record is kept per device, since one run covers the CPU and each GPU present and a CPU-only run elsewhere
+    must not hide the GPU's record.
+    """
+    os.makedirs(results_dir, exist_ok=True)
+    text = record(device, cases, run)
+    # the date the run ended: the runner dates the JSON file it merged the run into with the same moment
+    stem = f"{device}-{run['ended']:%Y-%m-%d}-{run['machine']['commit'].replace('+', '-')}"
+    n = 1
+    while True:
+        path = os.path.join(results_dir, stem + (f"-{n}" if n > 1 else "") + ".md")
+        try:
+            # "x": fails rather than replace a record that exists
+            with open(path, "x", encoding="utf-8") as f:
+                f.write(text)
+            break
+        except FileExistsError:
+            n += 1
+    latest = os.path.join(results_dir, f"LATEST-{device}.md")
+    with open(latest + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(latest + ".tmp", latest)
+    return path, latest
 
 
 # -----------------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""The benchmark entry point still runs: its tiniest configuration, and the plot from a result file.
+"""The benchmark entry point still runs: its tiniest configuration with the result file and Markdown record it
+writes, and the plot from a result file.
 
 No timing is asserted here: benchmarks measure, tests check that the measuring code works.
 """
 
+import datetime
 import json
 import os
 import subprocess
@@ -15,12 +17,21 @@ if ROOT not in sys.path:  # `benchmarks` is a top-level package of the repositor
     sys.path.insert(0, ROOT)
 
 
-def test_smoke_run_writes_labelled_results(tmp_path):
-    command = [sys.executable, "-m", "benchmarks", "--smoke", "--only", "b1", "--device", "cpu"]
+def _smoke(case, results_dir):
+    command = [sys.executable, "-m", "benchmarks", "--smoke", "--only", case, "--device", "cpu"]
     result = subprocess.run(
-        command + ["--results-dir", str(tmp_path), "--no-plots"], capture_output=True, text=True, cwd=ROOT
+        command + ["--results-dir", str(results_dir), "--no-plots"], capture_output=True, text=True, cwd=ROOT
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_smoke_run_writes_labelled_results(tmp_path):
+    from benchmarks.common import RESULTS_DIR, cpu_name
+
+    # the repository's own results change only when someone runs the benchmarks for real
+    before = sorted(os.listdir(RESULTS_DIR))
+    result = _smoke("b1", tmp_path)
     assert "[1/1] cpu b1" in result.stderr  # progress lines
     assert "F.linear layout table" in result.stdout
     (path,) = tmp_path.glob("cpu-*.json")
@@ -31,6 +42,50 @@ def test_smoke_run_writes_labelled_results(tmp_path):
     assert case["options"] == {"quick": False, "smoke": True}
     (shape,) = case["results"]["mha_sweep"].values()
     assert shape["attnx"]["reps"] == len(shape["attnx"]["samples_s"]) > 0
+
+    # The run's Markdown record: the machine, commit, torch and load, then the table as the case printed it
+    # (the same string as stdout's and the JSON's, not a reformatted copy), and LATEST-cpu.md a copy of it.
+    (record,) = tmp_path.glob("cpu-*.md")
+    assert record.name == f"{path.stem}-{env['commit'].replace('+', '-')}.md"
+    text = record.read_text(encoding="utf-8")
+    assert text == (tmp_path / "LATEST-cpu.md").read_text(encoding="utf-8")
+    assert f"- attnx commit: {env['commit']} (" in text
+    assert f"- torch {env['torch']}," in text
+    assert f"- machine: {cpu_name()} (" in text
+    assert f"- ISA level torch reports: {env['cpu_capability']}" in text
+    assert "- load average (1, 5, 15 min): [" in text and "] at the end" in text
+    assert "- command: `python -m benchmarks --smoke --only b1 --device cpu --results-dir " in text
+    assert "\n## b1: " in text
+    assert case["text"] in text and case["text"] in result.stdout
+
+    # A second run the same day at the same commit adds a record beside the first and replaces LATEST.
+    first = record.read_text(encoding="utf-8")
+    _smoke("overhead", tmp_path)
+    records = sorted(tmp_path.glob("cpu-*.md"))
+    assert len(records) == 2 and record.read_text(encoding="utf-8") == first
+    (second,) = (r for r in records if r != record)
+    assert second.name == f"{record.stem}-2.md"
+    latest = (tmp_path / "LATEST-cpu.md").read_text(encoding="utf-8")
+    assert latest == second.read_text(encoding="utf-8") != first
+    assert "\n## overhead: " in latest and "\n## b1: " not in latest
+    assert json.loads(path.read_text(encoding="utf-8"))["cases"]["overhead"]["text"] in latest
+    assert sorted(os.listdir(RESULTS_DIR)) == before
+
+
+def test_record_fences_hold_any_table():
+    from benchmarks.common import machine, record
+
+    # a case's text that holds a Markdown fence still lands inside one code block, unchanged
+    text = "a table\n```\nwith a fence\n````"
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    run = {
+        "started": now, "ended": now, "machine": machine("cpu"), "load_start": None, "load_end": None,
+        "command": "python -m benchmarks", "options": {}, "skipped": {"models": "no smoke shapes"},
+    }
+    cases = {"x": {"title": "t", "text": text, "seconds": 1.0, "load_average_at_start": None}}
+    out = record("cpu", cases, run)
+    assert f"\n`````text\n{text}\n`````\n" in out
+    assert "- not run: models (no smoke shapes)" in out
 
 
 def test_dispatch_counter_counts_forward_and_backward():
