@@ -104,5 +104,9 @@ STABLE_TORCH_LIBRARY(attnx, m) {
       "mha_backward(Tensor grad_out, Tensor? grad_weights, " ATTNX_MHA_LEADING_ARGUMENTS
       ", float dropout_p, Tensor? dropout_seed, Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, "
       "int[] output_mask, bool batch_first=False) -> Tensor[]");
+  // The ISA level attention's CPU kernels (forward and backward) run at in this process: "avx512", "avx2" or
+  // "default" (cpu/attention_kernel.h, cpu_capability()). Asked of the library rather than recomputed in
+  // Python, so that `python -m attnx.info` reports the level the kernels were picked for, build included.
+  m.def("_cpu_capability() -> str");
 }
 // clang-format on

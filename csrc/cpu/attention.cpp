@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "cpu/attention_backward_kernel.h"
 #include "cpu/attention_kernel.h"
@@ -49,6 +50,18 @@ cpu::CpuCapability cpu::cpu_capability() {
   return level;
 }
 
+// attnx::_cpu_capability: cpu_capability() as ATEN_CPU_CAPABILITY spells it.
+std::string cpu_capability_name() {
+  switch (cpu::cpu_capability()) {
+    case cpu::CpuCapability::kAvx512:
+      return "avx512";
+    case cpu::CpuCapability::kAvx2:
+      return "avx2";
+    default:
+      return "default";
+  }
+}
+
 void run_attention_cpu(AttentionProblem& pb) {
   static const cpu::AttentionKernel kernel = ATTNX_CPU_VARIANT(attention_kernel);
   kernel(pb.params, pb.ptr, pb.dtype);
@@ -59,4 +72,10 @@ void run_attention_cpu(AttentionProblem& pb) {
 STABLE_TORCH_LIBRARY_IMPL(attnx, CPU, m) {
   m.impl("_attention", &attnx::attention_op<attnx::run_attention_cpu>);
   m.impl("_attention_autograd", &attnx::attention_op<attnx::run_attention_cpu>);
+}
+
+// An op without tensor arguments gives the dispatcher no backend key: the CompositeExplicitAutograd kernel is
+// the one such a call reaches.
+STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
+  m.impl("_cpu_capability", TORCH_BOX(&attnx::cpu_capability_name));
 }

@@ -1,6 +1,16 @@
-"""``python -m attnx.info``: what this build of attnx contains and which kernels each op has."""
+"""``python -m attnx.info``: does attention run here, on which backends, and with which kernels.
 
+Everything is read from this process: the kernels attnx's loaded libraries registered with torch's dispatcher,
+the devices torch sees, and the rules by which the libraries pick a kernel at run time (the CPU kernels' ISA
+level is asked of the library itself). ``python -m attnx.info --ops`` adds every op's dispatch keys.
+"""
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
 import platform
+import re
 
 import torch
 
@@ -8,11 +18,42 @@ import attnx
 from attnx import _loader
 
 # Dispatch keys a kernel of an attnx op can be registered for, in the order they are reported.
-# CompositeExplicitAutograd: one kernel built from other ops, serving every backend those ops have.
+# CompositeExplicitAutograd: one kernel for every backend: built from other ops, serving the backends those
+# ops have (mha), or an op without tensor arguments (_cpu_capability).
 # CompositeImplicitAutograd: the routers of linear, attention and mha, which choose a kernel op by grad mode.
 DISPATCH_KEYS = (
     "CPU", "CUDA", "MPS", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Meta", "Autograd",
 )
+BACKENDS = ("CPU", "CUDA", "MPS")
+
+# The public ops and the kernel ops they run. linear, attention and mha are routers (csrc/common/routes.cpp)
+# that run the first with grad mode off and the second with it on; the backward ops are kernel ops themselves.
+KERNEL_OPS = {
+    "attnx::linear": ("attnx::_linear", "attnx::_linear_autograd"),
+    "attnx::attention": ("attnx::_attention", "attnx::_attention_autograd"),
+    "attnx::attention_backward": ("attnx::attention_backward",),
+    "attnx::mha": ("attnx::_mha", "attnx::mha_forward"),
+    "attnx::mha_backward": ("attnx::mha_backward",),
+}
+
+# What a composite (CompositeExplicitAutograd) kernel needs in order to run on a backend: the attnx ops it
+# calls (csrc/common/mha.cpp) and, for a backward, the forward whose outputs it takes (attention_backward's
+# composite, csrc/common/attention_math.cpp, calls torch's ops only). Without this, a composite would claim
+# every backend, those attnx has no forward for included.
+COMPOSITE_NEEDS = {
+    "attnx::_mha": ("attnx::_linear", "attnx::_attention"),
+    "attnx::mha_forward": ("attnx::_linear", "attnx::_attention"),
+    "attnx::attention_backward": ("attnx::_attention",),
+    "attnx::mha_backward": ("attnx::mha_forward", "attnx::attention_backward"),
+}
+
+# attnx::_cpu_capability's answers (ATEN_CPU_CAPABILITY's spelling) as the report names them.
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "default": "baseline"}
+
+# The libraries attnx.integrations adapts, by import name, with the distribution that installs each.
+INTEGRATIONS = (("transformers", "transformers"), ("timm", "timm"), ("open_clip", "open_clip_torch"))
+
+CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def ops() -> list[str]:
@@ -25,28 +66,222 @@ def kernels(op: str) -> list[str]:
     return [key for key in DISPATCH_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
 
 
-def report() -> str:
+def backend_kinds(op: str) -> dict[str, str]:
+    """How kernel op ``op`` runs on each backend it runs on in this process: ``"kernel"`` (one registered for
+    the backend) or ``"composite"`` (its CompositeExplicitAutograd kernel, where the ops it needs run)."""
+    kinds = {}
+    for backend in BACKENDS:
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op, backend):
+            kinds[backend] = "kernel"
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(op, "CompositeExplicitAutograd") and all(
+            backend in backend_kinds(needed) for needed in COMPOSITE_NEEDS.get(op, ())
+        ):
+            kinds[backend] = "composite"
+    return kinds
+
+
+def op_backends(op: str) -> dict[str, str]:
+    """The backends public op ``op`` (a key of KERNEL_OPS) runs on in this process, grad mode on and off: each
+    ``"kernel"``, or ``"composite"`` where one of its kernel ops is a composite there."""
+    per_op = [backend_kinds(kernel_op) for kernel_op in KERNEL_OPS[op]]
+    return {
+        backend: "composite" if any(kinds[backend] == "composite" for kinds in per_op) else "kernel"
+        for backend in BACKENDS if all(backend in kinds for kinds in per_op)
+    }
+
+
+def cpu_isa() -> str:
+    """The ISA level attnx's CPU attention kernels (forward and backward) run at in this process: ``AVX-512``,
+    ``AVX2`` or ``baseline``. The library's own answer (cpu_capability() in csrc/cpu/attention_kernel.h):
+    torch's rule, ATEN_CPU_CAPABILITY included, and baseline where the wider variants are not built."""
+    return ISA_NAMES[torch.ops.attnx._cpu_capability()]
+
+
+def mma_enabled() -> bool:
+    """Whether ATTNX_CUDA_MMA leaves the tensor-core kernel on: any value but ``0`` (cuda/attention.cpp reads
+    it once, at the process's first CUDA attention call)."""
+    return os.environ.get("ATTNX_CUDA_MMA") != "0"
+
+
+def cuda_kernel(dtype: torch.dtype, capability: tuple[int, int], mma: bool) -> str:
+    """The CUDA attention kernel that ``dtype`` takes at head dims up to 128 without dropout on a device of
+    compute ``capability``, by select_kernel in csrc/cuda/attention.cpp: ``"mma"`` (tensor cores: float16
+    and bfloat16 on sm80+, unless ``mma`` is False) or ``"simt"``."""
+    if mma and dtype in (torch.float16, torch.bfloat16) and tuple(capability) >= (8, 0):
+        return "mma"
+    return "simt"
+
+
+def arch_runs(arch_list: str, capability: tuple[int, int]) -> bool | None:
+    """Whether code built for ``arch_list`` (TORCH_CUDA_ARCH_LIST's form, ``"8.0;9.0+PTX"``) runs on a device
+    of compute ``capability``: a cubin for X.Y runs on X.y for y >= Y (an arch-specific one, ``9.0a``, on X.Y
+    only), PTX on every later device. None when the list is not made of numbered archs."""
+    runs = False
+    for entry in filter(None, re.split(r"[;,\s]+", arch_list)):
+        match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", entry)
+        if match is None:
+            return None
+        arch, suffix = (int(match[1]), int(match[2])), match[3]
+        if suffix == "a":
+            runs |= tuple(capability) == arch
+        else:
+            runs |= capability[0] == arch[0] and capability[1] >= arch[1]
+            runs |= bool(match[4]) and tuple(capability) >= arch
+    return runs
+
+
+def _build_info() -> dict:
+    """What setup.py recorded about this build (attnx/_build_info.py), or ``{}`` for a build without it."""
     try:
         from attnx import _build_info
-
-        backends, built_against = ", ".join(_build_info.BACKENDS), _build_info.TORCH_VERSION
-        archs, floor = _build_info.CUDA_ARCH_LIST, _build_info.MIN_TORCH
     except ImportError:  # built by something other than setup.py
-        backends, built_against, archs, floor = "unknown", "unknown", None, "unknown"
-    lines = [
+        return {}
+    return {name: getattr(_build_info, name, None)
+            for name in ("BACKENDS", "TORCH_VERSION", "MIN_TORCH", "CUDA_ARCH_LIST")}
+
+
+def header_lines() -> list[str]:
+    """Version, torch, the build and the devices torch sees."""
+    build = _build_info()
+    backends = ", ".join(build["BACKENDS"]) if build.get("BACKENDS") else "unknown"
+    archs = build.get("CUDA_ARCH_LIST")
+    return [
         f"attnx {attnx.__version__}",
         f"python {platform.python_version()}, torch {torch.__version__} "
-        f"(attnx built against {built_against}, loads under torch >= {floor})",
+        f"(attnx built against {build.get('TORCH_VERSION') or 'unknown'}, loads under torch >= "
+        f"{build.get('MIN_TORCH') or 'unknown'})",
         f"backends compiled: {backends}" + (f" (CUDA archs {archs})" if archs else "")
         + f"; loaded: {', '.join(_loader.loaded_backends())}",
         f"devices: cuda available={torch.cuda.is_available()}, "
         f"mps available={torch.backends.mps.is_available()}",
-        "ops (dispatch keys with a kernel):",
     ]
+
+
+def op_lines() -> list[str]:
+    """One line per public op: the backends it has kernels for in this process."""
+    width = max(len(op) for op in KERNEL_OPS)
+    lines = ["public ops (backends with kernels loaded; composite: built from other ops):"]
+    for op in KERNEL_OPS:
+        backends = [f"{b} (composite)" if kind == "composite" else b for b, kind in op_backends(op).items()]
+        lines.append(f"  {op:<{width}}  {', '.join(backends) or 'none'}")
+    return lines
+
+
+def cpu_line() -> str:
+    """The ISA level of the CPU attention kernels, beside torch's own."""
+    asked = os.environ.get("ATEN_CPU_CAPABILITY")
+    return (f"CPU attention kernels: {cpu_isa()} (torch's CPU kernels: "
+            f"{torch.backends.cpu.get_cpu_capability()}"
+            + (f"; ATEN_CPU_CAPABILITY={asked}" if asked is not None else "") + ")")
+
+
+def _cuda_dtype_text(dtype: torch.dtype, capability: tuple[int, int]) -> str:
+    """What ``dtype`` runs on at each head dim on a device of ``capability``."""
+    # Above head dim 256 no kernel is instantiated: cuda/attention.cpp runs attention_composite.h.
+    beyond = "above 256: a composite of torch's ops, without dropout"
+    if cuda_kernel(dtype, capability, mma_enabled()) == "mma":
+        return (f"tensor-core (mma) kernel up to head dim 128 without dropout; else SIMT kernel up to 256; "
+                f"{beyond}")
+    why = ""
+    if dtype in (torch.float16, torch.bfloat16):
+        why = " (ATTNX_CUDA_MMA=0)" if not mma_enabled() else " (the tensor-core kernel needs sm_80+)"
+    return f"SIMT kernel{why} up to head dim 256; {beyond}"
+
+
+def cuda_lines() -> list[str]:
+    """The CUDA attention kernel each dtype takes on each visible GPU, or why attention has none here."""
+    build = _build_info()
+    if "CUDA" not in op_backends("attnx::attention"):
+        if torch.version.cuda is None:
+            why = "torch is a CPU build"
+        elif build.get("BACKENDS") and "CUDA" not in build["BACKENDS"]:
+            why = "this build of attnx has no CUDA kernels"
+        else:
+            why = "attnx's CUDA library is not loaded"
+        return [f"CUDA attention: none ({why})"]
+    archs = build.get("CUDA_ARCH_LIST")
+    built = f"kernels built for CUDA archs {archs}" if archs else "CUDA archs of the build not recorded"
+    if not torch.cuda.is_available():
+        return [f"CUDA attention: no CUDA device visible ({built})"]
+    lines = []
+    for index in range(torch.cuda.device_count()):
+        capability = torch.cuda.get_device_capability(index)
+        device = (f"cuda:{index} ({torch.cuda.get_device_name(index)}, "
+                  f"sm_{capability[0]}{capability[1]})")
+        if archs and arch_runs(archs, capability) is False:
+            lines.append(f"CUDA attention on {device}: none, attnx's kernels are not built for it ({built})")
+            continue
+        lines.append(f"CUDA attention on {device}:")
+        lines += [f"  {str(dtype).removeprefix('torch.'):<9} {_cuda_dtype_text(dtype, capability)}"
+                  for dtype in CUDA_DTYPES]
+    return lines
+
+
+def backward_lines() -> list[str]:
+    """Whether attention's backward (which mha's calls) is a fused kernel on each backend attention has."""
+    texts = {
+        "kernel": "fused kernel: probabilities recomputed tile by tile, nothing of size (B, H, L, S)",
+        "composite": "composite of torch's ops: stores the (B, H, L, S) probabilities and their gradient; "
+                     "no dropout",
+    }
+    kinds = backend_kinds("attnx::attention_backward")
+    return ["backward (attnx::attention_backward, which attnx::mha_backward calls):"] + [
+        f"  {backend:<4}  {texts[kind]}" for backend, kind in kinds.items()
+    ]
+
+
+def integrations() -> dict[str, str | None]:
+    """Each library attnx.integrations adapts: its version ("" when unrecorded) where it can be imported,
+    else None. Found without importing it (importing transformers alone takes seconds)."""
+    found = {}
+    for module, distribution in INTEGRATIONS:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # a broken install, or a module without a spec
+            spec = None
+        if spec is None:
+            found[module] = None
+            continue
+        try:
+            found[module] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            found[module] = ""
+    return found
+
+
+def integrations_line() -> str:
+    """The libraries attnx has integrations for, found or not."""
+    versions = integrations()
+    present = [f"{name} {version}".strip() for name, version in versions.items() if version is not None]
+    absent = [name for name, version in versions.items() if version is None]
+    return "integrations: " + "; ".join(
+        ([", ".join(present)] if present else []) + ([f"not found: {', '.join(absent)}"] if absent else [])
+    )
+
+
+def dispatch_lines() -> list[str]:
+    """Every attnx op, internal ones included, with the dispatch keys it has kernels for."""
     width = max((len(op) for op in ops()), default=0)
-    lines += [f"  {op:<{width}}  {' '.join(kernels(op))}" for op in ops()]
-    return "\n".join(lines)
+    return ["ops (dispatch keys with a kernel):"] + [
+        f"  {op:<{width}}  {' '.join(kernels(op))}" for op in ops()
+    ]
+
+
+def report(verbose: bool = False) -> str:
+    """What ``python -m attnx.info`` prints: attnx's and torch's versions, the build and the devices; the
+    backends each public op has kernels for; the CPU kernels' ISA level; the CUDA kernel each dtype takes on
+    each visible GPU (or why none); whether the backward is fused on each backend; the integrations' libraries
+    found. ``verbose`` (``--ops``) adds every op's dispatch keys."""
+    lines = header_lines() + op_lines() + [cpu_line()] + cuda_lines() + backward_lines()
+    return "\n".join(lines + [integrations_line()] + (dispatch_lines() if verbose else []))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m attnx.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", "--verbose", "-v", dest="verbose", action="store_true",
+                        help="also list every attnx op, internal ones included, with its dispatch keys")
+    print(report(verbose=parser.parse_args(argv).verbose))
 
 
 if __name__ == "__main__":
-    print(report())
+    main()
