@@ -39,7 +39,7 @@ $(VENV)/.models: $(VENV)/.deps
 
 # ruff with the config in pyproject.toml; a finding fails the test run.
 lint: $(VENV)/.deps
-	$(PY) -m ruff check python tests benchmarks upstream setup.py metal
+	$(PY) -m ruff check python tests benchmarks upstream setup.py metal docs
 
 # The Metal emulation tier (tests/test_metal_emulation.py) compiles metal/*.metal with clang++. Installed here
 # when missing and this is a root shell with apt-get (CI's fresh machine); otherwise those tests skip, saying so.

@@ -2,7 +2,8 @@
 // STABLE_TORCH_LIBRARY_IMPL(attnx, <Key>) blocks at the bottom of their own files, through the adapters of
 // common/attention.h (attention's arguments after value are AttentionOptions there, mha's are MhaArgs in
 // common/mha.h; python/attnx reads the names and defaults from these schemas). A new argument is declared
-// here, in that struct, in python/attnx/reference.py (its semantics) and in the kernels that use it.
+// here, in that struct, in python/attnx/reference.py (its semantics, as code), in python/attnx/ops.py (its
+// docstring, the one prose statement of what it does) and in the kernels that use it (csrc/README.md).
 //
 // linear, attention and mha are differentiable, and each is three ops. The public one (`attention`) is a
 // router (common/routes.cpp): with grad mode off it runs the kernel op (`_attention`), which has no autograd

@@ -31,10 +31,11 @@ def _blocks():
         if not path.exists():
             continue
         text = path.read_text()
-        for i, match in enumerate(FENCE.finditer(text)):
+        for match in FENCE.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
             name = f"{path.relative_to(ROOT)}:{line}"
-            yield pytest.param(match.group(1), match.group(2), name, id=f"{name}-{match.group(1) or 'untagged'}")
+            tag = match.group(1) or "untagged"
+            yield pytest.param(match.group(1), match.group(2), name, id=f"{name}-{tag}")
 
 
 BLOCKS = list(_blocks())
@@ -60,7 +61,8 @@ def test_code_block(language, code, where):
 
 def run_python(code: str, where: str):
     for module, package in OPTIONAL.items():
-        if re.search(rf"^\s*(import|from) {module}\b", code, flags=re.M) and not importlib.util.find_spec(module):
+        imported = re.search(rf"^\s*(import|from) {module}\b", code, flags=re.M)
+        if imported and not importlib.util.find_spec(module):
             pytest.skip(f"{package} is not installed (from a checkout: pip install '.[models]')")
     exec(compile(code, where, "exec"), {"__name__": "__docs__"})
 
@@ -86,7 +88,8 @@ def check_command(command: str, where: str):
                 continue
             match = re.fullmatch(r"\.(?:\[([\w,]+)\])?", word)
             if match is None:  # a package from the index: a build requirement, say
-                assert word in ("setuptools", "wheel", "ninja"), f"{where}: `{command}`: unknown package {word}"
+                known = ("setuptools", "wheel", "ninja")
+                assert word in known, f"{where}: `{command}`: unknown package {word}"
             else:
                 unknown = set(filter(None, (match.group(1) or "").split(","))) - extras
                 assert not unknown, f"{where}: `{command}`: pyproject.toml has no extra {sorted(unknown)}"

@@ -3,7 +3,7 @@
 :func:`attnx.reference.mha` (the spec) and attnx.functional's composite path (dropout as torch applies it,
 where the fused op does not) run the same steps around their attention core: the in-projections with the
 appended keys (:func:`in_projections`), the scaled, masked scores (:func:`scores`) and the out projection
-(:func:`out_projection`). The semantics are documented once, in :func:`attnx.reference.mha`.
+(:func:`out_projection`). The semantics are documented once, in :func:`attnx.ops.mha`.
 
 ``call`` is mha's arguments by name: any object with the attributes of :func:`attnx.ops.mha`'s parameters
 (``query``, ``key``, ..., ``batch_first``). ``linear`` computes the projections (``F.linear``'s signature):
