@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--quick] [--only CASE] [--device D]``: the seed problems and attnx's answer.
+"""``python -m benchmarks [--quick] [--only CASE] [--device D]``: the upstream problems and attnx's answer.
 
 Runs every case on the CPU and on each GPU present, prints a table per case (progress lines go to stderr),
 merges the results into ``benchmarks/results/<device>-<date>.json``, writes the run's record
@@ -33,7 +33,7 @@ from . import (
 from .common import RESULTS_DIR, load_average, machine, progress, write_record, write_results
 
 # name -> module with TITLE, DEVICES (the devices it has cases for) and run(device, quick[, smoke]) returning
-# {"results": <JSON-able>, "text": <tables>}. The first four are the seed problems, in the report's order.
+# {"results": <JSON-able>, "text": <tables>}. The first four are the upstream problems, in the report's order.
 BENCHMARKS = {
     "eval": bench_mha,
     "b1": bench_b1,

@@ -1,4 +1,4 @@
-"""The B=1 stride case (seed report: mps-mha-b1-transposed-linear).
+"""The B=1 stride case (upstream report: mps-mha-b1-transposed-linear).
 
 (a) The report's shape sweep, eval, no_grad: ``nn.MultiheadAttention(batch_first=True)`` vs the report's
     hand-written SDPA composition (verbatim) vs ``attnx.nn.MultiheadAttention`` (one fused dispatch). The

@@ -1,5 +1,5 @@
 """Attention training step: attnx.attention and its fused backward vs F.scaled_dot_product_attention
-(seed report: flex-attention-backward-math-fallback).
+(upstream report: flex-attention-backward-math-fallback).
 
 Per shape and mask case, fp32, ``(B, H, L, D)`` inputs that require grad:
 - time of forward + backward (``torch.autograd.grad`` of out w.r.t. q, k, v) and of the backward alone (on a

@@ -5,7 +5,7 @@ each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, 
 key_padding_mask + (L, S) attn_mask. SDPA takes masks in its own convention: one boolean mask, True = keep,
 merged here *before* timing into (B, 1, L, S); attnx takes the two masks as they are. Backends that reject a
 case (flash attention with a mask) show "n/a". attnx runs its tensor-core kernel for fp16/bf16 unless
-``ATTNX_CUDA_MMA=0`` selects the SIMT kernel (the result file records which). The seed report's eval memory
+``ATTNX_CUDA_MMA=0`` selects the SIMT kernel (the result file records which). The upstream eval memory
 case runs on CUDA in the ``eval`` case (bench_mha).
 """
 

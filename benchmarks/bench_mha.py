@@ -1,4 +1,4 @@
-"""Eval memory and time of nn.MultiheadAttention (seed report: mha-eval-fastpath-memory).
+"""Eval memory and time of nn.MultiheadAttention (upstream report: mha-eval-fastpath-memory).
 
 ``nn.MultiheadAttention(256, 4, batch_first=True)`` in eval under no_grad, self-attention, with a
 key_padding_mask and an attn_mask (all False, as in the report). Torch's fast path merges the two masks into a

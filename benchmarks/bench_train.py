@@ -1,5 +1,5 @@
 """Training: dispatch counts, time and memory of one MHA layer's forward + backward
-(seed report: flex-attention-backward-math-fallback).
+(upstream report: flex-attention-backward-math-fallback).
 
 (a) The report's dispatch counts, with its counter (a ``TorchDispatchMode`` counting every
     ``__torch_dispatch__`` call) and its shapes (B=2, H=4, S=128, D=16): torch's dense math fallback

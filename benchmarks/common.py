@@ -143,7 +143,7 @@ def paired_ratio(a: Timing, b: Timing) -> Ratio:
 
 
 # -----------------------------------------------------------------------------------------------------------
-# Dispatch counting (the method of the seed report flex-attention-backward-math-fallback)
+# Dispatch counting (the method of the upstream report flex-attention-backward-math-fallback)
 
 
 class DispatchCounter(TorchDispatchMode):

@@ -27,7 +27,7 @@ def make(shape, layout: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
         return rand(shape)
     if layout == "transposed":
         # x.transpose(0, 1) of the swapped shape: batch_first -> seq_first views, and at B=1 the
-        # (D, B*D, 1) strides of the seed report.
+        # (D, B*D, 1) strides of the upstream report.
         if n < 3:
             return rand(shape)
         swapped = (shape[1], shape[0], *shape[2:])

@@ -150,7 +150,7 @@ def make_inputs(projection, layout, dtype, batch=B, length=L, source=S):
 
 def make_inputs_batch_first(projection, layout, dtype, batch=B, length=L, source=S):
     """(query, key, value, weights dict) in (B, L, E) form, as a batch_first module passes them to the op;
-    ``layout`` is one of tests/layouts.py's (``transposed`` at B=1: the seed report's strides)."""
+    ``layout`` is one of tests/layouts.py's (``transposed`` at B=1: the upstream report's strides)."""
     query, key, value, w = make_inputs(projection, "seq_first", dtype, batch, length, source)
 
     def relaid(x):

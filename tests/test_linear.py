@@ -131,7 +131,7 @@ def test_copies_at_most_once(layout):
 
 
 def test_b1_transposed_is_one_gemm_on_the_original_storage():
-    """The seed report's layout: (B, L, D).transpose(0, 1) at B=1. No copy, contiguous output."""
+    """The upstream report's layout: (B, L, D).transpose(0, 1) at B=1. No copy, contiguous output."""
     q = torch.randn(1, 32, K)
     x = q.transpose(0, 1)
     assert x.stride() == (K, 32 * K, 1) and x.is_contiguous()

@@ -476,7 +476,7 @@ def test_linear_layouts(emu, shape, layout, dtype):
 
 
 def test_linear_b1_transposed_is_read_in_place(emu):
-    # The seed report's layout: (B, L, E).transpose(0, 1) at B = 1, strides (E, E * L... ) on a size-1 dim.
+    # The upstream report's layout: (B, L, E).transpose(0, 1) at B = 1, strides (E, E * L) on a size-1 dim.
     x = torch.randn(1, 32, 24).transpose(0, 1)
     assert x.stride() == (24, 768, 1)
     p = emu.linear_input_layout(x.shape, x.stride())

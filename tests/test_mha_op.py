@@ -46,7 +46,7 @@ def test_projections_and_appended_keys(projection, layout, extras):
 
 @pytest.mark.parametrize("batch,length,source", [(1, 1, 1), (1, 32, 7), (3, 1, 4), (2, 5, 0)], ids=str)
 def test_size_one_and_empty_dims(batch, length, source):
-    """B=1 (the transposed layout of the seed report), a single query, and no keys at all (every row fully
+    """B=1 (the transposed layout of the upstream report), a single query, and no keys at all (every row fully
     masked: out is the out-projection bias, lse +inf)."""
     query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float64, batch, length, source)
     check_mha(mha_args(query, key, value, w, need_weights=True))

@@ -171,7 +171,7 @@ def test_attention_refuses_what_metal_cannot_do(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 8, 32, 100])
 def test_linear_b1_transposed(device, rows, dtype):
-    # The seed report's input: (B, L, E).transpose(0, 1) at B = 1, read in place.
+    # The upstream report's input: (B, L, E).transpose(0, 1) at B = 1, read in place.
     require_kernel("attnx::linear", device)
     x = torch.randn(1, rows, 512).to(dtype)
     w, b = torch.randn(256, 512).to(dtype), torch.randn(256).to(dtype)

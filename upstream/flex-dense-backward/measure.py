@@ -2,7 +2,7 @@
 
 Installed ``sdpa_dense_backward`` against the patched one, both called directly with the tensors flex's
 forward HOP returns:
-- dispatches: the seed report's counter (a TorchDispatchMode counting every ``__torch_dispatch__``) at its
+- dispatches: the upstream report's counter (a TorchDispatchMode counting every ``__torch_dispatch__``) at its
   shape (B=2, H=4, S=128, D=16, identity score_mod, a mask keeping everything), with its call
   (``joint_graph=None``) and with the joint graph autograd passes; plus a causal GQA case with a captured
   bias at a longer sequence, where the patch takes several tiles;

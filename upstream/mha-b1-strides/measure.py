@@ -1,6 +1,6 @@
 """The figures of PR.md: ``python upstream/mha-b1-strides/measure.py [device]`` (default cpu).
 
-The seed report's shapes (B=1, Lq=32, Lkv=256, D=512, H=8, cross-attention, eval, need_weights=False):
+The upstream report's shapes (B=1, Lq=32, Lkv=256, D=512, H=8, cross-attention, eval, need_weights=False):
 torch's module against the patched one, and ``F.linear`` on each layout, timed interleaved (the median of
 per-round ratios, so machine load moves both sides alike)."""
 
