@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import attnx
+
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 RESULTS_FORMAT = 2  # bump when the layout of a result file changes; an older file is then replaced
 
@@ -361,6 +363,8 @@ def machine(device: str) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "commit": commit(),
+        # the build under test: another checkout's attnx can be imported through PYTHONPATH
+        "attnx": f"{attnx.__version__} from {os.path.dirname(attnx.__file__)}",
     }
 
 
@@ -403,7 +407,7 @@ def record(device: str, cases: dict, run: dict) -> str:
         lines.append(f"- GPU: {m['gpu']}")
     lines += [
         f"- torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- attnx commit: {m['commit']} ({tree})",
+        f"- attnx commit: {m['commit']} ({tree}); imported: {m['attnx']}",
         f"- load average (1, 5, 15 min): {run['load_start']} at the start, {run['load_end']} at the end",
         f"- command: `{run['command']}`",
         "- options: " + ", ".join(f"{k}={v!r}" for k, v in options.items()),

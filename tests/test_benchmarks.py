@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+import attnx
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `benchmarks` is a top-level package of the repository, not of the installed attnx
     sys.path.insert(0, ROOT)
@@ -49,7 +51,7 @@ def test_smoke_run_writes_labelled_results(tmp_path):
     assert record.name == f"{path.stem}-{env['commit'].replace('+', '-')}.md"
     text = record.read_text(encoding="utf-8")
     assert text == (tmp_path / "LATEST-cpu.md").read_text(encoding="utf-8")
-    assert f"- attnx commit: {env['commit']} (" in text
+    assert f"- attnx commit: {env['commit']} (" in text and f"imported: {attnx.__version__} from " in text
     assert f"- torch {env['torch']}," in text
     assert f"- machine: {cpu_name()} (" in text
     assert f"- ISA level torch reports: {env['cpu_capability']}" in text
