@@ -4,9 +4,9 @@ Every test takes the ``cuda`` device param of conftest.DEVICES, so without a GPU
 the build) they show as skipped. Inputs are built on the CPU by the same factories as the CPU tests and moved
 to the GPU with their exact layout (strides, storage offset, stride-0 dims): see ``layouts.to_device``.
 
-Also worth running by hand on a GPU machine:
-    compute-sanitizer --tool memcheck  python -m pytest tests/test_cuda.py -k "attention and not big" -x
-    compute-sanitizer --tool racecheck python -m pytest tests/test_cuda.py -k "attention_masks" -x
+On a GPU machine, `make gpu-check` (tools/gpu_check.py) runs this file with tests/test_linear.py, and
+compute-sanitizer on tools/gpu_sanitize_cases.py. Run it without CUDA_LAUNCH_BLOCKING=1: that would serialise
+the launches test_attention_runs_on_the_current_stream races against (it skips then).
 """
 
 import math
