@@ -11,6 +11,9 @@
 #                                   run against each (build/wheel-{cpu,cuda,floor})
 #   make sanitize                   the kernel tests on an ASan + UBSan build (in build/sanitize)
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
+#   make gpu-check                  on a GPU machine: build for its GPU, kernel resources, the CUDA tests,
+#                                   compute-sanitizer, the CUDA benchmarks, in BUDGET=450 s; summary in
+#                                   benchmarks/results/gpu-check-<date>-<card>.md (tools/gpu_check.py)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,6 +21,9 @@ PY := $(VENV)/bin/python
 # Plain `torch` resolves to the CUDA build where one is available, so the CUDA kernels compile too.
 TORCH ?= torch
 BENCH_ARGS ?=
+# gpu-check uses the machine's own Python and its CUDA torch, not the venv (GPU_CHECK_PY=... to choose).
+GPU_CHECK_PY ?= python3
+GPU_CHECK_ARGS ?=
 # The model libraries that tests/test_transformers.py, test_convert_timm.py and test_convert_open_clip.py run
 # against (the versions they were verified with). timm and open_clip need torchvision, whose build must match
 # torch's: the CPU torch 2.13.0 venv of test-wheel installs transformers alone and those tests skip there,
@@ -26,7 +32,8 @@ MODEL_LIBS ?= transformers==5.23.0 timm==1.0.31 open-clip-torch==3.3.0 torchvisi
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test wheel test-wheel wheel-venv-test sanitize fuzz bench bench-deps build clean tools lint models
+.PHONY: test wheel test-wheel wheel-venv-test sanitize fuzz bench bench-deps build clean tools lint models \
+	gpu-check
 
 test: build tools lint models
 	$(PY) -m pytest
@@ -39,7 +46,7 @@ $(VENV)/.models: $(VENV)/.deps
 
 # ruff with the config in pyproject.toml; a finding fails the test run.
 lint: $(VENV)/.deps
-	$(PY) -m ruff check python tests benchmarks upstream setup.py metal docs
+	$(PY) -m ruff check python tests benchmarks upstream setup.py metal docs tools
 
 # The Metal emulation tier (tests/test_metal_emulation.py) compiles metal/*.metal with clang++. Installed here
 # when missing and this is a root shell with apt-get (CI's fresh machine); otherwise those tests skip, saying so.
@@ -132,6 +139,11 @@ fuzz: build $(VENV)/.fuzz-deps
 $(VENV)/.fuzz-deps: $(VENV)/.deps
 	$(PY) -m pip install --quiet pytest-xdist
 	touch $@
+
+# The first thing to run on a machine with a GPU (nvcc and compute-sanitizer there; no network needed): it
+# builds in place for that GPU alone and needs nothing from .venv. `--dry-run` prints the plan anywhere.
+gpu-check:
+	$(GPU_CHECK_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench: build bench-deps
 	$(PY) -m benchmarks $(BENCH_ARGS)

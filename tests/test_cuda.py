@@ -4,9 +4,9 @@ Every test takes the ``cuda`` device param of conftest.DEVICES, so without a GPU
 the build) they show as skipped. Inputs are built on the CPU by the same factories as the CPU tests and moved
 to the GPU with their exact layout (strides, storage offset, stride-0 dims): see ``layouts.to_device``.
 
-Also worth running by hand on a GPU machine:
-    compute-sanitizer --tool memcheck  python -m pytest tests/test_cuda.py -k "attention and not big" -x
-    compute-sanitizer --tool racecheck python -m pytest tests/test_cuda.py -k "attention_masks" -x
+On a GPU machine, `make gpu-check` (tools/gpu_check.py) runs this file with tests/test_linear.py, and
+compute-sanitizer on tools/gpu_sanitize_cases.py. Run it without CUDA_LAUNCH_BLOCKING=1: that would serialise
+the launches test_attention_runs_on_the_current_stream races against (it skips then).
 """
 
 import math
@@ -22,9 +22,12 @@ import attnx
 from attention_helpers import (
     ATTN_MASK_KINDS,
     DTYPES,
+    GRAD_ATOL,
     KEY_PADDING_MASK_KINDS,
     QKV_LAYOUTS,
     assert_fully_masked_rows,
+    assert_grad_bounded,
+    assert_matches_reference,
     assert_unseen_rows_empty,
     attention_opcheck_cases,
     check_forward,
@@ -496,3 +499,225 @@ def test_module_matches_torch(device, batch_first):
             got = ours(x, x, x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)[0]
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.backends.mha.set_fastpath_enabled(True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The glue on a GPU: the stream it launches on, CUDA graphs, device synchronisation, the kernel it picks,
+# and the backward (attention_math.cpp on CUDA tensors).
+
+# ~0.1 s of spinning on a stream at H100 clocks (torch.cuda._sleep counts GPU clock cycles).
+SLEEP_CYCLES = 200_000_000
+
+
+def _features(device, B, H, S, dtype):
+    """Every key-range feature and both extras, as attnx.attention's keyword arguments."""
+    return {"window_left": 30, "window_right": 2, "key_lengths": torch.tensor([S, S // 2][:B], device=device),
+            "softcap": 4.0, "sinks": make_sinks(H, dtype, device)}
+
+
+@pytest.mark.parametrize("case", ["mma", "simt", "composite"])
+def test_attention_runs_on_the_current_stream(device, case):
+    # The inputs are written on a side stream (non-blocking: it never waits for the legacy default stream,
+    # nor that stream for it) after a long spin, and the output is read there. Launched on the current stream,
+    # the kernel runs after the copies; launched on any other stream, it runs at once, during the spin, on
+    # the zeros the inputs held before, and the copy of the output taken on the side stream differs.
+    if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+        pytest.skip("CUDA_LAUNCH_BLOCKING=1 serialises every launch: no race to detect")
+    dtype, D = {"mma": (torch.float16, 64), "simt": (torch.float32, 64),
+                "composite": (torch.float32, 288)}[case]
+    q, k, v = gqa(device, 2, 4, 2, 200, 256, D, D, dtype=dtype)
+    mask = torch.rand(2, 256, device=device) < 0.2
+    inputs = [torch.zeros_like(t) for t in (q, k, v)]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for dst, src in zip(inputs, (q, k, v), strict=True):
+            dst.copy_(src)
+        out, lse = attnx.attention(*inputs, key_padding_mask=mask, is_causal=True)
+        out_seen, lse_seen = out.clone(), lse.clone()
+    side.synchronize()
+    assert_matches_reference(out_seen, lse_seen, q, k, v, key_padding_mask=mask, is_causal=True)
+
+
+def _capture(fn, *static):
+    """A CUDA graph of fn(*static) after two warm-up calls on a side stream (as torch's docs do); returns the
+    graph and the captured call's outputs."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(2):
+            fn(*static)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*static)
+    return graph, outputs
+
+
+@pytest.mark.parametrize("case", ["mma", "simt"])
+def test_attention_cuda_graph(device, case):
+    dtype = torch.float16 if case == "mma" else torch.float32
+    B, H, L, S = 2, 4, 100, 150
+    static = [t.clone() for t in gqa(device, B, H, 2, L, S, 64, 64, dtype=dtype, layout="blhd")]
+    kwargs = {"attn_mask": torch.randn(L, S, device=device),
+              "key_padding_mask": torch.rand(B, S, device=device) < 0.2, "is_causal": case == "simt",
+              **_features(device, B, H, S, dtype)}
+    with torch.no_grad():
+        graph, (out, lse) = _capture(lambda q, k, v: attnx.attention(q, k, v, **kwargs), *static)
+        for _ in range(2):  # each replay computes on what the static inputs hold now
+            new = [torch.randn_like(t) for t in static]
+            for dst, src in zip(static, new, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_matches_reference(out, lse, *new, **kwargs)
+
+
+def test_module_cuda_graph(device):
+    E, H, B, L = 64, 4, 3, 50
+    module = attnx.nn.MultiheadAttention(E, H, batch_first=True, device=device).eval()
+    x = torch.randn(B, L, E, device=device)
+    kpm = torch.rand(B, L, device=device) < 0.2
+    mask = torch.rand(L, L, device=device) < 0.2
+    mask.fill_diagonal_(False)
+
+    def forward(x):
+        return module(x, x, x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)[0]
+
+    with torch.no_grad():
+        graph, out = _capture(forward, x)
+        new = torch.randn_like(x)
+        x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, forward(new), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["mma", "simt", "composite", "dropout", "module"])
+def test_forward_does_not_synchronize(device, case):
+    # torch raises on a synchronising call (a copy to the host, .item(), a pageable copy to the device) while
+    # the sync debug mode is "error". Everything is made on the device beforehand.
+    dtype, D = {"mma": (torch.float16, 64), "composite": (torch.float32, 288)}.get(case, (torch.float32, 64))
+    B, H, L, S = 2, 4, 60, 90
+    q, k, v = gqa(device, B, H, 2, L, S, D, D, dtype=dtype, layout="blhd")
+    kwargs = {"attn_mask": torch.randn(L, S, device=device),
+              "key_padding_mask": torch.rand(B, S, device=device) < 0.2, **_features(device, B, H, S, dtype)}
+    if case == "dropout":  # the SIMT kernel; the seed is a CPU tensor the launch reads on the host
+        kwargs.update(dropout_p=0.2, dropout_seed=torch.tensor([3, 4]))
+    module = attnx.nn.MultiheadAttention(64, 4, batch_first=True, device=device).eval()
+    x = torch.randn(B, L, 64, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            if case == "module":
+                module(x, x, x, key_padding_mask=kwargs["key_padding_mask"][:, :L], need_weights=False)
+            else:
+                attnx.attention(q, k, v, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="ops.draw_dropout_seed draws on the device and copies the seed to the host")
+def test_dropout_seed_is_drawn_without_synchronizing(device):
+    # A training step's forward with dropout and no dropout_seed draws one: that should not wait for the
+    # device. Strict: when the draw stops synchronising this test fails, and the mark must go.
+    q, k, v = qkv(device, 2, 4, 60, 90, 64, 64, dtype=torch.float16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            attnx.attention(q, k, v, dropout_p=0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _attnx_kernels(fn):
+    """Names of the attnx kernels that fn launches, from torch's profiler (None: it recorded no kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not names:
+        return None
+    kinds = ("attention_forward_mma", "attention_forward_simt")
+    return {kind for kind in kinds if any(kind in n for n in names)}
+
+
+def test_attention_kernel_dispatch(device):
+    # Which kernel runs, not only that the result is right: every other test would pass if fp16/bf16 never
+    # reached the tensor-core kernel.
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the mma kernel needs sm80+")
+    if os.environ.get("ATTNX_CUDA_MMA") == "0":
+        pytest.skip("ATTNX_CUDA_MMA=0 is set")
+    mma, simt = {"attention_forward_mma"}, {"attention_forward_simt"}
+    cases = [((torch.float16, 64, 64), {}, mma), ((torch.bfloat16, 128, 128), {"is_causal": True}, mma),
+             ((torch.float16, 128, 96), {"sinks": make_sinks(4, torch.float16, device)}, mma),
+             ((torch.float16, 256, 256), {}, simt), ((torch.float32, 64, 64), {}, simt),
+             ((torch.float64, 32, 32), {}, simt),
+             ((torch.float16, 64, 64), {"dropout_p": 0.2, "dropout_seed": torch.tensor([1, 2])}, simt),
+             ((torch.float32, 288, 288), {}, set())]
+    for (dtype, D, Dv), kwargs, want in cases:
+        q, k, v = qkv(device, 2, 4, 40, 50, D, Dv, dtype=dtype)
+        got = _attnx_kernels(lambda q=q, k=k, v=v, kw=kwargs: attnx.attention(q, k, v, **kw))
+        if got is None:
+            pytest.skip("the profiler recorded no CUDA kernel (CUPTI unavailable)")
+        assert got == want, f"{dtype} D={D} Dv={Dv} {sorted(kwargs)}: ran {sorted(got)}, want {sorted(want)}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 288], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+def test_attention_backward_every_feature(device, dtype, head_dim):
+    # The math backward on CUDA tensors (through the kernels' forward, or the composite's above head dim 256)
+    # against the reference's gradients, for q, k, v, a learned float mask and sinks. Every row sees keys
+    # (is_causal, which would empty some rows here, is in test_attention_gradcheck).
+    gen = torch.Generator().manual_seed(8)
+    B, H, Hkv, L, S = 2, 4, 2, 37, 53
+    q, k, v = (t.detach().requires_grad_() for t in gqa(device, B, H, Hkv, L, S, head_dim, 40, dtype=dtype))
+    mask = to_device(torch.randn(L, S, generator=gen).to(dtype), device).requires_grad_()
+    sinks = make_sinks(H, dtype, device).requires_grad_()
+    kpm = to_device(torch.rand(B, S, generator=gen) < 0.2, device)
+    grad_out = to_device(torch.randn(B, H, L, 40, generator=gen).to(dtype), device)
+    kwargs = {"key_padding_mask": kpm, "scale": 0.2, "window_left": 20, "window_right": 3,
+              "key_lengths": torch.tensor([S, 45], device=device), "softcap": 5.0}
+    leaves = (q, k, v, mask, sinks)
+    out, _ = attnx.attention(q, k, v, attn_mask=mask, sinks=sinks, **kwargs)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    ref64 = [t.detach().double().requires_grad_() for t in leaves]
+    out64, _ = reference.attention(*ref64[:3], attn_mask=ref64[3], sinks=ref64[4], **kwargs)
+    want64 = torch.autograd.grad(out64, ref64, grad_out.double())
+    same = [t.detach().clone().requires_grad_() for t in leaves]
+    out_same, _ = reference.attention(*same[:3], attn_mask=same[3], sinks=same[4], **kwargs)
+    want_same = torch.autograd.grad(out_same, same, grad_out)
+    for name, g, r64, rs, leaf in zip(["q", "k", "v", "mask", "sinks"], grads, want64, want_same, leaves,
+                                      strict=True):
+        assert g.shape == leaf.shape and g.dtype == leaf.dtype and g.device == leaf.device, name
+        assert_grad_bounded(g, r64, rs, GRAD_ATOL[dtype], f"grad {name}")
+
+
+@pytest.mark.parametrize("head_dim", [8, 264], ids=str)
+def test_attention_gradcheck(device, head_dim):
+    # float64 on CUDA: the SIMT kernel's forward (the composite's at 264) and the math backward, with grouped
+    # heads, a learned float mask, padding, causal, a window, key lengths, soft-capping and learned sinks.
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+
+    q, k, v = leaf(1, 4, 6, head_dim), leaf(1, 2, 9, head_dim), leaf(1, 2, 9, 5)
+    mask, sinks = leaf(6, 9), leaf(4)
+    kpm = torch.tensor([[False] * 8 + [True]], device=device)
+    lengths = torch.tensor([8], device=device)
+
+    def f(q, k, v, mask, sinks):
+        return attnx.attention(q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=True, window_left=4,
+                               window_right=1, key_lengths=lengths, softcap=3.0, sinks=sinks)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, mask, sinks), atol=1e-6, rtol=1e-4,
+                                    fast_mode=head_dim > 256)

@@ -1,0 +1,88 @@
+"""Launches for compute-sanitizer (memcheck, racecheck, synccheck), run by tools/gpu_check.py.
+
+A small set that still reaches every code path of the CUDA backend: the tensor-core kernel (float16 and
+bfloat16, vector and element tile staging, partial tiles), the SIMT kernel (float32, dropout), every feature
+(both masks, causal, grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256
+composite. Each launch is synchronised and named, so a sanitizer report follows the line of its case.
+
+    python tools/gpu_sanitize_cases.py          # from the repository root, attnx importable
+"""
+
+import os
+import sys
+
+import torch
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+sys.path.insert(0, TESTS)
+
+import attnx  # noqa: E402
+from attention_helpers import make_gqa, make_qkv  # noqa: E402
+from layouts import to_device  # noqa: E402
+
+DEV = "cuda"
+H16, BF, F32 = torch.float16, torch.bfloat16, torch.float32
+GEN = torch.Generator().manual_seed(0)
+
+
+def bool_mask(*shape, p=0.2):
+    return to_device(torch.rand(*shape, generator=GEN) < p, DEV)
+
+
+def qkv(*shape, dtype=H16, layout="contiguous"):
+    return to_device(make_qkv(*shape, dtype=dtype, layout=layout), DEV)
+
+
+def gqa(*shape, dtype=H16, layout="contiguous"):
+    return to_device(make_gqa(*shape, dtype=dtype, layout=layout), DEV)
+
+
+def features(B, H, S):
+    """Every key-range feature and both extras, for B batches, H query heads, S keys."""
+    return {"window_left": 20, "window_right": 3,
+            "key_lengths": torch.tensor([S, S // 2][:B], device=DEV, dtype=torch.int32),
+            "softcap": 5.0, "sinks": torch.linspace(-1.0, 2.0, H, device=DEV)}
+
+
+def cases():
+    yield "mma fp16 D=64 partial tiles, causal", qkv(2, 3, 37, 53, 64, 64), {"is_causal": True}
+    yield "mma fp16 D=32 strided (element staging), fp16 (B*H, L, S) mask", qkv(
+        2, 2, 70, 90, 32, 32, layout="strided_last"), {
+        "attn_mask": to_device(torch.randn(4, 70, 90, generator=GEN).half(), DEV)}
+    yield "mma bf16 D=128 GQA, both masks, every feature", gqa(2, 6, 2, 100, 150, 128, 128, dtype=BF,
+                                                               layout="blhd"), {
+        "attn_mask": bool_mask(100, 150), "key_padding_mask": bool_mask(2, 150), **features(2, 6, 150)}
+    yield "SIMT fp32 D=64 GQA, both masks, causal, every feature", gqa(2, 4, 2, 45, 70, 64, 48, dtype=F32,
+                                                                       layout="lbhd"), {
+        "attn_mask": bool_mask(45, 70), "key_padding_mask": bool_mask(2, 70), "is_causal": True,
+        **features(2, 4, 70)}
+    yield "SIMT fp32 D=256", qkv(1, 1, 20, 30, 256, 256, dtype=F32), {"is_causal": True}
+    yield "SIMT fp16 dropout, every feature", gqa(2, 4, 2, 37, 53, 24, 24), {
+        "dropout_p": 0.3, "dropout_seed": torch.tensor([17, 3]), **features(2, 4, 53)}
+    yield "composite fp32 D=288 GQA, both masks, causal, every feature", gqa(2, 4, 2, 37, 50, 288, 48,
+                                                                             dtype=F32, layout="blhd"), {
+        "attn_mask": bool_mask(37, 50), "key_padding_mask": bool_mask(2, 50), "is_causal": True,
+        **features(2, 4, 50)}
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True  # batch 1 sees no key
+    yield "mma fp16 fully masked rows", qkv(2, 2, 6, 9, 8, 8), {"key_padding_mask": to_device(kpm, DEV)}
+    yield "empty (S=0)", qkv(2, 2, 3, 0, 8, 8), {}
+
+
+def main():
+    failed = 0
+    for label, (q, k, v), kwargs in cases():
+        try:
+            with torch.no_grad():
+                out, _ = attnx.attention(q, k, v, **kwargs)
+            torch.cuda.synchronize()
+            print(f"ok    {label}: out {tuple(out.shape)}", flush=True)
+        except RuntimeError as e:  # reported and counted; the next cases still run
+            failed += 1
+            print(f"FAIL  {label}: {str(e).splitlines()[0][:300]}", flush=True)
+    print(f"{failed} of the launches failed" if failed else "all launches done", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
