@@ -242,13 +242,15 @@ LinearOperands gemm_part(const LinearOperands& g, bool by_rows, int64_t begin, i
 }
 
 void run_gemm(const LinearOperands& g) {
-  if (g.bias) {
-    // F.linear's GEMM for a 2-D input, addmm_out(c, bias, a, w^T). (addmm.out itself takes Scalars, beta and
-    // alpha, which a stable dispatcher call cannot pass.)
-    aten::linear_out(view(g.c), view(g.a), view(g.w), row_view(*g.bias));
-  } else {
-    aten::mm_out(view(g.c), view(g.a), transposed_view(g.w));
-  }
+  stable::naming("attnx::linear", [&] {
+    if (g.bias) {
+      // F.linear's GEMM for a 2-D input, addmm_out(c, bias, a, w^T). (addmm.out itself takes Scalars, beta
+      // and alpha, which a stable dispatcher call cannot pass.)
+      aten::linear_out(view(g.c), view(g.a), view(g.w), row_view(*g.bias));
+    } else {
+      aten::mm_out(view(g.c), view(g.a), transposed_view(g.w));
+    }
+  });
 }
 
 Tensor linear_via_gemm(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {

@@ -52,26 +52,45 @@ inline std::string error_message(std::string message) {
   throw std::runtime_error(std::move(message));
 }
 
+// The error of a call into torch's C API that failed without a message (torch < 2.13): which call failed.
+struct CallFailed : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // Raises the error of a failed call into torch's C API (a shim call, a dispatcher call whose op raised) as a
 // RuntimeError that carries the op's own message. (torch's STABLE_TORCH_ERROR_CODE_CHECK also prints the
 // backtrace to stderr and appends its own call site to the message.) Where torch < 2.13 does not pass the
 // message on, the exception says so.
 inline void check(AOTITorchError error, const char* what) {
   if (error == TORCH_SUCCESS) return;
-  const char* message = compat::torch_error_message();
-  raise(message ? error_message(message)
-                : std::string(what) + " failed (torch < 2.13 logs the error to stderr)");
+  if (const char* message = compat::torch_error_message()) raise(error_message(message));
+  std::string failed = std::string(what) + " failed (torch < 2.13 logs the error to stderr)";
+  compat::raised_message() = failed;
+  throw CallFailed(std::move(failed));
+}
+
+// Runs f, naming `op` in the error of a call into torch that failed without a message inside it (torch
+// < 2.13: "attnx::linear: aten::mm.out failed ..."). Where torch passes messages on, it changes nothing.
+template <typename F>
+decltype(auto) naming(const char* op, F&& f) {
+  try {
+    return f();
+  } catch (const CallFailed& e) {
+    raise(std::string(op) + ": " + e.what());
+  }
 }
 
 // Calls `name`.`overload` on a boxed stack through the dispatcher, raising its error as check() does; under
 // torch < 2.13, an error that attnx's own code raised below the call keeps its message (common/compat.h).
-inline void dispatch(const char* name, const char* overload, StableIValue* stack, const char* what) {
+// `what` names the call in that error; by default the op, `name`.`overload`.
+inline void dispatch(const char* name, const char* overload, StableIValue* stack,
+                     const char* what = nullptr) {
   compat::raised_message().clear();
   const AOTITorchError error = torch_call_dispatcher(name, overload, stack, TORCH_ABI_VERSION);
   if (error == TORCH_SUCCESS) return;
   const char* message = compat::torch_error_message();
   if (message == nullptr && !compat::raised_message().empty()) raise(std::string(compat::raised_message()));
-  check(error, what);
+  check(error, what ? what : (std::string(name) + (*overload ? "." : "") + overload).c_str());
 }
 
 using torch::headeronly::IntHeaderOnlyArrayRef;
@@ -249,7 +268,7 @@ template <size_t N = 1, typename... Args>
 auto call(const char* name, const char* overload, const Args&... args) {
   constexpr size_t kArgs = sizeof...(Args);
   std::array<StableIValue, (kArgs > N ? kArgs : N) + 1> stack{detail::box(args)...};
-  dispatch(name, overload, stack.data(), name);
+  dispatch(name, overload, stack.data());
   if constexpr (N == 1) {
     return torch::stable::detail::to<Tensor>(stack[0]);
   } else {
