@@ -50,15 +50,17 @@ def _worker(rank, port, out_dir):
         if rank == 0:
             torch.save({name: p.grad for name, p in model.module.named_parameters()},
                        os.path.join(out_dir, "grads.pt"))
-        # Leave together: no rank may start tearing its end of the group down (gloo's connections, its
-        # worker and event-loop threads, and on rank 0 the TCPStore server the other rank talks to) while the
-        # other is still in the backward's last collectives or, as rank 0 here, still saving: the rank that
-        # got out first died in its teardown with "terminate called without an active exception" (SIGABRT)
-        # while its peer still held the connections. After the barrier both ranks are done communicating and
-        # enter destroy_process_group within the same moment.
+        # Leave together: no rank may leave while the other is still in the backward's last collectives or,
+        # as rank 0 here, still saving.
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Both ranks are done communicating. Tearing the group down (gloo's connections, its worker and event-loop
+    # threads, and on rank 0 the TCPStore server) can still abort the rank that gets there first, "terminate
+    # called without an active exception" (SIGABRT), on a loaded machine, even after the barrier: the process
+    # ends here, so it ends without that teardown.
+    os._exit(0)
 
 
 def _free_port():
