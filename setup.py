@@ -171,8 +171,9 @@ def _extensions(backends):
                     py_limited_api=True, extra_link_args=list(link))
 
     stable = cxx + [TARGET_VERSION]
-    exts = [cpp_extension.CppExtension("attnx._C", sources("*.cpp", "common/*.cpp", "cpu/*.cpp"),
-                                       extra_compile_args={"cxx": stable}, **kwargs())]
+    cpu_sources = sources("*.cpp", "common/*.cpp", "cpu/*.cpp", "pytorch/*.cpp")
+    exts = [cpp_extension.CppExtension("attnx._C", cpu_sources, extra_compile_args={"cxx": stable},
+                                       **kwargs())]
     if "CUDA" in backends:
         nvcc = opt + ["--expt-relaxed-constexpr", "-lineinfo"]
         exts.append(cpp_extension.CUDAExtension(

@@ -105,6 +105,16 @@ STABLE_TORCH_LIBRARY(attnx, m) {
       "mha_backward(Tensor grad_out, Tensor? grad_weights, " ATTNX_MHA_LEADING_ARGUMENTS
       ", float dropout_p, Tensor? dropout_seed, Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, "
       "int[] output_mask, bool batch_first=False) -> Tensor[]");
+  // The SDPA takeover (csrc/pytorch/sdpa.cpp): _sdpa_takeover(on) makes attnx's CPU kernels those of
+  // aten::_scaled_dot_product_flash_attention_for_cpu and its backward (on = True) or gives PyTorch's back
+  // (False), and returns whether it was on before (None: only that). The two fallbacks have the aten ops' schemas: PyTorch's own kernels,
+  // for the calls attnx's do not take (registered from python/attnx/sdpa.py).
+  m.def("_sdpa_takeover(bool? on=None) -> bool");
+  m.def("_sdpa_for_cpu_fallback(Tensor query, Tensor key, Tensor value, float dropout_p=0.0, "
+        "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> (Tensor output, Tensor logsumexp)");
+  m.def("_sdpa_for_cpu_backward_fallback(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+        "Tensor logsumexp, float dropout_p, bool is_causal, *, Tensor? attn_mask=None, float? scale=None) -> "
+        "(Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // The ISA level attention's CPU kernels (forward and backward) run at in this process: "avx512", "avx2" or
   // "default" (cpu/attention_kernel.h, cpu_capability()). Asked of the library rather than recomputed in
   // Python, so that `python -m attnx.info` reports the level the kernels were picked for, build included.

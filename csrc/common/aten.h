@@ -15,6 +15,7 @@
 #include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>
 #include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/Layout.h>
 #include <torch/headeronly/core/MemoryFormat.h>
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/HeaderOnlyArrayRef.h>
@@ -57,6 +58,18 @@ inline Tensor empty_strided(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef s
 // A contiguous uninitialised tensor.
 inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const Device& device) {
   return empty_strided(sizes, stable::contiguous_strides(sizes), dtype, device);
+}
+
+// torch.empty_like(t) (memory_format=preserve): t's strides when t is dense and non-overlapping, allocated
+// directly; otherwise torch's own choice of layout, through the dispatcher.
+inline Tensor empty_like(const Tensor& t) {
+  const IntHeaderOnlyArrayRef sizes = t.sizes(), strides = t.strides();
+  if (stable::non_overlapping_and_dense(sizes, strides)) {
+    return empty_strided(sizes, strides, t.scalar_type(), t.device());
+  }
+  return call("aten::empty_like", "", t, std::optional<ScalarType>(),
+              std::optional<torch::headeronly::Layout>(), std::optional<Device>(), std::optional<bool>(),
+              std::optional<torch::headeronly::MemoryFormat>());
 }
 
 // like.new_empty(sizes): contiguous, like's dtype and device.

@@ -337,7 +337,8 @@ Tensor sinks_grad(const Tensor& grad_out, const Tensor& out, const Tensor& lse, 
 
 // (The problems are built at the end, member by member from locals: a default-constructed stable Tensor is an
 // allocation in the shim, which a decoding step would pay for each one.)
-AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, AttentionOptions options) {
+AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, AttentionOptions options,
+                                   std::optional<std::pair<Tensor, Tensor>> outputs) {
   check_attention_args(query, key, value, options);
   AttentionPointers ptr{};
   AttentionParams p = attention_params(query, key, value, options, ptr);
@@ -347,8 +348,11 @@ AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, Atten
 
   // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
   const Device device = query.device();
-  Tensor out = empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, dtype, device);
-  Tensor lse = aten::empty({p.batch, p.heads, p.q_len}, attention_acc_dtype(dtype), device);
+  if (!outputs) {
+    outputs.emplace(empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, dtype, device),
+                    aten::empty({p.batch, p.heads, p.q_len}, attention_acc_dtype(dtype), device));
+  }
+  auto& [out, lse] = *outputs;
   copy_strides(out, p.out_stride);
   copy_strides(lse, p.lse_stride);
   ptr.out = out.mutable_data_ptr();

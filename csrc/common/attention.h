@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "attnx/params.h"
 #include "common/stable.h"
@@ -68,11 +69,13 @@ void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& 
                           const AttentionOptions& options);
 
 // Checks the arguments, reads every tensor's layout into the params without copying any of them, and
-// allocates out and lse. Masks are canonicalised as views: (L, S) and 4-D masks broadcast to (B, H, L, S)
-// with stride 0 on broadcast dims, and a (B*H, L, S) mask is split into (B, H). dropout_seed's values go
-// into the params, read on the host (no device sync for a GPU kernel). sinks are converted to the
-// accumulator dtype (H values) when they are in another dtype or not contiguous.
-AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, AttentionOptions options);
+// allocates out and lse (or takes the caller's `outputs`, out and lse of the right sizes and dtypes in any
+// strides). Masks are canonicalised as views: (L, S) and 4-D masks broadcast to (B, H, L, S) with stride 0
+// on broadcast dims, and a (B*H, L, S) mask is split into (B, H). dropout_seed's values go into the params,
+// read on the host (no device sync for a GPU kernel). sinks are converted to the accumulator dtype (H
+// values) when they are in another dtype or not contiguous.
+AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, AttentionOptions options,
+                                   std::optional<std::pair<Tensor, Tensor>> outputs = std::nullopt);
 
 // One call of attnx::attention_backward, ready for a kernel. The gradients are allocated in out's layout,
 // (B, H, N, E) with memory order (B, N, H, E).

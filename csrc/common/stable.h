@@ -203,6 +203,24 @@ inline std::vector<int64_t> contiguous_strides(IntHeaderOnlyArrayRef sizes) {
   return strides;
 }
 
+// Whether a tensor of these sizes and strides covers a dense block of memory without overlaps, in some order
+// of its dims (torch's is_non_overlapping_and_dense): then a tensor with the same strides holds every element
+// once.
+inline bool non_overlapping_and_dense(IntHeaderOnlyArrayRef sizes, IntHeaderOnlyArrayRef strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims that are stepped along
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return true;
+    if (sizes[d] != 1) dims.emplace_back(strides[d], sizes[d]);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Boxed stacks: an op's arguments in and out of the StableIValue stack the dispatcher hands a boxed kernel.
 // Both take over references as TORCH_BOX does (a tensor unboxed is owned by the caller from then on).

@@ -1,7 +1,7 @@
 // attnx: attnx::attention on CPU. The checks and layouts are common/attention.cpp; the kernel is
 // cpu/attention_kernel_impl.h, compiled here for the baseline ISA and in cpu/attention_kernel_avx2.cpp /
 // cpu/attention_kernel_avx512.cpp for wider vectors, and picked at run time like torch's own CPU kernels.
-#include "common/attention.h"
+#include "cpu/attention.h"
 
 #include <torch/csrc/stable/library.h>
 

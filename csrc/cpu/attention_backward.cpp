@@ -7,6 +7,7 @@
 
 #include "common/aten.h"
 #include "common/attention.h"
+#include "cpu/attention.h"
 #include "cpu/attention_backward_kernel.h"
 #include "cpu/attention_kernel.h"
 
