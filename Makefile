@@ -24,11 +24,12 @@ BENCH_ARGS ?=
 # gpu-check uses the machine's own Python and its CUDA torch, not the venv (GPU_CHECK_PY=... to choose).
 GPU_CHECK_PY ?= python3
 GPU_CHECK_ARGS ?=
-# The model libraries that tests/test_transformers.py, test_convert_timm.py and test_convert_open_clip.py run
-# against (the versions they were verified with). timm and open_clip need torchvision, whose build must match
-# torch's: the CPU torch 2.13.0 venv of test-wheel installs transformers alone and those tests skip there,
-# saying why.
-MODEL_LIBS ?= transformers==5.23.0 timm==1.0.31 open-clip-torch==3.3.0 torchvision==0.29.1
+# The model libraries that tests/test_transformers.py, test_convert_timm.py, test_convert_open_clip.py and
+# test_sdpa_models.py run against (the versions they were verified with). timm and open_clip need torchvision,
+# whose build must match torch's: the CPU torch 2.13.0 venv of test-wheel installs transformers and diffusers
+# alone and those tests skip there, saying why.
+TORCH_FREE_MODEL_LIBS := transformers==5.23.0 diffusers==0.42.1
+MODEL_LIBS ?= $(TORCH_FREE_MODEL_LIBS) timm==1.0.31 open-clip-torch==3.3.0 torchvision==0.29.1
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
@@ -83,7 +84,7 @@ wheel: $(VENV)/.deps
 # The wheel, built once, in fresh venvs with other builds of torch: the suite runs against the installed
 # package (a copy of the tree without python/ and setup.py, so that `import attnx` finds the wheel's).
 test-wheel: wheel tools
-	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS=transformers==5.23.0
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS="$(TORCH_FREE_MODEL_LIBS)"
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH=torch==2.14.1 WHEEL_LIBS="$(MODEL_LIBS)"
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS=
 
@@ -154,7 +155,7 @@ bench: build bench-deps
 bench-deps: $(VENV)/.bench-deps
 
 $(VENV)/.bench-deps: $(VENV)/.deps Makefile
-	$(PY) -m pip install --quiet matplotlib $(filter transformers%,$(MODEL_LIBS))
+	$(PY) -m pip install --quiet matplotlib $(filter transformers% diffusers%,$(MODEL_LIBS))
 	touch $@
 
 build: $(VENV)/.built

@@ -28,6 +28,7 @@ from . import (
     bench_models,
     bench_overhead,
     bench_scaling,
+    bench_sdpa,
     bench_train,
 )
 from .common import RESULTS_DIR, load_average, machine, progress, write_record, write_results
@@ -45,6 +46,7 @@ BENCHMARKS = {
     "features": bench_features,
     "models": bench_models,
     "overhead": bench_overhead,
+    "sdpa": bench_sdpa,
 }
 
 

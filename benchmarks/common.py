@@ -76,17 +76,22 @@ class Timing:
         }
 
 
-def time_interleaved(fns: dict, device: str = "cpu", reps: int = 15, min_block_s: float = 0.02) -> dict:
+def time_interleaved(
+    fns: dict, device: str = "cpu", reps: int = 15, min_block_s: float = 0.02, setup: dict | None = None
+) -> dict:
     """Time each callable in ``fns`` round-robin, the order reversed every other round; returns
     ``{name: Timing}`` whose samples line up by round.
 
     Each sample is the mean of a block of calls whose size is chosen per callable so that one block lasts
     about ``min_block_s``, which keeps timer resolution and per-call noise out of short calls
     (``min_block_s=0``: one call per sample, for calls of many milliseconds). Every callable is called once
-    first (allocator, lazy initialisation, caches).
+    first (allocator, lazy initialisation, caches). ``setup[name]``, when given, runs before each of that
+    callable's blocks, untimed (to switch a process-wide state such as attnx.sdpa's on or off).
     """
+    setup = setup or {}
     blocks = {}
     for name, fn in fns.items():
+        setup.get(name, lambda: None)()
         fn()
         synchronize(device)
         if min_block_s <= 0:
@@ -102,6 +107,7 @@ def time_interleaved(fns: dict, device: str = "cpu", reps: int = 15, min_block_s
     for _ in range(reps):
         for name, fn in order:
             n = blocks[name]
+            setup.get(name, lambda: None)()
             synchronize(device)
             t0 = time.perf_counter()
             for _ in range(n):

@@ -166,3 +166,12 @@ def test_models_case_smoke_run(tmp_path):
         assert all(n >= 0 for n in case[name]["peak_extra_bytes"].values())
     decode = case["decode"]
     assert {"B=1", "target_met"} <= set(decode) and decode["B=1"]["tokens_per_s"]["attnx"] > 0
+
+
+def test_sdpa_case_smoke_run(tmp_path):
+    """The SDPA takeover case runs, compares outputs, leaves the takeover off and prints a ratio per row."""
+    result = _smoke("sdpa", tmp_path)
+    assert result.returncode == 0, result.stderr
+    case = json.loads(next(tmp_path.glob("cpu-*.json")).read_text(encoding="utf-8"))["cases"]["sdpa"]
+    assert set(case["results"]) == {"tiny 1x2x1x8x12x16 float32", "tiny 1x2x1x8x12x16 float32 fwd+bwd"}
+    assert all("attnx/torch" in row for row in case["results"].values())
