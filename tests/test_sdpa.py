@@ -125,20 +125,24 @@ def test_fully_masked_rows():
     assert (out[:, :, 2] == 0).all() and (lse[:, :, 2] == 0).all() and (gq[:, :, 2] == 0).all()
 
 
-def test_sdpa_end_to_end_against_math_backend():
-    """F.scaled_dot_product_attention under the takeover, autograd included, against its MATH backend: a bool
-    mask (SDPA converts it before the op), GQA and 3-D inputs."""
+@pytest.mark.parametrize("mask", ["bool", "none", "causal"])
+def test_sdpa_end_to_end_against_math_backend(mask):
+    """F.scaled_dot_product_attention under the takeover, autograd included (the autograd engine passes an
+    absent mask as an undefined tensor), against its MATH backend: a bool mask (SDPA converts it before the
+    op), GQA and 3-D inputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 8, 33, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
-    mask = torch.rand(33, 40, generator=gen) > 0.3  # True = attend, as SDPA reads a bool mask
-    mask[:, 0] = True
+    kwargs = {"is_causal": True} if mask == "causal" else {}
+    if mask == "bool":
+        kwargs["attn_mask"] = torch.rand(33, 40, generator=gen) > 0.3  # True = attend, as SDPA reads a bool
+        kwargs["attn_mask"][:, 0] = True
 
     def run():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
         return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
 
     with sdpa_kernel(SDPBackend.MATH):

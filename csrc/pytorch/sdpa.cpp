@@ -55,6 +55,14 @@ bool is_float_dtype(ScalarType t) {
          t == ScalarType::Half;
 }
 
+// An optional tensor argument as the kernels read it: the autograd engine passes an absent attn_mask as an
+// undefined tensor, not as None.
+std::optional<Tensor> optional_tensor(StableIValue value) {
+  std::optional<Tensor> t = to<std::optional<Tensor>>(value);
+  if (t && !t->defined()) t.reset();
+  return t;
+}
+
 // Whether attnx's kernels take this call; PyTorch's kernel gets the others.
 bool takes(const Tensor& query, const Tensor& key, const Tensor& value, double dropout_p,
            const std::optional<Tensor>& attn_mask) {
@@ -105,7 +113,7 @@ void sdpa_forward(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
   Tensor query = to<Tensor>(stack[0]), key = to<Tensor>(stack[1]), value = to<Tensor>(stack[2]);
   const double dropout_p = to<double>(stack[3]);
   const bool is_causal = to<bool>(stack[4]);
-  std::optional<Tensor> attn_mask = to<std::optional<Tensor>>(stack[5]);
+  std::optional<Tensor> attn_mask = optional_tensor(stack[5]);
   const std::optional<double> scale = to<std::optional<double>>(stack[6]);
   if (!takes(query, key, value, dropout_p, attn_mask)) {
     auto [out, lse] = stable::call<2>("attnx::_sdpa_for_cpu_fallback", "", query, key, value, dropout_p,
@@ -141,7 +149,7 @@ void sdpa_backward(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
          value = to<Tensor>(stack[3]), out = to<Tensor>(stack[4]), lse = to<Tensor>(stack[5]);
   const double dropout_p = to<double>(stack[6]);
   const bool is_causal = to<bool>(stack[7]);
-  std::optional<Tensor> attn_mask = to<std::optional<Tensor>>(stack[8]);
+  std::optional<Tensor> attn_mask = optional_tensor(stack[8]);
   const std::optional<double> scale = to<std::optional<double>>(stack[9]);
   if (!takes(query, key, value, dropout_p, attn_mask)) {
     auto grads = stable::call<3>("attnx::_sdpa_for_cpu_backward_fallback", "", grad_out, query, key, value,
