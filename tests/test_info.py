@@ -184,6 +184,12 @@ def test_cuda_lines_name_the_kernel_that_runs(report):
         assert expected in launched, (text, launched)
 
 
+def test_sdpa_line(report):
+    assert _line(report, "SDPA takeover (attnx.sdpa): off").endswith("or attnx.sdpa.enable())")
+    with attnx.sdpa.enabled():
+        assert info.sdpa_line().startswith("SDPA takeover (attnx.sdpa): on:")
+
+
 def test_integrations_line(report):
     line = _line(report, "integrations:")
     found, missing = set(), set()

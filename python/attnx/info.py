@@ -259,6 +259,14 @@ def integrations_line() -> str:
     )
 
 
+def sdpa_line() -> str:
+    """Whether F.scaled_dot_product_attention's CPU kernels are attnx's now (attnx.sdpa)."""
+    if attnx.sdpa.is_enabled():
+        return "SDPA takeover (attnx.sdpa): on: F.scaled_dot_product_attention on CPU runs attnx's kernels"
+    return ('SDPA takeover (attnx.sdpa): off (on: torch.nn.attention.activate_flash_attention_impl("attnx") '
+            "or attnx.sdpa.enable())")
+
+
 def dispatch_lines() -> list[str]:
     """Every attnx op, internal ones included, with the dispatch keys it has kernels for."""
     width = max((len(op) for op in ops()), default=0)
@@ -270,10 +278,10 @@ def dispatch_lines() -> list[str]:
 def report(verbose: bool = False) -> str:
     """What ``python -m attnx.info`` prints: attnx's and torch's versions, the build and the devices; the
     backends each public op has kernels for; the CPU kernels' ISA level; the CUDA kernel each dtype takes on
-    each visible GPU (or why none); whether the backward is fused on each backend; the integrations' libraries
-    found. ``verbose`` (``--ops``) adds every op's dispatch keys."""
+    each visible GPU (or why none); whether the backward is fused on each backend; whether the SDPA takeover
+    is on; the integrations' libraries found. ``verbose`` (``--ops``) adds every op's dispatch keys."""
     lines = header_lines() + op_lines() + [cpu_line()] + cuda_lines() + backward_lines()
-    return "\n".join(lines + [integrations_line()] + (dispatch_lines() if verbose else []))
+    return "\n".join(lines + [sdpa_line(), integrations_line()] + (dispatch_lines() if verbose else []))
 
 
 def main(argv: list[str] | None = None) -> None:
