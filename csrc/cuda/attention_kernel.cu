@@ -37,9 +37,10 @@ namespace attnx::cuda {
 namespace {
 
 // Blocks per SM the launch bounds ask ptxas for (0: none). Left to itself, ptxas keeps the float64 kernels
-// under 128 registers on some arches and spills there (sm_80: 12-16 bytes at head dims 32 and 256); 3 blocks
-// allow 168 registers, and shared memory holds a float64 block to 3 or 4 per SM at head dims >= 64 anyway
-// (and to 1 at 256). The other dtypes fit in ptxas's own choice (80-140 registers) without spilling.
+// under 128 registers on some arches and spills there (sm_80: 8 and 12 bytes at head dims 32 and 256); 3
+// blocks allow 168 registers, and shared memory already holds a float64 block to at most 3 per SM at head
+// dims >= 64 (4 on sm_90 at 64), so only head dim 32 on sm_80 loses a block (4 -> 3). The other dtypes fit
+// in ptxas's own choice (80-140 registers) without spilling.
 template <typename acc_t>
 constexpr int simt_min_blocks() {
   return sizeof(acc_t) == 8 ? 3 : 0;
