@@ -620,11 +620,9 @@ def test_forward_does_not_synchronize(device, case):
     torch.cuda.synchronize()
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="ops.draw_dropout_seed draws on the device and copies the seed to the host")
 def test_dropout_seed_is_drawn_without_synchronizing(device):
-    # A training step's forward with dropout and no dropout_seed draws one: that should not wait for the
-    # device. Strict: when the draw stops synchronising this test fails, and the mark must go.
+    # A training step's forward with dropout and no dropout_seed draws one: ops.draw_dropout_seed draws it
+    # from the CPU generator, so nothing waits for the device.
     q, k, v = qkv(device, 2, 4, 60, 90, 64, 64, dtype=torch.float16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -633,6 +631,30 @@ def test_dropout_seed_is_drawn_without_synchronizing(device):
             attnx.attention(q, k, v, dropout_p=0.1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    torch.manual_seed(11)
+    out, lse = attnx.attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(11)
+    seed = attnx.ops.draw_dropout_seed(device)
+    assert_matches_reference(out, lse, q, k, v, dropout_p=0.3, dropout_seed=seed)
+
+
+def test_dropout_cuda_graph(device):
+    # The forward with dropout and no seed given is captured (the draw is on the host, no sync); the graph
+    # keeps the seed drawn at capture, so every replay applies that mask, to what the inputs hold then.
+    B, H, L, S = 2, 4, 60, 90
+    static = [t.clone() for t in qkv(device, B, H, L, S, 64, 64, dtype=torch.float32)]
+    with torch.no_grad():
+        torch.manual_seed(21)
+        graph, (out, lse) = _capture(lambda q, k, v: attnx.attention(q, k, v, dropout_p=0.25), *static)
+        torch.manual_seed(21)
+        seeds = [attnx.ops.draw_dropout_seed(device) for _ in range(3)]  # 2 warm-up calls, then the capture
+        for _ in range(2):
+            new = [torch.randn_like(t) for t in static]
+            for dst, src in zip(static, new, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_matches_reference(out, lse, *new, dropout_p=0.25, dropout_seed=seeds[2])
 
 
 def _attnx_kernels(fn):

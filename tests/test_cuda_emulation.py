@@ -276,6 +276,41 @@ def test_mma_padding_skips_whole_tiles_and_fully_masked_rows(emu):
     assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
 
 
+def test_mma_padding_tiles_known_before_the_loop(emu):
+    # The kernel finds the tiles key_padding_mask removes entirely before its tile loop, 1024 tiles (65536
+    # keys) at a time: keys are kept only around the first window's last tile and the second window's first
+    # tiles, in a partial last tile, and (batch 1) nowhere in the first window at all.
+    S = 65536 + 3 * 64 + 20
+    q, k, v = make_qkv(2, 1, 5, S, 16, 16, dtype=torch.float16)
+    kpm = torch.ones(2, S, dtype=torch.bool)
+    kpm[0, 65536 - 3] = False  # the last tile of the first window
+    kpm[0, 65536 + 64 : 65536 + 70] = False  # the second window's second tile
+    kpm[0, S - 1] = False  # the partial last tile
+    kpm[1, 65536 + 130] = False  # batch 1: nothing before the second window's third tile
+    out, lse = check(emu, q, k, v, key_padding_mask=kpm, kernel="mma")
+    assert torch.isfinite(lse).all()
+    kpm[1] = True  # batch 1: every tile removed, in both windows
+    out, lse = check(emu, q, k, v, key_padding_mask=kpm, kernel="mma")
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (100, 0), (70, 40)], ids=str)
+def test_mma_masks_on_interior_and_boundary_tiles(emu, window):
+    # Several query blocks and key tiles with both masks: tiles inside every row's key interval take the
+    # masked path without per-element range tests, the tiles at the interval ends (the causal diagonal, the
+    # window's edges, the partial last tile, rows past L) with them.
+    gen = torch.Generator().manual_seed(9)
+    B_, L_, S_ = 2, 150, 330
+    q, k, v = make_qkv(B_, 2, L_, S_, 32, 32, dtype=torch.bfloat16)
+    mask = torch.randn(L_, S_, generator=gen)
+    mask[torch.rand(L_, S_, generator=gen) < 0.1] = float("-inf")
+    kpm = torch.rand(B_, S_, generator=gen) < 0.2
+    kpm[0, 64:128] = True  # a whole tile removed
+    check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, window_left=window[0], window_right=window[1],
+          kernel="mma")
+    check(emu, q, k, v, attn_mask=mask, is_causal=True, window_left=window[0], kernel="mma")
+
+
 def test_mma_nan_and_empty(emu):
     q, k, v = make_qkv(1, 2, 5, 6, 16, 16, dtype=torch.float16)
     q[0, 1, 2, 0] = float("nan")

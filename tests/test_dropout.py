@@ -232,6 +232,18 @@ def test_draw_dropout_seed():
     assert not torch.equal(s, attnx.ops.draw_dropout_seed(torch.device("cpu")))
 
 
+def test_draw_dropout_seed_is_the_cpu_generators_whatever_the_device():
+    # Drawn on the host from the CPU generator for every device (no accelerator touched, so no device sync):
+    # after the same torch.manual_seed, a CPU, CUDA or MPS call gets the same seed, hence the same mask.
+    torch.manual_seed(0)
+    expected = torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64)
+    for device in (torch.device("cpu"), torch.device("cuda"), "mps", torch.device("meta"), None):
+        torch.manual_seed(0)
+        with torch.device("meta"):  # nor the default device
+            seed = attnx.ops.draw_dropout_seed(device)
+        assert seed.device.type == "cpu" and torch.equal(seed, expected), device
+
+
 def test_no_seed_drawn_without_dropout():
     torch.manual_seed(5)
     q, k, v = make_qkv(1, 1, 4, 4, 4, 4)

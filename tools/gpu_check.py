@@ -402,19 +402,7 @@ class Check:
         return result
 
     def tool(self, name):
-        found = shutil.which(name)
-        if found:
-            return found
-        for pattern in (f"/usr/local/cuda*/bin/{name}", f"/opt/nvidia/*/{name}", f"/opt/nvidia/*/*/{name}"):
-            hits = sorted(glob.glob(pattern))
-            if hits:
-                return hits[-1]
-        if name == "cuobjdump":  # triton ships one
-            hits = glob.glob(os.path.join(os.path.dirname(PY), "..", "lib", "python3*", "site-packages",
-                                          "triton", "backends", "nvidia", "bin", "cuobjdump"))
-            if hits:
-                return hits[0]
-        return None
+        return find_tool(name)
 
     # env ------------------------------------------------------------------------------------------------
     def env_step(self):
@@ -475,17 +463,17 @@ class Check:
                                "no python/attnx/_C_cuda*.so" if not libs else "no cuobjdump", log))
             return
         limit = self.budget.limit(CAPS["binary"]) or MIN_STEP
+        arch = self.info.get("capability")
+        arch = f"sm_{arch.replace('.', '')}" if arch else None
         try:
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", libs[0]], capture_output=True,
-                                   text=True, timeout=limit).stdout
-            sass = subprocess.run([cuobjdump, "-sass", libs[0]], capture_output=True, text=True,
-                                  timeout=limit).stdout
+            rows, usage = binary_report(libs[0], cuobjdump, arch, limit)
         except subprocess.TimeoutExpired:
             self.record(Result("binary", "TIMEOUT", time.monotonic() - t0, limit, "cuobjdump", log))
             return
-        arch = self.info.get("capability")
-        arch = f"sm_{arch.replace('.', '')}" if arch else None
-        rows = kernel_report(parse_resource_usage(usage), count_local_accesses(sass), arch)
+        except subprocess.CalledProcessError as e:
+            self.record(Result("binary", "FAIL", time.monotonic() - t0, limit,
+                               f"cuobjdump exit {e.returncode}: {(e.stderr or '').strip()[:200]}", log))
+            return
         ok, lines = spill_verdict(rows)
         symbols = _nm_checks(libs[0])
         with open(log, "w") as f:
@@ -617,6 +605,37 @@ def _first_line(cmd, last=False):
     except (OSError, subprocess.SubprocessError):
         return None
     return (out[-1] if last else out[0]).strip() if out else None
+
+
+def find_tool(name):
+    """A CUDA tool (cuobjdump, compute-sanitizer) on PATH, under $CUDA_HOME, in the usual toolkit folders or,
+    for cuobjdump, the one triton ships beside this Python's torch; None when there is none."""
+    found = shutil.which(name)
+    if found:
+        return found
+    home = [os.path.join(os.environ[v], "bin", name) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    for pattern in (*home, f"/usr/local/cuda*/bin/{name}", f"/opt/nvidia/*/{name}",
+                    f"/opt/nvidia/*/*/{name}"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    if name == "cuobjdump":  # triton ships one
+        hits = glob.glob(os.path.join(os.path.dirname(PY), "..", "lib", "python3*", "site-packages",
+                                      "triton", "backends", "nvidia", "bin", "cuobjdump"))
+        if hits:
+            return hits[0]
+    return None
+
+
+def binary_report(lib, cuobjdump, arch=None, timeout=None):
+    """(kernel_report rows, the resource-usage text) of a built _C_cuda library, from cuobjdump's resource
+    usage and SASS: the kernels of `arch` (e.g. "sm_90"), or of every arch in the library when None. Also
+    tests/test_cuda_binary.py's check that no default-path kernel spills. Raises subprocess.TimeoutExpired."""
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
+                           timeout=timeout, check=True).stdout
+    sass = subprocess.run([cuobjdump, "-sass", lib], capture_output=True, text=True, timeout=timeout,
+                          check=True).stdout
+    return kernel_report(parse_resource_usage(usage), count_local_accesses(sass), arch), usage
 
 
 def _nm_checks(lib):

@@ -36,8 +36,18 @@
 namespace attnx::cuda {
 namespace {
 
+// Blocks per SM the launch bounds ask ptxas for (0: none). Left to itself, ptxas keeps the float64 kernels
+// under 128 registers on some arches and spills there (sm_80: 8 and 12 bytes at head dims 32 and 256); 3
+// blocks allow 168 registers, and shared memory already holds a float64 block to at most 3 per SM at head
+// dims >= 64 (4 on sm_90 at 64), so only head dim 32 on sm_80 loses a block (4 -> 3). The other dtypes fit
+// in ptxas's own choice (80-140 registers) without spilling.
+template <typename acc_t>
+constexpr int simt_min_blocks() {
+  return sizeof(acc_t) == 8 ? 3 : 0;
+}
+
 template <typename scalar_t, int kBucket, int R>
-__global__ void __launch_bounds__(kWarps* kWarpSize)
+__global__ void __launch_bounds__(kWarps* kWarpSize, simt_min_blocks<typename AccType<scalar_t>::type>())
     attention_forward_simt(const AttentionParams p, const AttentionPointers ptr, const AttentionPlan plan) {
   using acc_t = typename AccType<scalar_t>::type;
   constexpr int kVec = 16 / static_cast<int>(sizeof(acc_t));  // accumulator elements per 16-byte vector
@@ -84,19 +94,19 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
   }
 
-  // This warp's rows: row r is query l[r] and sees keys [key_lo[r], key_hi[r]); rows past L (in the last
-  // block) take part in every collective but read and write nothing (an empty interval).
-  int64_t l[R], key_lo[R], key_hi[R];
-  bool active[R];
+  // This warp's rows: row r is query l0 + r and sees keys [key_lo[r], key_hi[r]); rows past L (in the last
+  // block) take part in every collective but read and write nothing (an empty interval). The row index is
+  // recomputed from l0 where it is needed rather than kept per row: R more 64-bit values held across the tile
+  // loop made ptxas spill at head dims 64 and 128 on sm_90.
+  const int64_t l0 = q0 + warp * R;
+  int64_t key_lo[R], key_hi[R];
   SoftmaxRow<acc_t> state[R];
   acc_t o[R][kCols];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = warp * R + r;
-    l[r] = q0 + row;
-    active[r] = row < rows_in_block;
-    key_lo[r] = active[r] ? range_key_begin(l[r], L, Sb, p.window_left) : 0;
-    key_hi[r] = active[r] ? range_key_end(l[r], L, Sb, p.window_right, p.is_causal) : 0;
+    const bool active = warp * R + r < rows_in_block;
+    key_lo[r] = active ? range_key_begin(l0 + r, L, Sb, p.window_left) : 0;
+    key_hi[r] = active ? range_key_end(l0 + r, L, Sb, p.window_right, p.is_causal) : 0;
     state[r] = softmax_row_init<acc_t>();
 #pragma unroll
     for (int c = 0; c < kCols; ++c) o[r][c] = acc_t(0);
@@ -165,9 +175,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           // scores + (attn_mask + key_padding_mask), summed in the reference's order.
           acc_t bias = padding;
           if (p.attn_mask_kind != kMaskNone) {
-            bias = mask_value<acc_t>(p.attn_mask_kind, ptr.attn_mask,
-                                     am_base + l[r] * p.attn_mask_stride[2] + key * p.attn_mask_stride[3]) +
-                   padding;
+            bias =
+                mask_value<acc_t>(p.attn_mask_kind, ptr.attn_mask,
+                                  am_base + (l0 + r) * p.attn_mask_stride[2] + key * p.attn_mask_stride[3]) +
+                padding;
           }
           s = dot[r] * scale;
           if (cap.cap > acc_t(0)) s = soft_cap(s, cap);
@@ -181,7 +192,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         for (int c = 0; c < kCols; ++c) o[r][c] *= step.alpha;
         any = any || tile_max != kNegInf;
         if (p.dropout && lane < nk) {
-          const uint64_t e = (dropout_row0 + static_cast<uint64_t>(l[r])) * static_cast<uint64_t>(S) +
+          const uint64_t e = (dropout_row0 + static_cast<uint64_t>(l0 + r)) * static_cast<uint64_t>(S) +
                              static_cast<uint64_t>(key);
           const bool kept = dropout_keep(e, p.dropout_threshold, p.dropout_seed[0], p.dropout_seed[1],
                                          p.dropout_offset[0], p.dropout_offset[1]);
@@ -224,11 +235,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   acc_t* const lse = static_cast<acc_t*>(ptr.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    if (!active[r]) continue;
+    if (warp * R + r >= rows_in_block) continue;  // past L
     const bool empty = softmax_row_empty(state[r]);
     const RowResult<acc_t> result = softmax_finish(state[r], p.has_sinks != 0, sink);
     const acc_t factor = result.factor;
-    scalar_t* dst = out + l[r] * p.out_stride[2];
+    scalar_t* dst = out + (l0 + r) * p.out_stride[2];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
 #pragma unroll
@@ -239,7 +250,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? acc_t(0) : o[r][g * kOutVec + u] * factor);
       }
     }
-    if (lane == 0) lse[l[r] * p.lse_stride[2]] = result.lse;
+    if (lane == 0) lse[(l0 + r) * p.lse_stride[2]] = result.lse;
   }
 }
 

@@ -16,8 +16,10 @@
 // O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
 // fragment of one k-step; V's B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel: the
 // loop runs over the keys the block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window,
-// per-batch key lengths), past tiles key_padding_mask removes entirely. Grouped KV heads index the kv head in
-// place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish).
+// per-batch key lengths), past tiles key_padding_mask removes entirely (found before the loop: one bit per
+// tile, in registers). Only tiles at the ends of a row's key interval test each score against it. Grouped KV
+// heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the denominator at
+// the end (softmax_finish).
 #include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
 
@@ -71,22 +73,48 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     return kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
   };
 
-  // The first tile at or after k0 that key_padding_mask does not remove entirely; kv_end when none. Every
-  // warp reads the same elements (lanes cover keys lane and lane + 32), so the whole block agrees.
+  // Tiles that key_padding_mask removes entirely, found before the tile loop rather than by a read at the top
+  // of every tile: a window of kWindowTiles tiles from window_k0 is scanned once (32 keys per warp-wide load
+  // and ballot), and lane i keeps bit w for tile 32 i + w of it (set: some key of the tile is not removed).
+  // Every warp reads the same elements, so every warp keeps the same bits and the whole block skips the same
+  // tiles. A window covers 64 Ki keys; a longer key range scans the next window when the loop reaches it.
+  constexpr int kWindowTiles = kWarpSize * 32;
+  constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
+  int64_t window_k0 = kv_begin;
+  uint32_t tiles_seen = 0;
+  const auto scan_window = [&](int64_t w0) {
+    window_k0 = w0;
+    tiles_seen = 0;
+    const int64_t w_end = range_min(kv_end, w0 + kWindowKeys);
+    for (int64_t c = w0; c < w_end; c += kWarpSize) {  // half a tile per step
+      const int64_t key = c + lane;
+      const bool seen =
+          key < w_end && mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                           kpm_base + key * p.key_padding_mask_stride[1]) != kNegInf;
+      const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
+      if (__ballot_sync(kFullMask, seen) != 0 && lane == tile / 32) tiles_seen |= 1u << (tile % 32);
+    }
+  };
+  // The first tile at or after k0 (a tile start) that key_padding_mask does not remove entirely; kv_end when
+  // none. Register work only, but for the scan of a new window.
   const auto next_tile = [&](int64_t k0) {
     if (p.key_padding_mask_kind == kMaskNone) return k0;
-    for (; k0 < kv_end; k0 += kMmaTileKeys) {
-      const int nk = tile_keys(k0);
-      bool all_masked = true;
-      for (int j = lane; j < nk; j += kWarpSize) {
-        all_masked =
-            all_masked && mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                            kpm_base + (k0 + j) * p.key_padding_mask_stride[1]) == kNegInf;
+    for (; k0 < kv_end; k0 = window_k0 + kWindowKeys) {
+      if (k0 >= window_k0 + kWindowKeys) scan_window(k0);
+      const int first = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
+      const uint32_t mine = lane < first / 32    ? 0u
+                            : lane == first / 32 ? tiles_seen & (~0u << (first % 32))
+                                                 : tiles_seen;
+      const unsigned lanes = __ballot_sync(kFullMask, mine != 0);
+      if (lanes != 0) {
+        const int owner = __ffs(static_cast<int>(lanes)) - 1;
+        const uint32_t word = __shfl_sync(kFullMask, mine, owner);
+        return window_k0 + int64_t{32 * owner + __ffs(static_cast<int>(word)) - 1} * kMmaTileKeys;
       }
-      if (!__all_sync(kFullMask, all_masked)) return k0;
     }
     return kv_end;
   };
+  if (p.key_padding_mask_kind != kMaskNone && kv_begin < kv_end) scan_window(kv_begin);
 
   // Stages the tile of keys k0 .. k0 + nk - 1 into `stage` and commits its copies as one cp.async group.
   // Consecutive threads fill consecutive 16-byte chunks of a row (coalesced reads, conflict-free stores).
@@ -187,12 +215,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     float row_max[2] = {kNegInf, kNegInf};
     // (The interval ends grow with the row: every row of the warp sees keys from its last row's first key
     // to its first row's end. Recomputed per tile from kernel parameters rather than held in registers
-    // across the loop, as are the rows' intervals below: the loop is register-bound.)
-    const bool plain = p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
-                       nk == kMmaTileKeys && warp_row0 + kMmaRowsPerWarp <= L &&
-                       range_key_begin(warp_row0 + kMmaRowsPerWarp - 1, L, Sb, p.window_left) <= k0 &&
-                       k0 + kMmaTileKeys <= range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
-    if (plain) {
+    // across the loop, as are the rows' intervals below: the loop is register-bound.) An interior tile (64
+    // keys, the warp's 16 rows all below L, every key in every one of their intervals) needs no per-element
+    // key-range test; only boundary tiles take one.
+    const bool interior = nk == kMmaTileKeys && warp_row0 + kMmaRowsPerWarp <= L &&
+                          range_key_begin(warp_row0 + kMmaRowsPerWarp - 1, L, Sb, p.window_left) <= k0 &&
+                          k0 + kMmaTileKeys <= range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
+    if (interior && p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone) {
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -216,39 +245,53 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
                           : 0.0f;
         }
       }
+      // The scores with the masks; `ranged`: a boundary tile, each element tested against its row's
+      // interval (compiled twice, so that interior tiles carry no test).
+      const auto masked_scores = [&](auto ranged) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // The row's keys in this tile, [lo, hi) in tile coordinates (32-bit: the per-element tests are
-        // against the unrolled constants jj). Rows past L, and rows whose key interval misses the tile, read
-        // no mask.
-        const int64_t key_lo = range_key_begin(l[r], L, Sb, p.window_left);
-        const int64_t key_hi = range_key_end(l[r], L, Sb, p.window_right, p.is_causal);
-        const int lo = static_cast<int>(range_min(range_max(key_lo - k0, 0), nk));
-        const int hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
-        const bool row_reads = active[r] && lo < hi;
-        const int64_t am_row = am_base + l[r] * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
+        for (int r = 0; r < 2; ++r) {
+          // The row's keys in this tile, [lo, hi) in tile coordinates (32-bit: the per-element tests are
+          // against the unrolled constants jj). Rows past L, and rows whose key interval misses the tile,
+          // read no mask.
+          int lo = 0, hi = kMmaTileKeys;
+          bool row_reads = true;
+          if constexpr (decltype(ranged)::value) {
+            const int64_t key_lo = range_key_begin(l[r], L, Sb, p.window_left);
+            const int64_t key_hi = range_key_end(l[r], L, Sb, p.window_right, p.is_causal);
+            lo = static_cast<int>(range_min(range_max(key_lo - k0, 0), nk));
+            hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
+            row_reads = active[r] && lo < hi;
+          }
+          const int64_t am_row =
+              am_base + l[r] * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
 #pragma unroll
-        for (int j = 0; j < kSTiles; ++j) {
+          for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = 2 * r + e;
-            const int jj = 8 * j + 2 * t + e;
-            float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
-            if (row_reads && lo <= jj && jj < hi) {
-              float bias = kpm[j][e];
-              if (p.attn_mask_kind != kMaskNone) {
-                bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
-                                         am_row + (8 * j + e) * p.attn_mask_stride[3]) +
-                       bias;
+            for (int e = 0; e < 2; ++e) {
+              const int i = 2 * r + e;
+              const int jj = 8 * j + 2 * t + e;
+              float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
+              if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
+                float bias = kpm[j][e];
+                if (p.attn_mask_kind != kMaskNone) {
+                  bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
+                                           am_row + (8 * j + e) * p.attn_mask_stride[3]) +
+                         bias;
+                }
+                x = s[j][i] * scale;
+                if (cap.cap > 0.0f) x = soft_cap_fast(x, cap);
+                x += bias;
               }
-              x = s[j][i] * scale;
-              if (cap.cap > 0.0f) x = soft_cap_fast(x, cap);
-              x += bias;
+              s[j][i] = x;
+              row_max[r] = nan_max(row_max[r], x);
             }
-            s[j][i] = x;
-            row_max[r] = nan_max(row_max[r], x);
           }
         }
+      };
+      if (interior) {
+        masked_scores(std::false_type{});
+      } else {
+        masked_scores(std::true_type{});
       }
     }
 

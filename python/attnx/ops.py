@@ -166,21 +166,30 @@ def attention(
     return _attention_kernel(query, key, value, *options)
 
 
-def draw_dropout_seed(device: torch.device) -> Tensor:
-    """A fresh dropout seed for :func:`attention`, from torch's default generator of ``device``'s type.
+def draw_dropout_seed(device: torch.device | str | None = None) -> Tensor:
+    """A fresh dropout seed for :func:`attention`, from torch's default CPU generator, whatever the device.
 
-    Drawn so that ``torch.manual_seed`` (or ``torch.cuda.manual_seed``) makes it reproducible. It lives on
-    the CPU so that kernels read it on the host when they launch; for an accelerator the two numbers are drawn
-    there and copied back, which waits for the device's queue.
+    Drawn so that ``torch.manual_seed`` makes it reproducible (``torch.cuda.manual_seed`` alone does not move
+    it). It lives on the CPU so that kernels read it on the host when they launch, and it is drawn there: no
+    accelerator is involved, so the draw never waits for a device's queue (a CUDA call with dropout runs
+    under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA graph). The keep mask is a
+    pure function of the seed, so after the same ``torch.manual_seed`` a CPU, CUDA or MPS run drops the same
+    elements. A CUDA graph keeps the seed drawn at capture: every replay applies that one mask (for a fresh
+    mask per step, run the call with dropout outside the graph, or capture one graph per step).
+
+    Why not the CUDA generator: its seed and offset are host values, but torch refuses to read the offset
+    during graph capture, and a host value would be frozen into the graph anyway; torch's own dropout is
+    graph-safe through its Philox state read on the device (``at::PhiloxCudaState``), which is not on the
+    stable ABI.
 
     Args:
-        device: the device (or device type) of the attention call.
+        device: the device of the attention call; unused (kept for callers that pass it).
 
     Returns:
         An int64 CPU tensor ``(seed, offset)``.
     """
-    seed = torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
-    return seed if seed.device.type == "cpu" else seed.cpu()
+    del device
+    return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device="cpu")  # not the default device
 
 
 def attention_backward(

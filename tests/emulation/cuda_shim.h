@@ -308,6 +308,11 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
   return bits;
 }
 
+// The position of the lowest set bit, 1-based; 0 when none is set (CUDA's __ffs).
+inline int __ffs(int x) {
+  return x == 0 ? 0 : __builtin_ctz(static_cast<unsigned>(x)) + 1;
+}
+
 inline int __all_sync(unsigned mask, int predicate) {
   return __ballot_sync(mask, predicate) == attnx_emu::kFullMask;
 }

@@ -1,0 +1,87 @@
+"""The built CUDA library's kernels, read with cuobjdump (no GPU needed): no kernel that the default dispatch
+picks spills registers to local memory, on any arch the library is built for.
+
+The check is tools/gpu_check.py's `binary` step (its cuobjdump parsers and `spill_verdict`) run on
+attnx/_C_cuda*.so for every arch in it, not only the visible GPU's. A spill is a kernel whose resource usage
+has a LOCAL size or whose SASS has LDL/STL instructions; ptxas's register choice differs by arch (see
+csrc/cuda/README.md), so every arch of the wheel is checked. It skips, saying why, when there is no CUDA
+library (a CPU torch, or no nvcc at build time), no cuobjdump, or no tools/ (the installed-wheel run).
+"""
+
+import glob
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(TOOL), reason="tools/gpu_check.py is not in this tree")
+
+# The instantiations each arch must hold (attention_kernel.cu's launch_simt, attention_kernel_mma.cu's
+# launch_mma): a renamed or missing kernel must fail here, not pass as "no kernel spills".
+SIMT = {("simt", dtype, bucket) for dtype in ("fp32", "fp64", "fp16", "bf16")
+        for bucket in (32, 64, 128, 256)}
+MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16") for bucket in (32, 64, 128)}
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cuda_library():
+    """The attnx package's _C_cuda library and whether the build says it has one (without importing torch)."""
+    spec = importlib.util.find_spec("attnx")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("attnx is not importable")
+    package = list(spec.submodule_search_locations)[0]
+    libs = sorted(glob.glob(os.path.join(package, "_C_cuda*.so")))
+    backends = ()
+    info = os.path.join(package, "_build_info.py")
+    if os.path.exists(info):
+        scope = {}
+        with open(info) as f:
+            exec(f.read(), scope)
+        backends = scope.get("BACKENDS", ())
+    return libs, "CUDA" in backends, package
+
+
+@pytest.fixture(scope="module")
+def kernels(gpu_check):
+    libs, built_with_cuda, package = _cuda_library()
+    if not libs:
+        assert not built_with_cuda, f"the build says it has CUDA kernels but {package} has no _C_cuda*.so"
+        pytest.skip(f"no CUDA library in {package} (a CPU torch, or no nvcc at build time)")
+    cuobjdump = gpu_check.find_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump (CUDA toolkit, or triton's copy beside torch)")
+    rows, _ = gpu_check.binary_report(libs[0], cuobjdump, None, timeout=300)
+    return rows
+
+
+def test_every_arch_has_every_kernel(kernels):
+    archs = sorted({r["arch"] for r in kernels})
+    assert archs, "cuobjdump found no attnx attention kernel in the library"
+    for arch in archs:
+        found = {(r["kernel"], r["dtype"], r["head_dim"]) for r in kernels if r["arch"] == arch}
+        assert found == SIMT | MMA, (arch, sorted(found ^ (SIMT | MMA)))
+
+
+def test_no_default_path_kernel_spills(gpu_check, kernels):
+    ok, lines = gpu_check.spill_verdict(kernels)
+    assert ok, "\n".join(lines)
+
+
+def test_no_kernel_spills(kernels):
+    # Stricter than gpu-check's verdict: the SIMT fp16/bf16 kernels up to head dim 128 run only with dropout
+    # or ATTNX_CUDA_MMA=0, and they do not spill either.
+    spills = [f"{r['arch']} {r['kernel']} {r['dtype']} D<={r['head_dim']}: {r['ldl_stl']} LDL/STL, "
+              f"local {r['local']} B, {r['registers']} registers" for r in kernels if r["spills"]]
+    assert not spills, "\n".join(spills)
