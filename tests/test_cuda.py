@@ -639,22 +639,25 @@ def test_dropout_seed_is_drawn_without_synchronizing(device):
 
 
 def test_dropout_cuda_graph(device):
-    # The forward with dropout and no seed given is captured (the draw is on the host, no sync); the graph
-    # keeps the seed drawn at capture, so every replay applies that mask, to what the inputs hold then.
+    # Capture with dropout and no seed: the draw refuses (a seed frozen into the graph would repeat one mask
+    # on every replay). With the caller's seed the forward is captured (read on the host, no sync), and every
+    # replay applies that seed's mask to what the inputs hold then.
     B, H, L, S = 2, 4, 60, 90
     static = [t.clone() for t in qkv(device, B, H, L, S, 64, 64, dtype=torch.float32)]
     with torch.no_grad():
-        torch.manual_seed(21)
-        graph, (out, lse) = _capture(lambda q, k, v: attnx.attention(q, k, v, dropout_p=0.25), *static)
-        torch.manual_seed(21)
-        seeds = [attnx.ops.draw_dropout_seed(device) for _ in range(3)]  # 2 warm-up calls, then the capture
+        with pytest.raises(RuntimeError, match="CUDA graph is captured"):
+            _capture(lambda q, k, v: attnx.attention(q, k, v, dropout_p=0.25), *static)
+        seed = torch.tensor([21, 5])
+        graph, (out, lse) = _capture(
+            lambda q, k, v: attnx.attention(q, k, v, dropout_p=0.25, dropout_seed=seed), *static
+        )
         for _ in range(2):
             new = [torch.randn_like(t) for t in static]
             for dst, src in zip(static, new, strict=True):
                 dst.copy_(src)
             graph.replay()
             torch.cuda.synchronize()
-            assert_matches_reference(out, lse, *new, dropout_p=0.25, dropout_seed=seeds[2])
+            assert_matches_reference(out, lse, *new, dropout_p=0.25, dropout_seed=seed)
 
 
 def _attnx_kernels(fn):

@@ -174,8 +174,9 @@ def draw_dropout_seed(device: torch.device | str | None = None) -> Tensor:
     accelerator is involved, so the draw never waits for a device's queue (a CUDA call with dropout runs
     under ``torch.cuda.set_sync_debug_mode("error")`` and can be captured in a CUDA graph). The keep mask is a
     pure function of the seed, so after the same ``torch.manual_seed`` a CPU, CUDA or MPS run drops the same
-    elements. A CUDA graph keeps the seed drawn at capture: every replay applies that one mask (for a fresh
-    mask per step, run the call with dropout outside the graph, or capture one graph per step).
+    elements. A seed drawn while a CUDA graph is captured would be frozen into it (every replay would drop the
+    same elements), so that draw raises: run the call with dropout outside the graph, or pass ``dropout_seed``
+    yourself, knowing that each replay reuses it.
 
     Why not the CUDA generator: its seed and offset are host values, but torch refuses to read the offset
     during graph capture, and a host value would be frozen into the graph anyway; torch's own dropout is
@@ -183,12 +184,22 @@ def draw_dropout_seed(device: torch.device | str | None = None) -> Tensor:
     stable ABI.
 
     Args:
-        device: the device of the attention call; unused (kept for callers that pass it).
+        device: the device of the attention call.
 
     Returns:
         An int64 CPU tensor ``(seed, offset)``.
+
+    Raises:
+        RuntimeError: for a CUDA device while the current stream is being captured into a CUDA graph.
     """
-    del device
+    # (No capture can be under way before CUDA is initialised; asking would initialise it.)
+    cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_initialized()
+    if cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "attnx: dropout while a CUDA graph is captured: the seed drawn now would be frozen into the "
+            "graph and every replay would drop the same elements. Run the call with dropout outside the "
+            "graph, or pass dropout_seed (a CPU int64 tensor (seed, offset)), which each replay reuses"
+        )
     return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device="cpu")  # not the default device
 
 
