@@ -16,9 +16,10 @@ from attnx import _loader  # noqa: F401  (loads attnx._C, which registers torch.
 # since importing these modules registers fakes for its ops.
 from attnx import functional, nn, reference
 from attnx.convert import convert, revert
-from attnx.ops import attention, attention_backward, linear, mha
+from attnx.ops import attention, attention_backward, linear, mha, varlen_attention
 
 __version__ = "0.1.0"
 __all__ = [
     "attention", "attention_backward", "convert", "functional", "linear", "mha", "nn", "reference", "revert",
+    "varlen_attention",
 ]
