@@ -18,8 +18,13 @@ from attnx import functional, nn, reference
 from attnx.convert import convert, revert
 from attnx.ops import attention, attention_backward, linear, mha, varlen_attention
 
+# isort: split
+# PyTorch's own APIs served by attnx's kernels (torch.nn.attention.varlen.varlen_attn on CPU), where the
+# running torch has them.
+from attnx import pytorch
+
 __version__ = "0.1.0"
 __all__ = [
-    "attention", "attention_backward", "convert", "functional", "linear", "mha", "nn", "reference", "revert",
-    "varlen_attention",
+    "attention", "attention_backward", "convert", "functional", "linear", "mha", "nn", "pytorch", "reference",
+    "revert", "varlen_attention",
 ]
