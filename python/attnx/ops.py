@@ -367,8 +367,9 @@ def varlen_attention(
     window_left: int = -1, window_right: int = -1, seqused_k: Tensor | None = None,
     block_table: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention over packed sequences of different lengths (FlashAttention's varlen layout); returns
-    ``(out, lse)``.
+    """Attention over packed sequences of different lengths; returns ``(out, lse)``.
+
+    The layout is FlashAttention's varlen one (``torch.nn.attention.varlen``'s too).
 
     ``N`` sequences are packed along the first dim: sequence ``b``'s queries are rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of query and its keys rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``

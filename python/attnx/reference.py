@@ -148,8 +148,9 @@ def varlen_attention(
     window_left: int = -1, window_right: int = -1, seqused_k: Tensor | None = None,
     block_table: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The spec of :func:`attnx.varlen_attention`: :func:`attention` on each sequence in turn; returns
-    ``(out, lse)``.
+    """The spec of :func:`attnx.varlen_attention`, sequence by sequence; returns ``(out, lse)``.
+
+    Runs :func:`attention` on each sequence in turn.
 
     Sequence ``b`` is a ``(1, H, Lq, D)`` problem of its own: its keys are gathered (through block_table for
     a paged cache) and cut to ``seqused_k[b]``, and bottom-right causal is :func:`attention`'s window with

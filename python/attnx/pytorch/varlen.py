@@ -29,6 +29,8 @@ Translation:
   lse in the accumulator dtype), so float64 gradients carry lse's float32 rounding (~1e-7 relative).
 """
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -132,8 +134,27 @@ def varlen_attn_backward_cpu(
     return _like(query, dq), _like(key, dk), _like(value, dv)
 
 
+_KERNELS = {
+    "_varlen_attn": varlen_attn_cpu,
+    "_varlen_attn_backward": varlen_attn_backward_cpu,
+    "_varlen_attn_out": varlen_attn_out_cpu,
+}
+
+
+def _translatable(name: str) -> bool:
+    """Whether torch_attn::<name>'s arguments are those the kernel above takes, in order (a prefix of them:
+    the kernel's trailing parameters have defaults). Another torch may define the op otherwise."""
+    schema = getattr(torch.ops.torch_attn, name).default._schema
+    params = list(inspect.signature(_KERNELS[name]).parameters)
+    return [a.name for a in schema.arguments] == params[: len(schema.arguments)]
+
+
 if AVAILABLE:
-    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_attn_cpu)
-    torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", varlen_attn_backward_cpu)
-    if hasattr(torch.ops.torch_attn, "_varlen_attn_out"):
-        torch.library.register_kernel("torch_attn::_varlen_attn_out", "cpu", varlen_attn_out_cpu)
+    for _name in ("_varlen_attn", "_varlen_attn_backward"):
+        if not _translatable(_name):
+            AVAILABLE = False
+            REASON = f"torch {torch.__version__}'s torch_attn::{_name} takes other arguments"
+    if AVAILABLE:
+        for _name, _kernel in _KERNELS.items():
+            if hasattr(torch.ops.torch_attn, _name) and _translatable(_name):
+                torch.library.register_kernel(f"torch_attn::{_name}", "cpu", _kernel)
