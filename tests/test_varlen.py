@@ -18,6 +18,10 @@ def offsets(lengths):
     return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
 
 
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
 def make_packed(lens_q, lens_k, H, Hkv, D, Dv, dtype, layout="contiguous", seed=0):
     """query (total_q, H, D), key (total_k, Hkv, D), value (total_k, Hkv, Dv); layout "strided" makes each a
     non-contiguous view (rows of a wider buffer, heads and the last dim strided)."""
@@ -351,10 +355,6 @@ def test_compile():
     fn = torch.compile(lambda q, k, v: attnx.varlen_attention(q, k, v, cq, ck, 4, 5, is_causal=True)[0],
                        backend="eager", fullgraph=True)
     torch.testing.assert_close(fn(q, k, v), attnx.varlen_attention(q, k, v, cq, ck, 4, 5, is_causal=True)[0])
-
-
-def _i32(*values):
-    return torch.tensor(values, dtype=torch.int32)
 
 
 ERRORS = {
