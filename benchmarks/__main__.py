@@ -29,6 +29,7 @@ from . import (
     bench_overhead,
     bench_scaling,
     bench_train,
+    bench_varlen,
 )
 from .common import RESULTS_DIR, load_average, machine, progress, write_record, write_results
 
@@ -45,6 +46,7 @@ BENCHMARKS = {
     "features": bench_features,
     "models": bench_models,
     "overhead": bench_overhead,
+    "varlen": bench_varlen,
 }
 
 

@@ -28,6 +28,9 @@
 // covers every batch (kv head) whose dS adds into the same elements, so that it alone writes them. No two
 // threads ever write the same memory, so there are no atomics and results do not depend on scheduling.
 // Key tiles and query tiles outside each other's key range (is_causal, key lengths, the window) are skipped.
+// Packed sequences (AttentionParams::varlen) are batches of their own lengths, their rows offset by the
+// sequence's first query and key rows (seq_range): an item owns one sequence's keys, every key the sequence
+// stores gets its gradient (0 past seqused_k), and rows past a shorter sequence are never touched.
 //
 // Orientation. Tiles are key-major: S^T (bk, bq) = K (bk, D) @ (scale Q)^T (D, bq). P^T and dS^T are then the
 // A operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq)

@@ -11,6 +11,12 @@
 // stream of attnx/philox.h, regenerated per element), before the P V GEMM. Scores never exist beyond one
 // (BQ, BK) tile per thread, so extra memory is the per-thread scratch plus O(B * S / BK) and O(mask tiles)
 // skip flags; out and lse are written once per row at the end.
+//
+// Packed sequences (AttentionParams::varlen, attnx::varlen_attention) are batches of their own lengths: a
+// work item is a block of one sequence's query tiles (blocks past a shorter sequence's queries are empty),
+// its rows offset by the sequence's first row (seq_range), so no tile crosses a sequence and the work is the
+// sum of Lq_b * Lk_b. A paged cache's key and value tiles are gathered through the block table (gather_pages)
+// instead of being read in place.
 
 #include "cpu/vec.h"
 // gemm.h after vec.h: its micro-kernels are built on Vec<float>.

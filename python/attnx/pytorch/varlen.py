@@ -42,8 +42,8 @@ __all__ = ["AVAILABLE", "REASON"]
 def _torch_varlen_ops() -> tuple[bool, str]:
     try:
         import torch.nn.attention.varlen  # noqa: F401  (defines the torch_attn ops)
-    except ImportError as error:
-        return False, f"torch {torch.__version__} has no torch.nn.attention.varlen ({error})"
+    except Exception as error:  # absent (ImportError), or a version whose module fails here: never fatal
+        return False, f"torch {torch.__version__} has no usable torch.nn.attention.varlen ({error!r})"
     missing = [n for n in ("_varlen_attn", "_varlen_attn_backward") if not hasattr(torch.ops.torch_attn, n)]
     if missing:
         return False, f"torch {torch.__version__} defines no torch_attn::{', '.join(missing)}"
