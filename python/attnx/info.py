@@ -26,8 +26,9 @@ DISPATCH_KEYS = (
 )
 BACKENDS = ("CPU", "CUDA", "MPS")
 
-# The public ops and the kernel ops they run. linear, attention, mha and varlen_attention are routers (csrc/common/routes.cpp)
-# that run the first with grad mode off and the second with it on; the backward ops are kernel ops themselves.
+# The public ops and the kernel ops they run. linear, attention, mha and varlen_attention are routers
+# (csrc/common/routes.cpp) that run the first with grad mode off and the second with it on; the backward ops
+# are kernel ops themselves.
 KERNEL_OPS = {
     "attnx::linear": ("attnx::_linear", "attnx::_linear_autograd"),
     "attnx::attention": ("attnx::_attention", "attnx::_attention_autograd"),

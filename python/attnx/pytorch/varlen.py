@@ -8,11 +8,12 @@ backward, with PyTorch's layouts exactly: out ``(T_q, H, D)`` in query's layout,
 (whatever the input dtype, as PyTorch's fake kernel says), and a zero ``rng_state`` (no dropout). Nothing
 is overridden: PyTorch has no CPU kernel for these ops.
 
-Why Python rather than a C++ registration: these ops are Python custom ops, so every call already runs
-PyTorch's Python (the custom op's device dispatch and, in grad mode, its autograd kernel); a kernel
-registered here costs one more Python call on top (measured: docs/integrations.md), and it holds on every
-torch that has the API, where a C++ kernel under the ``torch_attn`` namespace would depend on when PyTorch's
-module defines the op and on how the stable ABI boxes its ``SymInt[]?`` argument.
+Why Python rather than a C++ registration: these ops are Python custom ops, so every call runs PyTorch's
+Python anyway (``varlen_attn``, the custom op's autograd kernel and its device dispatch); the kernels here add
+~3 us per call (docs/integrations.md has the measurements). A C++ kernel under the ``torch_attn`` namespace
+would skip the custom op's Python device dispatch too, but it depends on when PyTorch's module defines the op
+(after attnx's library loads) and on how the stable ABI boxes its ``SymInt[]?`` and ``SymInt?`` arguments
+under the oldest supported torch, which could not be verified here.
 
 Translation:
 
