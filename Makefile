@@ -102,14 +102,14 @@ wheel-venv-test:
 
 # AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
 # every report fatal, then the tests of every CPU kernel path (attention forward and backward with each feature,
-# dropout, linear, mha and its backward, the module, the seeded fuzz) and the CUDA emulation tier (its library
+# packed sequences and paged caches, dropout, linear, mha and its backward, the module, the seeded fuzz) and the CUDA emulation tier (its library
 # built with the same sanitizers) in a process that preloads the ASan runtime (and libstdc++ after it: without,
 # ASan's __cxa_throw interceptor fails a CHECK when triton's library throws). Leak detection is off: Python
 # keeps objects alive until exit by design (tests/test_leaks.py checks attnx's own memory). The one test that
 # measures peak RSS is left out: ASan's redzones and quarantine are part of any peak measured under it.
 SANITIZE_TESTS ?= tests/test_attention.py tests/test_attention_backward.py tests/test_attention_features.py \
 	tests/test_dropout.py tests/test_linear.py tests/test_mha_op.py tests/test_mha_backward.py tests/test_modules.py \
-	tests/test_fuzz.py tests/test_cuda_emulation.py
+	tests/test_fuzz.py tests/test_cuda_emulation.py tests/test_varlen.py tests/test_varlen_torch.py
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 sanitize: build

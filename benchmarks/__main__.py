@@ -30,6 +30,7 @@ from . import (
     bench_scaling,
     bench_sdpa,
     bench_train,
+    bench_varlen,
 )
 from .common import RESULTS_DIR, load_average, machine, progress, write_record, write_results
 
@@ -47,6 +48,7 @@ BENCHMARKS = {
     "models": bench_models,
     "overhead": bench_overhead,
     "sdpa": bench_sdpa,
+    "varlen": bench_varlen,
 }
 
 

@@ -105,16 +105,52 @@ STABLE_TORCH_LIBRARY(attnx, m) {
       "mha_backward(Tensor grad_out, Tensor? grad_weights, " ATTNX_MHA_LEADING_ARGUMENTS
       ", float dropout_p, Tensor? dropout_seed, Tensor q, Tensor k, Tensor v, Tensor attn, Tensor lse, "
       "int[] output_mask, bool batch_first=False) -> Tensor[]");
+  // attention over N packed sequences of different lengths (FlashAttention's varlen layout): query
+  // (total_q, H, D), key (total_k, Hkv, D) and value (total_k, Hkv, Dv) of any strides, sequence b's queries
+  // being rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and its keys rows cu_seqlens_k[b] ..
+  // cu_seqlens_k[b + 1] - 1 (cu_seqlens_* int32 (N + 1,), contiguous, non-decreasing); each sequence attends
+  // only to its own keys, and the kernels never cross a sequence (the cost is the sum of Lq_b * Lk_b, not
+  // total_q * total_k). max_seqlen_q / max_seqlen_k bound the sequences' lengths (checked on the CPU). Which
+  // keys a row sees is attention's window, aligned bottom-right per sequence (query i of a sequence with Lq
+  // queries and Lk keys sits at key position i + Lk - Lq): is_causal is that window's right side at the
+  // diagonal (FlashAttention's and torch.nn.attention.varlen's causal, not SDPA's top-left), combined with
+  // (window_left, window_right), -1 = unbounded. seqused_k (N,) int32 cuts sequence b to its first
+  // seqused_k[b] keys (at most its cu_seqlens_k slot). With block_table (N, pages_per_seq) int32, key and value
+  // are a paged cache (pages, page_size, Hkv, D) / (.., Dv) of any page size: key j of sequence b is row
+  // j % page_size of page block_table[b, j // page_size], gathered per tile, never copied out; cu_seqlens_k
+  // then gives each sequence's key count. softcap and sinks as attention's. Returns out (total_q, H, Dv) and
+  // lse (H, total_q) (float32, float64 for float64 inputs; +inf on rows that see no key, out 0 there and on
+  // rows outside every sequence). Same router as attention (_varlen_attention / _varlen_attention_autograd).
+#define ATTNX_VARLEN_OPTIONS                                                                               \
+  "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? scale=None, int window_left=-1, "       \
+  "int window_right=-1, Tensor? seqused_k=None, Tensor? block_table=None, float? softcap=None, "            \
+  "Tensor? sinks=None"
+#define ATTNX_VARLEN_SIGNATURE                                                                         \
+  "(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, " ATTNX_VARLEN_OPTIONS \
+  ") -> (Tensor out, Tensor lse)"
+  m.def("varlen_attention" ATTNX_VARLEN_SIGNATURE);
+  m.def("_varlen_attention" ATTNX_VARLEN_SIGNATURE);
+  m.def("_varlen_attention_autograd" ATTNX_VARLEN_SIGNATURE);
+  // varlen_attention's gradients, as attention_backward computes attention's (the same kernel, one batch per
+  // sequence): grad_out and out (total_q, H, Dv), lse (H, total_q) as varlen_attention returned them, and
+  // its arguments. Returns grad_query (total_q, H, D), grad_key (total_k, Hkv, D), grad_value
+  // (total_k, Hkv, Dv) (0 for keys no query sees, seqused_k's cut included) and grad_sinks (H,) when sinks
+  // are given, else empty. No block_table: a paged cache is inference only.
+  m.def(
+      "varlen_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+      "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, " ATTNX_VARLEN_OPTIONS ") -> "
+      "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_sinks)");
   // The SDPA takeover (csrc/pytorch/sdpa.cpp): _sdpa_takeover(on) makes attnx's CPU kernels those of
   // aten::_scaled_dot_product_flash_attention_for_cpu and its backward (on = True) or gives PyTorch's back
-  // (False), and returns whether it was on before (None: only that). The two fallbacks have the aten ops' schemas: PyTorch's own kernels,
-  // for the calls attnx's do not take (registered from python/attnx/sdpa.py).
+  // (False), and returns whether it was on before (None: only that). The two fallbacks have the aten ops'
+  // schemas: PyTorch's own kernels, for the calls attnx's do not take (registered from python/attnx/sdpa.py).
   m.def("_sdpa_takeover(bool? on=None) -> bool");
   m.def("_sdpa_for_cpu_fallback(Tensor query, Tensor key, Tensor value, float dropout_p=0.0, "
-        "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> (Tensor output, Tensor logsumexp)");
-  m.def("_sdpa_for_cpu_backward_fallback(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-        "Tensor logsumexp, float dropout_p, bool is_causal, *, Tensor? attn_mask=None, float? scale=None) -> "
-        "(Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+        "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> "
+        "(Tensor output, Tensor logsumexp)");
+  m.def("_sdpa_for_cpu_backward_fallback(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
+        "Tensor out, Tensor logsumexp, float dropout_p, bool is_causal, *, Tensor? attn_mask=None, "
+        "float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // The ISA level attention's CPU kernels (forward and backward) run at in this process: "avx512", "avx2" or
   // "default" (cpu/attention_kernel.h, cpu_capability()). Asked of the library rather than recomputed in
   // Python, so that `python -m attnx.info` reports the level the kernels were picked for, build included.

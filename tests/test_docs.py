@@ -64,6 +64,11 @@ def run_python(code: str, where: str):
         imported = re.search(rf"^\s*(import|from) {module}\b", code, flags=re.M)
         if imported and not importlib.util.find_spec(module):
             pytest.skip(f"{package} is not installed (from a checkout: pip install '.[models]')")
+    if re.search(r"^\s*from torch\.nn\.attention\.varlen import", code, flags=re.M):
+        from attnx.pytorch import varlen
+
+        if not varlen.AVAILABLE:
+            pytest.skip(varlen.REASON)
     exec(compile(code, where, "exec"), {"__name__": "__docs__"})
 
 

@@ -33,6 +33,7 @@ run):
 """
 
 import contextlib
+import itertools
 import os
 import random
 
@@ -52,6 +53,8 @@ DEFAULT_CASES = {
     "linear_backward": 50,
     "mha_forward": 100,
     "mha_backward": 50,
+    "varlen_forward": 100,
+    "varlen_backward": 50,
 }
 # The seeds of a test's cases: case N of test T seeds with SEED_BASE[T] + N. attention's are those its cases
 # always had (so attention forward case N + 10000 draws the shapes of backward case N, forward's dtype and
@@ -63,6 +66,8 @@ SEED_BASE = {
     "linear_backward": 2 << 32,
     "mha_forward": 3 << 32,
     "mha_backward": 4 << 32,
+    "varlen_forward": 5 << 32,
+    "varlen_backward": 6 << 32,
 }
 
 
@@ -478,3 +483,89 @@ def test_mha_backward(case):
             assert a is None or not a.any(), i
             continue
         torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-9, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# varlen_attention
+
+
+def _varlen_config(rng, g, dtype, grad):
+    """(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, keyword arguments) of one case: 0 (1
+    with grad) to 5 packed sequences of random lengths (empty ones included), packed or strided, and with
+    grad=False, now and then a paged cache of a random page size with its pages shuffled."""
+    N, Hkv = rng.randint(1 if grad else 0, 5), rng.randint(1, 3)
+    H = Hkv * rng.randint(1, 3)
+    D, Dv = rng.choice([1, 3, 8, 16, 33, 64]), rng.choice([1, 8, 16, 40])
+    lens_q = [rng.randint(0, 40) for _ in range(N)]
+    lens_k = [rng.randint(0, 70) for _ in range(N)]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (lens_q, lens_k))
+    max_q, max_k = max(lens_q, default=0), max(lens_k, default=0)
+
+    def make(rows, heads, dim):
+        t = torch.randn(rows, heads, dim, generator=g, dtype=dtype)
+        if rng.random() < 0.3:  # heads outermost in memory
+            t = t.transpose(0, 1).contiguous().transpose(0, 1)
+        return t.requires_grad_(grad)
+
+    q, k, v = make(sum(lens_q), H, D), make(sum(lens_k), Hkv, D), make(sum(lens_k), Hkv, Dv)
+    kw = {}
+    choice = rng.random()
+    if choice < 0.3:
+        kw["is_causal"] = True
+    if choice > 0.6 or rng.random() < 0.2:
+        kw["window_left"], kw["window_right"] = rng.choice([-1, 0, 2, 7]), rng.choice([-1, 0, 3])
+    if rng.random() < 0.3:
+        kw["seqused_k"] = torch.tensor([rng.randint(0, n) for n in lens_k], dtype=torch.int32)
+    if rng.random() < 0.2:
+        kw["softcap"] = rng.choice([0.5, 5.0])
+    if rng.random() < 0.2:
+        kw["sinks"] = torch.randn(H, generator=g, dtype=dtype).requires_grad_(grad)
+    if rng.random() < 0.2:
+        kw["scale"] = rng.choice([0.01, 1.0, 3.0])
+    if not grad and N > 0 and rng.random() < 0.4:
+        page_size = rng.choice([1, 3, 7, 16])
+        pages = [(n + page_size - 1) // page_size for n in lens_k]
+        perm = torch.randperm(sum(pages) + 1, generator=g)
+        table = torch.zeros(N, max(max(pages), 1), dtype=torch.int32)
+        k_cache = torch.randn(len(perm), page_size, Hkv, D, generator=g, dtype=dtype)
+        v_cache = torch.randn(len(perm), page_size, Hkv, Dv, generator=g, dtype=dtype)
+        at = 0
+        for b, n in enumerate(lens_k):
+            table[b, :pages[b]] = perm[at:at + pages[b]].to(torch.int32)
+            at += pages[b]
+            j = torch.arange(n)
+            k_cache[table[b, j // page_size].long(), j % page_size] = k[cu_k[b]:cu_k[b + 1]]
+            v_cache[table[b, j // page_size].long(), j % page_size] = v[cu_k[b]:cu_k[b + 1]]
+        k, v, kw["block_table"] = k_cache, v_cache, table
+    return q, k, v, cu_q, cu_k, max_q, max_k, kw
+
+
+@cases("varlen_forward")
+def test_varlen_forward(case):
+    rng, g = _seeded("varlen_forward", case)
+    dtype = torch.float64 if case % 2 else torch.float32
+    q, k, v, cu_q, cu_k, max_q, max_k, kw = _varlen_config(rng, g, dtype, grad=False)
+    with _threads(rng):
+        out, lse = attnx.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    expected_out, expected_lse = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                                            max_q, max_k, **_in_float64(kw))
+    tol = 1e-9 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), expected_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=tol, atol=tol)
+
+
+@cases("varlen_backward")
+def test_varlen_backward(case):
+    rng, g = _seeded("varlen_backward", case)
+    q, k, v, cu_q, cu_k, max_q, max_k, kw = _varlen_config(rng, g, torch.float64, grad=True)
+    inputs = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    grad_out = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=g, dtype=torch.float64)
+    with _threads(rng):
+        actual = torch.autograd.grad(attnx.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, **kw)[0],
+                                     inputs, grad_out, allow_unused=True)
+    expected = torch.autograd.grad(reference.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, **kw)[0],
+                                   inputs, grad_out, allow_unused=True)
+    for a, e, t in zip(actual, expected, inputs, strict=True):
+        a = torch.zeros_like(t) if a is None else a
+        e = torch.zeros_like(t) if e is None else e
+        torch.testing.assert_close(a, e, rtol=1e-8, atol=1e-9)

@@ -60,7 +60,10 @@ def test_kernel_ops_are_those_the_routers_dispatch():
     mha_args = (torch.randn(3, 1, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4), 2, torch.randn(12, 4), None,
                 None, None, None, None, None, False, torch.randn(4, 4), None, None, None, False, None, None,
                 False, True)
-    for op, args in (("linear", (x, w)), ("attention", (q, k, v)), ("mha", mha_args)):
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    varlen_args = (torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), cu, cu, 2, 2)
+    for op, args in (("linear", (x, w)), ("attention", (q, k, v)), ("mha", mha_args),
+                     ("varlen_attention", varlen_args)):
         for grad in (False, True):
             with torch.set_grad_enabled(grad), DispatchRecorder() as recorder:
                 getattr(torch.ops.attnx, op)(*args)

@@ -120,3 +120,48 @@ def test_module_forward_and_backward():
         out.sum().backward()
 
     _assert_flat(call)
+
+
+def _varlen_inputs():
+    gen = torch.Generator().manual_seed(0)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    q, k, v = (torch.randn(n, 2, 16, generator=gen) for n in (8, 11, 11))
+    return q, k, v, cu_q, cu_k, dict(is_causal=True, sinks=torch.randn(2, generator=gen))
+
+
+def test_varlen_attention_forward_paged():
+    q, _, _, cu_q, cu_k, kwargs = _varlen_inputs()
+    k_cache, v_cache = torch.randn(6, 3, 2, 16), torch.randn(6, 3, 2, 16)
+    table = torch.tensor([[5, 1], [0, 0], [2, 4]], dtype=torch.int32)
+    seqused = torch.tensor([4, 1, 5], dtype=torch.int32)
+    _assert_flat(lambda: ops.varlen_attention(q, k_cache, v_cache, cu_q, cu_k, 5, 5, seqused_k=seqused,
+                                              block_table=table, **kwargs))
+
+
+def test_varlen_attention_autograd():
+    q, k, v, cu_q, cu_k, kwargs = _varlen_inputs()
+    q.requires_grad_()
+
+    def call():
+        q.grad = None
+        out, _ = ops.varlen_attention(q, k, v, cu_q, cu_k, 5, 5, **kwargs)
+        out.sum().backward()
+
+    _assert_flat(call)
+
+
+def test_torch_varlen_attn():
+    from attnx.pytorch import varlen
+
+    if not varlen.AVAILABLE:
+        pytest.skip(varlen.REASON)
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs()
+    q.requires_grad_()
+
+    def call():
+        q.grad = None
+        varlen_attn(q, k, v, cu_q, cu_k, 5, 5, window_size=(-1, 0)).sum().backward()
+
+    _assert_flat(call)

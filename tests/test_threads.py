@@ -54,10 +54,11 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float32, torch.flo
 
 
 def _worker_calls(worker):
-    """The calls of one worker, each a (name, function returning a tuple of tensors): linear, attention,
-    attention_backward, mha and nn.MultiheadAttention forward + backward, with this worker's own shapes,
-    dtype, layouts and masks. Worker 3 has 700 keys, six of the backward's 128-key tiles: from two threads on
-    the backward splits them into chunks of three or fewer (see the module docstring)."""
+    """The calls of one worker, each a (name, function returning a tuple of tensors): varlen_attention and
+    its backward, linear, attention, attention_backward, mha and nn.MultiheadAttention forward + backward,
+    with this worker's own shapes, dtype, layouts and masks. Worker 3 has 700 keys, six of the backward's
+    128-key tiles: from two threads on the backward splits them into chunks of three or fewer (see the module
+    docstring)."""
     gen = torch.Generator().manual_seed(100 + worker)
     dtype = DTYPES[worker]
 
@@ -113,7 +114,34 @@ def _worker_calls(worker):
         grads = torch.autograd.grad(out, [m_query, *params], m_grad)
         return (out.detach(), *(() if weights is None else (weights.detach(),)), *grads)
 
+    # varlen_attention: packed sequences of this worker's lengths (one empty), causal for odd workers; even
+    # workers read the keys from a paged cache of 5-key pages in shuffled order.
+    lens_q, lens_k = [L, 0, 2 + worker], [S, 3, 4 + worker]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lens_q, lens_k))
+    vq, vk, vv = randn(sum(lens_q), H, D), randn(sum(lens_k), H, D), randn(sum(lens_k), H, D)
+    varlen_kwargs = dict(is_causal=worker % 2 == 1, sinks=randn(H))
+    vout, vlse = ops.varlen_attention(vq, vk, vv, cu_q, cu_k, L, S, **varlen_kwargs)
+    vgrad = randn(*vout.shape)
+    paged_kwargs = {}
+    pk, pv = vk, vv
+    if worker % 2 == 0:
+        pages = [(n + 4) // 5 for n in lens_k]
+        perm = torch.randperm(sum(pages), generator=gen).to(torch.int32)
+        table = torch.zeros(len(lens_k), max(pages), dtype=torch.int32)
+        pk, pv = randn(sum(pages), 5, H, D), randn(sum(pages), 5, H, D)
+        at = 0
+        for i, n in enumerate(pages):
+            table[i, :n] = perm[at:at + n]
+            at += n
+        paged_kwargs["block_table"] = table
+
     return [
+        ("varlen_attention",
+         lambda: ops.varlen_attention(vq, pk, pv, cu_q, cu_k, L, S, **varlen_kwargs, **paged_kwargs)),
+        ("varlen_attention_backward",
+         lambda: ops.varlen_attention_backward(vgrad, vq, vk, vv, vout, vlse, cu_q, cu_k, L, S,
+                                               **varlen_kwargs)),
         ("linear", lambda: (ops.linear(x, w, b),)),
         ("attention", lambda: ops.attention(q, k, v, **masks)),
         ("attention_backward",
@@ -166,6 +194,8 @@ _BITWISE_ACROSS_THREAD_COUNTS = {
     "linear": (),
     "attention": (0, 1),  # out, lse
     "attention_backward": (1, 2, 3, 4),  # dK, dV, the attn_mask gradient, the (empty) sinks gradient
+    "varlen_attention": (0, 1),  # out, lse
+    "varlen_attention_backward": (1, 2),  # dK, dV
     "mha": (),
     "module": (),
 }

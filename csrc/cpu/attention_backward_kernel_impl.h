@@ -28,6 +28,9 @@
 // covers every batch (kv head) whose dS adds into the same elements, so that it alone writes them. No two
 // threads ever write the same memory, so there are no atomics and results do not depend on scheduling.
 // Key tiles and query tiles outside each other's key range (is_causal, key lengths, the window) are skipped.
+// Packed sequences (AttentionParams::varlen) are batches of their own lengths, their rows offset by the
+// sequence's first query and key rows (seq_range): an item owns one sequence's keys, every key the sequence
+// stores gets its gradient (0 past seqused_k), and rows past a shorter sequence are never touched.
 //
 // Orientation. Tiles are key-major: S^T (bk, bq) = K (bk, D) @ (scale Q)^T (D, bq). P^T and dS^T are then the
 // A operands of dV += P^T dO and dK += dS^T Q as they are, and dQ^T (D, bq) += K^T (D, bk) @ dS^T (bk, bq)
@@ -490,10 +493,12 @@ class AttentionBackwardCpu {
   // head's contribution to its dQ^T (/ scale): in ws.dqt, written at the end of the head, with one chunk per
   // head; else in the head's slot for this chunk (zeroed here), summed by reduce_dq_slots.
   void run_item(int64_t b, int64_t hk, int64_t c, acc_t* slots, BackwardScratch<acc_t>& ws) {
-    const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim, bk = plan_.bk;
+    // One batch, or one packed sequence with varlen (its rows offset by seq.q_begin and seq.k_begin).
+    const SeqRange seq = seq_range(p_, d_.fwd, b);
+    const int64_t L = seq.q_len, D = p_.head_dim, Dv = p_.v_head_dim, bk = plan_.bk;
     const int64_t kt_begin = c * plan_.chunk_tiles;
     const int64_t kt_end = std::min(plan_.k_tiles, kt_begin + plan_.chunk_tiles);
-    const int64_t kv_len_b = batch_kv_len(p_, d_.fwd.key_lengths, b);
+    const int64_t kv_len_b = seq.kv_len;
     const int64_t k_first = kt_begin * bk, k_last = std::min(kt_end * bk, kv_len_b) - 1;
     std::fill_n(ws.dk, (kt_end - kt_begin) * bk * D, acc_t(0));
     std::fill_n(ws.dv, (kt_end - kt_begin) * bk * Dv, acc_t(0));
@@ -506,32 +511,35 @@ class AttentionBackwardCpu {
       acc_t* dqt = plan_.chunks == 1 ? ws.dqt : slots + ((b * p_.heads + h) * plan_.chunks + c) * slot;
       for (int64_t d = 0; d < D; ++d) std::fill_n(dqt + d * plan_.ld_q, L, acc_t(0));
       if (r0 < L) {
-        pack_head(b, h, r0, ws);
+        pack_head(b, h, r0, seq, ws);
         for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
-          run_key_tile(b, h, kt, kv_len_b, dqt, ws.dk + (kt - kt_begin) * bk * D,
+          run_key_tile(b, h, kt, seq, dqt, ws.dk + (kt - kt_begin) * bk * D,
                        ws.dv + (kt - kt_begin) * bk * Dv, ws);
         }
       }
       if (plan_.chunks == 1) {
-        for (int64_t qt = 0; qt < plan_.q_tiles; ++qt) write_dq_tile(b, h, qt, dqt, ws.tmp);
+        for (int64_t qt = 0; qt * plan_.bq < L; ++qt) write_dq_tile(b, h, qt, seq, dqt, ws.tmp);
       }
     }
+    // Every key the batch (sequence) stores gets its gradients, 0 past S_b; a shorter sequence's tiles end
+    // at its own keys.
     for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
-      const int64_t k0 = kt * bk;
-      write_key_tile(b, hk, k0, std::min(bk, p_.kv_len - k0), ws.dk + (kt - kt_begin) * bk * D,
+      const int64_t k0 = kt * bk, nk = std::min(bk, seq.k_slot - k0);
+      if (nk <= 0) break;
+      write_key_tile(b, hk, seq.k_begin + k0, nk, ws.dk + (kt - kt_begin) * bk * D,
                      ws.dv + (kt - kt_begin) * bk * Dv);
     }
   }
 
   // Queries [r0, L) of head (b, h) into the scratch: (scale Q)^T and dO^T transposed, Q and dO as row-major
   // operands (in place when possible), lse and (but with whole_rows) delta = rowsum(dO * O).
-  void pack_head(int64_t b, int64_t h, int64_t r0, BackwardScratch<acc_t>& ws) {
-    const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q;
+  void pack_head(int64_t b, int64_t h, int64_t r0, const SeqRange& seq, BackwardScratch<acc_t>& ws) {
+    const int64_t L = seq.q_len, D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, l0 = seq.q_begin;
     const int64_t *qs = p_.q_stride, *gs = bp_.grad_out_stride, *os = p_.out_stride, *ls = p_.lse_stride;
-    const auto* q = static_cast<const scalar_t*>(d_.fwd.query) + b * qs[0] + h * qs[1];
-    const auto* dout = static_cast<const scalar_t*>(d_.grad_out) + b * gs[0] + h * gs[1];
-    const auto* out = static_cast<const scalar_t*>(d_.fwd.out) + b * os[0] + h * os[1];
-    const auto* lse = static_cast<const acc_t*>(d_.fwd.lse) + b * ls[0] + h * ls[1];
+    const auto* q = static_cast<const scalar_t*>(d_.fwd.query) + b * qs[0] + h * qs[1] + l0 * qs[2];
+    const auto* dout = static_cast<const scalar_t*>(d_.grad_out) + b * gs[0] + h * gs[1] + l0 * gs[2];
+    const auto* out = static_cast<const scalar_t*>(d_.fwd.out) + b * os[0] + h * os[1] + l0 * os[2];
+    const auto* lse = static_cast<const acc_t*>(d_.fwd.lse) + b * ls[0] + h * ls[1] + l0 * ls[2];
 
     for (int64_t l0 = r0; l0 < L; l0 += plan_.bq) {
       const int64_t nl = std::min(plan_.bq, L - l0);
@@ -540,8 +548,8 @@ class AttentionBackwardCpu {
     }
     // The forward's scores are (scale Q) K^T: the same products here, so P matches the forward's lse.
     for (int64_t d = 0; d < D; ++d) scale_row(ws.qt + d * ld_q + r0, L - r0, scale_);
-    ws.q_op = head_operand(q, qs[2], qs[3], r0, D, plan_.q_in_place, ws.q);
-    ws.do_op = head_operand(dout, gs[2], gs[3], r0, Dv, plan_.do_in_place, ws.dout);
+    ws.q_op = head_operand(q, qs[2], qs[3], r0, L, D, plan_.q_in_place, ws.q);
+    ws.do_op = head_operand(dout, gs[2], gs[3], r0, L, Dv, plan_.do_in_place, ws.dout);
 
     for (int64_t l = r0; l < L; ++l) {
       ws.lse[l] = lse[l * ls[2]];
@@ -557,8 +565,8 @@ class AttentionBackwardCpu {
   // Rows [r0, L) of a (L, cols) block of the head as a GEMM operand whose row l is at ptr + l * ld: the input
   // itself, or its rows converted into `pack`.
   Operand<acc_t> head_operand(const scalar_t* src, int64_t row_stride, int64_t col_stride, int64_t r0,
-                              int64_t cols, bool in_place, acc_t* pack) const {
-    const int64_t L = p_.q_len, dense_ld = std::max<int64_t>(cols, 1);
+                              int64_t L, int64_t cols, bool in_place, acc_t* pack) const {
+    const int64_t dense_ld = std::max<int64_t>(cols, 1);
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
       if (in_place) return {src, L <= 1 ? dense_ld : row_stride};
     }
@@ -592,9 +600,9 @@ class AttentionBackwardCpu {
 
   // Key tile kt of head (b, h) against every query tile that sees it: adds to the tile's dK and dV in dk
   // (nk, D) and dv (nk, Dv).
-  void run_key_tile(int64_t b, int64_t h, int64_t kt, int64_t kv_len_b, acc_t* dqt, acc_t* dk, acc_t* dv,
+  void run_key_tile(int64_t b, int64_t h, int64_t kt, const SeqRange& seq, acc_t* dqt, acc_t* dk, acc_t* dv,
                     BackwardScratch<acc_t>& ws) {
-    const int64_t L = p_.q_len, S = p_.kv_len, D = p_.head_dim, Dv = p_.v_head_dim;
+    const int64_t L = seq.q_len, S = seq.k_slot, D = p_.head_dim, Dv = p_.v_head_dim, kv_len_b = seq.kv_len;
     const int64_t k0 = kt * plan_.bk;
     const int64_t *ks = p_.k_stride, *vs = p_.v_stride;
     // Keys at or past kv_len_b are seen by no query and never read (a static cache's unfilled slots may hold
@@ -606,8 +614,9 @@ class AttentionBackwardCpu {
     const int64_t q_end = range_query_end(k_last, L, kv_len_b, p_.window_left);
     if (q_begin >= q_end) return;
     const int64_t hk = kv_head(p_, h);
-    const auto* k = static_cast<const scalar_t*>(d_.fwd.key) + b * ks[0] + hk * ks[1] + k0 * ks[2];
-    const auto* v = static_cast<const scalar_t*>(d_.fwd.value) + b * vs[0] + hk * vs[1] + k0 * vs[2];
+    const int64_t s0 = seq.k_begin + k0;
+    const auto* k = static_cast<const scalar_t*>(d_.fwd.key) + b * ks[0] + hk * ks[1] + s0 * ks[2];
+    const auto* v = static_cast<const scalar_t*>(d_.fwd.value) + b * vs[0] + hk * vs[1] + s0 * vs[2];
     Operand<acc_t> ka{}, va{};
     if (D > 0) {
       ka = b_operand(k, ks[2], ks[3], nk, D, ws.k);
@@ -618,16 +627,15 @@ class AttentionBackwardCpu {
     for (int64_t qt = q_begin / plan_.bq; qt * plan_.bq < q_end; ++qt) {
       if (skip_.mask_skips(b, h, qt, kt)) continue;
       const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
-      run_pair(b, h, q0, nq, k0, nk, kv_len_b, ka, va, kb, dqt, dk, dv, ws);
+      run_pair(b, h, q0, nq, k0, nk, L, kv_len_b, ka, va, kb, dqt, dk, dv, ws);
     }
   }
 
   // Queries [q0, q0 + nq) against keys [k0, k0 + nk): recompute P^T, form dS^T, accumulate dV, dK, dQ^T.
-  void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk, int64_t kv_len_b,
-                const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb, acc_t* dqt, acc_t* dk,
-                acc_t* dv, BackwardScratch<acc_t>& ws) {
+  void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk, int64_t L,
+                int64_t kv_len_b, const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb,
+                acc_t* dqt, acc_t* dk, acc_t* dv, BackwardScratch<acc_t>& ws) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, ld_t = plan_.ld_t;
-    const int64_t L = p_.q_len;
     // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T.
     if (D > 0) {
       tile_gemm(nk, nq, D, ka.ptr, ka.ld, ws.qt + q0, ld_q, ws.s, ld_t, /*add_c=*/false);
@@ -756,12 +764,13 @@ class AttentionBackwardCpu {
   }
 
   // Rows of query tile qt of dQ for head (b, h) from dqt (D, ld_q) = dQ^T / scale; tmp holds (bq, D).
-  void write_dq_tile(int64_t b, int64_t h, int64_t qt, const acc_t* dqt, acc_t* tmp) const {
-    const int64_t L = p_.q_len, D = p_.head_dim;
+  void write_dq_tile(int64_t b, int64_t h, int64_t qt, const SeqRange& seq, const acc_t* dqt,
+                     acc_t* tmp) const {
+    const int64_t L = seq.q_len, D = p_.head_dim;
     if (D == 0) return;
     const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
     const int64_t* gq = bp_.grad_query_stride;
-    auto* dq = static_cast<scalar_t*>(d_.grad_query) + b * gq[0] + h * gq[1] + q0 * gq[2];
+    auto* dq = static_cast<scalar_t*>(d_.grad_query) + b * gq[0] + h * gq[1] + (seq.q_begin + q0) * gq[2];
     transpose(dqt + q0, plan_.ld_q, tmp, D, D, nq);
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t j = 0; j < D; ++j)
@@ -778,13 +787,15 @@ class AttentionBackwardCpu {
       acc_t* tmp = tmp_storage.data();
       for (int64_t i = begin; i < end; ++i) {
         const int64_t bh = i / qt_n, qt = i % qt_n;
-        const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, p_.q_len - q0);
+        const SeqRange seq = seq_range(p_, d_.fwd, bh / H);
+        const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, seq.q_len - q0);
+        if (nq <= 0) continue;  // past a shorter sequence's queries
         acc_t* first = slots + bh * chunks * slot;
         for (int64_t c = 1; c < chunks; ++c) {
           for (int64_t d = 0; d < D; ++d)
             add_row(first + d * ld_q + q0, first + c * slot + d * ld_q + q0, nq);
         }
-        write_dq_tile(bh / H, bh % H, qt, first, tmp);
+        write_dq_tile(bh / H, bh % H, qt, seq, first, tmp);
       }
     });
   }

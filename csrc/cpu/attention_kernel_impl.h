@@ -11,6 +11,12 @@
 // stream of attnx/philox.h, regenerated per element), before the P V GEMM. Scores never exist beyond one
 // (BQ, BK) tile per thread, so extra memory is the per-thread scratch plus O(B * S / BK) and O(mask tiles)
 // skip flags; out and lse are written once per row at the end.
+//
+// Packed sequences (AttentionParams::varlen, attnx::varlen_attention) are batches of their own lengths: a
+// work item is a block of one sequence's query tiles (blocks past a shorter sequence's queries are empty),
+// its rows offset by the sequence's first row (seq_range), so no tile crosses a sequence and the work is the
+// sum of Lq_b * Lk_b. A paged cache's key and value tiles are gathered through the block table (gather_pages)
+// instead of being read in place.
 
 #include "cpu/vec.h"
 // gemm.h after vec.h: its micro-kernels are built on Vec<float>.
@@ -385,26 +391,67 @@ void scale_row(acc_t* x, int64_t n, acc_t factor) {
 // ---------------------------------------------------------------------------------------------------------------
 // Which keys rows see (attnx/key_range.h) and which kv head a query head reads.
 
-// S_b: the valid keys of batch b.
-inline int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths, int64_t b) {
-  if (p.key_lengths_kind == kKeyLengthsNone) return p.kv_len;
+// S_b: the valid keys of batch b, of the kv_len keys it stores.
+inline int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths, int64_t b, int64_t kv_len) {
+  if (p.key_lengths_kind == kKeyLengthsNone) return kv_len;
   const int64_t i = b * p.key_lengths_stride;
   const int64_t n = p.key_lengths_kind == kKeyLengthsInt32
                         ? int64_t{static_cast<const int32_t*>(key_lengths)[i]}
                         : static_cast<const int64_t*>(key_lengths)[i];
-  return range_kv_len(n, p.kv_len);
+  return range_kv_len(n, kv_len);
 }
 
-// Keys [begin, end): those that rows first .. last (inclusive) of a batch with kv_len_b valid keys see
-// between them; for first == last, the keys of one row. Empty when begin >= end.
+inline int64_t batch_kv_len(const AttentionParams& p, const void* key_lengths, int64_t b) {
+  return batch_kv_len(p, key_lengths, b, p.kv_len);
+}
+
+// Where batch b's rows are: one (B, H, L, D) batch, or one packed sequence (AttentionParams::varlen). A tile
+// never crosses a sequence: each is its own (1, H, q_len, D) problem, offset by q_begin and k_begin rows.
+struct SeqRange {
+  int64_t q_begin;  // its first query row (and row of out and lse): 0 without varlen
+  int64_t q_len;    // L_b: its query rows
+  int64_t k_begin;  // its first key (value) row: 0 without varlen, and with pages (the block table's)
+  int64_t k_slot;   // the keys it stores: S, or cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+  int64_t kv_len;   // S_b: those it sees (k_slot cut to key_lengths[b])
+};
+
+inline SeqRange seq_range(const AttentionParams& p, const AttentionPointers& d, int64_t b) {
+  if (p.varlen == 0) return {0, p.q_len, 0, p.kv_len, batch_kv_len(p, d.key_lengths, b)};
+  const auto* cq = static_cast<const int32_t*>(d.cu_seqlens_q);
+  const auto* ck = static_cast<const int32_t*>(d.cu_seqlens_k);
+  const int64_t q0 = cq[b], k0 = ck[b], slot = int64_t{ck[b + 1]} - k0;
+  return {q0, int64_t{cq[b + 1]} - q0, p.page_size > 0 ? 0 : k0, slot,
+          batch_kv_len(p, d.key_lengths, b, slot)};
+}
+
+// Keys [begin, end): those that rows first .. last (inclusive) of a batch with q_len_b queries and kv_len_b
+// valid keys see between them; for first == last, the keys of one row. Empty when begin >= end.
 struct KeySpan {
   int64_t begin;
   int64_t end;
 };
 
-inline KeySpan row_keys(const AttentionParams& p, int64_t kv_len_b, int64_t first, int64_t last) {
-  return {range_key_begin(first, p.q_len, kv_len_b, p.window_left),
-          range_key_end(last, p.q_len, kv_len_b, p.window_right, p.is_causal)};
+inline KeySpan row_keys(const AttentionParams& p, int64_t q_len_b, int64_t kv_len_b, int64_t first,
+                        int64_t last) {
+  return {range_key_begin(first, q_len_b, kv_len_b, p.window_left),
+          range_key_end(last, q_len_b, kv_len_b, p.window_right, p.is_causal)};
+}
+
+// Rows [s0, s0 + n) of sequence b's paged keys (or values), converted into dst (n, cols) with leading
+// dimension cols: row s is row s % page_size of page block_table[b, s / page_size], so a tile is gathered
+// page run by page run, never the cache. `base` points at the kv head's first page, `st` are the tensor's
+// (page, head, row, column) strides.
+template <typename scalar_t, typename acc_t>
+void gather_pages(const AttentionParams& p, const void* block_table, int64_t b, const scalar_t* base,
+                  const int64_t* st, int64_t s0, int64_t n, int64_t cols, acc_t* dst) {
+  const auto* table = static_cast<const int32_t*>(block_table) + b * p.block_table_stride[0];
+  const int64_t ps = p.page_size;
+  for (int64_t j = 0; j < n;) {
+    const int64_t s = s0 + j, r = s % ps, m = std::min(n - j, ps - r);
+    const int64_t page = table[(s / ps) * p.block_table_stride[1]];
+    pack_block(base + page * st[0] + r * st[2], st[2], st[3], m, cols, acc_t(1), dst + j * cols, cols);
+    j += m;
+  }
 }
 
 // The kv head that query head h reads (grouped KV heads: a group of H / Hkv query heads shares one).
@@ -658,18 +705,26 @@ class AttentionCpu {
   // the block's key range reaches are visited (is_causal, key lengths, the window: a window of w keys costs
   // O(w), not O(S), per row).
   void run_item(int64_t b, int64_t h, int64_t blk, Scratch<acc_t>& ws) {
-    const int64_t L = p_.q_len, D = p_.head_dim, Dv = p_.v_head_dim;
+    const SeqRange seq = seq_range(p_, d_, b);
+    const int64_t L = seq.q_len, D = p_.head_dim, Dv = p_.v_head_dim;
     const int64_t bq = plan_.bq, lds = plan_.ld_s;
-    const int64_t qt_begin = blk * plan_.block, qt_end = std::min(plan_.q_tiles, qt_begin + plan_.block);
+    // Blocks past a shorter sequence's queries are empty (plan_.q_tiles is the longest sequence's).
+    const int64_t qt_begin = blk * plan_.block, qt_end = std::min((L + bq - 1) / bq, qt_begin + plan_.block);
+    if (qt_begin >= qt_end) return;
     const int64_t r0 = qt_begin * bq, rows_n = std::min(L, qt_end * bq) - r0;  // the item's query rows
     const int64_t *qs = p_.q_stride, *ks = p_.k_stride, *vs = p_.v_stride;
     const bool mask_rows = p_.attn_mask_kind != kMaskNone && p_.attn_mask_stride[2] != 0;
+    const bool paged = p_.page_size > 0;
     const int64_t hk = kv_head(p_, h);
-    const int64_t kv_len_b = batch_kv_len(p_, d_.key_lengths, b);
+    const int64_t kv_len_b = seq.kv_len;
 
-    const auto* q = static_cast<const scalar_t*>(d_.query) + b * qs[0] + h * qs[1] + r0 * qs[2];
-    const auto* k = static_cast<const scalar_t*>(d_.key) + b * ks[0] + hk * ks[1];
-    const auto* v = static_cast<const scalar_t*>(d_.value) + b * vs[0] + hk * vs[1];
+    const auto* q =
+        static_cast<const scalar_t*>(d_.query) + b * qs[0] + h * qs[1] + (seq.q_begin + r0) * qs[2];
+    // Paged: the kv head's rows in page 0, indexed per page by gather_pages.
+    const auto* k =
+        static_cast<const scalar_t*>(d_.key) + (paged ? 0 : b * ks[0]) + hk * ks[1] + seq.k_begin * ks[2];
+    const auto* v =
+        static_cast<const scalar_t*>(d_.value) + (paged ? 0 : b * vs[0]) + hk * vs[1] + seq.k_begin * vs[2];
     // The scale goes into the queries once, instead of into every score.
     pack_block(q, qs[2], qs[3], rows_n, D, scale_, ws.q, D);
     for (int64_t i = 0; i < rows_n; ++i) ws.rows[i] = softmax_row_init<acc_t>();
@@ -679,7 +734,7 @@ class AttentionCpu {
     // A single query row (decoding) reads the keys row by row instead of transposing them: its scores are
     // the dot products of q with each key (dot_rows).
     const bool single_row = rows_n == 1;
-    const KeySpan block_keys = row_keys(p_, kv_len_b, r0, r0 + rows_n - 1);
+    const KeySpan block_keys = row_keys(p_, L, kv_len_b, r0, r0 + rows_n - 1);
     for (int64_t kt = block_keys.begin / plan_.bk, k0 = kt * plan_.bk; k0 < block_keys.end;
          ++kt, k0 += plan_.bk) {
       // Keys past the block's range are outside every row's: the tile is cut there.
@@ -689,9 +744,27 @@ class AttentionCpu {
       const acc_t* shared = nullptr;
       for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
-        const KeySpan tile_keys = row_keys(p_, kv_len_b, q0, q0 + nq - 1);
+        const KeySpan tile_keys = row_keys(p_, L, kv_len_b, q0, q0 + nq - 1);
         if (tile_keys.end <= k0 || tile_keys.begin >= k0 + nk || tile_skipped(b, h, qt, kt)) continue;
         const int64_t nk_q = std::min(nk, tile_keys.end - k0);
+        if (!loaded && paged) {
+          // Gathered per tile through the block table, converted on the way.
+          if (D > 0) {
+            gather_pages(p_, d_.block_table, b, k, ks, k0, nk, D, ws.k);
+            if (single_row) {
+              ka = {ws.k, D};
+            } else {
+              transpose(ws.k, D, ws.kt, lds, nk, D);
+              ka = {ws.kt, lds};
+            }
+          }
+          if (Dv > 0) {
+            gather_pages(p_, d_.block_table, b, v, vs, k0, nk, Dv, ws.v);
+            va = {ws.v, Dv};
+          }
+          shared = shared_bias(b, h, k0, nk, ws);
+          loaded = true;
+        }
         if (!loaded) {
           if (D > 0 && single_row) {
             ka = b_operand(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k);
@@ -703,12 +776,12 @@ class AttentionCpu {
           shared = shared_bias(b, h, k0, nk, ws);
           loaded = true;
         }
-        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, kv_len_b, ka, single_row, va, shared, ws, mask_rows);
+        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, L, kv_len_b, ka, single_row, va, shared, ws, mask_rows);
       }
     }
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
       const int64_t q0 = qt * bq;
-      write_rows(b, h, q0 - r0, q0, std::min(bq, L - q0), ws);
+      write_rows(b, h, q0 - r0, seq.q_begin + q0, std::min(bq, L - q0), ws);
     }
   }
 
@@ -716,8 +789,8 @@ class AttentionCpu {
   // transposed (D, nk), or as (nk, D) rows when keys_as_rows (then nq == 1); va the values; `shared` the bias
   // common to all rows (see shared_bias).
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                    int64_t kv_len_b, const Operand<acc_t>& ka, bool keys_as_rows, const Operand<acc_t>& va,
-                    const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
+                    int64_t q_len_b, int64_t kv_len_b, const Operand<acc_t>& ka, bool keys_as_rows,
+                    const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     acc_t* s = ws.s;
     // S (nq, nk) = (scale Q) K^T.
@@ -741,7 +814,7 @@ class AttentionCpu {
         });
         bias = ws.row_bias;
       }
-      const KeySpan keys = row_keys(p_, kv_len_b, q0 + i, q0 + i);
+      const KeySpan keys = row_keys(p_, q_len_b, kv_len_b, q0 + i, q0 + i);
       const int64_t hi = std::clamp<int64_t>(keys.end - k0, 0, nk);
       const int64_t lo = std::clamp<int64_t>(keys.begin - k0, 0, hi);
       const acc_t tile_max = add_bias_and_max(row, bias, lo, hi, nk);
@@ -759,7 +832,8 @@ class AttentionCpu {
     if (Dv > 0) tile_gemm(nq, Dv, nk, s, lds, va.ptr, va.ld, ws.o + i0 * Dv, Dv, /*add_c=*/true);
   }
 
-  // Rows [q0, q0 + nq) of out and lse, from the item's scratch at offset i0.
+  // Rows [q0, q0 + nq) of out and lse (rows of the packed tensors with varlen), from the item's scratch at
+  // offset i0.
   void write_rows(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, Scratch<acc_t>& ws) const {
     const int64_t Dv = p_.v_head_dim;
     const int64_t *os = p_.out_stride, *ls = p_.lse_stride;

@@ -16,12 +16,17 @@ from attnx import _loader  # noqa: F401  (loads attnx._C, which registers torch.
 # since importing these modules registers fakes for its ops.
 from attnx import functional, nn, reference, sdpa
 from attnx.convert import convert, revert
-from attnx.ops import attention, attention_backward, linear, mha
+from attnx.ops import attention, attention_backward, linear, mha, varlen_attention
+
+# isort: split
+# PyTorch's own APIs served by attnx's kernels (torch.nn.attention.varlen.varlen_attn on CPU), where the
+# running torch has them.
+from attnx import pytorch
 
 sdpa._register()
 
 __version__ = "0.1.0"
 __all__ = [
-    "attention", "attention_backward", "convert", "functional", "linear", "mha", "nn", "reference", "revert",
-    "sdpa",
+    "attention", "attention_backward", "convert", "functional", "linear", "mha", "nn", "pytorch", "reference",
+    "revert", "sdpa", "varlen_attention",
 ]

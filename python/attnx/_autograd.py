@@ -19,7 +19,14 @@ import torch
 from torch import Tensor
 
 from attnx._fake import MHA_GRADS
-from attnx._schema import AttentionBackwardArgs, AttentionOptions, MhaArgs, MhaBackwardArgs
+from attnx._schema import (
+    AttentionBackwardArgs,
+    AttentionOptions,
+    MhaArgs,
+    MhaBackwardArgs,
+    VarlenAttentionArgs,
+    VarlenAttentionBackwardArgs,
+)
 
 __all__ = ["records_backward"]
 
@@ -200,6 +207,58 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 _register_autograd("_attention_autograd", _AttentionFunction)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# varlen_attention
+
+_VARLEN_SINKS = VarlenAttentionArgs._fields.index("sinks")
+_varlen_attention_backward = torch.ops.attnx.varlen_attention_backward.default
+# The backward takes the forward's arguments from cu_seqlens_q on, in the same order, after out and lse.
+if VarlenAttentionBackwardArgs._fields[6:] != VarlenAttentionArgs._fields[3:]:
+    raise AssertionError(
+        "attnx::varlen_attention_backward's arguments differ from attnx::_varlen_attention's"
+    )
+
+
+class _VarlenAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, keyset, query, key, value, *rest):
+        if keyset is None:
+            out, lse = op(query, key, value, *rest)
+        else:
+            out, lse = op.redispatch(keyset, query, key, value, *rest)
+        # The arguments after value (tensors saved apart, the rest on ctx), out and lse: the backward
+        # recomputes the probabilities from them.
+        ctx.save_for_backward(
+            query, key, value, out, lse, *(r if isinstance(r, Tensor) else None for r in rest)
+        )
+        ctx.rest = tuple(None if isinstance(r, Tensor) else r for r in rest)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        query, key, value, out, lse, *saved = ctx.saved_tensors
+        rest = tuple(r if t is None else t for r, t in zip(ctx.rest, saved, strict=True))
+        needs = ctx.needs_input_grad  # op, keyset, query, key, value, then one per argument after value
+        sinks_at = 2 + _VARLEN_SINKS
+        want_sinks = len(needs) > sinks_at and needs[sinks_at]
+        if not (needs[2] or needs[3] or needs[4] or want_sinks):
+            return (None,) * len(needs)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        args = (grad_out, query, key, value, out, lse, *rest)
+        dq, dk, dv, dsinks = _backward_op("varlen_attention", _varlen_attention_backward, args)
+        grads = [None, None, dq if needs[2] else None, dk if needs[3] else None, dv if needs[4] else None]
+        grads += [None] * len(rest)
+        if want_sinks:
+            grads[sinks_at] = dsinks
+        return tuple(grads)
+
+
+_register_autograd("_varlen_attention_autograd", _VarlenAttentionFunction)
 
 
 # ------------------------------------------------------------------------------------------------------------

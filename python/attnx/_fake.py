@@ -18,7 +18,14 @@ import torch
 from torch import Tensor
 
 from attnx._compat import register_fake
-from attnx._schema import AttentionArgs, AttentionBackwardArgs, MhaArgs, MhaBackwardArgs
+from attnx._schema import (
+    AttentionArgs,
+    AttentionBackwardArgs,
+    MhaArgs,
+    MhaBackwardArgs,
+    VarlenAttentionArgs,
+    VarlenAttentionBackwardArgs,
+)
 
 __all__ = ["MHA_GRADS", "linear_out_strides", "scalar_name"]
 
@@ -354,6 +361,79 @@ def _attention_backward_fake(*args, **kwargs) -> tuple[Tensor, Tensor, Tensor, T
         query.new_empty((B, S, Hkv, D)).transpose(1, 2),
         query.new_empty((B, S, Hkv, Dv)).transpose(1, 2),
         attn_mask.new_empty(attn_mask.shape) if want_mask_grad else query.new_empty(0),
+        sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# varlen_attention: the shape checks of check_and_describe in csrc/common/varlen_attention.cpp (the offsets',
+# seqused_k's and the block table's values are data, checked by the kernel).
+
+
+def _check_varlen_args(a: VarlenAttentionArgs | VarlenAttentionBackwardArgs) -> None:
+    op = "attnx::varlen_attention"
+    query, key, value = a.query, a.key, a.value
+    paged = a.block_table is not None
+    kv_dims = 4 if paged else 3
+    k_shape = "(pages, page_size, Hkv, D) with block_table" if paged else "(total_k, Hkv, D)"
+    v_shape = "(pages, page_size, Hkv, Dv) with block_table" if paged else "(total_k, Hkv, Dv)"
+    torch._check(
+        query.dim() == 3,
+        lambda: f"{op}: expected query of shape (total_q, H, D), got a {query.dim()}-D tensor of shape "
+        f"{list(query.shape)}",
+    )
+    for t, name, shape in ((key, "key", k_shape), (value, "value", v_shape)):
+        torch._check(
+            t.dim() == kv_dims,
+            lambda t=t, name=name, shape=shape: f"{op}: expected {name} of shape {shape}, got a {t.dim()}-D "
+            f"tensor of shape {list(t.shape)}",
+        )
+    torch._check(
+        query.dtype in _ATTENTION_DTYPES,
+        lambda: f"{op}: expected query of dtype float32, float64, bfloat16 or float16, got "
+        f"{scalar_name(query.dtype)}",
+    )
+    for t, name in ((key, "key"), (value, "value")):
+        torch._check(
+            t.dtype == query.dtype,
+            lambda t=t, name=name: f"{op}: expected {name} of query's dtype {scalar_name(query.dtype)}, got "
+            f"{scalar_name(t.dtype)}",
+        )
+    H, Hkv = query.shape[1], key.shape[kv_dims - 2]
+    torch._check(
+        H % Hkv == 0 if Hkv > 0 else H == 0,
+        lambda: f"{op}: expected the number of key/value heads (Hkv = {Hkv}) to divide the number of query "
+        f"heads (H = {H})",
+    )
+    for t, name in ((a.cu_seqlens_q, "cu_seqlens_q"), (a.cu_seqlens_k, "cu_seqlens_k")):
+        torch._check(
+            t.dtype == torch.int32,
+            lambda t=t, name=name: f"{op}: expected {name} of dtype int32, got {scalar_name(t.dtype)}",
+        )
+
+
+@register_fake("attnx::_varlen_attention")
+def _varlen_attention_fake(*args, **kwargs) -> tuple[Tensor, Tensor]:
+    a = VarlenAttentionArgs(*args, **kwargs)
+    _check_varlen_args(a)
+    total_q, H, _ = a.query.shape
+    return a.query.new_empty((total_q, H, a.value.shape[-1])), a.query.new_empty(
+        (H, total_q), dtype=_lse_dtype(a.query)
+    )
+
+
+register_fake("attnx::_varlen_attention_autograd")(_varlen_attention_fake)
+
+
+@register_fake("attnx::varlen_attention_backward")
+def _varlen_attention_backward_fake(*args, **kwargs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    a = VarlenAttentionBackwardArgs(*args, **kwargs)
+    _check_varlen_args(a)
+    query, key, value, sinks = a.query, a.key, a.value, a.sinks
+    return (
+        query.new_empty(query.shape),
+        query.new_empty(key.shape),
+        query.new_empty(value.shape),
         sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0),
     )
 

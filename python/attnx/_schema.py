@@ -19,7 +19,7 @@ import torch
 
 __all__ = [
     "AttentionArgs", "AttentionBackwardArgs", "AttentionOptions", "MhaArgs", "MhaBackwardArgs",
-    "check_signature",
+    "VarlenAttentionArgs", "VarlenAttentionBackwardArgs", "check_signature",
 ]
 
 
@@ -49,6 +49,10 @@ MhaArgs = _table("MhaArgs", "mha_forward")
 # mha_backward's arguments: grad_out, grad_weights, mha's but batch_first, what mha_forward saved (q, k, v,
 # attn, lse), output_mask, batch_first.
 MhaBackwardArgs = _table("MhaBackwardArgs", "mha_backward")
+# varlen_attention's arguments, and its backward's: grad_out, query, key, value, out, lse, then the forward's
+# from cu_seqlens_q on.
+VarlenAttentionArgs = _table("VarlenAttentionArgs", "_varlen_attention")
+VarlenAttentionBackwardArgs = _table("VarlenAttentionBackwardArgs", "varlen_attention_backward")
 
 
 def check_signature(fn: Callable, op_name: str) -> None:

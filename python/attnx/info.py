@@ -26,14 +26,17 @@ DISPATCH_KEYS = (
 )
 BACKENDS = ("CPU", "CUDA", "MPS")
 
-# The public ops and the kernel ops they run. linear, attention and mha are routers (csrc/common/routes.cpp)
-# that run the first with grad mode off and the second with it on; the backward ops are kernel ops themselves.
+# The public ops and the kernel ops they run. linear, attention, mha and varlen_attention are routers
+# (csrc/common/routes.cpp) that run the first with grad mode off and the second with it on; the backward ops
+# are kernel ops themselves.
 KERNEL_OPS = {
     "attnx::linear": ("attnx::_linear", "attnx::_linear_autograd"),
     "attnx::attention": ("attnx::_attention", "attnx::_attention_autograd"),
     "attnx::attention_backward": ("attnx::attention_backward",),
     "attnx::mha": ("attnx::_mha", "attnx::mha_forward"),
     "attnx::mha_backward": ("attnx::mha_backward",),
+    "attnx::varlen_attention": ("attnx::_varlen_attention", "attnx::_varlen_attention_autograd"),
+    "attnx::varlen_attention_backward": ("attnx::varlen_attention_backward",),
 }
 
 # What a composite (CompositeExplicitAutograd) kernel needs in order to run on a backend: the attnx ops it

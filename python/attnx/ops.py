@@ -18,16 +18,27 @@ import torch
 from torch import Tensor
 
 from attnx import _fake  # noqa: F401  (registers the fake kernels)
-from attnx._autograd import _AttentionFunction, _LinearFunction, _MhaFunction, records_backward
+from attnx._autograd import (
+    _AttentionFunction,
+    _LinearFunction,
+    _MhaFunction,
+    _VarlenAttentionFunction,
+    records_backward,
+)
 from attnx._schema import check_signature
 
-__all__ = ["attention", "attention_backward", "draw_dropout_seed", "linear", "mha"]
+__all__ = [
+    "attention", "attention_backward", "draw_dropout_seed", "linear", "mha", "varlen_attention",
+    "varlen_attention_backward",
+]
 
 # Looked up once: the wrappers are called per layer and step, and cost little more than the ops.
 _linear_kernel = torch.ops.attnx._linear.default
 _attention_kernel = torch.ops.attnx._attention.default
 _attention_backward = torch.ops.attnx.attention_backward.default
 _mha_forward_op, _mha_kernel = torch.ops.attnx.mha_forward.default, torch.ops.attnx._mha.default
+_varlen_kernel = torch.ops.attnx._varlen_attention.default
+_varlen_backward = torch.ops.attnx.varlen_attention_backward.default
 
 
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -370,8 +381,136 @@ def mha(
     return _mha_kernel(*args)
 
 
+def varlen_attention(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, is_causal: bool = False, scale: float | None = None,
+    window_left: int = -1, window_right: int = -1, seqused_k: Tensor | None = None,
+    block_table: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention over packed sequences of different lengths; returns ``(out, lse)``.
+
+    The layout is FlashAttention's varlen one (``torch.nn.attention.varlen``'s too).
+
+    ``N`` sequences are packed along the first dim: sequence ``b``'s queries are rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of query and its keys rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+    of key and value; each sequence attends only to its own keys. The kernel is :func:`attention`'s, one
+    batch per sequence: a tile never crosses a sequence, so the cost is ``sum_b Lq_b * Lk_b``, not
+    ``total_q * total_k``, and nothing is padded or copied (kv heads are indexed, not repeated).
+    :func:`attnx.reference.varlen_attention` computes the same, sequence by sequence.
+
+    Key range, per sequence (``Lq`` queries, ``Lk`` keys): query ``i`` sits at key position
+    ``i + Lk - Lq`` (bottom-right alignment), and the window keeps keys ``j`` with
+    ``i + Lk - Lq - window_left <= j <= i + Lk - Lq + window_right`` (``-1``: unbounded side). ``is_causal``
+    sets the window's right side to 0: FlashAttention's and ``torch.nn.attention.varlen``'s causal, which
+    is *not* :func:`attention`'s top-left ``is_causal`` (the two agree when ``Lq == Lk``). A row that sees
+    no key (``Lk == 0``, or a window that reaches none) gives out 0 and ``lse = +inf``, as in
+    :func:`attention`; FlashAttention-2 reports ``+inf`` there too (its split-KV path ``-inf``).
+
+    Paged KV cache: with ``block_table``, key and value are pages ``(pages, page_size, Hkv, D)`` of any
+    ``page_size`` (1, 16, 7, ...) shared by all sequences in any order; key ``j`` of sequence ``b`` is row
+    ``j % page_size`` of page ``block_table[b, j // page_size]``. Keys are gathered page by page for each
+    tile, never copied out of the cache. ``cu_seqlens_k`` then only gives each sequence's key count
+    (``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``, at most ``pages_per_seq * page_size``); ``seqused_k`` may cut
+    it further.
+
+    CPU only: on other devices the dispatcher reports that ``attnx::_varlen_attention`` has no kernel for
+    the device.
+
+    Args:
+        query: ``(total_q, H, D)``, float32, float64, bfloat16 or float16, any strides.
+        key: ``(total_k, Hkv, D)`` of query's dtype, any strides, ``Hkv`` dividing ``H`` (query head ``h``
+            reads kv head ``h // (H // Hkv)``); or ``(pages, page_size, Hkv, D)`` with block_table.
+        value: ``(total_k, Hkv, Dv)``, or ``(pages, page_size, Hkv, Dv)`` with block_table.
+        cu_seqlens_q: int32 ``(N + 1,)``, contiguous, non-decreasing, from ``>= 0`` to ``<= total_q``.
+        cu_seqlens_k: int32 ``(N + 1,)``, likewise (to ``<= total_k`` without block_table).
+        max_seqlen_q: at least the longest query sequence (checked on the CPU).
+        max_seqlen_k: at least the longest key sequence (checked on the CPU).
+        is_causal: bottom-right causal per sequence (see Key range above).
+        scale: the scores' scale; None: ``1/sqrt(D)``.
+        window_left: keys before a row's key position that it sees; ``-1``: unbounded.
+        window_right: keys after a row's key position that it sees; ``-1``: unbounded.
+        seqused_k: int32 ``(N,)`` or None: sequence ``b`` uses only its first ``seqused_k[b]`` keys (at
+            most its ``cu_seqlens_k`` count; a KV cache's filled part); the rest are never read.
+        block_table: int32 ``(N, pages_per_seq)`` or None: the paged cache's table (see above). Inference
+            only: the backward refuses it.
+        softcap: > 0 or None, as in :func:`attention`.
+        sinks: ``(H,)`` or None, as in :func:`attention`.
+
+    Returns:
+        ``out``: ``(total_q, H, Dv)`` in query's dtype, contiguous; 0 on a row that sees no key and on rows
+        outside every sequence.
+
+        ``lse``: ``(H, total_q)`` (FlashAttention's layout), float32 (float64 for float64 inputs), ``+inf``
+        where out is 0 for lack of keys. Not differentiable.
+
+        Differentiable in query, key, value and sinks without block_table, through
+        :func:`varlen_attention_backward`. No double backward.
+
+    Raises:
+        RuntimeError: ``attnx::varlen_attention: expected ...`` for an argument of the wrong shape, dtype or
+            device, for offsets that decrease or leave their tensor, for ``max_seqlen_*`` below the longest
+            sequence, for ``seqused_k`` past a sequence's keys, and for a block table entry outside the
+            pages; in the backward, for a block_table.
+    """
+    args = (max_seqlen_q, max_seqlen_k, is_causal, scale, window_left, window_right, seqused_k, block_table,
+            softcap, sinks)
+    if records_backward(query, key, value, sinks):
+        return _VarlenAttentionFunction.apply(_varlen_kernel, None, query, key, value, cu_seqlens_q,
+                                              cu_seqlens_k, *args)
+    return _varlen_kernel(query, key, value, cu_seqlens_q, cu_seqlens_k, *args)
+
+
+def varlen_attention_backward(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    is_causal: bool = False, scale: float | None = None, window_left: int = -1, window_right: int = -1,
+    seqused_k: Tensor | None = None, block_table: Tensor | None = None, softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`varlen_attention`'s out with respect to query, key, value and sinks.
+
+    :func:`attention_backward`'s kernel, one batch per sequence (probabilities recomputed from lse, never
+    stored).
+
+    Args:
+        grad_out: ``(total_q, H, Dv)`` in query's dtype, any strides.
+        query: the forward call's.
+        key: the forward call's.
+        value: the forward call's.
+        out: ``(total_q, H, Dv)``, as :func:`varlen_attention` returned it.
+        lse: ``(H, total_q)``, as :func:`varlen_attention` returned it.
+        cu_seqlens_q: the forward call's.
+        cu_seqlens_k: the forward call's.
+        max_seqlen_q: the forward call's.
+        max_seqlen_k: the forward call's.
+        is_causal: the forward call's.
+        scale: the forward call's.
+        window_left: the forward call's.
+        window_right: the forward call's.
+        seqused_k: the forward call's.
+        block_table: must be None (a paged cache is inference only).
+        softcap: the forward call's.
+        sinks: the forward call's.
+
+    Returns:
+        ``(grad_query, grad_key, grad_value, grad_sinks)``: in the shapes of query, key and value (0 for
+        keys that no query sees and for rows outside every sequence), and ``(H,)`` in sinks' dtype with
+        sinks, else an empty tensor.
+
+    Raises:
+        RuntimeError: ``attnx::varlen_attention: expected ...`` or
+            ``attnx::varlen_attention_backward: expected ...`` for a bad argument or a block_table.
+    """
+    return _varlen_backward(
+        grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        is_causal, scale, window_left, window_right, seqused_k, block_table, softcap, sinks,
+    )
+
+
 # The wrappers spell their op's signature out, as API: held to the schema (csrc/schemas.cpp) here.
 for _wrapper, _op_name in ((linear, "linear"), (attention, "attention"),
-                           (attention_backward, "attention_backward"), (mha, "mha")):
+                           (attention_backward, "attention_backward"), (mha, "mha"),
+                           (varlen_attention, "varlen_attention"),
+                           (varlen_attention_backward, "varlen_attention_backward")):
     check_signature(_wrapper, _op_name)
 del _wrapper, _op_name

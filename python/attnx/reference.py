@@ -140,6 +140,78 @@ def attention(
     return out, lse.to(acc)
 
 
+
+def varlen_attention(
+    # attnx::varlen_attention's arguments, in its schema's order
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, is_causal: bool = False, scale: float | None = None,
+    window_left: int = -1, window_right: int = -1, seqused_k: Tensor | None = None,
+    block_table: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The spec of :func:`attnx.varlen_attention`, sequence by sequence; returns ``(out, lse)``.
+
+    Runs :func:`attention` on each sequence in turn.
+
+    Sequence ``b`` is a ``(1, H, Lq, D)`` problem of its own: its keys are gathered (through block_table for
+    a paged cache) and cut to ``seqused_k[b]``, and bottom-right causal is :func:`attention`'s window with
+    its right side at 0. Rows outside every sequence get out 0 and ``lse = +inf``.
+
+    Args:
+        query: as in :func:`attnx.varlen_attention`.
+        key: as in :func:`attnx.varlen_attention`.
+        value: as in :func:`attnx.varlen_attention`.
+        cu_seqlens_q: as in :func:`attnx.varlen_attention`.
+        cu_seqlens_k: as in :func:`attnx.varlen_attention`.
+        max_seqlen_q: unused (the lengths come from the offsets).
+        max_seqlen_k: unused.
+        is_causal: as in :func:`attnx.varlen_attention`.
+        scale: as in :func:`attnx.varlen_attention`.
+        window_left: as in :func:`attnx.varlen_attention`.
+        window_right: as in :func:`attnx.varlen_attention`.
+        seqused_k: as in :func:`attnx.varlen_attention`.
+        block_table: as in :func:`attnx.varlen_attention`.
+        softcap: as in :func:`attnx.varlen_attention`.
+        sinks: as in :func:`attnx.varlen_attention`.
+
+    Returns:
+        ``out`` ``(total_q, H, Dv)`` and ``lse`` ``(H, total_q)``, as :func:`attnx.varlen_attention` defines
+        them. Differentiable (through autograd) in query, key, value and sinks.
+    """
+    total_q, H, D = query.shape
+    Dv = value.shape[-1]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    if scale is None:
+        scale = D**-0.5 if D > 0 else 1.0
+    outs, lses, rows = [], [], []
+    for b in range(len(cq) - 1):
+        q = query[cq[b]:cq[b + 1]]
+        n_k = ck[b + 1] - ck[b] if used is None else min(used[b], ck[b + 1] - ck[b])
+        if block_table is None:
+            k, v = key[ck[b]:ck[b] + n_k], value[ck[b]:ck[b] + n_k]
+        else:
+            page_size = key.shape[1]
+            j = torch.arange(n_k)
+            pages = block_table[b].to("cpu", torch.int64)[j // page_size]
+            k, v = key[pages, j % page_size], value[pages, j % page_size]
+        o, lse = attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            scale=scale, window_left=window_left, window_right=0 if is_causal else window_right,
+            softcap=softcap, sinks=sinks,
+        )
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+        rows.append(torch.arange(cq[b], cq[b + 1]))
+    out = query.new_zeros((total_q, H, Dv))
+    lse = torch.full((H, total_q), float("inf"), dtype=acc, device=query.device)
+    if outs:
+        index = torch.cat(rows).to(query.device)
+        out = out.index_put((index,), torch.cat(outs))
+        lse = lse.index_copy(1, index, torch.cat(lses, dim=1))
+    return out, lse
+
+
 def key_range_mask(
     B: int,
     L: int,

@@ -136,6 +136,8 @@ class AttentionParams(ctypes.Structure):
         ("kv_heads", i64), ("window_left", i64), ("window_right", i64), ("key_lengths_stride", i64),
         ("key_lengths_kind", i32), ("has_sinks", i32), ("softcap", ctypes.c_float),
         ("softcap_lo", ctypes.c_float),
+        ("page_size", i64), ("block_table_stride", i64 * 2), ("pages_per_seq", i64), ("varlen", i32),
+        ("varlen_reserved", i32),
     ]
 
 

@@ -5,9 +5,11 @@
 //
 // Each of the three keeps, for query row l, one interval of keys, and both ends of that interval grow with l.
 // So their intersection is one interval [key_begin(l), key_end(l)) too, and, the other way round, the queries
-// that see key s are one interval [query_begin(s), query_end(s)). Kernels loop over these intervals instead of
-// testing every (l, s): a query tile visits only the key tiles its window reaches, so the cost grows with the
-// window, not with S. An empty interval (begin >= end) is a row that sees no key: out 0 and lse = +inf.
+// that see key s are one interval [query_begin(s), query_end(s)). Kernels loop over these intervals instead
+// of testing every (l, s): a query tile visits only the key tiles its window reaches, so the cost grows with
+// the window, not with S. An empty interval (begin >= end) is a row that sees no key: out 0 and lse = +inf.
+// With packed sequences (AttentionParams::varlen) q_len and kv_len_b are those of one sequence: the rules
+// hold per sequence, bottom-right aligned in each.
 #pragma once
 
 #if defined(__METAL_VERSION__)

@@ -90,6 +90,23 @@ struct AttentionParams {
   // are added. Split like `scale`: float64 kernels use (double)softcap + (double)softcap_lo.
   float softcap;
   float softcap_lo;
+
+  // Variable length (attnx::varlen_attention): with `varlen` set, the B batches are B packed sequences of
+  // different lengths. Sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of query, out
+  // and lse (q_stride[2], out_stride[2] and lse_stride[2] step those rows; the batch strides q_stride[0],
+  // out_stride[0] and lse_stride[0] are 0), its keys are cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows from
+  // cu_seqlens_k[b] (k_stride[2], v_stride[2]), cut to key_lengths[b] (seqused_k) when given. The key range
+  // of attnx/key_range.h applies per sequence, with that sequence's query and key counts. q_len and kv_len
+  // are the longest sequence's, which size the tiles: a tile never crosses a sequence boundary.
+  // With page_size > 0 the keys and values are a paged cache (pages, page_size, Hkv, D): key s of sequence b
+  // is row s % page_size of page block_table[b, s / page_size] (block_table (B, pages_per_seq) int32 through
+  // block_table_stride), k_stride[0] / v_stride[0] stepping pages and k_stride[2] / v_stride[2] rows of a
+  // page. The offsets and the table travel in AttentionPointers. Backends without these refuse them.
+  int64_t page_size;              // 0: keys are rows of key and value, not pages
+  int64_t block_table_stride[2];  // (B, pages_per_seq)
+  int64_t pages_per_seq;
+  int32_t varlen;
+  int32_t varlen_reserved;  // 0; pads the struct to a multiple of 8 bytes, as Metal lays it out
 };
 
 // How per-batch key lengths are stored.
@@ -101,9 +118,9 @@ enum KeyLengthsKind : int32_t {
 
 #if !defined(__METAL_VERSION__)
 // The layout Metal sees: 31 int64 fields, 14 four-byte fields (the dropout fields), then 4 int64 and 4
-// four-byte fields (GQA, the key range, sinks and soft-capping): each group appended last, so that every
-// earlier offset is unchanged.
-static_assert(sizeof(AttentionParams) == 352, "AttentionParams layout changed: update the Metal side too");
+// four-byte fields (GQA, the key range, sinks and soft-capping), then 4 int64 and 2 four-byte fields
+// (variable length and paging): each group appended last, so that every earlier offset is unchanged.
+static_assert(sizeof(AttentionParams) == 392, "AttentionParams layout changed: update the Metal side too");
 
 // Where an attention call's tensors start (storage offsets applied); their layouts are in AttentionParams.
 struct AttentionPointers {
@@ -116,6 +133,11 @@ struct AttentionPointers {
   void* lse;                // float32, or float64 for float64 inputs
   const void* key_lengths;  // (B,) int32 or int64; nullptr when absent
   const void* sinks;        // (H,) in the accumulator type, contiguous; nullptr when absent
+  // With AttentionParams::varlen: the sequences' offsets, (B + 1,) int32 contiguous each, and with
+  // page_size > 0 the block table (B, pages_per_seq) int32; nullptr otherwise.
+  const void* cu_seqlens_q;
+  const void* cu_seqlens_k;
+  const void* block_table;
 };
 #endif
 
@@ -133,7 +155,7 @@ struct AttentionBackwardParams {
 };
 
 #if !defined(__METAL_VERSION__)
-static_assert(sizeof(AttentionBackwardParams) == 352 + 20 * 8,
+static_assert(sizeof(AttentionBackwardParams) == 392 + 20 * 8,
               "AttentionBackwardParams layout changed: update the Metal side too");
 
 // Where an attention_backward call's tensors start (storage offsets applied); their layouts are in
