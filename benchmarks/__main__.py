@@ -22,6 +22,7 @@ from . import (
     bench_attention,
     bench_b1,
     bench_backward,
+    bench_batching,
     bench_cuda,
     bench_features,
     bench_mha,
@@ -47,6 +48,7 @@ BENCHMARKS = {
     "models": bench_models,
     "overhead": bench_overhead,
     "sdpa": bench_sdpa,
+    "batching": bench_batching,
 }
 
 
