@@ -22,6 +22,7 @@ from . import (
     bench_attention,
     bench_b1,
     bench_backward,
+    bench_batching,
     bench_cuda,
     bench_features,
     bench_mha,
@@ -49,6 +50,7 @@ BENCHMARKS = {
     "overhead": bench_overhead,
     "sdpa": bench_sdpa,
     "varlen": bench_varlen,
+    "batching": bench_batching,
 }
 
 

@@ -23,6 +23,14 @@ through a second one (``AttentionMaskInterface``). :func:`register` adds ``"attn
   bottom-right aligned, ``softcap`` (Gemma 2), ``s_aux`` sinks (gpt-oss), T5's ``position_bias`` as a float
   bias (with its gradient), ``scaling`` and dropout. It returns ``(B, L, H, D)`` without a copy. Rows that see
   no key (left padding) give zeros, not NaN.
+- Variable-length batches run on :func:`attnx.varlen_attention`, whose tiles never cross a sequence, with no
+  mask at all. Packed sequences (``DataCollatorWithFlattening``): the varlen keyword arguments
+  (``cu_seq_lens_q``, ...) when the collator gives them, else position ids that restart; found whether or not
+  the model holds a cache object, as transformers' flash path does. Continuous batching (``generate_batch``,
+  ``ContinuousBatchingManager``): the paged cache's ``update`` is called, then one varlen call covers every
+  request of the batch, each seeing only its own keys. transformers (5.23) lets only ``"paged|eager"``,
+  ``"sdpa"`` and names containing "flash" into continuous batching; :func:`register` lets ``"attnx"`` in too,
+  as it is (see :func:`allow_continuous_batching`).
 
 transformers is optional: this module imports it, attnx does not.
 """
@@ -31,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -39,7 +49,10 @@ from transformers import masking_utils as _masks
 
 import attnx
 
-__all__ = ["NAME", "MaskArgs", "attention_forward", "attention_mask", "enable", "register"]
+__all__ = [
+    "NAME", "MaskArgs", "allow_continuous_batching", "attention_forward", "attention_mask", "enable",
+    "register",
+]
 
 NAME = "attnx"
 
@@ -55,6 +68,10 @@ class MaskArgs:
     key_lengths: Tensor | None = None  # (B,): filled keys of a static cache; None: all S
     window_left: int = -1
     window_right: int = -1
+    # Packed sequences: the (B * L) rows cut into sequences at cu_seqlens (int32, (N + 1,)), the longest
+    # max_seqlen; each attends to its own keys only (queries and keys are the same positions: L == S).
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int = 0
 
     # generate() prepares the masks of a static cache itself, calls .contiguous() on them and passes them to
     # the model, whose mask functions must then hand them on unchanged: what a prepared 4-D mask gets.
@@ -99,6 +116,56 @@ def _window(mask_function) -> tuple[int, int, bool] | None:
     return None
 
 
+_PACKED_CODE = _masks.packed_sequence_mask_function(torch.zeros(1, 1)).__code__
+_REMAP_CODE = _masks.remap_positions_for_packed_sequence(
+    _masks.causal_mask_function, torch.zeros(1, 1)
+).__code__
+
+
+def _packed(mask_function) -> tuple[Tensor, Callable] | None:
+    """``(sequence ids (B, L), the mask function within a sequence)`` when ``mask_function`` is transformers'
+    packed-sequence pattern (``packed_sequence_compatibility_function``), else None."""
+    if getattr(mask_function, "__code__", None) is not _AND_CODE:
+        return None
+    parts = _closure(mask_function).get("mask_functions", ())
+    if len(parts) != 2 or getattr(parts[0], "__code__", None) is not _PACKED_CODE:
+        return None
+    if getattr(parts[1], "__code__", None) is not _REMAP_CODE:
+        return None
+    return _closure(parts[0])["packed_sequence_mask"], _closure(parts[1])["mask_function"]
+
+
+def _runs(ids: Tensor) -> tuple[Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of the runs of equal consecutive values along each row of ``ids`` (B, L),
+    rows one after another: the sequences of a packed batch. (One host sync, for the longest run.)"""
+    flat = ids.reshape(-1)
+    starts = torch.ones(flat.shape[0], dtype=torch.bool, device=ids.device)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[:: ids.shape[1]] = True  # every row starts a sequence
+    bounds = torch.cat([starts.nonzero().flatten(), flat.new_tensor([flat.shape[0]], dtype=torch.long)])
+    cu_seqlens = bounds.to(torch.int32)
+    return cu_seqlens, int((bounds[1:] - bounds[:-1]).max()) if bounds.shape[0] > 1 else 0
+
+
+# position_ids -> (cu_seqlens, max_seqlen): a forward's layers all pass the same position ids, so the host
+# sync that reading them costs is paid once per forward. One entry: (weak reference, version, result).
+_positions_memo: list = [None, -1, None]
+
+
+def _packed_from_positions(position_ids: Tensor) -> tuple[Tensor, int] | None:
+    """The sequences of a packed batch given by its position ids ``(1, L)``, each sequence's positions going
+    up by one from where it starts (transformers' ``find_packed_sequence_indices``); None when they form one
+    sequence."""
+    ref, version, result = _positions_memo
+    if ref is not None and ref() is position_ids and version == position_ids._version:
+        return result
+    steps = position_ids[:, 1:] - position_ids[:, :-1]
+    ids = torch.cat([position_ids.new_zeros(position_ids.shape[0], 1), (steps != 1).cumsum(-1)], dim=-1)
+    result = _runs(ids) if bool(ids[:, -1].any()) else None
+    _positions_memo[:] = [weakref.ref(position_ids), position_ids._version, result]
+    return result
+
+
 def attention_mask(
     batch_size: int,
     q_length: int,
@@ -124,6 +191,15 @@ def attention_mask(
     """
     if isinstance(attention_mask, MaskArgs):  # prepared by generate() (see MaskArgs.ndim)
         return attention_mask
+    packed = _packed(mask_function)
+    if packed is not None and attention_mask is None and q_length == kv_length:
+        ids, within = packed
+        window = _window(within)
+        if window is not None:  # a plain pattern within each sequence: varlen attention, no mask built
+            window_left, window_right, causal = window
+            cu_seqlens, max_seqlen = _runs(ids.expand(batch_size, -1).to(device))
+            return MaskArgs(window_left=window_left, window_right=window_right, cu_seqlens=cu_seqlens,
+                            max_seqlen=max_seqlen)
     window = _window(mask_function)
     if window is not None:
         window_left, window_right, causal = window
@@ -160,6 +236,73 @@ def attention_mask(
     return MaskArgs(key_padding_mask, None, key_lengths, window_left, window_right)
 
 
+def _varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *, window_left=-1, window_right=-1,
+            is_causal=False, **kwargs) -> Tensor:
+    """attnx.varlen_attention on ``(B, H, L, D)`` query and ``(B, Hkv, S, D)`` key and value whose ``B * L``
+    (``B * S``) rows hold the packed sequences; returns ``(B, L, H, D)``. The rows are flattened as views when
+    the layout allows (the projections' ``(B, L, H, D)`` layout does), else copied."""
+    B, H, L, D = query.shape
+    q = query.transpose(1, 2).reshape(B * L, H, D)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[3])
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
+    out, _ = attnx.varlen_attention(
+        q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_q), int(max_k),
+        is_causal=is_causal, window_left=window_left, window_right=window_right, **kwargs,
+    )
+    return out.view(B, L, H, out.shape[-1])
+
+
+def _block_diagonal(cu_seqlens: Tensor, batch: int, length: int, window: dict) -> MaskArgs:
+    """The ``(B, 1, L, L)`` bool mask (True = masked out) of packed sequences, for what varlen attention does
+    not take (dropout, a position bias): each row sees its own sequence's keys within ``window``."""
+    rows = torch.arange(batch * length, device=cu_seqlens.device)
+    ids = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
+    pos = (rows - cu_seqlens.long()[ids]).view(batch, length)
+    ids = ids.view(batch, length)
+    i, j = pos[:, :, None], pos[:, None, :]
+    masked = ids[:, :, None] != ids[:, None, :]
+    left, right = window["window_left"], window["window_right"]
+    if left >= 0:
+        masked |= j < i - left
+    if right >= 0:
+        masked |= j > i + right
+    return MaskArgs(attn_mask=masked[:, None])
+
+
+def _packed_call(query, key, attention_mask, module, causal, kwargs) -> tuple | None:
+    """``(cu_seqlens_q, cu_seqlens_k, max_q, max_k, key range)`` when this call holds packed sequences (see
+    :func:`attention_forward`), else None. ``max_q``/``max_k`` are None where the caller did not give them."""
+    if isinstance(attention_mask, MaskArgs) and attention_mask.cu_seqlens is not None:
+        cu, longest = attention_mask.cu_seqlens, attention_mask.max_seqlen
+        key_range = {"window_left": attention_mask.window_left, "window_right": attention_mask.window_right}
+        return cu, cu, longest, longest, key_range
+    if isinstance(attention_mask, MaskArgs):
+        if any(x is not None for x in (attention_mask.key_padding_mask, attention_mask.attn_mask,
+                                       attention_mask.key_lengths)):
+            return None  # padding or another pattern: not a packed batch
+        key_range = {"window_left": attention_mask.window_left, "window_right": attention_mask.window_right}
+    elif attention_mask is None:
+        key_range = {"window_left": _sliding_window(module, kwargs) if causal else -1,
+                     "window_right": 0 if causal else -1}
+    else:
+        return None
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        return (kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs.get("max_length_q"),
+                kwargs.get("max_length_k"), key_range)
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, Tensor) and query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1:
+        found = _packed_from_positions(positions)
+        if found is not None:
+            return found[0], found[0], found[1], found[1], key_range
+    return None
+
+
+def _sliding_window(module, kwargs) -> int:
+    """The layer's sliding window (keys within ``w - 1`` positions before the query), or -1."""
+    width = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    return width - 1 if isinstance(width, int) and width > 0 else -1
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -172,6 +315,7 @@ def attention_forward(
     position_bias: Tensor | None = None,
     softcap: float | None = None,
     s_aux: Tensor | None = None,
+    cache=None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """The attention function registered as ``"attnx"`` in ``AttentionInterface``.
@@ -181,7 +325,36 @@ def attention_forward(
     None: then the layer is causal (``is_causal``, else ``module.is_causal``) when L > 1, top-left aligned,
     exactly as transformers' ``sdpa`` path decides. Returns ``(out (B, L, H, D), None)``: attention weights
     are never computed (as ``sdpa``).
+
+    Variable-length batches go to :func:`attnx.varlen_attention`: with ``cache``, continuous batching's
+    ``PagedAttentionCache`` (its requests packed along L, described by ``cu_seq_lens_q``/``cu_seq_lens_k``);
+    packed sequences, described by the varlen keyword arguments (``cu_seq_lens_q``, ``cu_seq_lens_k``,
+    ``max_length_q``, ``max_length_k``), by :func:`attention_mask` or by ``position_ids`` that restart
+    (batch 1, no past keys). Causal layers see their own sequence's keys up to their position (bottom-right
+    aligned, as transformers' flash path), windowed by the layer's ``sliding_window``.
     """
+    features = {"scale": scaling, "softcap": softcap, "sinks": s_aux}
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if cache is not None and hasattr(cache, "update"):  # continuous batching: a PagedAttentionCache
+        key, value = cache.update(
+            key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs
+        )
+        out = _varlen(
+            query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["max_length_q"],
+            kwargs["max_length_k"], window_left=_sliding_window(module, kwargs), window_right=0, **features,
+        )
+        return out, None
+    packed = _packed_call(query, key, attention_mask, module, causal, kwargs)
+    if packed is not None:
+        cu_q, cu_k, max_q, max_k, key_range = packed
+        if position_bias is None and dropout == 0.0:
+            if max_q is None or max_k is None:  # the collator gave the lengths without their maxima
+                max_q = int((cu_q[1:] - cu_q[:-1]).max())
+                max_k = int((cu_k[1:] - cu_k[:-1]).max())
+            return _varlen(query, key, value, cu_q, cu_k, max_q, max_k, **key_range, **features), None
+        # Dropout or a position bias: attnx.attention, with the packed sequences as a block-diagonal mask.
+        attention_mask = _block_diagonal(cu_q, query.shape[0], query.shape[2], key_range)
+
     args = {}
     if isinstance(attention_mask, MaskArgs):
         args = {
@@ -193,8 +366,7 @@ def attention_forward(
         is_bool = attention_mask.dtype == torch.bool
         args["attn_mask"] = attention_mask.logical_not() if is_bool else attention_mask
     else:
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        args["is_causal"] = bool(causal) and query.shape[2] > 1
+        args["is_causal"] = causal and query.shape[2] > 1
     if position_bias is not None:
         mask = args.get("attn_mask")
         if mask is None:
@@ -203,18 +375,45 @@ def attention_forward(
             args["attn_mask"] = position_bias.masked_fill(mask, float("-inf"))
         else:
             args["attn_mask"] = position_bias + mask
-    out, _ = attnx.attention(
-        query, key, value, scale=scaling, dropout_p=dropout, softcap=softcap, sinks=s_aux, **args
-    )
+    out, _ = attnx.attention(query, key, value, dropout_p=dropout, **features, **args)
     return out.transpose(1, 2), None
+
+
+def allow_continuous_batching() -> None:
+    """Let ``"attnx"`` into transformers' continuous batching as it is. Idempotent; :func:`register` calls it.
+
+    transformers (5.23) admits only ``"paged|eager"``, ``"sdpa"`` and names containing "flash"
+    (``ContinuousBatchingManager.switch_to_cb_friendly_attn`` raises "Implementation attnx is not supported
+    for continuous batching" otherwise). A name containing "flash" would also switch on flash-only code paths
+    that load flash-attention packages. So this wraps that one method: a model whose implementation is
+    ``"attnx"`` keeps it (no dense masks are built for it: transformers builds them only for ``"sdpa"`` and
+    ``"paged|eager"``), any other goes through transformers' own method. :func:`attention_forward` serves the
+    paged cache."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    manager = continuous_api.ContinuousBatchingManager
+    switch = manager.switch_to_cb_friendly_attn
+    if getattr(switch, "attnx_wrapped", None) is not None:
+        return
+
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        if model.config._attn_implementation == NAME:
+            return None
+        return switch(self, model, *args, **kwargs)
+
+    switch_to_cb_friendly_attn.attnx_wrapped = switch
+    switch_to_cb_friendly_attn.__doc__ = switch.__doc__
+    manager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
 
 
 def register() -> str:
     """Register attnx in transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` under the name
-    ``"attnx"``, which it returns. Idempotent. Afterwards ``attn_implementation="attnx"`` works in
-    ``from_pretrained``, ``from_config`` and ``model.set_attn_implementation``."""
+    ``"attnx"``, which it returns, and let it into continuous batching (:func:`allow_continuous_batching`).
+    Idempotent. Afterwards ``attn_implementation="attnx"`` works in ``from_pretrained``, ``from_config`` and
+    ``model.set_attn_implementation``, and ``generate_batch`` keeps it."""
     AttentionInterface.register(NAME, attention_forward)
     _masks.AttentionMaskInterface.register(NAME, attention_mask)
+    allow_continuous_batching()
     return NAME
 
 
