@@ -142,9 +142,10 @@ STABLE_TORCH_LIBRARY(attnx, m) {
       "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_sinks)");
   // The SDPA takeover (csrc/pytorch/sdpa.cpp): _sdpa_takeover(on) makes attnx's CPU kernels those of
   // aten::_scaled_dot_product_flash_attention_for_cpu and its backward (on = True) or gives PyTorch's back
-  // (False), and returns whether it was on before (None: only that). The two fallbacks have the aten ops'
-  // schemas: PyTorch's own kernels, for the calls attnx's do not take (registered from python/attnx/sdpa.py).
-  m.def("_sdpa_takeover(bool? on=None) -> bool");
+  // (False), and returns whether it was on before (None: only that); keep_bf16_forward / keep_fp16_forward
+  // leave those dtypes' forwards to PyTorch's kernel. The two fallbacks have the aten ops' schemas: PyTorch's
+  // own kernels, for the calls attnx's do not take (registered from python/attnx/sdpa.py).
+  m.def("_sdpa_takeover(bool? on=None, bool keep_bf16_forward=False, bool keep_fp16_forward=False) -> bool");
   m.def("_sdpa_for_cpu_fallback(Tensor query, Tensor key, Tensor value, float dropout_p=0.0, "
         "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> "
         "(Tensor output, Tensor logsumexp)");

@@ -7,6 +7,7 @@ strides equal to PyTorch's. F.scaled_dot_product_attention's MATH backend checks
 That attnx's kernels ran, not PyTorch's, is read from the dispatcher's table.
 """
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -31,6 +32,17 @@ def takeover_off():
     attnx.sdpa.disable()
     yield
     attnx.sdpa.disable()
+
+
+@contextlib.contextmanager
+def attnx_kernels():
+    """The takeover with attnx's kernels for every dtype: enable() would leave 16-bit forwards to PyTorch's
+    kernel on CPUs with AMX (see test_16bit_forwards_on_amx_cpus)."""
+    attnx.sdpa._enable(keep_bf16_forward=False, keep_fp16_forward=False)
+    try:
+        yield
+    finally:
+        attnx.sdpa.disable()
 
 
 def cpu_kernel_source() -> str:
@@ -73,7 +85,7 @@ def compare_with_torch(q, k, v, **kwargs):
     B, H, L, _ = q.shape
     grad_out = torch.randn(B, H, L, v.shape[-1], generator=gen).to(q.dtype)
     expected = run_op(q, k, v, grad_out, **kwargs)
-    with attnx.sdpa.enabled():
+    with attnx_kernels():
         assert "csrc/pytorch/sdpa.cpp" in cpu_kernel_source()
         actual = run_op(q, k, v, grad_out, **kwargs)
     names = ["out", "lse", "grad_query", "grad_key", "grad_value"]
@@ -235,3 +247,27 @@ def test_warnings_filter_is_local():
     filters = list(warnings.filters)
     attnx.sdpa.enable()
     assert warnings.filters == filters
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_forwards_on_amx_cpus(dtype):
+    """Where PyTorch's kernel runs a 16-bit dtype's GEMMs on AMX tiles, enable() leaves that dtype's forward
+    to it (bit for bit PyTorch's output) and still runs attnx's backward on it; elsewhere both are attnx's."""
+    if dtype == torch.bfloat16:
+        amx = torch.cpu._is_amx_tile_supported()
+    else:
+        amx = torch.cpu._is_amx_fp16_supported()
+    q, k, v = make_inputs(2, 4, 4, 64, 80, 32, dtype)
+    grad_out = torch.randn(2, 4, 64, 32).to(dtype)
+    expected = run_op(q, k, v, grad_out, is_causal=True)
+    with attnx_kernels():
+        ours = run_op(q, k, v, grad_out, is_causal=True)
+    with attnx.sdpa.enabled():
+        actual = run_op(q, k, v, grad_out, is_causal=True)
+    for name, a, o in zip(["out", "lse"], actual[:2], ours[:2], strict=True):
+        assert torch.equal(a, o) != amx, f"{name}: {'attnx' if not amx else 'PyTorch'}'s forward expected"
+    # The backward is attnx's whichever forward ran: from PyTorch's forward it matches PyTorch's gradients
+    # within the dtype's bound.
+    for a, e in zip(actual[2:], expected[2:], strict=True):
+        scale = max(1.0, e.double().abs().max().item())
+        torch.testing.assert_close(a.double(), e.double(), rtol=0, atol=TOL[dtype] * scale)

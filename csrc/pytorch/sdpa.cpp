@@ -20,9 +20,13 @@
 // A call these kernels do not take (dropout_p > 0, a bool mask, inputs that are not 4-D, empty or whose
 // shapes do not fit) goes to PyTorch's own kernel, which computes it or raises PyTorch's error for it: the op
 // attnx::_sdpa_for_cpu_fallback (_backward_fallback), whose CPU kernel python/attnx/sdpa.py takes from the
-// dispatcher (torch.library.get_kernel) before the takeover starts.
+// dispatcher (torch.library.get_kernel) before the takeover starts. So do the bfloat16 (float16) forwards
+// that the takeover was told to keep PyTorch's: on CPUs with AMX (AMX-FP16) PyTorch's kernel runs their GEMMs
+// on AMX tiles, where attnx's 16-bit kernels compute in float32 and take about twice its time (benchmarks
+// case `sdpa`). Their backward is still attnx's, which reads the logsumexp of either forward alike.
 #include <torch/csrc/stable/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -62,6 +66,9 @@ std::optional<Tensor> optional_tensor(StableIValue value) {
   if (t && !t->defined()) t.reset();
   return t;
 }
+
+// The 16-bit forwards left to PyTorch's kernel (set with the takeover).
+std::atomic<bool> keep_bf16_forward{false}, keep_fp16_forward{false};
 
 // Whether attnx's kernels take this call; PyTorch's kernel gets the others.
 bool takes(const Tensor& query, const Tensor& key, const Tensor& value, double dropout_p,
@@ -115,7 +122,10 @@ void sdpa_forward(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
   const bool is_causal = to<bool>(stack[4]);
   std::optional<Tensor> attn_mask = optional_tensor(stack[5]);
   const std::optional<double> scale = to<std::optional<double>>(stack[6]);
-  if (!takes(query, key, value, dropout_p, attn_mask)) {
+  const ScalarType dtype = query.scalar_type();
+  const bool kept = (dtype == ScalarType::BFloat16 && keep_bf16_forward) ||
+                    (dtype == ScalarType::Half && keep_fp16_forward);
+  if (kept || !takes(query, key, value, dropout_p, attn_mask)) {
     auto [out, lse] = stable::call<2>("attnx::_sdpa_for_cpu_fallback", "", query, key, value, dropout_p,
                                       is_causal, attn_mask, scale);
     stack[0] = from(out);
@@ -177,13 +187,15 @@ void sdpa_backward(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
 std::mutex takeover_mutex;
 torch::stable::detail::StableLibrary* takeover_library = nullptr;
 
-// attnx::_sdpa_takeover: turns the takeover on or off (or, given nothing, leaves it); returns whether it was
-// on.
-bool sdpa_takeover(std::optional<bool> turn_on) {
+// attnx::_sdpa_takeover: turns the takeover on or off (or, given nothing, leaves it), keeping the 16-bit
+// forwards PyTorch's as asked; returns whether it was on.
+bool sdpa_takeover(std::optional<bool> turn_on, bool keep_bf16, bool keep_fp16) {
   using torch::stable::detail::StableLibrary;
   std::lock_guard<std::mutex> lock(takeover_mutex);
   const bool was_on = takeover_library != nullptr;
   if (!turn_on) return was_on;
+  keep_bf16_forward = keep_bf16;
+  keep_fp16_forward = keep_fp16;
   if (*turn_on && !was_on) {
     auto* library = new StableLibrary(StableLibrary::Kind::IMPL, "aten", "CPU", __FILE__, __LINE__);
     library->impl("_scaled_dot_product_flash_attention_for_cpu", &sdpa_forward);

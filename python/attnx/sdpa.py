@@ -61,12 +61,21 @@ def _register_fallbacks() -> None:
 def enable() -> None:
     """Turn the takeover on (nothing happens when it is on already).
 
+    On CPUs where PyTorch's kernel runs 16-bit GEMMs on AMX tiles (bfloat16 with AMX, float16 with AMX-FP16),
+    the forward of those dtypes stays PyTorch's, which is about twice as fast there as attnx's (whose 16-bit
+    kernels compute in float32); their backward is attnx's.
+
     PyTorch warns once per process that a kernel is being overridden; attnx silences that warning for its own
     registration only, since overriding is what was asked for.
     """
+    _enable(torch.cpu._is_amx_tile_supported(), torch.cpu._is_amx_fp16_supported())
+
+
+def _enable(keep_bf16_forward: bool, keep_fp16_forward: bool) -> None:
+    """enable(), with the 16-bit forwards left to PyTorch's kernel given (the tests take attnx's)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        torch.ops.attnx._sdpa_takeover(True)
+        torch.ops.attnx._sdpa_takeover(True, keep_bf16_forward, keep_fp16_forward)
 
 
 def disable() -> None:
