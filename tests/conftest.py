@@ -49,3 +49,33 @@ def intra_op_threads():
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    """tools/gpu_check.py, loaded from its path (a script, not a package module; see gpu_check_helpers)."""
+    import importlib.util
+    import sys
+
+    from gpu_check_helpers import TOOL
+
+    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def float64_softmax(monkeypatch):
+    """torch.nn.functional.softmax keeping float64 inputs in float64: several eager attention implementations
+    (transformers') take the softmax in float32 (``softmax(..., dtype=torch.float32)``), which would cap
+    float64 comparisons at float32's precision."""
+    softmax = torch.nn.functional.softmax
+
+    def exact(input, dim=None, _stacklevel=3, dtype=None):
+        if input.dtype == torch.float64 and dtype == torch.float32:
+            dtype = None
+        return softmax(input, dim=dim, dtype=dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", exact)

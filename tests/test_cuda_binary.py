@@ -11,29 +11,18 @@ library (a CPU torch, or no nvcc at build time), no cuobjdump, or no tools/ (the
 import glob
 import importlib.util
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
+from gpu_check_helpers import requires_tool
 
-pytestmark = pytest.mark.skipif(not os.path.exists(TOOL), reason="tools/gpu_check.py is not in this tree")
+pytestmark = requires_tool
 
 # The instantiations each arch must hold (attention_kernel.cu's launch_simt, attention_kernel_mma.cu's
 # launch_mma): a renamed or missing kernel must fail here, not pass as "no kernel spills".
 SIMT = {("simt", dtype, bucket) for dtype in ("fp32", "fp64", "fp16", "bf16")
         for bucket in (32, 64, 128, 256)}
 MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16") for bucket in (32, 64, 128)}
-
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cuda_library():

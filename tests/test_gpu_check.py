@@ -4,27 +4,14 @@ tools/ is not part of the installed package: a copy of the tree without it (the 
 skips these tests, saying so.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
-import pytest
+from gpu_check_helpers import ROOT, TOOL, requires_tool
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
-
-pytestmark = pytest.mark.skipif(not os.path.exists(TOOL), reason="tools/gpu_check.py is not in this tree")
-
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+pytestmark = requires_tool
 
 
 def test_dry_run_prints_the_plan_and_writes_the_summary(tmp_path):

@@ -22,6 +22,9 @@ import attnx.integrations.transformers as attnx_hf  # noqa: E402
 
 attnx_hf.register()
 
+# Eager attention takes its softmax in float32; float64 comparisons need it in float64 (conftest.py).
+pytestmark = pytest.mark.usefixtures("float64_softmax")
+
 VOCAB = 97
 SMALL = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4)
 NO_DROPOUT = dict(attention_dropout=0.0)
@@ -87,20 +90,6 @@ ENCODERS = {
 }
 
 B, L = 3, 12
-
-
-@pytest.fixture(autouse=True)
-def _float64_softmax(monkeypatch):
-    """Several eager implementations take the softmax in float32 (``softmax(..., dtype=torch.float32)``),
-    which would cap the float64 comparisons at float32's precision: keep float64 in float64."""
-    softmax = torch.nn.functional.softmax
-
-    def exact(input, dim=None, _stacklevel=3, dtype=None):
-        if input.dtype == torch.float64 and dtype == torch.float32:
-            dtype = None
-        return softmax(input, dim=dim, dtype=dtype)
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", exact)
 
 
 def _padding(kind):
