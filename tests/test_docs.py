@@ -9,6 +9,7 @@ what it is so that it can be checked.
 """
 
 import importlib.util
+import inspect
 import os
 import pathlib
 import re
@@ -17,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The Markdown files whose code must run: the README and docs/.
@@ -64,11 +66,21 @@ def run_python(code: str, where: str):
         imported = re.search(rf"^\s*(import|from) {module}\b", code, flags=re.M)
         if imported and not importlib.util.find_spec(module):
             pytest.skip(f"{package} is not installed (from a checkout: pip install '.[models]')")
+    # torch's APIs an example relies on that an older torch (the floor, 2.10) lacks: skipped, saying so.
+    for name in re.findall(r"torch\.nn\.attention\.(\w+)\(", code):
+        if not hasattr(torch.nn.attention, name):
+            pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.{name}")
     if re.search(r"^\s*from torch\.nn\.attention\.varlen import", code, flags=re.M):
         from attnx.pytorch import varlen
 
         if not varlen.AVAILABLE:
             pytest.skip(varlen.REASON)
+        from torch.nn.attention.varlen import varlen_attn
+
+        newer = {"window_size", "enable_gqa", "scale", "seqused_k", "block_table"}  # not in torch 2.10's
+        missing = newer - set(inspect.signature(varlen_attn).parameters)
+        for name in set(re.findall(r"\b(\w+)=", code)) & missing:
+            pytest.skip(f"torch {torch.__version__}'s varlen_attn has no {name}")
     exec(compile(code, where, "exec"), {"__name__": "__docs__"})
 
 

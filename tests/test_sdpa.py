@@ -23,7 +23,11 @@ from attention_helpers import make_in_layout
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-HAS_REGISTRY = hasattr(torch.nn.attention, "register_flash_attention_impl")
+# The registry with a way back: torch 2.10 has register/activate but no restore_flash_attention_impl.
+HAS_REGISTRY = hasattr(torch.nn.attention, "restore_flash_attention_impl")
+# Under torch < 2.13 an error raised below a stable-ABI dispatcher call reaches attnx without its message
+# (printed to stderr instead; common/compat.h).
+ERRORS_CARRY_MESSAGES = torch.__version__ >= "2.13"
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -111,8 +115,26 @@ def test_matches_torch_kernel(dtype, mask, is_causal):
 
 @pytest.mark.parametrize("layout", ["blhd", "lbhd", "packed", "expanded_kv", "strided_last"])
 def test_strided_inputs(layout):
+    """Values against the MATH backend (torch 2.10's own flash kernel is wrong for a last-dim stride of 2:
+    off by 3.2 in float64), output layouts against PyTorch's kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     q, k, v = make_inputs(2, 4, 4, 19, 23, 8, torch.float64, layout=layout)
-    compare_with_torch(q, k, v, is_causal=True)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+    def run():
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        return (out, *torch.autograd.grad(out.square().sum(), leaves))
+
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = run()
+    with attnx_kernels():
+        actual = run()
+        ours = FORWARD(q, k, v, is_causal=True)
+    theirs = FORWARD(q, k, v, is_causal=True)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-12)
+    assert [t.stride() for t in ours] == [t.stride() for t in theirs]
 
 
 @pytest.mark.parametrize("L,S", [(1, 1), (1, 300), (300, 1), (129, 513), (600, 70)])
@@ -192,7 +214,10 @@ def test_what_attnx_does_not_take_goes_to_torch(case):
         FORWARD(*args, **kwargs)
     with attnx.sdpa.enabled(), pytest.raises(RuntimeError) as actual:
         FORWARD(*args, **kwargs)
-    assert str(actual.value) == str(expected.value)
+    if ERRORS_CARRY_MESSAGES:
+        assert str(actual.value) == str(expected.value)
+    else:  # the message went to stderr; the error names the call
+        assert "attnx::_sdpa_for_cpu_fallback" in str(actual.value)
 
 
 def test_enable_disable_and_context():
@@ -211,7 +236,9 @@ def test_enable_disable_and_context():
     assert not attnx.sdpa.is_enabled() and cpu_kernel_source() == before
 
 
-@pytest.mark.skipif(not HAS_REGISTRY, reason=f"torch {torch.__version__} has no flash-attention registry")
+@pytest.mark.skipif(
+    not HAS_REGISTRY, reason=f"torch {torch.__version__} has no restore_flash_attention_impl in its registry"
+)
 def test_torch_registry():
     from torch.nn import attention
 
@@ -226,6 +253,11 @@ def test_torch_registry():
     assert attention.current_flash_attention_impl() is None and not attnx.sdpa.is_enabled()
 
 
+@pytest.mark.skipif(
+    torch.__version__ < "2.13",
+    reason="torch < 2.13 prints the override warning to stderr from C++, past Python's warning filters "
+    "(docs/integrations.md)",
+)
 def test_no_override_warning_reaches_the_user():
     """PyTorch warns when a kernel is overridden; turning the takeover on is that, asked for: no warning."""
     script = textwrap.dedent("""

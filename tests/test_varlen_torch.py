@@ -15,7 +15,25 @@ from attnx.pytorch import varlen as attnx_varlen
 pytestmark = pytest.mark.skipif(not attnx_varlen.AVAILABLE, reason=attnx_varlen.REASON or "unavailable")
 
 if attnx_varlen.AVAILABLE:
+    import inspect
+
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    API = set(inspect.signature(varlen_attn).parameters)
+
+
+def require(*names):
+    """Skip, saying why, where this torch's varlen_attn predates an argument the test passes (torch 2.10's
+    takes no window_size, scale, enable_gqa, seqused_k or block_table)."""
+    missing = sorted(set(names) - API)
+    if missing:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn has no {', '.join(missing)}")
+
+
+def call_varlen(*args, **kwargs):
+    """varlen_attn(*args, **kwargs), skipped where this torch's varlen_attn lacks one of kwargs."""
+    require(*kwargs)
+    return varlen_attn(*args, **kwargs)
 
 
 def offsets(lengths):
@@ -71,7 +89,7 @@ def make(lens_q, lens_k, H, Hkv, dtype, D=16, seed=0):
 def test_forward(case, dtype):
     lens_q, lens_k, H, Hkv, kwargs = CASES[case]
     q, k, v = make(lens_q, lens_k, H, Hkv, dtype)
-    out, lse = varlen_attn(q, k, v, offsets(lens_q), offsets(lens_k), max(lens_q), max(lens_k),
+    out, lse = call_varlen(q, k, v, offsets(lens_q), offsets(lens_k), max(lens_q), max(lens_k),
                            return_aux=AuxRequest(lse=True), **kwargs)
     window = kwargs.get("window_size", (-1, -1))
     ref_out, ref_lse = sdpa_per_sequence(q.double(), k.double(), v.double(), lens_q, lens_k, window,
@@ -87,7 +105,7 @@ def test_forward(case, dtype):
 def test_backward(case, dtype):
     lens_q, lens_k, H, Hkv, kwargs = CASES[case]
     leaves = [t.requires_grad_() for t in make(lens_q, lens_k, H, Hkv, dtype)]
-    out = varlen_attn(*leaves, offsets(lens_q), offsets(lens_k), max(lens_q), max(lens_k), **kwargs)
+    out = call_varlen(*leaves, offsets(lens_q), offsets(lens_k), max(lens_q), max(lens_k), **kwargs)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, g)
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
@@ -103,7 +121,7 @@ def test_backward(case, dtype):
 def test_seqused_k():
     lens_q, lens_k, used = [2, 3], [6, 5], [4, 5]
     q, k, v = make(lens_q, lens_k, 2, 2, torch.float64)
-    out = varlen_attn(q, k, v, offsets(lens_q), offsets(lens_k), 3, 6, window_size=(-1, 0),
+    out = call_varlen(q, k, v, offsets(lens_q), offsets(lens_k), 3, 6, window_size=(-1, 0),
                       seqused_k=torch.tensor(used, dtype=torch.int32))
     keep = torch.cat([torch.arange(0, 4), torch.arange(6, 11)])
     ref, _ = sdpa_per_sequence(q, k[keep], v[keep], lens_q, used, (-1, 0))
@@ -131,7 +149,7 @@ def test_paged(page_size, with_cu_seq_k):
         k_cache[pages[j // page_size], j % page_size] = k[ck[b]:ck[b] + n]
         v_cache[pages[j // page_size], j % page_size] = v[ck[b]:ck[b] + n]
     seqused = torch.tensor(lens_k, dtype=torch.int32)
-    out = varlen_attn(q, k_cache, v_cache, offsets(lens_q), offsets(lens_k) if with_cu_seq_k else None,
+    out = call_varlen(q, k_cache, v_cache, offsets(lens_q), offsets(lens_k) if with_cu_seq_k else None,
                       max(lens_q), max(lens_k), window_size=(-1, 0), enable_gqa=True, seqused_k=seqused,
                       block_table=table)
     ref, _ = sdpa_per_sequence(q, k, v, lens_q, lens_k, (-1, 0))
@@ -141,7 +159,7 @@ def test_paged(page_size, with_cu_seq_k):
 def test_rows_that_see_no_key():
     # An empty key sequence: out 0 and lse +inf (FlashAttention-2's value too).
     q, k, v = make([2, 2], [0, 3], 2, 2, torch.float32)
-    out, lse = varlen_attn(q, k, v, offsets([2, 2]), offsets([0, 3]), 2, 3, return_aux=AuxRequest(lse=True))
+    out, lse = call_varlen(q, k, v, offsets([2, 2]), offsets([0, 3]), 2, 3, return_aux=AuxRequest(lse=True))
     assert (out[:2] == 0).all() and torch.isposinf(lse[:, :2]).all() and torch.isfinite(lse[:, 2:]).all()
 
 
@@ -159,6 +177,7 @@ def test_raw_op_outputs():
 
 
 def test_opcheck():
+    require("window_size")
     q, k, v = make([3, 4], [5, 4], 2, 2, torch.float32)
     args = (q, k, v, offsets([3, 4]), offsets([5, 4]), 4, 5, True, None, [-1, 0])
     torch.library.opcheck(torch.ops.torch_attn._varlen_attn.default, args,
@@ -173,28 +192,28 @@ def test_out_variant():
     q, k, v = make([3, 4], [5, 4], 2, 2, torch.float32)
     out = torch.empty_like(q)
     result = varlen_attn_out(out, q, k, v, offsets([3, 4]), offsets([5, 4]), 4, 5, window_size=(-1, 0))
-    torch.testing.assert_close(result, varlen_attn(q, k, v, offsets([3, 4]), offsets([5, 4]), 4, 5,
+    torch.testing.assert_close(result, call_varlen(q, k, v, offsets([3, 4]), offsets([5, 4]), 4, 5,
                                                    window_size=(-1, 0)))
 
 
 def test_batch_invariant():
     # A sequence's output does not depend on the other sequences of the batch (what num_splits=1 asks for).
     q, k, v = make([5, 300, 2], [40, 700, 9], 2, 2, torch.float32)
-    together = varlen_attn(q, k, v, offsets([5, 300, 2]), offsets([40, 700, 9]), 300, 700, num_splits=1)
-    alone = varlen_attn(q[:5], k[:40], v[:40], offsets([5]), offsets([40]), 5, 40, num_splits=1)
+    together = call_varlen(q, k, v, offsets([5, 300, 2]), offsets([40, 700, 9]), 300, 700, num_splits=1)
+    alone = call_varlen(q[:5], k[:40], v[:40], offsets([5]), offsets([40]), 5, 40, num_splits=1)
     assert torch.equal(together[:5], alone)
 
 
 def test_backward_refuses_seqused_k():
     q, k, v = (t.requires_grad_() for t in make([2], [3], 2, 2, torch.float32))
     with pytest.raises(RuntimeError, match="seqused_k is an inference-only parameter"):
-        varlen_attn(q, k, v, offsets([2]), offsets([3]), 2, 3, seqused_k=torch.tensor([3], dtype=torch.int32))
+        call_varlen(q, k, v, offsets([2]), offsets([3]), 2, 3, seqused_k=torch.tensor([3], dtype=torch.int32))
 
 
 def test_errors_are_attnx_checks():
     q, k, v = make([3, 4], [3, 4], 2, 2, torch.float32)
     with pytest.raises(RuntimeError, match="cu_seqlens_q to be non-decreasing"):
-        varlen_attn(q, k, v, torch.tensor([0, 4, 3], dtype=torch.int32), offsets([3, 4]), 4, 4)
+        call_varlen(q, k, v, torch.tensor([0, 4, 3], dtype=torch.int32), offsets([3, 4]), 4, 4)
 
 
 def test_attnx_import_registers():
@@ -202,11 +221,12 @@ def test_attnx_import_registers():
     assert attnx.pytorch.varlen.AVAILABLE
     q, k, v = make([3], [3], 2, 2, torch.float32)
     with pytest.raises(RuntimeError, match="attnx::varlen_attention: expected max_seqlen_q"):
-        varlen_attn(q, k, v, offsets([3]), offsets([3]), 1, 3)
+        call_varlen(q, k, v, offsets([3]), offsets([3]), 1, 3)
 
 
 def test_compile():
     # torch.compile traces PyTorch's fake kernel and runs attnx's CPU kernel, forward and backward.
+    require("window_size")
     lens = [3, 5]
     leaves = [t.requires_grad_() for t in make(lens, lens, 2, 2, torch.float32)]
     cu = offsets(lens)
