@@ -220,6 +220,22 @@ void transpose_keys(const scalar_t* src, int64_t row_stride, int64_t col_stride,
 // Row passes over one (BQ, BK) score tile, vectorised with vec.h (whose vexp is the softmax's exp: ATen's
 // exp_u20, within 20 ulp over the softmax's range, x <= 0, which the float tolerances absorb).
 
+// A row's last, partial vector (n < size() lanes) through the passes below: loaded masked, its lanes >= n
+// replaced by `fill` (-inf for the max, 0 for the sum), so that a row length that is not a multiple of the
+// vector width (S = 77, 197) costs one more vector instead of a scalar loop of up to size() - 1 std::exp.
+// float on AVX2 / AVX-512 (masked loads and a lane select); fp64 and the portable vectors keep scalar tails.
+#if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
+template <typename acc_t>
+constexpr bool kVectorTail = std::is_same_v<acc_t, float>;
+inline Vec<float> lanes_below_or(Vec<float> x, int n, float fill) {
+  alignas(64) static constexpr float kLaneIndex[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return select_lt(Vec<float>::loadu(kLaneIndex), Vec<float>(static_cast<float>(n)), x, Vec<float>(fill));
+}
+#else
+template <typename acc_t>
+constexpr bool kVectorTail = false;
+#endif
+
 // s[j] += bias[j] for lo <= j < hi (bias may be null: scores unchanged), s[j] += -inf for j < lo and
 // hi <= j < n (keys outside the row's key range: adding keeps a NaN score NaN, as in the reference); returns
 // max_j s[j], NaN if any is NaN.
@@ -244,6 +260,20 @@ acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lo, int64_t hi, int6
   } else {
     for (; j + W <= lim; j += W) vmax = maximum(vmax, V::loadu(s + j));
   }
+#if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
+  if constexpr (kVectorTail<acc_t>) {
+    if (j < lim) {
+      const int t = static_cast<int>(lim - j);
+      V x = V::loadu(s + j, t);
+      if (bias) {
+        x = x + V::loadu(bias + j, t);
+        x.store(s + j, t);
+      }
+      vmax = maximum(vmax, lanes_below_or(x, t, kNegInf<acc_t>));
+      j = lim;
+    }
+  }
+#endif
   m = nan_max(m, reduce_max(vmax));
   for (; j < lim; ++j) {
     if (bias) s[j] += bias[j];
@@ -280,6 +310,17 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
     e.store(s + j);
     vsum = vsum + e;
   }
+#if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
+  if constexpr (kVectorTail<acc_t>) {
+    if (j < n) {
+      const int t = static_cast<int>(n - j);
+      const V e = vexp(V::loadu(s + j, t) - vbase);
+      e.store(s + j, t);
+      vsum = vsum + lanes_below_or(e, t, acc_t(0));
+      j = n;
+    }
+  }
+#endif
   acc_t sum = reduce_sum(vsum);
   for (; j < n; ++j) {
     s[j] = std::exp(s[j] - base);
