@@ -251,15 +251,39 @@ acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lo, int64_t hi, int6
   }
   const int64_t lim = hi;
   int64_t j = lo;
+  // Four running maxima, four vectors a step: one running maximum is a dependency chain of max and the
+  // NaN fix-up per vector, which made this pass latency-bound. The max of a set is the same in any order.
+  V vmax1(kNegInf<acc_t>), vmax2(kNegInf<acc_t>), vmax3(kNegInf<acc_t>);
   if (bias) {
+    for (; j + 4 * W <= lim; j += 4 * W) {
+      const V x0 = V::loadu(s + j) + V::loadu(bias + j);
+      const V x1 = V::loadu(s + j + W) + V::loadu(bias + j + W);
+      const V x2 = V::loadu(s + j + 2 * W) + V::loadu(bias + j + 2 * W);
+      const V x3 = V::loadu(s + j + 3 * W) + V::loadu(bias + j + 3 * W);
+      x0.store(s + j);
+      x1.store(s + j + W);
+      x2.store(s + j + 2 * W);
+      x3.store(s + j + 3 * W);
+      vmax = maximum(vmax, x0);
+      vmax1 = maximum(vmax1, x1);
+      vmax2 = maximum(vmax2, x2);
+      vmax3 = maximum(vmax3, x3);
+    }
     for (; j + W <= lim; j += W) {
       const V x = V::loadu(s + j) + V::loadu(bias + j);
       x.store(s + j);
       vmax = maximum(vmax, x);
     }
   } else {
+    for (; j + 4 * W <= lim; j += 4 * W) {
+      vmax = maximum(vmax, V::loadu(s + j));
+      vmax1 = maximum(vmax1, V::loadu(s + j + W));
+      vmax2 = maximum(vmax2, V::loadu(s + j + 2 * W));
+      vmax3 = maximum(vmax3, V::loadu(s + j + 3 * W));
+    }
     for (; j + W <= lim; j += W) vmax = maximum(vmax, V::loadu(s + j));
   }
+  vmax = maximum(maximum(vmax, vmax1), maximum(vmax2, vmax3));
 #if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
   if constexpr (kVectorTail<acc_t>) {
     if (j < lim) {
