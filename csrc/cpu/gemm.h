@@ -42,9 +42,10 @@ constexpr int mr_for(int) {
   return 6;
 }
 #endif
-// Depth of one pass over a B panel: 256 rows of 64 floats are 64 KiB (L1 plus the prefetchers keep up);
-// a product of depth <= 2 kKc is not cut.
-constexpr int64_t kKc = 256;
+// Depth of one pass over a B panel: 128 rows of 64 floats are 32 KiB, which leaves room in a 48 KiB L1 for
+// the A rows that meet it (256-deep slices, 64 KiB, measured slower on the forward's P V at K = 512); a
+// product of depth < 2 kKc is not cut.
+constexpr int64_t kKc = 128;
 
 // C (MR, NV vectors, the last holding `tail` lanes when TAIL) (+)= A (MR, K) @ B (K, same columns).
 template <int MR, int NV, bool TAIL>
