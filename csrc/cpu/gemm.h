@@ -10,7 +10,8 @@
 // (the forward's P V, K = 512). Edges: row blocks of 1..MR rows, column blocks of 1..NV vectors whose last
 // vector is masked. Blocking per ISA (32 zmm registers for AVX-512, 16 ymm for AVX2), as rows x vectors:
 //   AVX-512: 6 x 4, 8 x 3, 12 x 2 (24 accumulators, plus the B vectors and a broadcast: <= 29 registers),
-//            12 x 1;  AVX2: 6 x 2, 6 x 1 (12);  portable (16-byte vectors): 6 x 2, 6 x 1 (12).
+//            4 x 1 (one B vector per row broadcast: more rows only add broadcasts, measured slower at a
+//            head dim of 8);  AVX2: 6 x 2, 6 x 1 (12);  portable (16-byte vectors): 6 x 2, 6 x 1 (12).
 // The row count grows as the column block narrows, so that a narrow block (a head dim of 40 is 3 vectors, the
 // last masked) still keeps 24 accumulators busy, and each loaded B vector serves as many rows as registers
 // allow: the B panel is re-read once per row block, so more rows per block mean fewer loads per FMA. Each
@@ -29,7 +30,7 @@ namespace gemm_detail {
 constexpr int kNv = 4;
 // Rows per micro-kernel for a column block of NV vectors (see the header comment).
 constexpr int mr_for(int nv) {
-  return nv >= 4 ? 6 : nv == 3 ? 8 : 12;
+  return nv >= 4 ? 6 : nv == 3 ? 8 : nv == 2 ? 12 : 4;
 }
 #elif defined(ATTNX_VEC_AVX2)
 constexpr int kNv = 2;
