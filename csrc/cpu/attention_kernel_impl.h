@@ -10,7 +10,9 @@
 // accumulators. With dropout, each row's probabilities are dropped after the softmax's row sum (the Philox
 // stream of attnx/philox.h, regenerated per element), before the P V GEMM. Scores never exist beyond one
 // (BQ, BK) tile per thread, so extra memory is the per-thread scratch plus O(B * S / BK) and O(mask tiles)
-// skip flags; out and lse are written once per row at the end.
+// skip flags; out and lse are written once per row at the end. Decoding with grouped KV heads (L = 1,
+// H > Hkv, no attn_mask or dropout) is the exception: a work item is one (b, kv head), its one tile the
+// query rows of the group's H / Hkv heads, which share each transposed key tile (run_group_item).
 //
 // Packed sequences (AttentionParams::varlen, attnx::varlen_attention) are batches of their own lengths: a
 // work item is a block of one sequence's query tiles (blocks past a shorter sequence's queries are empty),
@@ -220,6 +222,22 @@ void transpose_keys(const scalar_t* src, int64_t row_stride, int64_t col_stride,
 // Row passes over one (BQ, BK) score tile, vectorised with vec.h (whose vexp is the softmax's exp: ATen's
 // exp_u20, within 20 ulp over the softmax's range, x <= 0, which the float tolerances absorb).
 
+// A row's last, partial vector (n < size() lanes) through the passes below: loaded masked, its lanes >= n
+// replaced by `fill` (-inf for the max, 0 for the sum), so that a row length that is not a multiple of the
+// vector width (S = 77, 197) costs one more vector instead of a scalar loop of up to size() - 1 std::exp.
+// float on AVX2 / AVX-512 (masked loads and a lane select); fp64 and the portable vectors keep scalar tails.
+#if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
+template <typename acc_t>
+constexpr bool kVectorTail = std::is_same_v<acc_t, float>;
+inline Vec<float> lanes_below_or(Vec<float> x, int n, float fill) {
+  alignas(64) static constexpr float kLaneIndex[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return select_lt(Vec<float>::loadu(kLaneIndex), Vec<float>(static_cast<float>(n)), x, Vec<float>(fill));
+}
+#else
+template <typename acc_t>
+constexpr bool kVectorTail = false;
+#endif
+
 // s[j] += bias[j] for lo <= j < hi (bias may be null: scores unchanged), s[j] += -inf for j < lo and
 // hi <= j < n (keys outside the row's key range: adding keeps a NaN score NaN, as in the reference); returns
 // max_j s[j], NaN if any is NaN.
@@ -235,15 +253,53 @@ acc_t add_bias_and_max(acc_t* s, const acc_t* bias, int64_t lo, int64_t hi, int6
   }
   const int64_t lim = hi;
   int64_t j = lo;
+  // Four running maxima, four vectors a step: one running maximum is a dependency chain of max and the
+  // NaN fix-up per vector, which made this pass latency-bound. The max of a set is the same in any order.
+  V vmax1(kNegInf<acc_t>), vmax2(kNegInf<acc_t>), vmax3(kNegInf<acc_t>);
   if (bias) {
+    for (; j + 4 * W <= lim; j += 4 * W) {
+      const V x0 = V::loadu(s + j) + V::loadu(bias + j);
+      const V x1 = V::loadu(s + j + W) + V::loadu(bias + j + W);
+      const V x2 = V::loadu(s + j + 2 * W) + V::loadu(bias + j + 2 * W);
+      const V x3 = V::loadu(s + j + 3 * W) + V::loadu(bias + j + 3 * W);
+      x0.store(s + j);
+      x1.store(s + j + W);
+      x2.store(s + j + 2 * W);
+      x3.store(s + j + 3 * W);
+      vmax = maximum(vmax, x0);
+      vmax1 = maximum(vmax1, x1);
+      vmax2 = maximum(vmax2, x2);
+      vmax3 = maximum(vmax3, x3);
+    }
     for (; j + W <= lim; j += W) {
       const V x = V::loadu(s + j) + V::loadu(bias + j);
       x.store(s + j);
       vmax = maximum(vmax, x);
     }
   } else {
+    for (; j + 4 * W <= lim; j += 4 * W) {
+      vmax = maximum(vmax, V::loadu(s + j));
+      vmax1 = maximum(vmax1, V::loadu(s + j + W));
+      vmax2 = maximum(vmax2, V::loadu(s + j + 2 * W));
+      vmax3 = maximum(vmax3, V::loadu(s + j + 3 * W));
+    }
     for (; j + W <= lim; j += W) vmax = maximum(vmax, V::loadu(s + j));
   }
+  vmax = maximum(maximum(vmax, vmax1), maximum(vmax2, vmax3));
+#if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
+  if constexpr (kVectorTail<acc_t>) {
+    if (j < lim) {
+      const int t = static_cast<int>(lim - j);
+      V x = V::loadu(s + j, t);
+      if (bias) {
+        x = x + V::loadu(bias + j, t);
+        x.store(s + j, t);
+      }
+      vmax = maximum(vmax, lanes_below_or(x, t, kNegInf<acc_t>));
+      j = lim;
+    }
+  }
+#endif
   m = nan_max(m, reduce_max(vmax));
   for (; j < lim; ++j) {
     if (bias) s[j] += bias[j];
@@ -280,6 +336,17 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
     e.store(s + j);
     vsum = vsum + e;
   }
+#if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
+  if constexpr (kVectorTail<acc_t>) {
+    if (j < n) {
+      const int t = static_cast<int>(n - j);
+      const V e = vexp(V::loadu(s + j, t) - vbase);
+      e.store(s + j, t);
+      vsum = vsum + lanes_below_or(e, t, acc_t(0));
+      j = n;
+    }
+  }
+#endif
   acc_t sum = reduce_sum(vsum);
   for (; j < n; ++j) {
     s[j] = std::exp(s[j] - base);
@@ -473,6 +540,7 @@ struct Plan {
   int64_t bh_m;      // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
   int64_t heads_m;   // attn_mask's distinct heads: H, or 1 when broadcast over heads
   bool mask_shared;  // attn_mask varies along L and several (b, h) share it
+  int64_t group;     // > 1: grouped-KV decoding, the group's query heads stacked as the rows of one tile
 };
 
 Plan make_plan(const AttentionParams& p, size_t acc_size) {
@@ -503,6 +571,19 @@ Plan make_plan(const AttentionParams& p, size_t acc_size) {
   plan.blocks = (plan.q_tiles + plan.block - 1) / plan.block;
   // Whole 64-byte lines per row, and an odd number of them: a power-of-two row stride would map every row of
   // the tile onto the same cache sets.
+  // Decoding (L = 1) with grouped KV heads: a work item is one (b, kv head), its tile the G = H / Hkv query
+  // heads that share it, one row each, so that each key tile is read and transposed once per group instead
+  // of once per query head, and the scores are one (G, bk) GEMM (what SDPA's enable_gqa path does). Only
+  // where nothing per head but the queries and out enters a row: no attn_mask (its rows are per head) and no
+  // dropout (its stream is per (b, h) row); sinks are per head in write_rows, which is per head anyway. And
+  // only with at least one (b, kv head) per thread: fewer items than threads would leave threads idle that
+  // per-head items keep busy.
+  plan.group = 1;
+  if (L == 1 && p.kv_heads > 0 && H > p.kv_heads && p.attn_mask_kind == kMaskNone && p.dropout == 0 &&
+      p.varlen == 0 && B * p.kv_heads >= threads) {
+    plan.group = H / p.kv_heads;
+    plan.bq = plan.group;
+  }
   const int64_t line = 64 / static_cast<int64_t>(acc_size);
   int64_t lines = round_up(plan.bk, line) / line;
   if (lines % 2 == 0) ++lines;
@@ -643,7 +724,7 @@ class AttentionCpu {
 
   void run() {
     const int64_t B = p_.batch, H = p_.heads;
-    const int64_t items = B * H * plan_.blocks;
+    const int64_t items = plan_.group > 1 ? B * p_.kv_heads : B * H * plan_.blocks;
     if (items == 0) return;
     skip_ = TileSkipFlags<acc_t>(p_, d_.attn_mask, d_.key_padding_mask, plan_);
 
@@ -655,6 +736,10 @@ class AttentionCpu {
     parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       Scratch<acc_t> ws(p_, plan_);
       for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+        if (plan_.group > 1) {
+          run_group_item(i / p_.kv_heads, i % p_.kv_heads, ws);
+          continue;
+        }
         int64_t bh, blk;
         if (p_.is_causal) {
           blk = plan_.blocks - 1 - i / (B * H);
@@ -785,12 +870,62 @@ class AttentionCpu {
     }
   }
 
+  // Grouped-KV decoding (Plan::group): the single query row of the G query heads of kv head hk, batch b, as
+  // the G rows of one tile. Each key tile is transposed once for the group; every row sees the same keys
+  // (one query position), so the rows differ only in their queries.
+  void run_group_item(int64_t b, int64_t hk, Scratch<acc_t>& ws) {
+    const int64_t G = plan_.group, D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
+    const SeqRange seq = seq_range(p_, d_, b);
+    const int64_t L = seq.q_len, kv_len_b = seq.kv_len, h0 = hk * G;
+    if (L <= 0) return;
+    const int64_t *qs = p_.q_stride, *ks = p_.k_stride, *vs = p_.v_stride;
+    const bool paged = p_.page_size > 0;
+    const auto* q = static_cast<const scalar_t*>(d_.query) + b * qs[0] + seq.q_begin * qs[2];
+    const auto* k =
+        static_cast<const scalar_t*>(d_.key) + (paged ? 0 : b * ks[0]) + hk * ks[1] + seq.k_begin * ks[2];
+    const auto* v =
+        static_cast<const scalar_t*>(d_.value) + (paged ? 0 : b * vs[0]) + hk * vs[1] + seq.k_begin * vs[2];
+    // Row g is query head h0 + g: the heads' rows are qs[1] apart.
+    pack_block(q + h0 * qs[1], qs[1], qs[3], G, D, scale_, ws.q, D);
+    for (int64_t g = 0; g < G; ++g) ws.rows[g] = softmax_row_init<acc_t>();
+    std::fill_n(ws.o, G * Dv, acc_t(0));
+    const KeySpan keys = row_keys(p_, L, kv_len_b, 0, 0);
+    for (int64_t kt = keys.begin / plan_.bk, k0 = kt * plan_.bk; k0 < keys.end; ++kt, k0 += plan_.bk) {
+      const int64_t nk = std::min(plan_.bk, keys.end - k0);
+      if (skip_.padding_skips(b, kt)) continue;
+      Operand<acc_t> ka{}, va{};
+      if (paged) {
+        if (D > 0) {
+          gather_pages(p_, d_.block_table, b, k, ks, k0, nk, D, ws.k);
+          transpose(ws.k, D, ws.kt, lds, nk, D);
+          ka = {ws.kt, lds};
+        }
+        if (Dv > 0) {
+          gather_pages(p_, d_.block_table, b, v, vs, k0, nk, Dv, ws.v);
+          va = {ws.v, Dv};
+        }
+      } else {
+        if (D > 0) {
+          transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
+          ka = {ws.kt, lds};
+        }
+        if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
+      }
+      const acc_t* shared = shared_bias(b, h0, k0, nk, ws);
+      process_tile(b, h0, 0, 0, G, k0, nk, L, kv_len_b, ka, false, va, shared, ws, false,
+                   /*heads_as_rows=*/true);
+    }
+    for (int64_t g = 0; g < G; ++g) write_rows(b, h0 + g, g, seq.q_begin, 1, ws);
+  }
+
   // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk): ka holds the keys
   // transposed (D, nk), or as (nk, D) rows when keys_as_rows (then nq == 1); va the values; `shared` the bias
-  // common to all rows (see shared_bias).
+  // common to all rows (see shared_bias). heads_as_rows: the rows are query position q0 of nq consecutive
+  // heads from h (run_group_item), without per-head masks or dropout.
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
                     int64_t q_len_b, int64_t kv_len_b, const Operand<acc_t>& ka, bool keys_as_rows,
-                    const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows) {
+                    const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows,
+                    bool heads_as_rows = false) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     acc_t* s = ws.s;
     // S (nq, nk) = (scale Q) K^T.
@@ -814,7 +949,8 @@ class AttentionCpu {
         });
         bias = ws.row_bias;
       }
-      const KeySpan keys = row_keys(p_, q_len_b, kv_len_b, q0 + i, q0 + i);
+      const int64_t l = heads_as_rows ? q0 : q0 + i;
+      const KeySpan keys = row_keys(p_, q_len_b, kv_len_b, l, l);
       const int64_t hi = std::clamp<int64_t>(keys.end - k0, 0, nk);
       const int64_t lo = std::clamp<int64_t>(keys.begin - k0, 0, hi);
       const acc_t tile_max = add_bias_and_max(row, bias, lo, hi, nk);

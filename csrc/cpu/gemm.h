@@ -8,8 +8,14 @@
 // elements of A's column k. Columns are the outer loop, so a (K, NV vectors) panel of B stays in L1 while it
 // meets every row block of A; K is cut into kKc-deep slices so that the panel fits L1 for deep products too
 // (the forward's P V, K = 512). Edges: row blocks of 1..MR rows, column blocks of 1..NV vectors whose last
-// vector is masked. Blocking per ISA (32 zmm registers for AVX-512, 16 ymm for AVX2):
-//   AVX-512: 4 x 64 (16 accumulators);  AVX2: 6 x 16 (12);  portable (16-byte vectors): 6 x 8 (12).
+// vector is masked. Blocking per ISA (32 zmm registers for AVX-512, 16 ymm for AVX2), as rows x vectors:
+//   AVX-512: 6 x 4, 8 x 3, 12 x 2 (24 accumulators, plus the B vectors and a broadcast: <= 29 registers),
+//            4 x 1 (one B vector per row broadcast: more rows only add broadcasts, measured slower at a
+//            head dim of 8);  AVX2: 6 x 2, 6 x 1 (12);  portable (16-byte vectors): 6 x 2, 6 x 1 (12).
+// The row count grows as the column block narrows, so that a narrow block (a head dim of 40 is 3 vectors, the
+// last masked) still keeps 24 accumulators busy, and each loaded B vector serves as many rows as registers
+// allow: the B panel is re-read once per row block, so more rows per block mean fewer loads per FMA. Each
+// element of C still accumulates over k in order from 0 (or from C), so the blocking never changes a result.
 #pragma once
 
 #ifndef CPU_CAPABILITY
@@ -21,18 +27,26 @@ namespace CPU_CAPABILITY {
 namespace gemm_detail {
 
 #if defined(ATTNX_VEC_AVX512)
-constexpr int kMr = 4;
 constexpr int kNv = 4;
+// Rows per micro-kernel for a column block of NV vectors (see the header comment).
+constexpr int mr_for(int nv) {
+  return nv >= 4 ? 6 : nv == 3 ? 8 : nv == 2 ? 12 : 4;
+}
 #elif defined(ATTNX_VEC_AVX2)
-constexpr int kMr = 6;
 constexpr int kNv = 2;
+constexpr int mr_for(int) {
+  return 6;
+}
 #else
-constexpr int kMr = 6;
 constexpr int kNv = 2;
+constexpr int mr_for(int) {
+  return 6;
+}
 #endif
-// Depth of one pass over a B panel: 256 rows of 64 floats are 64 KiB (L1 plus the prefetchers keep up);
-// a product of depth <= 2 kKc is not cut.
-constexpr int64_t kKc = 256;
+// Depth of one pass over a B panel: 128 rows of 64 floats are 32 KiB, which leaves room in a 48 KiB L1 for
+// the A rows that meet it (256-deep slices, 64 KiB, measured slower on the forward's P V at K = 512); a
+// product of depth < 2 kKc is not cut.
+constexpr int64_t kKc = 128;
 
 // C (MR, NV vectors, the last holding `tail` lanes when TAIL) (+)= A (MR, K) @ B (K, same columns).
 template <int MR, int NV, bool TAIL>
@@ -91,37 +105,29 @@ inline void micro_tail(int64_t K, const float* A, int64_t lda, const float* B, i
   }
 }
 
+// The last `rows` (< MR) rows of a column block: a micro-kernel of exactly that many rows.
+template <int R, int NV>
+inline void row_edge(int64_t rows, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                     float* C, int64_t ldc, bool add_c, int tail) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      micro_tail<R, NV>(K, A, lda, B, ldb, C, ldc, add_c, tail);
+    } else {
+      row_edge<R - 1, NV>(rows, K, A, lda, B, ldb, C, ldc, add_c, tail);
+    }
+  }
+}
+
 // A column block of nv vectors over every row block of A.
 template <int NV>
 inline void column_block(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                          float* C, int64_t ldc, bool add_c, int tail) {
+  constexpr int MR = mr_for(NV);
   int64_t i = 0;
-  for (; i + kMr <= M; i += kMr) {
-    micro_tail<kMr, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail);
+  for (; i + MR <= M; i += MR) {
+    micro_tail<MR, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail);
   }
-  const float* a = A + i * lda;
-  float* c = C + i * ldc;
-  switch (M - i) {
-    case 0:
-      break;
-    case 1:
-      micro_tail<1, NV>(K, a, lda, B, ldb, c, ldc, add_c, tail);
-      break;
-    case 2:
-      if constexpr (kMr > 2) micro_tail<2, NV>(K, a, lda, B, ldb, c, ldc, add_c, tail);
-      break;
-    case 3:
-      if constexpr (kMr > 3) micro_tail<3, NV>(K, a, lda, B, ldb, c, ldc, add_c, tail);
-      break;
-    case 4:
-      if constexpr (kMr > 4) micro_tail<4, NV>(K, a, lda, B, ldb, c, ldc, add_c, tail);
-      break;
-    case 5:
-      if constexpr (kMr > 5) micro_tail<5, NV>(K, a, lda, B, ldb, c, ldc, add_c, tail);
-      break;
-    default:
-      break;
-  }
+  if (M > i) row_edge<MR - 1, NV>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail);
 }
 
 }  // namespace gemm_detail
