@@ -298,6 +298,12 @@ def test_16bit_forwards_on_amx_cpus(dtype):
         actual = run_op(q, k, v, grad_out, is_causal=True)
     for name, a, o in zip(["out", "lse"], actual[:2], ours[:2], strict=True):
         assert torch.equal(a, o) != amx, f"{name}: {'attnx' if not amx else 'PyTorch'}'s forward expected"
+    # A decoding step (one query row) is attnx's either way.
+    q1 = q[:, :, :1]
+    with attnx_kernels():
+        ours1 = FORWARD(q1, k, v)
+    with attnx.sdpa.enabled():
+        assert all(torch.equal(a, o) for a, o in zip(FORWARD(q1, k, v), ours1, strict=True))
     # The backward is attnx's whichever forward ran: from PyTorch's forward it matches PyTorch's gradients
     # within the dtype's bound.
     for a, e in zip(actual[2:], expected[2:], strict=True):

@@ -21,9 +21,10 @@
 // shapes do not fit) goes to PyTorch's own kernel, which computes it or raises PyTorch's error for it: the op
 // attnx::_sdpa_for_cpu_fallback (_backward_fallback), whose CPU kernel python/attnx/sdpa.py takes from the
 // dispatcher (torch.library.get_kernel) before the takeover starts. So do the bfloat16 (float16) forwards
-// that the takeover was told to keep PyTorch's: on CPUs with AMX (AMX-FP16) PyTorch's kernel runs their GEMMs
-// on AMX tiles, where attnx's 16-bit kernels compute in float32 and take about twice its time (benchmarks
-// case `sdpa`). Their backward is still attnx's, which reads the logsumexp of either forward alike.
+// that the takeover was told to keep PyTorch's, decoding steps excepted: on CPUs with AMX (AMX-FP16)
+// PyTorch's kernel runs their GEMMs on AMX tiles, where attnx's 16-bit kernels compute in float32 and take
+// about twice its time (benchmarks case `sdpa`). Their backward is still attnx's, which reads the logsumexp
+// of either forward alike.
 #include <torch/csrc/stable/library.h>
 
 #include <atomic>
@@ -122,9 +123,12 @@ void sdpa_forward(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
   const bool is_causal = to<bool>(stack[4]);
   std::optional<Tensor> attn_mask = optional_tensor(stack[5]);
   const std::optional<double> scale = to<std::optional<double>>(stack[6]);
+  // Decoding steps (one query row) are bound by reading K and V, not by GEMMs: attnx's kernel, which reads a
+  // kv head once for its whole group of query heads, keeps those.
   const ScalarType dtype = query.scalar_type();
-  const bool kept = (dtype == ScalarType::BFloat16 && keep_bf16_forward) ||
-                    (dtype == ScalarType::Half && keep_fp16_forward);
+  const bool kept = query.dim() == 4 && query.size(2) > 1 &&
+                    ((dtype == ScalarType::BFloat16 && keep_bf16_forward) ||
+                     (dtype == ScalarType::Half && keep_fp16_forward));
   if (kept || !takes(query, key, value, dropout_p, attn_mask)) {
     auto [out, lse] = stable::call<2>("attnx::_sdpa_for_cpu_fallback", "", query, key, value, dropout_p,
                                       is_causal, attn_mask, scale);

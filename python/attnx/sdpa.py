@@ -63,7 +63,8 @@ def enable() -> None:
 
     On CPUs where PyTorch's kernel runs 16-bit GEMMs on AMX tiles (bfloat16 with AMX, float16 with AMX-FP16),
     the forward of those dtypes stays PyTorch's, which is about twice as fast there as attnx's (whose 16-bit
-    kernels compute in float32); their backward is attnx's.
+    kernels compute in float32), except for decoding steps (one query row), where attnx's is faster; their
+    backward is attnx's.
 
     PyTorch warns once per process that a kernel is being overridden; attnx silences that warning for its own
     registration only, since overriding is what was asked for.
