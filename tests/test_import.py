@@ -103,3 +103,23 @@ def test_a_backend_library_this_torch_cannot_take_is_left_out_with_a_warning(tmp
     assert expected in result.stderr, result.stderr
     assert "pip install --force-reinstall --no-deps --no-build-isolation" in result.stderr, result.stderr
     assert result.stdout.split() == ["24.0", "('CPU',)"], result.stdout
+
+
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(__file__)), "python", "attnx")),
+    reason="no python/attnx in this copy of the tree (the installed wheel's run)",
+)
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages the wheel ships: a subpackage missing there imports in a checkout and
+    fails in the installed wheel."""
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {
+        os.path.relpath(d, os.path.join(root, "python")).replace(os.sep, ".")
+        for d, _, files in os.walk(os.path.join(root, "python", "attnx"))
+        if "__init__.py" in files
+    }
+    assert found == listed
