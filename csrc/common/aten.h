@@ -4,10 +4,11 @@
 // (stable::call), with each schema argument spelled out once, here. Views are computed, not called: views.h.
 //
 // The stable dispatcher cannot pass a Scalar, which shapes three things. A scalar operand is a 0-dim CPU
-// float64 tensor (scalar_tensor) given to the op's Tensor overload: mul, div, masked_fill, clamp_min and
-// clamp_max take one beside tensors of any device and keep the other operand's floating dtype (an integer
-// tensor combined with it becomes float64; clamp.Tensor with two CPU scalars on CUDA is refused). add and sub
-// take alpha as a Scalar: they go through the shim's subtract, whose alpha is a double. And arange takes
+// float64 tensor (scalar_tensor) given to the op's Tensor overload: mul, div and masked_fill take one beside
+// tensors of any device and keep the other operand's floating dtype (an integer tensor combined with it
+// becomes float64). clamp, clamp_min and clamp_max refuse a CPU bound beside a CUDA tensor (seen on torch
+// 2.11): their bounds are 0-dim tensors on the tensor's device (full), and clamp is the one wrapped. add and
+// sub take alpha as a Scalar: they go through the shim's subtract, whose alpha is a double. And arange takes
 // Scalars only, so position ranges are built otherwise (attention_math.cpp, cuda/attention_composite.h).
 #pragma once
 
@@ -210,12 +211,6 @@ inline Tensor masked_fill(const Tensor& t, const Tensor& mask, double value) {
 // t.clamp(min, max) with tensor bounds on t's device (clamp.Tensor takes no CPU scalar beside a GPU tensor).
 inline Tensor clamp(const Tensor& t, const Tensor& min, const Tensor& max) {
   return call("aten::clamp", "Tensor", t, OptTensor(min), OptTensor(max));
-}
-inline Tensor clamp_min(const Tensor& t, double min) {
-  return call("aten::clamp_min", "Tensor", t, scalar_tensor(min));
-}
-inline Tensor clamp_max(const Tensor& t, double max) {
-  return call("aten::clamp_max", "Tensor", t, scalar_tensor(max));
 }
 
 inline Tensor lt(const Tensor& a, const Tensor& b) {

@@ -66,7 +66,10 @@ inline std::optional<Tensor> key_range_seen(const AttentionParams& p,
   Tensor lengths = aten::empty({B}, ScalarType::Double, device);
   if (key_lengths) {
     aten::copy_(lengths, *key_lengths);
-    lengths = aten::clamp_max(aten::clamp_min(lengths, 0.0), static_cast<double>(S));
+    const torch::headeronly::IntHeaderOnlyArrayRef
+        no_dims;  // 0-dim bounds on the device (aten.h: no CPU scalar for clamp)
+    lengths = aten::clamp(lengths, aten::full(no_dims, 0.0, ScalarType::Double, device),
+                          aten::full(no_dims, static_cast<double>(S), ScalarType::Double, device));
   } else {
     aten::fill_(lengths, static_cast<double>(S));
   }
