@@ -2,9 +2,11 @@
 
 TFLOP/s = 4 * B * H * L * S * D / time: ``attnx.attention`` against ``F.scaled_dot_product_attention`` under
 each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks and with a
-key_padding_mask + (L, S) attn_mask. SDPA takes masks in its own convention: one boolean mask, True = keep,
-merged here *before* timing into (B, 1, L, S); attnx takes the two masks as they are. Backends that reject a
-case (flash attention with a mask) show "n/a". attnx runs its tensor-core kernel for fp16/bf16 unless
+key_padding_mask + (L, S) attn_mask; fp32 at D = 64 (the float32 tensor-core kernel's range: 3xTF32, as
+SDPA's efficient backend, whose fp32 is 3xTF32 whatever ``allow_tf32`` says) and D = 128 (the SIMT kernel).
+SDPA takes masks in its own convention: one boolean mask, True = keep, merged here *before* timing into
+(B, 1, L, S); attnx takes the two masks as they are. Backends that reject a case (flash attention with a
+mask, flash and cuDNN in fp32) show "n/a". attnx runs its tensor-core kernel for fp16/bf16/fp32 unless
 ``ATTNX_CUDA_MMA=0`` selects the SIMT kernel (the result file records which). The upstream eval memory
 case runs on CUDA in the ``eval`` case (bench_mha).
 """
@@ -57,7 +59,7 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, quick: boo
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
         fns[f"sdpa {name}"] = sdpa
-    tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
+    tol = {torch.bfloat16: 3e-2, torch.float16: 1e-2}.get(dtype, 1e-4)
     with torch.no_grad():
         want = fns["sdpa math"]().float()
         supported = {}
@@ -82,7 +84,7 @@ def run_throughput(quick: bool) -> tuple:
     rows, results = [], {}
     lengths = [1024] if quick else [1024, 4096]
     dims = [64] if quick else [64, 128]
-    dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
+    dtypes = [torch.float16, torch.float32] if quick else [torch.float16, torch.bfloat16, torch.float32]
     for dtype in dtypes:
         for L in lengths:
             for D in dims:

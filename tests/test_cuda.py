@@ -247,8 +247,9 @@ _MMA_SCRIPT = textwrap.dedent(
         for window in ((-1, 0), (20, 3), (-1, -1)):
             check_forward(q, k, v, key_padding_mask=kpm, window_left=window[0], window_right=window[1],
                           key_lengths=lengths, softcap=5.0, sinks=sinks)
-    # What the mma kernel does not cover still runs, on the SIMT kernel: float32, head dim 256.
+    # float32 takes it too (3xTF32) up to head dim 64; past that, and fp16 past 128, the SIMT kernel.
     check_forward(*to_device(make_qkv(2, 3, 37, 53, 64, 64, dtype=torch.float32), "cuda"), is_causal=True)
+    check_forward(*to_device(make_qkv(2, 3, 37, 53, 96, 96, dtype=torch.float32), "cuda"), is_causal=True)
     check_forward(*to_device(make_qkv(1, 2, 37, 53, 256, 256, dtype=torch.float16), "cuda"), is_causal=True)
     print("ok")
     """
@@ -523,7 +524,7 @@ def test_attention_runs_on_the_current_stream(device, case):
     # the zeros the inputs held before, and the copy of the output taken on the side stream differs.
     if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
         pytest.skip("CUDA_LAUNCH_BLOCKING=1 serialises every launch: no race to detect")
-    dtype, D = {"mma": (torch.float16, 64), "simt": (torch.float32, 64),
+    dtype, D = {"mma": (torch.float16, 64), "simt": (torch.float32, 96),
                 "composite": (torch.float32, 288)}[case]
     q, k, v = gqa(device, 2, 4, 2, 200, 256, D, D, dtype=dtype)
     mask = torch.rand(2, 256, device=device) < 0.2
@@ -557,9 +558,9 @@ def _capture(fn, *static):
 
 @pytest.mark.parametrize("case", ["mma", "simt"])
 def test_attention_cuda_graph(device, case):
-    dtype = torch.float16 if case == "mma" else torch.float32
+    dtype, D = (torch.float16, 64) if case == "mma" else (torch.float32, 96)
     B, H, L, S = 2, 4, 100, 150
-    static = [t.clone() for t in gqa(device, B, H, 2, L, S, 64, 64, dtype=dtype, layout="blhd")]
+    static = [t.clone() for t in gqa(device, B, H, 2, L, S, D, D, dtype=dtype, layout="blhd")]
     kwargs = {"attn_mask": torch.randn(L, S, device=device),
               "key_padding_mask": torch.rand(B, S, device=device) < 0.2, "is_causal": case == "simt",
               **_features(device, B, H, S, dtype)}
@@ -598,7 +599,8 @@ def test_module_cuda_graph(device):
 def test_forward_does_not_synchronize(device, case):
     # torch raises on a synchronising call (a copy to the host, .item(), a pageable copy to the device) while
     # the sync debug mode is "error". Everything is made on the device beforehand.
-    dtype, D = {"mma": (torch.float16, 64), "composite": (torch.float32, 288)}.get(case, (torch.float32, 64))
+    dtype, D = {"mma": (torch.float16, 64), "simt": (torch.float32, 96),
+                "composite": (torch.float32, 288)}.get(case, (torch.float32, 64))
     B, H, L, S = 2, 4, 60, 90
     q, k, v = gqa(device, B, H, 2, L, S, D, D, dtype=dtype, layout="blhd")
     kwargs = {"attn_mask": torch.randn(L, S, device=device),
@@ -684,7 +686,8 @@ def test_attention_kernel_dispatch(device):
     mma, simt = {"attention_forward_mma"}, {"attention_forward_simt"}
     cases = [((torch.float16, 64, 64), {}, mma), ((torch.bfloat16, 128, 128), {"is_causal": True}, mma),
              ((torch.float16, 128, 96), {"sinks": make_sinks(4, torch.float16, device)}, mma),
-             ((torch.float16, 256, 256), {}, simt), ((torch.float32, 64, 64), {}, simt),
+             ((torch.float32, 64, 64), {}, mma), ((torch.float32, 32, 24), {"is_causal": True}, mma),
+             ((torch.float16, 256, 256), {}, simt), ((torch.float32, 96, 96), {}, simt),
              ((torch.float64, 32, 32), {}, simt),
              ((torch.float16, 64, 64), {"dropout_p": 0.2, "dropout_seed": torch.tensor([1, 2])}, simt),
              ((torch.float32, 288, 288), {}, set())]

@@ -22,7 +22,8 @@ pytestmark = requires_tool
 # launch_mma): a renamed or missing kernel must fail here, not pass as "no kernel spills".
 SIMT = {("simt", dtype, bucket) for dtype in ("fp32", "fp64", "fp16", "bf16")
         for bucket in (32, 64, 128, 256)}
-MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16") for bucket in (32, 64, 128)}
+MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16") for bucket in (32, 64, 128)} | {
+    ("mma", "fp32", bucket) for bucket in (32, 64)}
 
 
 def _cuda_library():

@@ -219,8 +219,9 @@ def test_head_dim_above_256_has_no_kernel(emu):
 # ------------------------------------------------------------------------------------------------------------
 # The tensor-core kernel (cuda/attention_kernel_mma.cu), with mma.sync emulated over the PTX fragment
 # layouts. It rounds P to the input type before P V, as FlashAttention does; the bounds above absorb that.
+# float32 runs 3xTF32 (mma.m16n8k8.tf32, its fragments split into tf32 parts) and is held to float32's bound.
 
-MMA_DTYPES = [torch.float16, torch.bfloat16]
+MMA_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 @pytest.mark.parametrize("layout", QKV_LAYOUTS)
@@ -238,7 +239,12 @@ def test_mma_dtypes_layouts(emu, dtype, layout, head_dim):
                          ids=str)
 def test_mma_head_dim_buckets(emu, sizes, dtype):
     L, S, D, Dv = sizes
-    check(emu, *make_qkv(1, 1, L, S, D, Dv, dtype=dtype, layout="blhd"), is_causal=True, kernel="mma")
+    qkv = make_qkv(1, 1, L, S, D, Dv, dtype=dtype, layout="blhd")
+    if dtype == torch.float32 and max(D, Dv) > 64:  # float32 stops at bucket 64 (kMmaMaxHeadDimTf32)
+        with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+            emu.attention(*qkv, is_causal=True, kernel="mma")
+        return
+    check(emu, *qkv, is_causal=True, kernel="mma")
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -323,7 +329,7 @@ def test_mma_nan_and_empty(emu):
 
 
 def test_mma_refuses_what_it_does_not_cover(emu):
-    for dtype, d in [(torch.float32, 64), (torch.float64, 64), (torch.float16, 136), (torch.bfloat16, 256)]:
+    for dtype, d in [(torch.float32, 72), (torch.float64, 64), (torch.float16, 136), (torch.bfloat16, 256)]:
         with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
             emu.attention(*make_qkv(1, 1, 3, 5, d, d, dtype=dtype), kernel="mma")
 
@@ -375,7 +381,7 @@ def test_dropout_is_not_on_the_mma_kernel(emu):
 
 # ------------------------------------------------------------------------------------------------------------
 # Grouped KV heads, key ranges (windows, per-batch key lengths), soft-capping and sinks: parameters of both
-# kernels. Each case runs on the SIMT kernel in every dtype and on the mma kernel in float16 and bfloat16.
+# kernels. Each case runs on the SIMT kernel in every dtype and on the mma kernel in each of its dtypes.
 
 KERNEL_DTYPES = [pytest.param("simt", dt, id=f"simt-{dt}") for dt in DTYPES] + [
     pytest.param("mma", dt, id=f"mma-{dt}") for dt in MMA_DTYPES

@@ -112,6 +112,8 @@ def test_kernel_report_flags_default_path_spills(gpu_check):
     assert (mma["registers"], mma["shared"], mma["ldl_stl"], mma["spills"]) == (255, 1024, 0, False)
     assert (simt32["registers"], simt32["stack"], simt32["ldl_stl"], simt32["spills"]) == (128, 24, 3, True)
     assert simt32["default_path"] and not simt16["default_path"]
+    # float32 takes the tensor-core kernel up to head dim 64 and the SIMT kernel above
+    assert not gpu_check.default_path("simt", "fp32", 64) and gpu_check.default_path("simt", "fp32", 128)
     ok, lines = gpu_check.spill_verdict(rows)
     assert not ok
     assert lines == ["note: spills (dropout / ATTNX_CUDA_MMA=0 only): sm_90 simt fp16 D<=64: 1 LDL/STL, "

@@ -160,11 +160,12 @@ def kernel_label(mangled: str):
 
 def default_path(kind: str, dtype: str, head_dim: int) -> bool:
     """Whether the glue's default choice (no ATTNX_CUDA_MMA=0, no dropout) reaches this kernel on sm80+:
-    the tensor-core kernel for fp16/bf16 up to head dim 128, the SIMT kernel for everything else. The SIMT
-    kernel's fp16/bf16 instantiations up to 128 run only with dropout or ATTNX_CUDA_MMA=0."""
+    the tensor-core kernel for fp16/bf16 up to head dim 128 and fp32 up to 64, the SIMT kernel for
+    everything else. The SIMT kernel's instantiations below those run only with dropout or
+    ATTNX_CUDA_MMA=0."""
     if kind == "mma":
         return True
-    return dtype in ("fp32", "fp64") or head_dim > 128
+    return dtype == "fp64" or head_dim > (64 if dtype == "fp32" else 128)
 
 
 def parse_resource_usage(text: str) -> dict:

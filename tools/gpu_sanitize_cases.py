@@ -1,7 +1,8 @@
 """Launches for compute-sanitizer (memcheck, racecheck, synccheck), run by tools/gpu_check.py.
 
-A small set that still reaches every code path of the CUDA backend: the tensor-core kernel (float16 and
-bfloat16, vector and element tile staging, partial tiles), the SIMT kernel (float32, dropout), every feature
+A small set that still reaches every code path of the CUDA backend: the tensor-core kernel (float16,
+bfloat16 and float32, vector and element tile staging, partial tiles), the SIMT kernel (float32 past head dim
+64, dropout), every feature
 (both masks, causal, grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256
 composite. Each launch is synchronised and named, so a sanitizer report follows the line of its case.
 
@@ -52,10 +53,15 @@ def cases():
     yield "mma bf16 D=128 GQA, both masks, every feature", gqa(2, 6, 2, 100, 150, 128, 128, dtype=BF,
                                                                layout="blhd"), {
         "attn_mask": bool_mask(100, 150), "key_padding_mask": bool_mask(2, 150), **features(2, 6, 150)}
-    yield "SIMT fp32 D=64 GQA, both masks, causal, every feature", gqa(2, 4, 2, 45, 70, 64, 48, dtype=F32,
-                                                                       layout="lbhd"), {
+    yield "mma fp32 D=64 GQA, both masks, causal, every feature", gqa(2, 4, 2, 45, 70, 64, 48, dtype=F32,
+                                                                      layout="lbhd"), {
         "attn_mask": bool_mask(45, 70), "key_padding_mask": bool_mask(2, 70), "is_causal": True,
         **features(2, 4, 70)}
+    yield "mma fp32 D=20 strided (element staging), float mask", qkv(2, 2, 70, 90, 20, 20, dtype=F32,
+                                                                     layout="strided_last"), {
+        "attn_mask": to_device(torch.randn(70, 90, generator=GEN), DEV)}
+    yield "SIMT fp32 D=96 GQA, both masks, every feature", gqa(2, 4, 2, 45, 70, 96, 80, dtype=F32), {
+        "attn_mask": bool_mask(45, 70), "key_padding_mask": bool_mask(2, 70), **features(2, 4, 70)}
     yield "SIMT fp32 D=256", qkv(1, 1, 20, 30, 256, 256, dtype=F32), {"is_causal": True}
     yield "SIMT fp16 dropout, every feature", gqa(2, 4, 2, 37, 53, 24, 24), {
         "dropout_p": 0.3, "dropout_seed": torch.tensor([17, 3]), **features(2, 4, 53)}

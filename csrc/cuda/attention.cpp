@@ -44,9 +44,9 @@ cuda::DType kernel_dtype(ScalarType t) {
   }
 }
 
-// The tensor-core kernel where it covers the problem (float16/bfloat16, max(D, Dv) <= 128, no dropout) and
-// the device is sm80+; the SIMT kernel otherwise, or everywhere when ATTNX_CUDA_MMA=0 (read once per
-// process).
+// The tensor-core kernel where it covers the problem (cuda::mma_supports: float16/bfloat16 with max(D, Dv)
+// <= 128, float32 as 3xTF32 with max(D, Dv) <= 64, no dropout) and the device is sm80+; the SIMT kernel
+// otherwise, or everywhere when ATTNX_CUDA_MMA=0 (read once per process).
 cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, int32_t device) {
   static const bool requested = [] {
     const char* flag = std::getenv("ATTNX_CUDA_MMA");

@@ -11,8 +11,8 @@ namespace attnx::cuda {
 
 enum class Kernel {
   kSimt,  // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
-  kMma,   // cuda/attention_kernel_mma.cu: tensor cores, float16/bfloat16 on sm80+, head dims up to
-          // kMmaMaxHeadDim
+  kMma,   // cuda/attention_kernel_mma.cu: tensor cores on sm80+, float16/bfloat16 with head dims up to
+          // kMmaMaxHeadDim, float32 (3xTF32) up to kMmaMaxHeadDimTf32 (mma_supports)
 };
 
 // Runs attention on `stream` with `kernel` and the launch of its plan (plan_attention / plan_attention_mma).

@@ -1,5 +1,5 @@
-// attnx: attnx::attention's tensor-core forward kernel for float16 and bfloat16 (sm80+), the default for
-// those dtypes where it applies (ATTNX_CUDA_MMA=0 selects the SIMT kernel instead).
+// attnx: attnx::attention's tensor-core forward kernel for float16, bfloat16 and float32 (sm80+), the default
+// for those dtypes where it applies (ATTNX_CUDA_MMA=0 selects the SIMT kernel instead).
 //
 // Checked on an H100 against the float64 reference (tests/test_cuda.py; compute-sanitizer ran on the version
 // before cp.async and ldmatrix); the CPU emulation runs this source in CI with mma.sync, ldmatrix and
@@ -20,6 +20,15 @@
 // tile, in registers). Only tiles at the ends of a row's key interval test each score against it. Grouped KV
 // heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the denominator at
 // the end (softmax_finish).
+//
+// float32 takes the same scheme on mma.sync.m16n8k8.tf32 as 3xTF32 (common.cuh: float32 accuracy, as SDPA's
+// memory-efficient kernel): K and V are staged as floats; Q's fragments are split into big and small parts
+// once, K's after each ldmatrix (a 16-byte row of an 8x8 b16 matrix is 4 floats, which is the tf32 B
+// fragment's layout), V's element by element from shared memory (ldmatrix.trans moves 16-bit elements only).
+// P stays in float: the C fragment of an S n-tile is the A fragment of one k-step once the k index is
+// permuted (logical k = t, t + 4 read keys 2t, 2t + 1, and V's B fragment is read in the same order).
+// Soft-capping is tanhf and the probabilities are not rounded. Q's two parts hold 2 * bucket registers, so
+// the float32 kernel stops at bucket 64 (kMmaMaxHeadDimTf32).
 #include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
 
@@ -29,13 +38,16 @@ namespace {
 template <typename scalar_t, int kBucket>
 __global__ void __launch_bounds__(kWarps* kWarpSize)
     attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan) {
+  constexpr bool kTf32 = std::is_same<scalar_t, float>::value;  // 3xTF32, m16n8k8
   constexpr int kThreads = kWarps * kWarpSize;
   constexpr int kRowsPerBlock = kMmaRowsPerBlock;
-  constexpr int kKSteps = kBucket / 16;       // k-steps of Q K^T over the (padded) head dim
+  constexpr int kVec = 16 / static_cast<int>(sizeof(scalar_t));  // elements per 16-byte chunk
+  constexpr int kK = kTf32 ? 8 : 16;                             // the mma's k
+  constexpr int kKSteps = kBucket / kK;       // k-steps of Q K^T over the (padded) head dim
   constexpr int kSTiles = kMmaTileKeys / 8;   // n-tiles of 8 keys in a score tile
-  constexpr int kPSteps = kMmaTileKeys / 16;  // k-steps of P V over the tile's keys
+  constexpr int kPSteps = kMmaTileKeys / kK;  // k-steps of P V over the tile's keys
   constexpr int kOTiles = kBucket / 8;        // n-tiles of 8 output columns
-  constexpr int kLd = mma_tile_ld(kBucket);
+  constexpr int kLd = mma_tile_ld(kBucket, static_cast<int>(sizeof(scalar_t)));
   constexpr int kTile = kMmaTileKeys * kLd;  // elements of one staged K or V tile
   constexpr float kNegInf = -INFINITY;
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two k-steps / two n-tiles");
@@ -122,12 +134,12 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     scalar_t* const k_s = smem + 2 * stage * kTile;
     scalar_t* const v_s = k_s + kTile;
     if (plan.vector_loads) {
-      constexpr int kChunks = kBucket / 8;  // 16-byte chunks per row
+      constexpr int kChunks = kBucket / kVec;  // 16-byte chunks per row
       static_assert(kMmaTileKeys * kChunks % kThreads == 0, "every thread copies the same number of chunks");
 #pragma unroll
       for (int it = 0; it < kMmaTileKeys * kChunks / kThreads; ++it) {
         const int i = tid + it * kThreads;
-        const int j = i / kChunks, c = 8 * (i % kChunks);
+        const int j = i / kChunks, c = kVec * (i % kChunks);
         const bool k_valid = j < nk && c < D, v_valid = j < nk && c < Dv;
         cp_async_16(k_s + j * kLd + c, k_valid ? k + (k0 + j) * p.k_stride[2] + c : k, k_valid);
         cp_async_16(v_s + j * kLd + c, v_valid ? v + (k0 + j) * p.v_stride[2] + c : v, v_valid);
@@ -150,18 +162,27 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   if (k0 < kv_end) stage_tile(0, k0, tile_keys(k0));
 
   // Q fragments, zero past D and past L: register i holds rows g (i even) or g + 8 (i odd), columns
-  // 16 ks + 2t (+ 8 for i >= 2), two elements each. Loaded while the first tile's copies are in flight.
+  // 16 ks + 2t (+ 8 for i >= 2), two elements each; float32: column 8 ks + t (+ 4 for i >= 2), its big part
+  // in qa and its small part in qs. Loaded while the first tile's copies are in flight.
   uint32_t qa[kKSteps][4];
+  uint32_t qs[kTf32 ? kKSteps : 1][4];
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = i % 2;
-      const int col = 16 * ks + 2 * t + (i >= 2 ? 8 : 0);
       const scalar_t* src = q + l[r] * p.q_stride[2];
-      const scalar_t x0 = active[r] && col < D ? src[col * p.q_stride[3]] : zero;
-      const scalar_t x1 = active[r] && col + 1 < D ? src[(col + 1) * p.q_stride[3]] : zero;
-      qa[ks][i] = pack2(x0, x1);
+      if constexpr (kTf32) {
+        const int col = 8 * ks + t + (i >= 2 ? 4 : 0);
+        const Tf32Split x = split_tf32(active[r] && col < D ? src[col * p.q_stride[3]] : 0.0f);
+        qa[ks][i] = x.big;
+        qs[ks][i] = x.small;
+      } else {
+        const int col = 16 * ks + 2 * t + (i >= 2 ? 8 : 0);
+        const scalar_t x0 = active[r] && col < D ? src[col * p.q_stride[3]] : zero;
+        const scalar_t x1 = active[r] && col + 1 < D ? src[(col + 1) * p.q_stride[3]] : zero;
+        qa[ks][i] = pack2(x0, x1);
+      }
     }
   }
 
@@ -174,9 +195,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   SoftmaxRow<float> state[2] = {softmax_row_init<float>(), softmax_row_init<float>()};
 
   // ldmatrix row addresses of this lane. K (no .trans): matrix m = (keys 8j .. 8j + 7, columns 16 ks + 8m
-  // .. + 7), i.e. the b[0], b[1] of k-steps ks and ks + 1. V (.trans): matrix m = (keys 16 kk + 8 (m % 2)
-  // .. + 7, columns 8 (n + m / 2) .. + 7), i.e. the b[0], b[1] of output n-tiles n and n + 1.
-  const int k_lane = (lane % 8) * kLd + 8 * (lane / 8);
+  // .. + 7), i.e. the b[0], b[1] of k-steps ks and ks + 1 (float32: columns 8 ks + 4m .. + 3, the same
+  // bytes). V (.trans, 16-bit types): matrix m = (keys 16 kk + 8 (m % 2) .. + 7, columns 8 (n + m / 2) ..
+  // + 7), i.e. the b[0], b[1] of output n-tiles n and n + 1.
+  const int k_lane = (lane % 8) * kLd + kVec * (lane / 8);
   const int v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kLd + 8 * (lane / 16);
   const int64_t warp_row0 = q0 + warp * kMmaRowsPerWarp;
 
@@ -203,9 +225,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ks += 2) {
         uint32_t kb[4];
-        ldmatrix_x4<false>(kb, k_s + k_lane + 8 * j * kLd + 16 * ks);
-        mma_m16n8k16<scalar_t>(s[j], qa[ks], {kb[0], kb[1]});
-        mma_m16n8k16<scalar_t>(s[j], qa[ks + 1], {kb[2], kb[3]});
+        ldmatrix_x4<false>(kb, k_s + k_lane + 8 * j * kLd + kK * ks);
+        if constexpr (kTf32) {
+          mma_m16n8k8_3xtf32(s[j], qa[ks], qs[ks], {kb[0], kb[1]});
+          mma_m16n8k8_3xtf32(s[j], qa[ks + 1], qs[ks + 1], {kb[2], kb[3]});
+        } else {
+          mma_m16n8k16<scalar_t>(s[j], qa[ks], {kb[0], kb[1]});
+          mma_m16n8k16<scalar_t>(s[j], qa[ks + 1], {kb[2], kb[3]});
+        }
       }
     }
 
@@ -227,7 +254,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           s[j][i] *= scale;
-          if (cap.cap > 0.0f) s[j][i] = soft_cap_fast(s[j][i], cap);
+          if (cap.cap > 0.0f) s[j][i] = kTf32 ? soft_cap(s[j][i], cap) : soft_cap_fast(s[j][i], cap);
           row_max[i / 2] = nan_max(row_max[i / 2], s[j][i]);
         }
       }
@@ -279,7 +306,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
                          bias;
                 }
                 x = s[j][i] * scale;
-                if (cap.cap > 0.0f) x = soft_cap_fast(x, cap);
+                if (cap.cap > 0.0f) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);
                 x += bias;
               }
               s[j][i] = x;
@@ -324,21 +351,42 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
 
     // O += P V: k-step kk covers keys 16kk .. 16kk + 15 = S n-tiles 2kk and 2kk + 1;
-    // B[kk'][n] = V[16kk + kk'][8n' + n].
+    // B[kk'][n] = V[16kk + kk'][8n' + n]. float32: k-step kk is S n-tile kk, in the permuted k order (A's
+    // columns t, t + 4 = keys 8kk + 2t, 8kk + 2t + 1: its C fragment's elements 0, 2 and 1, 3), so
+    // B[t][n] = V[8kk + 2t][8n' + n] and B[t + 4][n] = V[8kk + 2t + 1][8n' + n]: 32-bit loads, on 32
+    // distinct banks (kLd = bucket + 4 floats).
+    if constexpr (kTf32) {
 #pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) {
-      const uint32_t pa[4] = {
-          pack2_rn<scalar_t>(s[2 * kk][0], s[2 * kk][1]),
-          pack2_rn<scalar_t>(s[2 * kk][2], s[2 * kk][3]),
-          pack2_rn<scalar_t>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-          pack2_rn<scalar_t>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
-      };
+      for (int kk = 0; kk < kPSteps; ++kk) {
+        uint32_t pb[4], ps[4];
 #pragma unroll
-      for (int n = 0; n < kOTiles; n += 2) {
-        uint32_t vb[4];
-        ldmatrix_x4<true>(vb, v_s + v_lane + 16 * kk * kLd + 8 * n);
-        mma_m16n8k16<scalar_t>(o[n], pa, {vb[0], vb[1]});
-        mma_m16n8k16<scalar_t>(o[n + 1], pa, {vb[2], vb[3]});
+        for (int i = 0; i < 4; ++i) {
+          const Tf32Split x = split_tf32(s[kk][i == 1 ? 2 : i == 2 ? 1 : i]);
+          pb[i] = x.big;
+          ps[i] = x.small;
+        }
+        const scalar_t* const v_row = v_s + (8 * kk + 2 * t) * kLd + g;
+#pragma unroll
+        for (int n = 0; n < kOTiles; ++n) {
+          mma_m16n8k8_3xtf32(o[n], pb, ps, {float_bits(v_row[8 * n]), float_bits(v_row[kLd + 8 * n])});
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kPSteps; ++kk) {
+        const uint32_t pa[4] = {
+            pack2_rn<scalar_t>(s[2 * kk][0], s[2 * kk][1]),
+            pack2_rn<scalar_t>(s[2 * kk][2], s[2 * kk][3]),
+            pack2_rn<scalar_t>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+            pack2_rn<scalar_t>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+        };
+#pragma unroll
+        for (int n = 0; n < kOTiles; n += 2) {
+          uint32_t vb[4];
+          ldmatrix_x4<true>(vb, v_s + v_lane + 16 * kk * kLd + 8 * n);
+          mma_m16n8k16<scalar_t>(o[n], pa, {vb[0], vb[1]});
+          mma_m16n8k16<scalar_t>(o[n + 1], pa, {vb[2], vb[3]});
+        }
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
@@ -371,10 +419,15 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 template <typename scalar_t>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        cudaStream_t stream) {
-  return dispatch_bucket<32, 64, 128>(plan.bucket, [&](auto bucket) {
+  const auto launch = [&](auto bucket) {
     return launch_plan(&attention_forward_mma<scalar_t, decltype(bucket)::value>, plan.blocks, plan.threads,
                        plan.smem_bytes, stream, p, ptr, plan);
-  });
+  };
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    return dispatch_bucket<32, 64>(plan.bucket, launch);  // up to kMmaMaxHeadDimTf32
+  } else {
+    return dispatch_bucket<32, 64, 128>(plan.bucket, launch);
+  }
 }
 
 }  // namespace
@@ -390,6 +443,8 @@ cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const At
       return launch_mma<__half>(p, ptr, plan, stream);
     case DType::kBFloat16:
       return launch_mma<__nv_bfloat16>(p, ptr, plan, stream);
+    case DType::kFloat32:
+      return launch_mma<float>(p, ptr, plan, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -112,43 +112,54 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
 }
 
 // The tensor-core kernel (cuda/attention_kernel_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16
-// (fp32 accumulators). One block per (b, h, 64 query rows), 4 warps of 16 rows. Tiles of 64 keys are staged
-// in shared memory in two stages (the next tile is copied while the current one is computed): K and V in the
-// input type, row-major with row stride bucket + 8 elements (an odd number of 16-byte units, so the 8 rows an
-// ldmatrix phase reads fall on 8 distinct bank groups).
+// (fp32 accumulators), and float32 as 3xTF32 on mma.sync.m16n8k8. One block per (b, h, 64 query rows), 4
+// warps of 16 rows. Tiles of 64 keys are staged in shared memory in two stages (the next tile is copied while
+// the current one is computed): K and V in the input type, row-major with row stride bucket + one 16-byte
+// unit (an odd number of 16-byte units, so the 8 rows an ldmatrix phase reads fall on 8 distinct bank
+// groups).
 constexpr int kMmaRowsPerWarp = 16;
 constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
 constexpr int kMmaTileKeys = 64;
 constexpr int kMmaStages = 2;
-constexpr int kMmaMaxHeadDim = 128;  // its Q, S and O fragments stay in registers up to here
+constexpr int kMmaMaxHeadDim = 128;     // its Q, S and O fragments stay in registers up to here
+constexpr int kMmaMaxHeadDimTf32 = 64;  // float32 holds Q twice (big and small parts)
 
-// Row stride of a staged K or V tile, in elements.
-constexpr int mma_tile_ld(int bucket) {
-  return bucket + 8;
+// Bytes of one element of the mma kernel's inputs: 4 for float32, 2 for float16/bfloat16.
+constexpr int mma_element_bytes(DType dtype) {
+  return dtype == DType::kFloat32 ? 4 : 2;
 }
 
-// True when the mma kernel covers the problem: float16/bfloat16, max(D, Dv) <= kMmaMaxHeadDim and no dropout
-// (the SIMT kernel applies dropout).
+// Row stride of a staged K or V tile, in elements: the bucket and one 16-byte unit.
+constexpr int mma_tile_ld(int bucket, int element_bytes) {
+  return bucket + 16 / element_bytes;
+}
+
+// True when the mma kernel covers the problem: float16/bfloat16 with max(D, Dv) <= kMmaMaxHeadDim, float32
+// with max(D, Dv) <= kMmaMaxHeadDimTf32, and no dropout (the SIMT kernel applies dropout).
 constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
-  return p.dropout == 0 && (dtype == DType::kFloat16 || dtype == DType::kBFloat16) &&
-         head_dim_bucket(p.head_dim, p.v_head_dim) != 0 &&
-         head_dim_bucket(p.head_dim, p.v_head_dim) <= kMmaMaxHeadDim;
+  const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  const int max_head_dim = dtype == DType::kFloat16 || dtype == DType::kBFloat16 ? kMmaMaxHeadDim
+                           : dtype == DType::kFloat32                            ? kMmaMaxHeadDimTf32
+                                                                                 : 0;
+  return p.dropout == 0 && bucket != 0 && bucket <= max_head_dim;
 }
 
 // True when every K and V row of the launch can be read as 16-byte vectors: unit column stride, head dims
-// and every other stride a multiple of 8 elements, 16-byte aligned base pointers. The mma kernel then stages
+// and every other stride a multiple of 16 bytes, 16-byte aligned base pointers. The mma kernel then stages
 // its tiles with cp.async, 16 bytes per copy; otherwise element by element through the strides.
-inline bool mma_vector_loads(const AttentionParams& p, const void* key, const void* value) {
+inline bool mma_vector_loads(const AttentionParams& p, const void* key, const void* value,
+                             int element_bytes) {
+  const int64_t vec = 16 / element_bytes;
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const auto rows_aligned = [](const int64_t* stride) {
-    return stride[3] == 1 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+  const auto rows_aligned = [vec](const int64_t* stride) {
+    return stride[3] == 1 && stride[0] % vec == 0 && stride[1] % vec == 0 && stride[2] % vec == 0;
   };
-  return p.head_dim % 8 == 0 && p.v_head_dim % 8 == 0 && aligned(key) && aligned(value) &&
+  return p.head_dim % vec == 0 && p.v_head_dim % vec == 0 && aligned(key) && aligned(value) &&
          rows_aligned(p.k_stride) && rows_aligned(p.v_stride);
 }
 
 struct AttentionMmaPlan {
-  int bucket;  // head-dim bucket (32, 64 or 128); 0 when mma_supports() is false
+  int bucket;  // head-dim bucket (32, 64 or 128; float32: 32 or 64); 0 when mma_supports() is false
   int threads;
   int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
   int64_t bh;
@@ -166,9 +177,12 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   plan.blocks = plan.q_blocks * plan.bh;
   if (!mma_supports(p, dtype)) return plan;
   plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
-  plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value);
-  // kMmaStages * (K tile + V tile), 2-byte elements
-  plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * mma_tile_ld(plan.bucket)) * 2;
+  const int element_bytes = mma_element_bytes(dtype);
+  plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value, element_bytes);
+  // kMmaStages * (K tile + V tile)
+  plan.smem_bytes =
+      static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * mma_tile_ld(plan.bucket, element_bytes)) *
+      element_bytes;
   return plan;
 }
 

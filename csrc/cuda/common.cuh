@@ -310,6 +310,74 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
 #endif
 }
 
+// float32 on the same tensor cores (sm80+), 3xTF32: a float x is split into big = tf32(x) and small =
+// tf32(x - big) (cvt.rna: round to nearest, ties away from zero, to 10 mantissa bits), and a b as big_a big_b
+// + big_a small_b + small_a big_b, three mma.m16n8k8.tf32 with fp32 accumulators. The one term left out,
+// small_a small_b, is below 2^-22 of |a b|: float32 accuracy, as CUTLASS's OpMultiplyAddFastF32 and SDPA's
+// memory-efficient kernel in float32. Fragments of mma.m16n8k8.tf32 (one element per 32-bit register):
+//   a[0] = A[g][t]  a[1] = A[g+8][t]  a[2] = A[g][t+4]  a[3] = A[g+8][t+4]
+//   b[0] = B[t][g]  b[1] = B[t+4][g]
+//   d[0], d[1] = D[g][2t, 2t+1]  d[2], d[3] = D[g+8][2t, 2t+1]
+
+// A float's bit pattern, and back: how float32 elements ride in the 32-bit fragment registers.
+__device__ __forceinline__ uint32_t float_bits(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, 4);
+  return bits;
+}
+__device__ __forceinline__ float bits_float(uint32_t bits) {
+  float x;
+  memcpy(&x, &bits, 4);
+  return x;
+}
+
+// tf32(x) as cvt.rna.tf32.f32 returns it: x rounded to 10 mantissa bits, in a float's bit pattern.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+#if defined(ATTNX_CUDA_EMULATION) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
+  const uint32_t bits = float_bits(x);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return bits;  // inf and NaN as they are
+  return (bits + 0x1000u) & 0xffffe000u;                 // the magnitude rounded half away from zero
+#else
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+#endif
+}
+
+// x = big + small, both tf32, exactly up to 2^-22 |x|.
+struct Tf32Split {
+  uint32_t big, small;
+};
+__device__ __forceinline__ Tf32Split split_tf32(float x) {
+  const uint32_t big = to_tf32(x);
+  return {big, to_tf32(x - bits_float(big))};
+}
+
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                                 const uint32_t (&b)[2]) {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::mma_m16n8k8_tf32(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // no tensor-core kernel below sm80; the glue never launches one there
+#endif
+}
+
+// d += A B in float32 accuracy, 3xTF32: A already split (it serves many B fragments), B given as the bit
+// patterns of two floats and split here. The small terms go first, while the accumulator is still close to
+// their size.
+__device__ __forceinline__ void mma_m16n8k8_3xtf32(float (&d)[4], const uint32_t (&a_big)[4],
+                                                   const uint32_t (&a_small)[4], const uint32_t (&b)[2]) {
+  const Tf32Split x = split_tf32(bits_float(b[0])), y = split_tf32(bits_float(b[1]));
+  mma_m16n8k8_tf32(d, a_small, {x.big, y.big});
+  mma_m16n8k8_tf32(d, a_big, {x.small, y.small});
+  mma_m16n8k8_tf32(d, a_big, {x.big, y.big});
+}
+
 // Two 16-bit elements as one 32-bit fragment register, `lo` in the low half.
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
