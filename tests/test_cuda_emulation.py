@@ -317,6 +317,31 @@ def test_mma_masks_on_interior_and_boundary_tiles(emu, window):
     check(emu, q, k, v, attn_mask=mask, is_causal=True, window_left=window[0], kernel="mma")
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
+def test_mma_masks_staged_with_the_tiles(emu, dtype, mask_dtype):
+    # S = 208 keys: every mask row is whole 16-byte vectors, so both masks are staged in shared memory with
+    # K and V (mma_stage_mask), except float64 ones (read in place) and the sliced copy below (rows 8 bytes
+    # off a vector: in place). The causal diagonal and the partial last tile cut vectors (copied element by
+    # element); the window starts rows at keys that are no multiple of 16 (tiles start at one below); rows
+    # past L = 150 are zero-filled.
+    gen = torch.Generator().manual_seed(12)
+    B_, L_, S_ = 2, 150, 208
+    q, k, v = make_qkv(B_, 2, L_, S_, 32, 32, dtype=dtype)
+    drop = torch.rand(L_, S_, generator=gen) < 0.15
+    padding = torch.rand(B_, S_, generator=gen) < 0.2
+    if mask_dtype == torch.bool:
+        mask, kpm = drop, padding
+    else:
+        mask = torch.randn(L_, S_, generator=gen).masked_fill(drop, float("-inf")).to(mask_dtype)
+        kpm = torch.zeros(B_, S_).masked_fill(padding, float("-inf")).to(mask_dtype)
+    for kwargs in [{}, {"is_causal": True}, {"window_left": 37, "window_right": 5}]:
+        check(emu, q, k, v, attn_mask=mask, key_padding_mask=kpm, kernel="mma", **kwargs)
+    wide = torch.zeros(L_, S_ + 2, dtype=mask.dtype)
+    wide[:, 2:] = mask
+    check(emu, q, k, v, attn_mask=wide[:, 2:], key_padding_mask=kpm, is_causal=True, kernel="mma")
+
+
 def test_mma_nan_and_empty(emu):
     q, k, v = make_qkv(1, 2, 5, 6, 16, 16, dtype=torch.float16)
     q[0, 1, 2, 0] = float("nan")
