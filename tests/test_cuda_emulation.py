@@ -319,12 +319,10 @@ def test_mma_masks_on_interior_and_boundary_tiles(emu, window):
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("dtype", MMA_DTYPES, ids=str)
-def test_mma_masks_staged_with_the_tiles(emu, dtype, mask_dtype):
-    # S = 208 keys: every mask row is whole 16-byte vectors, so both masks are staged in shared memory with
-    # K and V (mma_stage_mask), except float64 ones (read in place) and the sliced copy below (rows 8 bytes
-    # off a vector: in place). The causal diagonal and the partial last tile cut vectors (copied element by
-    # element); the window starts rows at keys that are no multiple of 16 (tiles start at one below); rows
-    # past L = 150 are zero-filled.
+def test_mma_masks_every_dtype(emu, dtype, mask_dtype):
+    # Both masks in each mask dtype, on each of the kernel's dtypes: without a key range, causal (L = 150 !=
+    # S: the diagonal cuts tiles anywhere, rows past L in the last query block), a window (rows start at
+    # keys off any tile boundary), and an attn_mask sliced 2 elements into its rows.
     gen = torch.Generator().manual_seed(12)
     B_, L_, S_ = 2, 150, 208
     q, k, v = make_qkv(B_, 2, L_, S_, 32, 32, dtype=dtype)

@@ -11,10 +11,9 @@
 // global memory through q's strides. Tiles of 64 keys are staged in shared memory in the input type, K and V
 // row-major, in two stages: cp.async copies tile i + 1 while tile i is computed (16-byte copies when the rows
 // allow it, see mma_vector_loads; element by element through the strides otherwise). Per tile: S = Q K^T
-// (8 n-tiles of 8 keys, K's B fragments by ldmatrix), scale and both masks (their parts of the tile staged
-// with K and V where their rows allow 16-byte copies, mma_stage_mask; read in place otherwise), the online
-// softmax of softmax.h per row (a row's 64 scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2),
-// then O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
+// (8 n-tiles of 8 keys, K's B fragments by ldmatrix), scale and both masks read in place, the online softmax
+// of softmax.h per row (a row's 64 scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
+// O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
 // fragment of one k-step; V's B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel: the
 // loop runs over the keys the block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window,
 // per-batch key lengths), past tiles key_padding_mask removes entirely (found before the loop: one bit per
@@ -53,13 +52,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   constexpr float kNegInf = -INFINITY;
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two k-steps / two n-tiles");
 
-  // Stage s at smem + s plan.stage_bytes: its K tile, its V tile (zero past D, Dv and the tile's last key),
-  // then the tiles of the masks that are staged (plan.*_tile_bytes, mma_stage_mask).
-  ATTNX_DYNAMIC_SHARED(unsigned char, smem);
-  const int stage_bytes = static_cast<int>(plan.stage_bytes);  // at most kMmaMaxSharedBytes / 2
-  const auto k_tile = [&](int stage) { return reinterpret_cast<scalar_t*>(smem + stage * stage_bytes); };
-  const auto am_tile = [&](int stage) { return reinterpret_cast<unsigned char*>(k_tile(stage) + 2 * kTile); };
-  const auto kpm_tile = [&](int stage) { return am_tile(stage) + plan.attn_mask_tile_bytes; };
+  // Stage s: K at smem + 2 s kTile, V right after; zero past D (Dv) and past the tile's last key.
+  ATTNX_DYNAMIC_SHARED(scalar_t, smem);
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
@@ -75,12 +69,6 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const float scale = p.scale;
   const SoftCap<float> cap = soft_cap_of<float>(p);
   const scalar_t zero = from_acc<scalar_t>(0.0f);
-  // The masks' element sizes and whether they are staged, read from the kernel's parameters where used
-  // rather than held in registers across the tile loop (the fp16/bf16 bucket-128 kernel has none to spare).
-  const auto am_bytes = [&] { return mask_element_bytes(p.attn_mask_kind); };
-  const auto kpm_bytes = [&] { return mask_element_bytes(p.key_padding_mask_kind); };
-  const auto am_staged = [&] { return plan.attn_mask_tile_bytes != 0; };
-  const auto kpm_staged = [&] { return plan.key_padding_mask_tile_bytes != 0; };
 
   // This lane's two query rows: fragment rows g and g + 8 of the warp's 16.
   int64_t l[2];
@@ -91,10 +79,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 
   // The keys any row of the block sees: from its first row's first key to its last row's end.
-  // Tiles start at multiples of 16 keys (a window's first row may begin anywhere: that tile takes the keys
-  // before it and masks them, as any boundary tile), so a staged mask's part of every tile is whole 16-byte
-  // vectors (mma_stage_mask: elements of 1 to 4 bytes, 16 to 4 per vector).
-  const int64_t kv_begin = range_key_begin(q0, L, Sb, p.window_left) / 16 * 16;
+  const int64_t kv_begin = range_key_begin(q0, L, Sb, p.window_left);
   const int64_t kv_end = range_key_end(q0 + rows_in_block - 1, L, Sb, p.window_right, p.is_causal);
   const auto tile_keys = [&](int64_t k0) {
     return kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
@@ -143,24 +128,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   };
   if (p.key_padding_mask_kind != kMaskNone && kv_begin < kv_end) scan_window(kv_begin);
 
-  // One 16-byte chunk of a staged mask row: the elements of keys key0 .. (tile coordinates) of `row` (the
-  // row's element of key k0) into dst, zero past nk and for a row that is not read. The chunk that nk cuts
-  // is copied element by element (plain stores: the barrier after the stage's wait publishes them too).
-  const auto stage_mask_chunk = [&](unsigned char* dst, const unsigned char* row, int bytes, int key0, int nk,
-                                    bool row_valid) {
-    if (row_valid && key0 + 16 / bytes <= nk) {
-      cp_async_16(dst, row + key0 * bytes, true);
-    } else if (row_valid && key0 < nk) {
-      for (int i = 0; i < 16; ++i) dst[i] = key0 + i / bytes < nk ? row[key0 * bytes + i] : 0;
-    } else {
-      cp_async_16(dst, row, false);  // zero-filled, nothing read
-    }
-  };
-
   // Stages the tile of keys k0 .. k0 + nk - 1 into `stage` and commits its copies as one cp.async group.
   // Consecutive threads fill consecutive 16-byte chunks of a row (coalesced reads, conflict-free stores).
   const auto stage_tile = [&](int stage, int64_t k0, int nk) {
-    scalar_t* const k_s = k_tile(stage);
+    scalar_t* const k_s = smem + 2 * stage * kTile;
     scalar_t* const v_s = k_s + kTile;
     if (plan.vector_loads) {
       constexpr int kChunks = kBucket / kVec;  // 16-byte chunks per row
@@ -182,28 +153,6 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           k_s[j * kLd + c] = valid && c < D ? ksrc[c * p.k_stride[3]] : zero;
           v_s[j * kLd + c] = valid && c < Dv ? vsrc[c * p.v_stride[3]] : zero;
         }
-      }
-    }
-    if (am_staged()) {  // rows q0 .. q0 + 63 of the (b, h) mask, keys k0 .. k0 + 63 (unit key stride)
-      const int chunks_log2 = am_bytes() == 1 ? 2 : am_bytes() == 2 ? 3 : 4;  // 4 am_bytes() chunks a row
-      const int ld = mma_mask_ld(am_bytes());
-      for (int i = tid; i < kRowsPerBlock << chunks_log2; i += kThreads) {
-        const int row = i >> chunks_log2, key0 = (i & ((1 << chunks_log2) - 1)) * (16 / am_bytes());
-        const bool row_valid = q0 + row < L;
-        const int64_t element = am_base + (row_valid ? q0 + row : 0) * p.attn_mask_stride[2] + k0;
-        stage_mask_chunk(am_tile(stage) + row * ld + key0 * am_bytes(),
-                         static_cast<const unsigned char*>(ptr.attn_mask) + element * am_bytes(), am_bytes(),
-                         key0, nk, row_valid);
-      }
-    }
-    if (kpm_staged()) {  // keys k0 .. k0 + 63 of batch b's row
-      const int chunks = kMmaTileKeys * kpm_bytes() / 16;
-      for (int i = tid; i < chunks; i += kThreads) {
-        const int key0 = i * (16 / kpm_bytes());
-        stage_mask_chunk(
-            kpm_tile(stage) + key0 * kpm_bytes(),
-            static_cast<const unsigned char*>(ptr.key_padding_mask) + (kpm_base + k0) * kpm_bytes(),
-            kpm_bytes(), key0, nk, true);
       }
     }
     cp_async_commit();
@@ -264,7 +213,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       cp_async_wait<0>();
     }
     __syncthreads();  // this tile is in shared memory for the whole block
-    const scalar_t* const k_s = k_tile(stage);
+    const scalar_t* const k_s = smem + 2 * stage * kTile;
     const scalar_t* const v_s = k_s + kTile;
 
     // S = Q K^T: n-tile j is keys k0 + 8j .. + 7; B[kk][n] = K[8j + n][16 ks + kk].
@@ -310,55 +259,51 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         }
       }
     } else {
-      // Where this tile's mask elements are: the stage's tiles in shared memory where staged, the masks in
-      // place otherwise. Element (l, k0 + jj) of attn_mask is at am_origin + l am_row + jj am_key of am_src.
-      const void* const am_src = am_staged() ? static_cast<const void*>(am_tile(stage)) : ptr.attn_mask;
-      const int64_t am_row = am_staged() ? mma_mask_ld(am_bytes()) / am_bytes() : p.attn_mask_stride[2];
-      const int64_t am_key = am_staged() ? 1 : p.attn_mask_stride[3];
-      const int64_t am_origin = am_staged() ? -q0 * am_row : am_base + k0 * am_key;
-      const void* const kpm_src =
-          kpm_staged() ? static_cast<const void*>(kpm_tile(stage)) : ptr.key_padding_mask;
-      const int64_t kpm_key = kpm_staged() ? 1 : p.key_padding_mask_stride[1];
-      const int64_t kpm_origin = kpm_staged() ? 0 : kpm_base + k0 * kpm_key;
+      // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile.
+      float kpm[kSTiles][2];
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int jj = 8 * j + 2 * t + e;
+          kpm[j][e] = p.key_padding_mask_kind != kMaskNone && jj < nk
+                          ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                              kpm_base + (k0 + jj) * p.key_padding_mask_stride[1])
+                          : 0.0f;
+        }
+      }
       // The scores with the masks; `ranged`: a boundary tile, each element tested against its row's
-      // interval (compiled twice, so that interior tiles carry no test). Keys outer, the lane's two rows
-      // inner: a key's key_padding_mask term is read once and used at once, for both rows.
+      // interval (compiled twice, so that interior tiles carry no test).
       const auto masked_scores = [&](auto ranged) {
-        // Each row's keys in this tile, [lo, hi) in tile coordinates (32-bit: the per-element tests are
-        // against the unrolled constants jj). Rows past L, and rows whose key interval misses the tile, read
-        // no mask.
-        int lo[2] = {0, 0}, hi[2] = {kMmaTileKeys, kMmaTileKeys};
-        bool row_reads[2] = {true, true};
-        int64_t am_lane[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+          // The row's keys in this tile, [lo, hi) in tile coordinates (32-bit: the per-element tests are
+          // against the unrolled constants jj). Rows past L, and rows whose key interval misses the tile,
+          // read no mask.
+          int lo = 0, hi = kMmaTileKeys;
+          bool row_reads = true;
           if constexpr (decltype(ranged)::value) {
             const int64_t key_lo = range_key_begin(l[r], L, Sb, p.window_left);
             const int64_t key_hi = range_key_end(l[r], L, Sb, p.window_right, p.is_causal);
-            lo[r] = static_cast<int>(range_min(range_max(key_lo - k0, 0), nk));
-            hi[r] = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
-            row_reads[r] = active[r] && lo[r] < hi[r];
+            lo = static_cast<int>(range_min(range_max(key_lo - k0, 0), nk));
+            hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
+            row_reads = active[r] && lo < hi;
           }
-          am_lane[r] = am_origin + l[r] * am_row + 2 * t * am_key;
-        }
+          const int64_t am_row =
+              am_base + l[r] * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
 #pragma unroll
-        for (int j = 0; j < kSTiles; ++j) {
+          for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int jj = 8 * j + 2 * t + e;
-            const float kpm =
-                p.key_padding_mask_kind != kMaskNone && jj < nk
-                    ? mask_value<float>(p.key_padding_mask_kind, kpm_src, kpm_origin + jj * kpm_key)
-                    : 0.0f;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
+            for (int e = 0; e < 2; ++e) {
               const int i = 2 * r + e;
+              const int jj = 8 * j + 2 * t + e;
               float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
-              if (!decltype(ranged)::value || (row_reads[r] && lo[r] <= jj && jj < hi[r])) {
-                float bias = kpm;
+              if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
+                float bias = kpm[j][e];
                 if (p.attn_mask_kind != kMaskNone) {
-                  bias =
-                      mask_value<float>(p.attn_mask_kind, am_src, am_lane[r] + (8 * j + e) * am_key) + bias;
+                  bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
+                                           am_row + (8 * j + e) * p.attn_mask_stride[3]) +
+                         bias;
                 }
                 x = s[j][i] * scale;
                 if (cap.cap > 0.0f) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);

@@ -158,43 +158,6 @@ inline bool mma_vector_loads(const AttentionParams& p, const void* key, const vo
          rows_aligned(p.k_stride) && rows_aligned(p.v_stride);
 }
 
-// Bytes of one element of a mask kind (params.h's MaskKind); 0 for none.
-constexpr int mask_element_bytes(int32_t kind) {
-  return kind == kMaskBool                               ? 1
-         : kind == kMaskFloat16 || kind == kMaskBFloat16 ? 2
-         : kind == kMaskFloat32                          ? 4
-         : kind == kMaskFloat64                          ? 8
-                                                         : 0;
-}
-
-// The mma kernel stages a mask's part of each tile in shared memory with the tile's K and V copies (cp.async,
-// 16 bytes per copy, one commit group), so that the scores read it from shared memory rather than wait on
-// global loads after Q K^T. It does so when the mask's rows can be read as 16-byte vectors: unit key stride,
-// every other stride a multiple of 16 bytes, a 16-byte aligned base and an element of at most 4 bytes (a
-// float64 mask is read in place: its tiles would take 64 KiB of shared memory), and when the stages still fit
-// kMmaMaxSharedBytes with it (plan_attention_mma). `stride` holds the mask's
-// `dims` strides, the key stride last. The kernel starts its tiles at multiples of 16 keys, so a tile's
-// part of the mask is whole vectors.
-inline bool mma_stage_mask(int32_t kind, const void* mask, const int64_t* stride, int dims) {
-  const int bytes = mask_element_bytes(kind);
-  if (bytes == 0 || bytes > 4 || mask == nullptr || reinterpret_cast<uintptr_t>(mask) % 16 != 0) return false;
-  if (stride[dims - 1] != 1) return false;
-  for (int d = 0; d < dims - 1; ++d) {
-    if (stride[d] * bytes % 16 != 0) return false;
-  }
-  return true;
-}
-
-// The most shared memory an mma launch takes: what a block may opt into on every sm80+ device the wheel
-// targets (99 KiB on sm86/sm89/sm120; sm80 and sm90 allow more). Masks are staged only within it.
-constexpr size_t kMmaMaxSharedBytes = 99 * 1024;
-
-// Row stride, in bytes, of a staged attn_mask tile: 72 elements rounded up to 16 bytes, so that the rows a
-// warp's lanes read at once (8 rows, 8 consecutive keys each) fall on distinct banks.
-constexpr int mma_mask_ld(int element_bytes) {
-  return (72 * element_bytes + 15) / 16 * 16;
-}
-
 struct AttentionMmaPlan {
   int bucket;  // head-dim bucket (32, 64 or 128; float32: 32 or 64); 0 when mma_supports() is false
   int threads;
@@ -202,11 +165,6 @@ struct AttentionMmaPlan {
   int64_t bh;
   int64_t blocks;     // grid.x
   bool vector_loads;  // mma_vector_loads(): K and V by cp.async
-  // Bytes of one stage's attn_mask tile (kMmaRowsPerBlock rows of mma_mask_ld) and key_padding_mask tile
-  // (kMmaTileKeys elements) after its K and V tiles; 0 when that mask is read in place (mma_stage_mask).
-  int attn_mask_tile_bytes;
-  int key_padding_mask_tile_bytes;
-  size_t stage_bytes;  // K tile + V tile + the mask tiles
   size_t smem_bytes;
 };
 
@@ -221,21 +179,10 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   const int element_bytes = mma_element_bytes(dtype);
   plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value, element_bytes);
-  plan.stage_bytes =
-      static_cast<size_t>(2 * kMmaTileKeys * mma_tile_ld(plan.bucket, element_bytes)) * element_bytes;
-  const auto fits = [&](int bytes) { return kMmaStages * (plan.stage_bytes + bytes) <= kMmaMaxSharedBytes; };
-  const int kpm_bytes = kMmaTileKeys * mask_element_bytes(p.key_padding_mask_kind);
-  if (mma_stage_mask(p.key_padding_mask_kind, ptr.key_padding_mask, p.key_padding_mask_stride, 2) &&
-      fits(kpm_bytes)) {
-    plan.key_padding_mask_tile_bytes = kpm_bytes;
-    plan.stage_bytes += kpm_bytes;
-  }
-  const int am_bytes = kMmaRowsPerBlock * mma_mask_ld(mask_element_bytes(p.attn_mask_kind));
-  if (mma_stage_mask(p.attn_mask_kind, ptr.attn_mask, p.attn_mask_stride, 4) && fits(am_bytes)) {
-    plan.attn_mask_tile_bytes = am_bytes;
-    plan.stage_bytes += am_bytes;
-  }
-  plan.smem_bytes = kMmaStages * plan.stage_bytes;
+  // kMmaStages * (K tile + V tile)
+  plan.smem_bytes =
+      static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * mma_tile_ld(plan.bucket, element_bytes)) *
+      element_bytes;
   return plan;
 }
 
