@@ -1,7 +1,8 @@
-// attnx: argument checks, tensors -> AttentionParams and AttentionPointers, and the op adapters for
-// attnx::attention and attnx::attention_backward (see attention.h), on the LibTorch stable ABI. Outputs are
-// made with the shim's direct calls; the little math done here (sinks' conversion and gradient, the mask
-// gradient's dtype) goes through torch's ops (common/aten.h).
+// attnx: argument checks, tensors -> AttentionParams and AttentionPointers, and the problems' unboxing and
+// boxing for attnx::attention and attnx::attention_backward (see attention.h), on the LibTorch stable ABI;
+// also the checks and helpers that common/varlen_attention.cpp shares. Outputs are made with the shim's
+// direct calls; the little math done here (sinks' conversion and gradient, the mask gradient's dtype) goes
+// through torch's ops (common/aten.h).
 #include "common/attention.h"
 
 #include <algorithm>
@@ -22,9 +23,68 @@ using stable::Sizes;
 using torch::headeronly::IntHeaderOnlyArrayRef;
 using torch::stable::Device;
 
+constexpr const char* kOp = "attnx::attention";
+
+}  // namespace
+
+namespace detail {
+
 bool is_attention_dtype(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::BFloat16 || t == ScalarType::Half;
 }
+
+void split_scale(double value, float* hi, float* lo) {
+  *hi = static_cast<float>(value);
+  *lo = std::isfinite(*hi) ? static_cast<float>(value - static_cast<double>(*hi)) : 0.0f;
+}
+
+void check_query_key_value_dtypes_and_devices(const char* op, const Tensor& query, const Tensor& key,
+                                              const Tensor& value) {
+  ATTNX_CHECK(is_attention_dtype(query.scalar_type()), op,
+              ": expected query of dtype float32, float64, bfloat16 or float16, got ", query.scalar_type());
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{key, "key"}, {value, "value"}}) {
+    ATTNX_CHECK(t.scalar_type() == query.scalar_type(), op, ": expected ", name, " of query's dtype ",
+                query.scalar_type(), ", got ", t.scalar_type());
+    ATTNX_CHECK(t.device() == query.device(), op, ": expected ", name, " on query's device ",
+                device_name(query.device()), ", got ", device_name(t.device()));
+  }
+}
+
+void check_kv_heads(const char* op, int64_t H, int64_t Hkv) {
+  ATTNX_CHECK(Hkv > 0 ? H % Hkv == 0 : H == 0, op, ": expected the number of key/value heads (Hkv = ", Hkv,
+              ") to divide the number of query heads (H = ", H, ")");
+}
+
+void check_window(const char* op, int64_t window_left, int64_t window_right) {
+  ATTNX_CHECK(window_left >= -1 && window_right >= -1, op,
+              ": expected window_left and window_right >= -1 (-1 = unbounded), got (", window_left, ", ",
+              window_right, ")");
+}
+
+void check_softcap_and_sinks(const char* op, const std::optional<double>& softcap,
+                             const std::optional<Tensor>& sinks, int64_t H, const Tensor& query) {
+  if (softcap) {
+    ATTNX_CHECK(std::isfinite(*softcap) && *softcap > 0.0, op,
+                ": expected softcap to be a finite number > 0 (None: no soft-capping), got ", *softcap);
+  }
+  if (sinks) {
+    const Tensor& t = *sinks;
+    ATTNX_CHECK(is_attention_dtype(t.scalar_type()), op,
+                ": expected sinks of a floating dtype (float16, bfloat16, float32 or float64), got ",
+                t.scalar_type());
+    ATTNX_CHECK(t.dim() == 1 && t.size(0) == H, op, ": expected sinks of shape (H,) = (", H, ",), got ",
+                Sizes{t.sizes()});
+    ATTNX_CHECK(t.device() == query.device(), op, ": expected sinks on query's device ",
+                device_name(query.device()), ", got ", device_name(t.device()));
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::is_attention_dtype;
+using detail::split_scale;
 
 MaskKind mask_kind(const std::optional<Tensor>& mask) {
   if (!mask) return kMaskNone;
@@ -112,12 +172,6 @@ void check_dropout_args(double dropout_p, const std::optional<Tensor>& dropout_s
   }
 }
 
-// The unevaluated float sum hi + lo closest to `scale` (see AttentionParams::scale).
-void split_scale(double scale, float* hi, float* lo) {
-  *hi = static_cast<float>(scale);
-  *lo = std::isfinite(*hi) ? static_cast<float>(scale - static_cast<double>(*hi)) : 0.0f;
-}
-
 }  // namespace
 
 ScalarType attention_acc_dtype(ScalarType dtype) {
@@ -134,24 +188,14 @@ void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& 
               "-D tensor of shape ", Sizes{key.sizes()});
   ATTNX_CHECK(value.dim() == 4, "attnx::attention: expected value of shape (B, Hkv, S, Dv), got a ",
               value.dim(), "-D tensor of shape ", Sizes{value.sizes()});
-  ATTNX_CHECK(is_attention_dtype(query.scalar_type()),
-              "attnx::attention: expected query of dtype float32, float64, bfloat16 or float16, got ",
-              query.scalar_type());
-  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{key, "key"}, {value, "value"}}) {
-    ATTNX_CHECK(t.scalar_type() == query.scalar_type(), "attnx::attention: expected ", name,
-                " of query's dtype ", query.scalar_type(), ", got ", t.scalar_type());
-    ATTNX_CHECK(t.device() == query.device(), "attnx::attention: expected ", name, " on query's device ",
-                device_name(query.device()), ", got ", device_name(t.device()));
-  }
+  detail::check_query_key_value_dtypes_and_devices(kOp, query, key, value);
 
   const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
   const int64_t Hkv = key.size(1), S = key.size(2);
   ATTNX_CHECK(key.size(0) == B && key.size(3) == D,
               "attnx::attention: expected key of shape (B, Hkv, S, D) = (", B, ", Hkv, S, ", D,
               ") to match query's B and D, got ", Sizes{key.sizes()});
-  ATTNX_CHECK(Hkv > 0 ? H % Hkv == 0 : H == 0,
-              "attnx::attention: expected the number of key/value heads (Hkv = ", Hkv,
-              ") to divide the number of query heads (H = ", H, ")");
+  detail::check_kv_heads(kOp, H, Hkv);
   ATTNX_CHECK(value.size(0) == B && value.size(1) == Hkv && value.size(2) == S,
               "attnx::attention: expected value of shape (B, Hkv, S, Dv) = (", B, ", ", Hkv, ", ", S,
               ", Dv) to match query's B and key's Hkv and S, got ", Sizes{value.sizes()});
@@ -169,9 +213,7 @@ void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& 
         Sizes{key_padding_mask->sizes()});
   }
   check_dropout_args(dropout_p, dropout_seed);
-  ATTNX_CHECK(window_left >= -1 && window_right >= -1,
-              "attnx::attention: expected window_left and window_right >= -1 (-1 = unbounded), got (",
-              window_left, ", ", window_right, ")");
+  detail::check_window(kOp, window_left, window_right);
   if (key_lengths) {
     const Tensor& t = *key_lengths;
     ATTNX_CHECK(t.scalar_type() == ScalarType::Int || t.scalar_type() == ScalarType::Long,
@@ -191,22 +233,7 @@ void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& 
       }
     }
   }
-  if (softcap) {
-    ATTNX_CHECK(std::isfinite(*softcap) && *softcap > 0.0,
-                "attnx::attention: expected softcap to be a finite number > 0 (None: no soft-capping), got ",
-                *softcap);
-  }
-  if (sinks) {
-    const Tensor& t = *sinks;
-    ATTNX_CHECK(is_attention_dtype(t.scalar_type()),
-                "attnx::attention: expected sinks of a floating dtype (float16, bfloat16, float32 or "
-                "float64), got ",
-                t.scalar_type());
-    ATTNX_CHECK(t.dim() == 1 && t.size(0) == H, "attnx::attention: expected sinks of shape (H,) = (", H,
-                ",), got ", Sizes{t.sizes()});
-    ATTNX_CHECK(t.device() == query.device(), "attnx::attention: expected sinks on query's device ",
-                device_name(query.device()), ", got ", device_name(t.device()));
-  }
+  detail::check_softcap_and_sinks(kOp, softcap, sinks, H, query);
 }
 
 namespace {
@@ -285,17 +312,6 @@ AttentionParams attention_params(const Tensor& query, const Tensor& key, const T
   return p;
 }
 
-// sinks as the kernels read them: (H,) in the accumulator dtype, contiguous. A copy of H values only when
-// they are stored otherwise.
-std::optional<Tensor> sinks_for_kernels(const std::optional<Tensor>& sinks, ScalarType dtype) {
-  if (!sinks) return std::nullopt;
-  const ScalarType acc = attention_acc_dtype(dtype);
-  if (sinks->scalar_type() == acc && sinks->stride(0) == 1) return sinks;
-  const Tensor converted = aten::empty(sinks->sizes(), acc, sinks->device());
-  aten::copy_(converted, *sinks);
-  return converted;
-}
-
 // A (B, H, N, E) tensor laid out in memory as (B, N, H, E), the layout of out and of the gradients.
 Tensor empty_bnhe(int64_t B, int64_t H, int64_t N, int64_t E, ScalarType dtype, const Device& device) {
   const int64_t sizes[4] = {B, H, N, E};
@@ -319,20 +335,40 @@ void copy_strides(const Tensor& t, int64_t* out) {
   std::copy(strides.begin(), strides.end(), out);
 }
 
-// The gradient of the sinks, -sum over (B, L) of exp(sink_h - lse) * rowsum(dO * O): a sink's probability
-// times the row's delta, in sinks' dtype. O(B * H * L * Dv) work, done in torch's ops for every backend.
-Tensor sinks_grad(const Tensor& grad_out, const Tensor& out, const Tensor& lse, const Tensor& sinks) {
-  const ScalarType acc = lse.scalar_type();
-  const Tensor delta = aten::sum(aten::mul(aten::to(grad_out, acc), aten::to(out, acc)), {-1});  // (B, H, L)
+}  // namespace
+
+namespace detail {
+
+std::optional<Tensor> sinks_for_kernels(const std::optional<Tensor>& sinks, ScalarType dtype) {
+  if (!sinks) return std::nullopt;
+  const ScalarType acc = attention_acc_dtype(dtype);
+  if (sinks->scalar_type() == acc && sinks->stride(0) == 1) return sinks;
+  const Tensor converted = aten::empty(sinks->sizes(), acc, sinks->device());
+  aten::copy_(converted, *sinks);
+  return converted;
+}
+
+Tensor sinks_grad(const Tensor& grad_out, const Tensor& out, const Tensor& lse_rows, const Tensor& sinks) {
+  const ScalarType acc = lse_rows.scalar_type();
+  const Tensor delta = aten::sum(aten::mul(aten::to(grad_out, acc), aten::to(out, acc)), {-1});
   // A row that sees no key has lse = +inf: its sink's probability exp(sink - inf) is 0, as its out is 0
   // whatever the sink.
   const Tensor sinks_acc = aten::to(sinks, acc);
+  // sinks in lse_rows' shape, broadcast along every dim but the heads': (1, H, 1) for attention's (B, H, L)
+  // rows, (1, H) for varlen's (total_q, H).
+  const size_t dims = lse_rows.dim() == 3 ? 3 : 2;
   const int64_t sizes[3] = {1, sinks_acc.size(0), 1}, strides[3] = {0, sinks_acc.stride(0), 0};
-  const Tensor sink_rows = views::reinterpret(sinks_acc, sizes, strides);  // (1, H, 1)
-  const Tensor p_sink = aten::exp(aten::sub(sink_rows, lse));
-  return aten::to(aten::neg(aten::sum(aten::mul(p_sink, delta), {0, 2})), sinks.scalar_type());
+  const Tensor sink_rows =
+      views::reinterpret(sinks_acc, IntHeaderOnlyArrayRef(sizes, dims), IntHeaderOnlyArrayRef(strides, dims));
+  const Tensor p_sink = aten::exp(aten::sub(sink_rows, lse_rows));
+  std::vector<int64_t> row_dims = dims == 3 ? std::vector<int64_t>{0, 2} : std::vector<int64_t>{0};
+  return aten::to(aten::neg(aten::sum(aten::mul(p_sink, delta), std::move(row_dims))), sinks.scalar_type());
 }
 
+}  // namespace detail
+
+namespace {
+using detail::sinks_for_kernels;
 }  // namespace
 
 // (The problems are built at the end, member by member from locals: a default-constructed stable Tensor is an
@@ -391,21 +427,9 @@ AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor quer
   Tensor grad_query = empty_bnhe(B, H, L, D, dtype, device);
   Tensor grad_key = empty_bnhe(B, Hkv, S, D, dtype, device);
   Tensor grad_value = empty_bnhe(B, Hkv, S, Dv, dtype, device);
-  copy_strides(out, bp.fwd.out_stride);
   copy_strides(lse, bp.fwd.lse_stride);
-  copy_strides(grad_out, bp.grad_out_stride);
-  copy_strides(grad_query, bp.grad_query_stride);
-  copy_strides(grad_key, bp.grad_key_stride);
-  copy_strides(grad_value, bp.grad_value_stride);
-  // The saved out and lse are read here: const, though AttentionPointers names them as the forward writes
-  // them.
-  ptr.fwd.out = const_cast<void*>(out.const_data_ptr());
-  ptr.fwd.lse = const_cast<void*>(lse.const_data_ptr());
-  ptr.grad_out = grad_out.const_data_ptr();
-  ptr.grad_query = grad_query.mutable_data_ptr();
-  ptr.grad_key = grad_key.mutable_data_ptr();
-  ptr.grad_value = grad_value.mutable_data_ptr();
-  ptr.grad_attn_mask = nullptr;
+  detail::describe_backward_tensors(bp, ptr, copy_strides, grad_out, out, lse, grad_query, grad_key,
+                                    grad_value);
   return AttentionBackwardProblem{std::move(grad_out),
                                   std::move(query),
                                   std::move(key),
@@ -424,47 +448,41 @@ AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor quer
                                   std::nullopt};
 }
 
-namespace detail {
-
 // The tensors are taken from the stack as they are (to<Tensor>), not through default-constructed ones (see
 // prepare_attention).
-AttentionProblem unbox_attention(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+AttentionProblem AttentionProblem::unbox(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   using torch::stable::detail::to;
-  AttentionOptions options;
-  const auto fields = AttentionOptions::fields(options);
-  stable::check_stack("attnx::attention", num_args, 3 + std::tuple_size_v<decltype(fields)>, num_outputs, 2);
-  stable::unbox(stack + 3, fields);
+  AttentionOptions options =
+      detail::unbox_options<AttentionOptions>(kOp, stack, num_args, num_outputs,
+                                              /*tensors=*/3, /*trailing=*/0, /*outputs=*/2);
   return prepare_attention(to<Tensor>(stack[0]), to<Tensor>(stack[1]), to<Tensor>(stack[2]),
                            std::move(options));
 }
 
-AttentionBackwardProblem unbox_attention_backward(StableIValue* stack, uint64_t num_args,
-                                                  uint64_t num_outputs) {
+AttentionBackwardProblem AttentionBackwardProblem::unbox(StableIValue* stack, uint64_t num_args,
+                                                         uint64_t num_outputs) {
   using torch::stable::detail::to;
-  AttentionOptions options;
-  const auto fields = AttentionOptions::fields(options);
-  constexpr uint64_t kOptions = std::tuple_size_v<decltype(fields)>;
-  stable::check_stack("attnx::attention_backward", num_args, 6 + kOptions + 1, num_outputs, 5);
-  stable::unbox(stack + 6, fields);
+  AttentionOptions options =
+      detail::unbox_options<AttentionOptions>("attnx::attention_backward", stack, num_args, num_outputs,
+                                              /*tensors=*/6, /*trailing=*/1, /*outputs=*/5);
+  // grad_attn_mask, the argument after the options: the stack's last.
   return prepare_attention_backward(to<Tensor>(stack[0]), to<Tensor>(stack[1]), to<Tensor>(stack[2]),
                                     to<Tensor>(stack[3]), to<Tensor>(stack[4]), to<Tensor>(stack[5]),
-                                    std::move(options), to<bool>(stack[6 + kOptions]));
+                                    std::move(options), to<bool>(stack[num_args - 1]));
 }
 
-void box_attention_backward(StableIValue* stack, AttentionBackwardProblem& pb) {
+void AttentionBackwardProblem::box(StableIValue* stack) const {
   using torch::stable::detail::from;
   // Distinct empty tensors where a gradient was not asked for: outputs never alias each other.
-  stack[0] = from(pb.grad_query);
-  stack[1] = from(pb.grad_key);
-  stack[2] = from(pb.grad_value);
-  ATTNX_CHECK(!pb.grad_attn_mask || pb.grad_attn_mask_out, "attnx::attention_backward: the ",
-              stable::device_name(pb.query.device()), " kernel did not compute attn_mask's gradient");
-  stack[3] = from(pb.grad_attn_mask ? *pb.grad_attn_mask_out : aten::new_empty_output(pb.query));
-  const std::optional<Tensor>& sinks = pb.options.sinks;
-  stack[4] = from(sinks ? sinks_grad(pb.grad_out, pb.out, pb.lse, *sinks) : aten::new_empty_output(pb.query));
+  stack[0] = from(grad_query);
+  stack[1] = from(grad_key);
+  stack[2] = from(grad_value);
+  ATTNX_CHECK(!grad_attn_mask || grad_attn_mask_out, "attnx::attention_backward: the ",
+              stable::device_name(query.device()), " kernel did not compute attn_mask's gradient");
+  stack[3] = from(grad_attn_mask ? *grad_attn_mask_out : aten::new_empty_output(query));
+  stack[4] = from(options.sinks ? detail::sinks_grad(grad_out, out, lse, *options.sinks)
+                                : aten::new_empty_output(query));
 }
-
-}  // namespace detail
 
 std::array<Tensor, 2> call_attention(const Tensor& query, const Tensor& key, const Tensor& value,
                                      const AttentionOptions& options) {

@@ -61,6 +61,14 @@ struct AttentionProblem {
   std::optional<Tensor> sinks_acc;  // what ptr.sinks points into: sinks as (H,) in the accumulator dtype
   Tensor out;                       // (B, H, L, Dv) in query's dtype, memory order (B, L, H, Dv)
   Tensor lse;                       // (B, H, L), float32 (float64 for float64 inputs), contiguous
+
+  // attention_op's two ends: attnx::attention's stack unboxed and prepared (prepare_attention), and (out,
+  // lse) onto it.
+  static AttentionProblem unbox(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+  void box(StableIValue* stack) const {
+    stack[0] = torch::stable::detail::from(out);
+    stack[1] = torch::stable::detail::from(lse);
+  }
 };
 
 // The argument checks of attnx::attention. Errors read "attnx::attention: expected ..., got ...".
@@ -91,6 +99,11 @@ struct AttentionBackwardProblem {
   Tensor grad_key;                           // (B, Hkv, S, D)
   Tensor grad_value;                         // (B, Hkv, S, Dv)
   std::optional<Tensor> grad_attn_mask_out;  // set by the backend when grad_attn_mask: in attn_mask's shape
+
+  static AttentionBackwardProblem unbox(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+  // (grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks) onto the stack, the sinks' gradient
+  // computed here for every backend, empty tensors for what was not asked for.
+  void box(StableIValue* stack) const;
 };
 
 // attnx::attention's checks on query, key, value and the options (errors name attnx::attention), then
@@ -102,39 +115,46 @@ AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor quer
                                                     bool grad_attn_mask);
 
 // ---------------------------------------------------------------------------------------------------------------
-// The op adapters: each backend registers its run function through them, e.g.
+// The op adapter: each backend registers its run functions through it, e.g.
 //   m.impl("_attention", &attention_op<run_attention_cpu>);
-// and never spells out the argument list.
-
-// Writes pb.out and pb.lse.
-using AttentionRun = void (*)(AttentionProblem&);
-// Writes pb.grad_query, pb.grad_key, pb.grad_value and, when pb.grad_attn_mask, pb.grad_attn_mask_out.
-using AttentionBackwardRun = void (*)(AttentionBackwardProblem&);
+//   m.impl("attention_backward", &attention_op<run_attention_backward_cpu>);
+// and never spells out an argument list. A run function is `void run(Problem&)`; its Problem
+// (AttentionProblem, AttentionBackwardProblem or varlen_attention.h's) unboxes and prepares its op's stack
+// (Problem::unbox) and boxes the outputs the run wrote (Problem::box). A forward run writes pb.out and
+// pb.lse; a backward run pb.grad_query, pb.grad_key, pb.grad_value and, when pb.grad_attn_mask,
+// pb.grad_attn_mask_out.
 
 namespace detail {
-AttentionProblem unbox_attention(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
-AttentionBackwardProblem unbox_attention_backward(StableIValue* stack, uint64_t num_args,
-                                                  uint64_t num_outputs);
-// (grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks) onto the stack, the sinks' gradient
-// computed here for every backend, empty tensors for what was not asked for.
-void box_attention_backward(StableIValue* stack, AttentionBackwardProblem& pb);
+// The Problem of a run function `void run(Problem&)`.
+template <typename Run>
+struct ProblemOf;
+template <typename Problem>
+struct ProblemOf<void (*)(Problem&)> {
+  using type = Problem;
+};
+
+// The stack's argument and output counts checked against an op's C++ side, then its options: the fields of
+// Options, after the op's `tensors` leading tensors (`trailing`: the arguments after the options).
+template <typename Options>
+Options unbox_options(const char* op, const StableIValue* stack, uint64_t num_args, uint64_t num_outputs,
+                      uint64_t tensors, uint64_t trailing, uint64_t outputs) {
+  Options options;
+  const auto fields = Options::fields(options);
+  stable::check_stack(op, num_args, tensors + std::tuple_size_v<decltype(fields)> + trailing, num_outputs,
+                      outputs);
+  stable::unbox(stack + tensors, fields);
+  return options;
+}
 }  // namespace detail
 
-// The boxed kernel of attnx::_attention and attnx::_attention_autograd for a backend.
-template <AttentionRun Run>
+// The boxed kernel of one of the attention ops (attnx::_attention, _attention_autograd, attention_backward,
+// and varlen_attention's) for a backend's run function.
+template <auto Run>
 void attention_op(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  AttentionProblem pb = detail::unbox_attention(stack, num_args, num_outputs);
+  using Problem = typename detail::ProblemOf<decltype(Run)>::type;
+  Problem pb = Problem::unbox(stack, num_args, num_outputs);
   Run(pb);
-  stack[0] = torch::stable::detail::from(pb.out);
-  stack[1] = torch::stable::detail::from(pb.lse);
-}
-
-// The boxed kernel of attnx::attention_backward for a backend.
-template <AttentionBackwardRun Run>
-void attention_backward_op(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  AttentionBackwardProblem pb = detail::unbox_attention_backward(stack, num_args, num_outputs);
-  Run(pb);
-  detail::box_attention_backward(stack, pb);
+  pb.box(stack);
 }
 
 // attnx::_attention through the dispatcher (the kernel of query's device): out and lse.
@@ -169,9 +189,70 @@ Tensor attention_weights_exact(const Tensor& query, const Tensor& key, ScalarTyp
 ScalarType attention_acc_dtype(ScalarType dtype);
 
 // The softmax scale: the caller's, else 1 / sqrt(D) (1 for D == 0, where every score is an empty sum).
-inline double attention_scale(const AttentionOptions& options, int64_t head_dim) {
-  if (options.scale) return *options.scale;
+inline double attention_scale(std::optional<double> scale, int64_t head_dim) {
+  if (scale) return *scale;
   return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
 }
+inline double attention_scale(const AttentionOptions& options, int64_t head_dim) {
+  return attention_scale(options.scale, head_dim);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// What common/varlen_attention.cpp shares with attention's glue: its ops take the same options where they
+// have them and fill the same params. `op` is the op's name that errors start with ("attnx::attention").
+
+namespace detail {
+
+// float32, float64, bfloat16 or float16.
+bool is_attention_dtype(ScalarType t);
+
+// The unevaluated float sum hi + lo closest to `value` (see AttentionParams::scale).
+void split_scale(double value, float* hi, float* lo);
+
+// query of an attention dtype; key and value of its dtype, on its device.
+void check_query_key_value_dtypes_and_devices(const char* op, const Tensor& query, const Tensor& key,
+                                              const Tensor& value);
+// Hkv divides H (H == 0 without key/value heads).
+void check_kv_heads(const char* op, int64_t H, int64_t Hkv);
+void check_window(const char* op, int64_t window_left, int64_t window_right);
+// softcap finite and > 0; sinks of shape (H,), a floating dtype, on query's device.
+void check_softcap_and_sinks(const char* op, const std::optional<double>& softcap,
+                             const std::optional<Tensor>& sinks, int64_t H, const Tensor& query);
+
+// sinks as the kernels read them: (H,) in the accumulator dtype of `dtype`, contiguous. A copy of H values
+// only when they are stored otherwise.
+std::optional<Tensor> sinks_for_kernels(const std::optional<Tensor>& sinks, ScalarType dtype);
+
+// The backward's tensors into the params and pointers: the strides of out, grad_out and the gradients as
+// (B, H, N, E), which `read_strides(tensor, int64_t* strides4)` reads (varlen's rows as one batch per
+// sequence), and where each tensor starts; no mask gradient buffer (a kernel that sums into one sets it).
+// lse's strides are the caller's: its layout differs between the ops.
+template <typename ReadStrides>
+void describe_backward_tensors(AttentionBackwardParams& bp, AttentionBackwardPointers& ptr,
+                               ReadStrides read_strides, const Tensor& grad_out, const Tensor& out,
+                               const Tensor& lse, const Tensor& grad_query, const Tensor& grad_key,
+                               const Tensor& grad_value) {
+  read_strides(out, bp.fwd.out_stride);
+  read_strides(grad_out, bp.grad_out_stride);
+  read_strides(grad_query, bp.grad_query_stride);
+  read_strides(grad_key, bp.grad_key_stride);
+  read_strides(grad_value, bp.grad_value_stride);
+  // The saved out and lse are read here: const, though AttentionPointers names them as the forward writes
+  // them.
+  ptr.fwd.out = const_cast<void*>(out.const_data_ptr());
+  ptr.fwd.lse = const_cast<void*>(lse.const_data_ptr());
+  ptr.grad_out = grad_out.const_data_ptr();
+  ptr.grad_query = grad_query.mutable_data_ptr();
+  ptr.grad_key = grad_key.mutable_data_ptr();
+  ptr.grad_value = grad_value.mutable_data_ptr();
+  ptr.grad_attn_mask = nullptr;
+}
+
+// The gradient of the sinks, -sum over every row of exp(sink_h - lse) * rowsum(dO * O): a sink's probability
+// times the row's delta, in sinks' dtype. `lse_rows` is lse viewed in the shape of rowsum(dO * O) (out's
+// without its last dim), heads along dim 1. O(rows * Dv) work, done in torch's ops for every backend.
+Tensor sinks_grad(const Tensor& grad_out, const Tensor& out, const Tensor& lse_rows, const Tensor& sinks);
+
+}  // namespace detail
 
 }  // namespace attnx

@@ -225,5 +225,5 @@ void run_attention_backward_math(AttentionBackwardProblem& pb) {
 
 // Backends with a fused backward kernel (CPU) register their own, which the dispatcher prefers.
 STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
-  m.impl("attention_backward", &attnx::attention_backward_op<attnx::run_attention_backward_math>);
+  m.impl("attention_backward", &attnx::attention_op<attnx::run_attention_backward_math>);
 }

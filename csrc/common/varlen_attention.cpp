@@ -1,9 +1,9 @@
-// attnx: argument checks, tensors -> AttentionParams (one batch per packed sequence) and the op adapters of
-// attnx::varlen_attention and attnx::varlen_attention_backward (see varlen_attention.h).
+// attnx: argument checks, tensors -> AttentionParams (one batch per packed sequence) and the problems'
+// unboxing and boxing for attnx::varlen_attention and attnx::varlen_attention_backward (see
+// varlen_attention.h). The checks and helpers it shares with attention's glue are common/attention.cpp's.
 #include "common/varlen_attention.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -21,17 +21,9 @@ using stable::Sizes;
 using torch::headeronly::IntHeaderOnlyArrayRef;
 using torch::stable::Device;
 
+using detail::split_scale;
+
 constexpr const char* kOp = "attnx::varlen_attention";
-
-bool is_attention_dtype(ScalarType t) {
-  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::BFloat16 ||
-         t == ScalarType::Half;
-}
-
-void split_scale(double value, float* hi, float* lo) {
-  *hi = static_cast<float>(value);
-  *lo = std::isfinite(*hi) ? static_cast<float>(value - static_cast<double>(*hi)) : 0.0f;
-}
 
 // What the checks read off the offsets on the CPU: the longest sequences, and whether the sequences cover
 // every row of query (key), so that no row is left unwritten.
@@ -87,21 +79,13 @@ SeqStats check_and_describe(const Tensor& query, const Tensor& key, const Tensor
               "-D tensor of shape ", Sizes{key.sizes()});
   ATTNX_CHECK(value.dim() == kv_dims, kOp, ": expected value of shape ", v_shape, ", got a ", value.dim(),
               "-D tensor of shape ", Sizes{value.sizes()});
-  ATTNX_CHECK(is_attention_dtype(query.scalar_type()), kOp,
-              ": expected query of dtype float32, float64, bfloat16 or float16, got ", query.scalar_type());
-  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{key, "key"}, {value, "value"}}) {
-    ATTNX_CHECK(t.scalar_type() == query.scalar_type(), kOp, ": expected ", name, " of query's dtype ",
-                query.scalar_type(), ", got ", t.scalar_type());
-    ATTNX_CHECK(t.device() == query.device(), kOp, ": expected ", name, " on query's device ",
-                device_name(query.device()), ", got ", device_name(t.device()));
-  }
+  detail::check_query_key_value_dtypes_and_devices(kOp, query, key, value);
   const int64_t total_q = query.size(0), H = query.size(1), D = query.size(2);
   const int h_dim = paged ? 2 : 1;
   const int64_t Hkv = key.size(h_dim), Dv = value.size(kv_dims - 1);
   ATTNX_CHECK(key.size(kv_dims - 1) == D, kOp, ": expected key's last dim to be query's D = ", D, ", got ",
               Sizes{key.sizes()});
-  ATTNX_CHECK(Hkv > 0 ? H % Hkv == 0 : H == 0, kOp, ": expected the number of key/value heads (Hkv = ", Hkv,
-              ") to divide the number of query heads (H = ", H, ")");
+  detail::check_kv_heads(kOp, H, Hkv);
   for (int d = 0; d < kv_dims - 1; ++d) {
     ATTNX_CHECK(value.size(d) == key.size(d), kOp, ": expected value of shape ", v_shape,
                 " to match key's leading dims ", Sizes{key.sizes()}, ", got ", Sizes{value.sizes()});
@@ -114,9 +98,7 @@ SeqStats check_and_describe(const Tensor& query, const Tensor& key, const Tensor
   ATTNX_CHECK(o.max_seqlen_q >= 0 && o.max_seqlen_k >= 0, kOp,
               ": expected max_seqlen_q and max_seqlen_k >= 0, got (", o.max_seqlen_q, ", ", o.max_seqlen_k,
               ")");
-  ATTNX_CHECK(o.window_left >= -1 && o.window_right >= -1, kOp,
-              ": expected window_left and window_right >= -1 (-1 = unbounded), got (", o.window_left, ", ",
-              o.window_right, ")");
+  detail::check_window(kOp, o.window_left, o.window_right);
   if (o.seqused_k) check_int32_vector(*o.seqused_k, "seqused_k", N, query, false);
   int64_t page_size = 0, pages = 0, pages_per_seq = 0;
   if (paged) {
@@ -132,20 +114,7 @@ SeqStats check_and_describe(const Tensor& query, const Tensor& key, const Tensor
     pages_per_seq = t.size(1);
     ATTNX_CHECK(page_size > 0, kOp, ": expected a page size > 0, got key of shape ", Sizes{key.sizes()});
   }
-  if (o.softcap) {
-    ATTNX_CHECK(std::isfinite(*o.softcap) && *o.softcap > 0.0, kOp,
-                ": expected softcap to be a finite number > 0 (None: no soft-capping), got ", *o.softcap);
-  }
-  if (o.sinks) {
-    const Tensor& t = *o.sinks;
-    ATTNX_CHECK(is_attention_dtype(t.scalar_type()), kOp,
-                ": expected sinks of a floating dtype (float16, bfloat16, float32 or float64), got ",
-                t.scalar_type());
-    ATTNX_CHECK(t.dim() == 1 && t.size(0) == H, kOp, ": expected sinks of shape (H,) = (", H, ",), got ",
-                Sizes{t.sizes()});
-    ATTNX_CHECK(t.device() == query.device(), kOp, ": expected sinks on query's device ",
-                device_name(query.device()), ", got ", device_name(t.device()));
-  }
+  detail::check_softcap_and_sinks(kOp, o.softcap, o.sinks, H, query);
 
   // The values, where reading them needs no device sync. Elsewhere the longest sequences are taken from
   // max_seqlen_q / max_seqlen_k.
@@ -212,8 +181,7 @@ SeqStats check_and_describe(const Tensor& query, const Tensor& key, const Tensor
   ptr.value = value.const_data_ptr();
   ptr.cu_seqlens_q = cu_q.const_data_ptr();
   ptr.cu_seqlens_k = cu_k.const_data_ptr();
-  split_scale(o.scale ? *o.scale : (D > 0 ? 1.0 / std::sqrt(static_cast<double>(D)) : 1.0), &p.scale,
-              &p.scale_lo);
+  split_scale(attention_scale(o.scale, D), &p.scale, &p.scale_lo);
   // Bottom-right causal is the window's right side at the diagonal (FlashAttention's rule).
   p.window_left = o.window_left;
   p.window_right = o.is_causal ? 0 : o.window_right;
@@ -225,15 +193,6 @@ SeqStats check_and_describe(const Tensor& query, const Tensor& key, const Tensor
   p.has_sinks = o.sinks ? 1 : 0;
   if (o.softcap) split_scale(*o.softcap, &p.softcap, &p.softcap_lo);
   return stats;
-}
-
-std::optional<Tensor> sinks_for_kernels(const std::optional<Tensor>& sinks, ScalarType dtype) {
-  if (!sinks) return std::nullopt;
-  const ScalarType acc = attention_acc_dtype(dtype);
-  if (sinks->scalar_type() == acc && sinks->stride(0) == 1) return sinks;
-  const Tensor converted = aten::empty(sinks->sizes(), acc, sinks->device());
-  aten::copy_(converted, *sinks);
-  return converted;
 }
 
 void copy_strides3(const Tensor& t, int64_t* out4) {
@@ -258,7 +217,7 @@ VarlenAttentionProblem prepare_varlen_attention(Tensor query, Tensor key, Tensor
   AttentionPointers ptr{};
   const SeqStats stats = check_and_describe(query, key, value, cu_seqlens_q, cu_seqlens_k, options, p, ptr);
   const ScalarType dtype = query.scalar_type();
-  std::optional<Tensor> sinks_acc = sinks_for_kernels(options.sinks, dtype);
+  std::optional<Tensor> sinks_acc = detail::sinks_for_kernels(options.sinks, dtype);
   ptr.sinks = sinks_acc ? sinks_acc->const_data_ptr() : nullptr;
   const int64_t total_q = query.size(0);
   // Rows outside every sequence: out 0 and lse +inf, as a row that sees no key.
@@ -311,26 +270,16 @@ VarlenAttentionBackwardProblem prepare_varlen_attention_backward(Tensor grad_out
   ATTNX_CHECK(lse.sizes().equals(lse_shape) && lse.scalar_type() == acc && lse.device() == query.device(),
               "attnx::varlen_attention_backward: expected lse of shape (H, total_q) = ", Sizes{lse_shape},
               " and dtype ", acc, ", got ", Sizes{lse.sizes()}, " ", lse.scalar_type());
-  std::optional<Tensor> sinks_acc = sinks_for_kernels(options.sinks, dtype);
+  std::optional<Tensor> sinks_acc = detail::sinks_for_kernels(options.sinks, dtype);
   ptr.fwd.sinks = sinks_acc ? sinks_acc->const_data_ptr() : nullptr;
   Tensor grad_query = new_rows(query, total_q, H, D, stats.q_covered);
   Tensor grad_key = new_rows(query, total_k, Hkv, D, stats.k_covered);
   Tensor grad_value = new_rows(query, total_k, Hkv, Dv, stats.k_covered);
-  copy_strides3(out, bp.fwd.out_stride);
   bp.fwd.lse_stride[0] = 0;
   bp.fwd.lse_stride[1] = lse.stride(0);
   bp.fwd.lse_stride[2] = lse.stride(1);
-  copy_strides3(grad_out, bp.grad_out_stride);
-  copy_strides3(grad_query, bp.grad_query_stride);
-  copy_strides3(grad_key, bp.grad_key_stride);
-  copy_strides3(grad_value, bp.grad_value_stride);
-  ptr.fwd.out = const_cast<void*>(out.const_data_ptr());
-  ptr.fwd.lse = const_cast<void*>(lse.const_data_ptr());
-  ptr.grad_out = grad_out.const_data_ptr();
-  ptr.grad_query = grad_query.mutable_data_ptr();
-  ptr.grad_key = grad_key.mutable_data_ptr();
-  ptr.grad_value = grad_value.mutable_data_ptr();
-  ptr.grad_attn_mask = nullptr;
+  detail::describe_backward_tensors(bp, ptr, copy_strides3, grad_out, out, lse, grad_query, grad_key,
+                                    grad_value);
   return VarlenAttentionBackwardProblem{std::move(grad_out),
                                         std::move(query),
                                         std::move(key),
@@ -349,55 +298,39 @@ VarlenAttentionBackwardProblem prepare_varlen_attention_backward(Tensor grad_out
                                         std::move(grad_value)};
 }
 
-namespace detail {
-
-VarlenAttentionProblem unbox_varlen_attention(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+VarlenAttentionProblem VarlenAttentionProblem::unbox(StableIValue* stack, uint64_t num_args,
+                                                     uint64_t num_outputs) {
   using torch::stable::detail::to;
-  VarlenAttentionOptions options;
-  const auto fields = VarlenAttentionOptions::fields(options);
-  stable::check_stack(kOp, num_args, 5 + std::tuple_size_v<decltype(fields)>, num_outputs, 2);
-  stable::unbox(stack + 5, fields);
+  VarlenAttentionOptions options = detail::unbox_options<VarlenAttentionOptions>(
+      kOp, stack, num_args, num_outputs, /*tensors=*/5, /*trailing=*/0, /*outputs=*/2);
   return prepare_varlen_attention(to<Tensor>(stack[0]), to<Tensor>(stack[1]), to<Tensor>(stack[2]),
                                   to<Tensor>(stack[3]), to<Tensor>(stack[4]), std::move(options));
 }
 
-VarlenAttentionBackwardProblem unbox_varlen_attention_backward(StableIValue* stack, uint64_t num_args,
-                                                               uint64_t num_outputs) {
+VarlenAttentionBackwardProblem VarlenAttentionBackwardProblem::unbox(StableIValue* stack, uint64_t num_args,
+                                                                     uint64_t num_outputs) {
   using torch::stable::detail::to;
-  VarlenAttentionOptions options;
-  const auto fields = VarlenAttentionOptions::fields(options);
-  stable::check_stack("attnx::varlen_attention_backward", num_args, 8 + std::tuple_size_v<decltype(fields)>,
-                      num_outputs, 4);
-  stable::unbox(stack + 8, fields);
+  VarlenAttentionOptions options = detail::unbox_options<VarlenAttentionOptions>(
+      "attnx::varlen_attention_backward", stack, num_args, num_outputs, /*tensors=*/8, /*trailing=*/0,
+      /*outputs=*/4);
   return prepare_varlen_attention_backward(to<Tensor>(stack[0]), to<Tensor>(stack[1]), to<Tensor>(stack[2]),
                                            to<Tensor>(stack[3]), to<Tensor>(stack[4]), to<Tensor>(stack[5]),
                                            to<Tensor>(stack[6]), to<Tensor>(stack[7]), std::move(options));
 }
 
-// The sinks' gradient, -sum over rows of exp(sink_h - lse) * rowsum(dO * O), in sinks' dtype (as attention's;
-// lse is (H, total_q) here, read transposed).
-void box_varlen_attention_backward(StableIValue* stack, VarlenAttentionBackwardProblem& pb) {
+void VarlenAttentionBackwardProblem::box(StableIValue* stack) const {
   using torch::stable::detail::from;
-  stack[0] = from(pb.grad_query);
-  stack[1] = from(pb.grad_key);
-  stack[2] = from(pb.grad_value);
-  const std::optional<Tensor>& sinks = pb.options.sinks;
-  if (!sinks) {
-    stack[3] = from(aten::new_empty_output(pb.query));
+  stack[0] = from(grad_query);
+  stack[1] = from(grad_key);
+  stack[2] = from(grad_value);
+  if (!options.sinks) {
+    stack[3] = from(aten::new_empty_output(query));
     return;
   }
-  const ScalarType acc = pb.lse.scalar_type();
-  const Tensor delta =
-      aten::sum(aten::mul(aten::to(pb.grad_out, acc), aten::to(pb.out, acc)), {-1});  // (T, H)
-  const Tensor s = aten::to(*sinks, acc);
-  const int64_t T = pb.lse.size(1), H = pb.lse.size(0);
-  const int64_t lse_sizes[2] = {T, H}, lse_strides[2] = {pb.lse.stride(1), pb.lse.stride(0)};
-  const int64_t s_sizes[2] = {1, H}, s_strides[2] = {0, s.stride(0)};
-  const Tensor p_sink = aten::exp(aten::sub(views::reinterpret(s, s_sizes, s_strides),
-                                            views::reinterpret(pb.lse, lse_sizes, lse_strides)));
-  stack[3] = from(aten::to(aten::neg(aten::sum(aten::mul(p_sink, delta), {0})), sinks->scalar_type()));
+  // lse (H, total_q) read transposed, in the shape of the rows' deltas (total_q, H).
+  const int64_t lse_sizes[2] = {lse.size(1), lse.size(0)}, lse_strides[2] = {lse.stride(1), lse.stride(0)};
+  stack[3] = from(
+      detail::sinks_grad(grad_out, out, views::reinterpret(lse, lse_sizes, lse_strides), *options.sinks));
 }
-
-}  // namespace detail
 
 }  // namespace attnx

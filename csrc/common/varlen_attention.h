@@ -50,6 +50,13 @@ struct VarlenAttentionProblem {
   std::optional<Tensor> sinks_acc;
   Tensor out;  // (total_q, H, Dv), contiguous
   Tensor lse;  // (H, total_q), float32 (float64 for float64 inputs), contiguous
+
+  // attention_op's two ends, as AttentionProblem's.
+  static VarlenAttentionProblem unbox(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+  void box(StableIValue* stack) const {
+    stack[0] = torch::stable::detail::from(out);
+    stack[1] = torch::stable::detail::from(lse);
+  }
 };
 
 // The backward's problem (no block table: paged caches are inference only).
@@ -63,6 +70,11 @@ struct VarlenAttentionBackwardProblem {
   Tensor grad_query;  // (total_q, H, D)
   Tensor grad_key;    // (total_k, Hkv, D)
   Tensor grad_value;  // (total_k, Hkv, Dv)
+
+  static VarlenAttentionBackwardProblem unbox(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+  // (grad_query, grad_key, grad_value, grad_sinks) onto the stack; grad_sinks computed here, empty without
+  // sinks.
+  void box(StableIValue* stack) const;
 };
 
 // Checks the arguments (errors "attnx::varlen_attention: expected ..., got ..."; cu_seqlens, seqused_k and
@@ -75,34 +87,5 @@ VarlenAttentionBackwardProblem prepare_varlen_attention_backward(Tensor grad_out
                                                                  Tensor value, Tensor out, Tensor lse,
                                                                  Tensor cu_seqlens_q, Tensor cu_seqlens_k,
                                                                  VarlenAttentionOptions options);
-
-using VarlenAttentionRun = void (*)(VarlenAttentionProblem&);
-using VarlenAttentionBackwardRun = void (*)(VarlenAttentionBackwardProblem&);
-
-namespace detail {
-VarlenAttentionProblem unbox_varlen_attention(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
-VarlenAttentionBackwardProblem unbox_varlen_attention_backward(StableIValue* stack, uint64_t num_args,
-                                                               uint64_t num_outputs);
-// (grad_query, grad_key, grad_value, grad_sinks) onto the stack; grad_sinks computed here, empty without
-// sinks.
-void box_varlen_attention_backward(StableIValue* stack, VarlenAttentionBackwardProblem& pb);
-}  // namespace detail
-
-// The boxed kernels of attnx::_varlen_attention / _varlen_attention_autograd and of
-// attnx::varlen_attention_backward for a backend.
-template <VarlenAttentionRun Run>
-void varlen_attention_op(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  VarlenAttentionProblem pb = detail::unbox_varlen_attention(stack, num_args, num_outputs);
-  Run(pb);
-  stack[0] = torch::stable::detail::from(pb.out);
-  stack[1] = torch::stable::detail::from(pb.lse);
-}
-
-template <VarlenAttentionBackwardRun Run>
-void varlen_attention_backward_op(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  VarlenAttentionBackwardProblem pb = detail::unbox_varlen_attention_backward(stack, num_args, num_outputs);
-  Run(pb);
-  detail::box_varlen_attention_backward(stack, pb);
-}
 
 }  // namespace attnx

@@ -29,5 +29,5 @@ void run_attention_backward_cpu(AttentionBackwardProblem& pb) {
 }  // namespace attnx
 
 STABLE_TORCH_LIBRARY_IMPL(attnx, CPU, m) {
-  m.impl("attention_backward", &attnx::attention_backward_op<attnx::run_attention_backward_cpu>);
+  m.impl("attention_backward", &attnx::attention_op<attnx::run_attention_backward_cpu>);
 }

@@ -24,8 +24,7 @@ void run_varlen_attention_backward_cpu(VarlenAttentionBackwardProblem& pb) {
 }  // namespace attnx
 
 STABLE_TORCH_LIBRARY_IMPL(attnx, CPU, m) {
-  m.impl("_varlen_attention", &attnx::varlen_attention_op<attnx::run_varlen_attention_cpu>);
-  m.impl("_varlen_attention_autograd", &attnx::varlen_attention_op<attnx::run_varlen_attention_cpu>);
-  m.impl("varlen_attention_backward",
-         &attnx::varlen_attention_backward_op<attnx::run_varlen_attention_backward_cpu>);
+  m.impl("_varlen_attention", &attnx::attention_op<attnx::run_varlen_attention_cpu>);
+  m.impl("_varlen_attention_autograd", &attnx::attention_op<attnx::run_varlen_attention_cpu>);
+  m.impl("varlen_attention_backward", &attnx::attention_op<attnx::run_varlen_attention_backward_cpu>);
 }

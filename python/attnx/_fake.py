@@ -189,6 +189,40 @@ def _check_dropout_args(dropout_p: float, dropout_seed: Tensor | None) -> None:
         )
 
 
+def _check_query_key_value_dtypes(
+    op: str, query: Tensor, key: Tensor, value: Tensor, *, devices: bool
+) -> None:
+    """query of an attention dtype, key and value of its dtype and (with ``devices``) on its device: the
+    checks of ``check_query_key_value_dtypes_and_devices`` in csrc/common/attention.cpp, in its order; ``op``
+    starts the errors. varlen's fake passes ``devices=False``: it leaves the devices to the kernel."""
+    torch._check(
+        query.dtype in _ATTENTION_DTYPES,
+        lambda: f"{op}: expected query of dtype float32, float64, bfloat16 or float16, got "
+        f"{scalar_name(query.dtype)}",
+    )
+    for t, name in ((key, "key"), (value, "value")):
+        torch._check(
+            t.dtype == query.dtype,
+            lambda t=t, name=name: f"{op}: expected {name} of query's dtype {scalar_name(query.dtype)}, got "
+            f"{scalar_name(t.dtype)}",
+        )
+        if devices:
+            torch._check(
+                t.device == query.device,
+                lambda t=t, name=name: f"{op}: expected {name} on query's device {query.device}, "
+                f"got {t.device}",
+            )
+
+
+def _check_kv_heads(op: str, H: int, Hkv: int) -> None:
+    """Hkv divides H (H == 0 without key/value heads), as ``check_kv_heads`` in csrc/common/attention.cpp."""
+    torch._check(
+        H % Hkv == 0 if Hkv > 0 else H == 0,
+        lambda: f"{op}: expected the number of key/value heads (Hkv = {Hkv}) to divide the number of query "
+        f"heads (H = {H})",
+    )
+
+
 def _check_attention_args(a: AttentionArgs | AttentionBackwardArgs) -> None:
     """The checks of ``check_attention_args`` in csrc/common/attention.cpp, for fake tensors (key_lengths'
     values are not checked here: they are data). ``a``: attention's arguments by name."""
@@ -200,22 +234,7 @@ def _check_attention_args(a: AttentionArgs | AttentionBackwardArgs) -> None:
             lambda t=t, name=name, shape=shape: f"attnx::attention: expected {name} of shape {shape}, "
             f"got a {t.dim()}-D tensor of shape {list(t.shape)}",
         )
-    torch._check(
-        query.dtype in _ATTENTION_DTYPES,
-        lambda: "attnx::attention: expected query of dtype float32, float64, bfloat16 or float16, "
-        f"got {scalar_name(query.dtype)}",
-    )
-    for t, name in ((key, "key"), (value, "value")):
-        torch._check(
-            t.dtype == query.dtype,
-            lambda t=t, name=name: f"attnx::attention: expected {name} of query's dtype "
-            f"{scalar_name(query.dtype)}, got {scalar_name(t.dtype)}",
-        )
-        torch._check(
-            t.device == query.device,
-            lambda t=t, name=name: f"attnx::attention: expected {name} on query's device {query.device}, "
-            f"got {t.device}",
-        )
+    _check_query_key_value_dtypes("attnx::attention", query, key, value, devices=True)
     B, H, L, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     torch._check(
@@ -223,11 +242,7 @@ def _check_attention_args(a: AttentionArgs | AttentionBackwardArgs) -> None:
         lambda: f"attnx::attention: expected key of shape (B, Hkv, S, D) = ({B}, Hkv, S, {D}) to match "
         f"query's B and D, got {list(key.shape)}",
     )
-    torch._check(
-        H % Hkv == 0 if Hkv > 0 else H == 0,
-        lambda: f"attnx::attention: expected the number of key/value heads (Hkv = {Hkv}) to divide the "
-        f"number of query heads (H = {H})",
-    )
+    _check_kv_heads("attnx::attention", H, Hkv)
     torch._check(
         value.shape[0] == B and value.shape[1] == Hkv and value.shape[2] == S,
         lambda: f"attnx::attention: expected value of shape (B, Hkv, S, Dv) = ({B}, {Hkv}, {S}, Dv) to match "
@@ -388,23 +403,9 @@ def _check_varlen_args(a: VarlenAttentionArgs | VarlenAttentionBackwardArgs) -> 
             lambda t=t, name=name, shape=shape: f"{op}: expected {name} of shape {shape}, got a {t.dim()}-D "
             f"tensor of shape {list(t.shape)}",
         )
-    torch._check(
-        query.dtype in _ATTENTION_DTYPES,
-        lambda: f"{op}: expected query of dtype float32, float64, bfloat16 or float16, got "
-        f"{scalar_name(query.dtype)}",
-    )
-    for t, name in ((key, "key"), (value, "value")):
-        torch._check(
-            t.dtype == query.dtype,
-            lambda t=t, name=name: f"{op}: expected {name} of query's dtype {scalar_name(query.dtype)}, got "
-            f"{scalar_name(t.dtype)}",
-        )
+    _check_query_key_value_dtypes(op, query, key, value, devices=False)
     H, Hkv = query.shape[1], key.shape[kv_dims - 2]
-    torch._check(
-        H % Hkv == 0 if Hkv > 0 else H == 0,
-        lambda: f"{op}: expected the number of key/value heads (Hkv = {Hkv}) to divide the number of query "
-        f"heads (H = {H})",
-    )
+    _check_kv_heads(op, H, Hkv)
     for t, name in ((a.cu_seqlens_q, "cu_seqlens_q"), (a.cu_seqlens_k, "cu_seqlens_k")):
         torch._check(
             t.dtype == torch.int32,
