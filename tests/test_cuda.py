@@ -622,6 +622,39 @@ def test_forward_does_not_synchronize(device, case):
     torch.cuda.synchronize()
 
 
+def test_backward_does_not_synchronize_and_is_captured(device):
+    # The backward's math fallback builds its key ranges (window, causal, key lengths) on the device
+    # (common/key_range_mask.h): no host-built (L, S) grid copied over, so no sync, and a CUDA graph captures
+    # it; every replay recomputes the gradients of what the inputs hold then.
+    B, H, L, S, D = 2, 4, 60, 90, 64
+    q, k, v = gqa(device, B, H, 2, L, S, D, D, dtype=torch.float32, layout="blhd")
+    kwargs = {"attn_mask": torch.randn(L, S, device=device), "is_causal": True,
+              "key_padding_mask": torch.rand(B, S, device=device) < 0.2,
+              **_features(device, B, H, S, torch.float32)}
+    out, lse = attnx.attention(q, k, v, **kwargs)
+    grad_out = torch.randn_like(out)
+    args = [grad_out, q, k, v, out, lse]
+
+    def backward(grad_out, q, k, v, out, lse):
+        return attnx.attention_backward(grad_out, q, k, v, out, lse, **kwargs)[:3]
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backward(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static = [t.clone() for t in args]
+    graph, grads = _capture(backward, *static)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        static[0].copy_(torch.randn_like(grad_out))
+        graph.replay()
+        want = backward(*static)
+        for got, expected in zip(grads, want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_dropout_seed_is_drawn_without_synchronizing(device):
     # A training step's forward with dropout and no dropout_seed draws one: ops.draw_dropout_seed draws it
     # from the CPU generator, so nothing waits for the device.

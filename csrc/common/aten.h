@@ -9,7 +9,7 @@
 // becomes float64). clamp, clamp_min and clamp_max refuse a CPU bound beside a CUDA tensor (seen on torch
 // 2.11): their bounds are 0-dim tensors on the tensor's device (full), and clamp is the one wrapped. add and
 // sub take alpha as a Scalar: they go through the shim's subtract, whose alpha is a double. And arange takes
-// Scalars only, so position ranges are built otherwise (attention_math.cpp, cuda/attention_composite.h).
+// Scalars only, so position ranges are built otherwise (common/key_range_mask.h).
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>

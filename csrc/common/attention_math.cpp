@@ -16,6 +16,7 @@
 
 #include "common/aten.h"
 #include "common/attention.h"
+#include "common/key_range_mask.h"
 #include "common/stable.h"
 #include "common/views.h"
 
@@ -23,7 +24,6 @@ namespace attnx {
 
 namespace {
 
-using torch::headeronly::IntHeaderOnlyArrayRef;
 using torch::stable::Device;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -35,23 +35,6 @@ Tensor matmul4(const Tensor& a, const Tensor& b) {
   const int64_t B = a.size(0), N = a.size(1), n = a.size(2), m = a.size(3), p = b.size(3);
   const int64_t a3[3] = {B * N, n, m}, b3[3] = {B * N, m, p}, out[4] = {B, N, n, p};
   return views::view(aten::bmm(views::reshape(a, a3), views::reshape(b, b3)), out);
-}
-
-// A (1, 1, rows, cols) tensor on `device` with value(r, c) at (r, c), in int64 or bool: what arange and
-// broadcasting build, made on the host (arange takes Scalars) and copied over once.
-template <typename T, typename F>
-Tensor grid(int64_t rows, int64_t cols, const Device& device, F value) {
-  const ScalarType dtype = std::is_same_v<T, bool> ? ScalarType::Bool : ScalarType::Long;
-  const int64_t sizes[4] = {1, 1, rows, cols};
-  const Tensor host = aten::empty(sizes, dtype, Device(torch::headeronly::DeviceType::CPU));
-  T* data = static_cast<T*>(host.data_ptr());
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) data[r * cols + c] = value(r, c);
-  }
-  if (device.type() == torch::headeronly::DeviceType::CPU) return host;
-  const Tensor on_device = aten::empty(sizes, dtype, device);
-  aten::copy_(on_device, host);
-  return on_device;
 }
 
 // key_lengths as a (B, 1, 1, 1) int64 tensor.
@@ -76,50 +59,12 @@ Tensor ungroup_rows(const Tensor& t, int64_t heads) {
   return views::reshape(t, sizes);
 }
 
-// The bool tensor of the keys each row sees at all (attnx/key_range.h), broadcastable to (B, 1, L, S), or
-// nothing when every key is seen. With d = s - l + L (a key's place past the row's diagonal for a full
-// sequence), row l sees key s when s < len, d + window_left >= len, d - window_right <= len and, causal,
-// s <= l.
-std::optional<Tensor> key_range_mask(int64_t L, int64_t S, const AttentionOptions& o, const Device& device) {
-  const int64_t window_left = o.window_left, window_right = o.window_right;
-  const bool is_causal = o.is_causal;
-  if (!is_causal && window_left < 0 && window_right < 0 && !o.key_lengths) return std::nullopt;
-  if (!o.key_lengths) {
-    // Every batch has S keys: one (L, S) pattern, built on the host.
-    return grid<bool>(L, S, device, [&](int64_t l, int64_t s) {
-      const int64_t d = s - l + L;
-      return (window_left < 0 || d + window_left >= S) && (window_right < 0 || d - window_right <= S) &&
-             (!is_causal || s <= l);
-    });
-  }
-  const IntHeaderOnlyArrayRef no_dims;  // 0-dim bounds
-  const Tensor lengths =
-      aten::clamp(lengths_4d(*o.key_lengths), aten::full(no_dims, 0.0, ScalarType::Long, device),
-                  aten::full(no_dims, static_cast<double>(S), ScalarType::Long, device));
-  const Tensor col = grid<int64_t>(1, S, device, [](int64_t, int64_t s) { return s; });
-  Tensor seen = aten::lt(col, lengths);
-  if (window_left >= 0) {
-    const Tensor first =
-        grid<int64_t>(L, S, device, [&](int64_t l, int64_t s) { return s - l + L + window_left; });
-    seen = aten::logical_and(seen, aten::ge(first, lengths));
-  }
-  if (window_right >= 0) {
-    const Tensor last =
-        grid<int64_t>(L, S, device, [&](int64_t l, int64_t s) { return s - l + L - window_right; });
-    seen = aten::logical_and(seen, aten::le(last, lengths));
-  }
-  if (is_causal) {
-    seen = aten::logical_and(seen, grid<bool>(L, S, device, [](int64_t l, int64_t s) { return s <= l; }));
-  }
-  return seen;
-}
-
 // key (or value) with the rows at or past each batch's key length zeroed: those keys are never read (a
 // static cache's unfilled slots may hold NaN, which 0 * NaN would carry into the products). A copy, only with
 // key_lengths.
 Tensor valid_keys(const Tensor& t, const std::optional<Tensor>& key_lengths) {
   if (!key_lengths) return t;
-  const Tensor row = grid<int64_t>(t.size(2), 1, t.device(), [](int64_t s, int64_t) { return s; });
+  const Tensor row = views::view(positions(0, t.size(2), t.device()), {1, 1, t.size(2), 1});
   return aten::masked_fill(t, aten::ge(row, lengths_4d(*key_lengths)), 0.0);
 }
 
@@ -158,7 +103,8 @@ Tensor add_masks(Tensor scores, const AttentionOptions& o) {
     const int64_t sizes[4] = {B, 1, 1, S};
     add_mask(views::reshape(*o.key_padding_mask, sizes));
   }
-  if (const std::optional<Tensor> seen = key_range_mask(L, S, o, scores.device())) {
+  if (const std::optional<Tensor> seen = key_range_mask(B, L, S, o.is_causal, o.window_left, o.window_right,
+                                                        o.key_lengths, 0, L, scores.device())) {
     aten::masked_fill_(scores, aten::logical_not(*seen), -kInf);
   }
   return scores;

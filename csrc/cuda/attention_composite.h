@@ -3,8 +3,7 @@
 //
 // Device-agnostic on purpose: cuda/attention.cpp runs it on CUDA tensors, and the same code runs on CPU
 // tensors, so that it can be checked against the float64 reference without a GPU. Sums and differences are
-// out of place (aten::add / aten::sub, see aten.h), and positions are a cumulative sum in float64 (arange
-// takes only Scalars), which holds every position here exactly.
+// out of place (aten::add / aten::sub, see aten.h); the key ranges come from common/key_range_mask.h.
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
@@ -18,6 +17,7 @@
 
 #include "common/aten.h"
 #include "common/attention.h"
+#include "common/key_range_mask.h"
 #include "common/views.h"
 
 namespace attnx::cuda {
@@ -29,15 +29,6 @@ namespace composite {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-// (n,) float64 on `device`: first, first + 1, ..., first + n - 1 (arange's values), as the cumulative sum of
-// [first, 1, 1, ...]. Exact while the values stay below 2^53 in magnitude, which key_range_seen ensures.
-inline Tensor positions(int64_t first, int64_t n, const torch::stable::Device& device) {
-  const Tensor steps = aten::empty({n}, ScalarType::Double, device);
-  aten::fill_(steps, 1.0);
-  if (n > 0) aten::fill_(views::narrow(steps, 0, 0, 1), static_cast<double>(first));
-  return aten::cumsum(steps, 0);
-}
-
 // A mask as the additive term it stands for, in the accumulator dtype: bool true = -inf, a float as it is.
 inline Tensor additive(const Tensor& mask, ScalarType acc) {
   if (mask.scalar_type() == ScalarType::Bool) {
@@ -47,53 +38,6 @@ inline Tensor additive(const Tensor& mask, ScalarType acc) {
     return zeros;
   }
   return aten::to(mask, acc);
-}
-
-// The bool (B, 1, rows, S) tensor of the keys that query rows l0 .. l0 + rows - 1 see at all
-// (attnx/key_range.h, per-batch key lengths clamped into [0, S]), or nothing when they see every key.
-//
-// Row l sees key s when s < len_b, s >= l + len_b - L - window_left, s <= l + len_b - L + window_right and,
-// under is_causal, s <= l. The window tests are made on s - len_b (one (B, 1, 1, S) tensor) against
-// l - L - window_left and l - L + window_right (one (1, 1, rows, 1) tensor each). A window that reaches past
-// every key is the same as no window: window_left >= S and window_right >= L + S pass every key, so they are
-// capped there, which keeps every value small enough for float64 to hold exactly (and the host arithmetic
-// from overflowing).
-inline std::optional<Tensor> key_range_seen(const AttentionParams& p,
-                                            const std::optional<Tensor>& key_lengths, int64_t l0,
-                                            int64_t rows, const torch::stable::Device& device) {
-  const int64_t B = p.batch, L = p.q_len, S = p.kv_len;
-  if (!p.is_causal && p.window_left < 0 && p.window_right < 0 && !key_lengths) return std::nullopt;
-  Tensor lengths = aten::empty({B}, ScalarType::Double, device);
-  if (key_lengths) {
-    aten::copy_(lengths, *key_lengths);
-    const torch::headeronly::IntHeaderOnlyArrayRef
-        no_dims;  // 0-dim bounds on the device (aten.h: no CPU scalar for clamp)
-    lengths = aten::clamp(lengths, aten::full(no_dims, 0.0, ScalarType::Double, device),
-                          aten::full(no_dims, static_cast<double>(S), ScalarType::Double, device));
-  } else {
-    aten::fill_(lengths, static_cast<double>(S));
-  }
-  lengths = views::view(lengths, {B, 1, 1, 1});
-  const Tensor col = views::view(positions(0, S, device), {1, 1, 1, S});
-  Tensor seen = aten::lt(col, lengths);  // (B, 1, 1, S)
-  if (p.window_left >= 0 || p.window_right >= 0) {
-    const Tensor from_end = aten::sub(col, lengths);  // s - len_b, (B, 1, 1, S)
-    if (p.window_left >= 0) {
-      const int64_t window_left = std::min(p.window_left, S);
-      const Tensor first = views::view(positions(l0 - L - window_left, rows, device), {1, 1, rows, 1});
-      seen = aten::logical_and(seen, aten::ge(from_end, first));
-    }
-    if (p.window_right >= 0) {
-      const int64_t window_right = std::min(p.window_right, L + S);
-      const Tensor last = views::view(positions(l0 - L + window_right, rows, device), {1, 1, rows, 1});
-      seen = aten::logical_and(seen, aten::le(from_end, last));
-    }
-  }
-  if (p.is_causal) {
-    const Tensor row = views::view(positions(l0, rows, device), {1, 1, rows, 1});
-    seen = aten::logical_and(seen, aten::le(col, row));
-  }
-  return seen;
 }
 
 }  // namespace composite
@@ -161,7 +105,8 @@ inline void attention_composite(AttentionProblem& pb) {
       if (padding) bias = aten::add(bias, *padding);
       scores = aten::add(scores, bias);
     }
-    if (const std::optional<Tensor> seen = key_range_seen(p, o.key_lengths, l0, n, device)) {
+    if (const std::optional<Tensor> seen = key_range_mask(B, L, S, p.is_causal, p.window_left, p.window_right,
+                                                          o.key_lengths, l0, n, device)) {
       aten::masked_fill_(scores, aten::logical_not(*seen), -INFINITY);
     }
     // -inf for a row that sees no key
