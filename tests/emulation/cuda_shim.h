@@ -149,73 +149,66 @@ inline float to_float16_value(uint16_t bits) {
   }
 }
 
+// D = A B + C for one mma over every lane's fragments: each lane publishes its registers, `unpack(f, g, t, A,
+// B)` places the A (16 x K) and B (K x 8) elements of a lane's registers f, and each lane computes its own
+// four elements of D, whose layout (and C's) every m16n8 shape shares: d[0], d[1] = D[g][2t, 2t+1], d[2],
+// d[3] = D[g+8][2t, 2t+1].
+struct MmaFragments {
+  uint32_t a[4];
+  uint32_t b[2];
+  float c[4];
+};
+
+template <int K, typename Unpack>
+inline void mma_m16n8(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], Unpack unpack) {
+  const MmaFragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {d[0], d[1], d[2], d[3]}};
+  const auto slots = publish(mine);
+  float A[16][K], B[K][8], C[16][8];
+  for (int lane = 0; lane < kWarpSize; ++lane) {
+    const MmaFragments f = read_slot<MmaFragments>(slots, lane);
+    const int g = lane / 4, t = lane % 4;
+    unpack(f, g, t, A, B);
+    C[g][2 * t] = f.c[0], C[g][2 * t + 1] = f.c[1];
+    C[g + 8][2 * t] = f.c[2], C[g + 8][2 * t + 1] = f.c[3];
+  }
+  const int g = tl.lane / 4, t = tl.lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i / 2) * 8, col = 2 * t + i % 2;
+    float acc = C[row][col];
+    for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
+    d[i] = acc;
+  }
+}
+
 template <typename T>
 inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  struct Fragments {
-    uint32_t a[4];
-    uint32_t b[2];
-    float c[4];
-  };
-  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {d[0], d[1], d[2], d[3]}};
-  const auto slots = publish(mine);
-  float A[16][16], B[16][8], C[16][8];
   const auto lo = [](uint32_t r) { return to_float16_value<T>(static_cast<uint16_t>(r & 0xffffu)); };
   const auto hi = [](uint32_t r) { return to_float16_value<T>(static_cast<uint16_t>(r >> 16)); };
-  for (int lane = 0; lane < kWarpSize; ++lane) {
-    const Fragments f = read_slot<Fragments>(slots, lane);
-    const int g = lane / 4, t = lane % 4;
+  mma_m16n8<16>(d, a, b, [&](const MmaFragments& f, int g, int t, float(&A)[16][16], float(&B)[16][8]) {
     A[g][2 * t] = lo(f.a[0]), A[g][2 * t + 1] = hi(f.a[0]);
     A[g + 8][2 * t] = lo(f.a[1]), A[g + 8][2 * t + 1] = hi(f.a[1]);
     A[g][2 * t + 8] = lo(f.a[2]), A[g][2 * t + 9] = hi(f.a[2]);
     A[g + 8][2 * t + 8] = lo(f.a[3]), A[g + 8][2 * t + 9] = hi(f.a[3]);
     B[2 * t][g] = lo(f.b[0]), B[2 * t + 1][g] = hi(f.b[0]);
     B[2 * t + 8][g] = lo(f.b[1]), B[2 * t + 9][g] = hi(f.b[1]);
-    C[g][2 * t] = f.c[0], C[g][2 * t + 1] = f.c[1];
-    C[g + 8][2 * t] = f.c[2], C[g + 8][2 * t + 1] = f.c[3];
-  }
-  const int g = tl.lane / 4, t = tl.lane % 4;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i / 2) * 8, col = 2 * t + i % 2;
-    float acc = C[row][col];
-    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-    d[i] = acc;
-  }
+  });
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, the same way: A 16x8 and B 8x8 from the fragment
 // layouts (csrc/cuda/common.cuh), one element per register; the hardware reads only an operand's tf32 bits
 // (the low 13 bits of the mantissa are ignored), so they are cleared here too.
 inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  struct Fragments {
-    uint32_t a[4];
-    uint32_t b[2];
-    float c[4];
-  };
-  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {d[0], d[1], d[2], d[3]}};
-  const auto slots = publish(mine);
-  float A[16][8], B[8][8], C[16][8];
   const auto tf32 = [](uint32_t r) {
     r &= 0xffffe000u;
     float x;
     std::memcpy(&x, &r, 4);
     return x;
   };
-  for (int lane = 0; lane < kWarpSize; ++lane) {
-    const Fragments f = read_slot<Fragments>(slots, lane);
-    const int g = lane / 4, t = lane % 4;
+  mma_m16n8<8>(d, a, b, [&](const MmaFragments& f, int g, int t, float(&A)[16][8], float(&B)[8][8]) {
     A[g][t] = tf32(f.a[0]), A[g + 8][t] = tf32(f.a[1]);
     A[g][t + 4] = tf32(f.a[2]), A[g + 8][t + 4] = tf32(f.a[3]);
     B[t][g] = tf32(f.b[0]), B[t + 4][g] = tf32(f.b[1]);
-    C[g][2 * t] = f.c[0], C[g][2 * t + 1] = f.c[1];
-    C[g + 8][2 * t] = f.c[2], C[g + 8][2 * t + 1] = f.c[3];
-  }
-  const int g = tl.lane / 4, t = tl.lane % 4;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i / 2) * 8, col = 2 * t + i % 2;
-    float acc = C[row][col];
-    for (int k = 0; k < 8; ++k) acc += A[row][k] * B[k][col];
-    d[i] = acc;
-  }
+  });
 }
 
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: every lane publishes its row address; lanes 8m .. 8m + 7
