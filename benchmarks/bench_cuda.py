@@ -100,7 +100,8 @@ def run_throughput(quick: bool) -> tuple:
     text = (
         f"(b) attention forward TFLOP/s (4*B*H*L*S*D / time), B={THROUGHPUT_B}, H={THROUGHPUT_H}; masks = "
         f"key_padding_mask (last 1/8 of keys) + 10% random (L, S) attn_mask; SDPA gets them merged "
-        f"beforehand into one (B, 1, L, S) keep-mask; attnx {'tensor-core (mma)' if mma else 'SIMT'} kernel\n"
+        f"beforehand into one (B, 1, L, S) keep-mask; attnx: "
+        + ("tensor-core (mma) kernel, SIMT for float32 at D = 128\n" if mma else "SIMT kernel\n")
         + table(["case", "attnx", *[f"sdpa {n}" for n in SDPA_BACKENDS]], rows)
     )
     return results, text

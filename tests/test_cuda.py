@@ -651,8 +651,8 @@ def test_backward_does_not_synchronize_and_is_captured(device):
         static[0].copy_(torch.randn_like(grad_out))
         graph.replay()
         want = backward(*static)
-        for got, expected in zip(grads, want, strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for got, expected in zip(grads, want, strict=True):  # cuBLAS on two streams: not bit for bit
+            torch.testing.assert_close(got, expected)
 
 
 def test_dropout_seed_is_drawn_without_synchronizing(device):

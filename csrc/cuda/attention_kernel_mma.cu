@@ -1,10 +1,9 @@
 // attnx: attnx::attention's tensor-core forward kernel for float16, bfloat16 and float32 (sm80+), the default
 // for those dtypes where it applies (ATTNX_CUDA_MMA=0 selects the SIMT kernel instead).
 //
-// Checked on an H100 against the float64 reference (tests/test_cuda.py; compute-sanitizer ran on the version
-// before cp.async and ldmatrix); the CPU emulation runs this source in CI with mma.sync, ldmatrix and
-// cp.async replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h). Grouped KV heads, key
-// ranges, soft-capping and sinks came later and have run only in that emulation, never on a GPU.
+// Checked on an H100 against the float64 reference, every feature and dtype, and under compute-sanitizer
+// (make gpu-check, 2026-11-26); the CPU emulation runs this source in CI with mma.sync, ldmatrix and cp.async
+// replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h).
 //
 // FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query
 // rows), 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from
@@ -27,8 +26,9 @@
 // fragment's layout), V's element by element from shared memory (ldmatrix.trans moves 16-bit elements only).
 // P stays in float: the C fragment of an S n-tile is the A fragment of one k-step once the k index is
 // permuted (logical k = t, t + 4 read keys 2t, 2t + 1, and V's B fragment is read in the same order).
-// Soft-capping is tanhf and the probabilities are not rounded. Q's two parts hold 2 * bucket registers, so
-// the float32 kernel stops at bucket 64 (kMmaMaxHeadDimTf32).
+// Soft-capping is tanhf and the probabilities are not rounded. Q's two parts take bucket registers a thread
+// (16-bit types: bucket / 4), so the float32 kernel stops at bucket 64 (kMmaMaxHeadDimTf32): at 128, Q, O and
+// S alone would take 224 of the 255.
 #include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
 
