@@ -87,13 +87,13 @@ wheel: $(VENV)/.deps
 # .venv would need ~20 GB of disk. The CUDA emulation tier compiles the kernel sources itself and does not use
 # the wheel: `make test` runs it, and of the wheel venvs only the floor's (its composite harness then builds
 # against torch 2.10's headers).
-EMULATION_TESTS := tests/test_cuda_emulation.py
+EMULATION_TESTS := tests/test_cuda_emulation.py tests/test_cuda_emulation_backward.py
 test-wheel: wheel tools
 	rm -rf build/wheel-cpu build/wheel-cuda build/wheel-floor
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS="$(TORCH_FREE_MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS="--ignore=$(EMULATION_TESTS)"
+		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(EMULATION_TESTS))"
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH=torch==2.14.1 WHEEL_LIBS="$(MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS="--ignore=$(EMULATION_TESTS)"
+		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(EMULATION_TESTS))"
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS=
 
 wheel-venv-test:
@@ -118,7 +118,8 @@ wheel-venv-test:
 # measures peak RSS is left out: ASan's redzones and quarantine are part of any peak measured under it.
 SANITIZE_TESTS ?= tests/test_attention.py tests/test_attention_backward.py tests/test_attention_features.py \
 	tests/test_dropout.py tests/test_linear.py tests/test_mha_op.py tests/test_mha_backward.py tests/test_modules.py \
-	tests/test_fuzz.py tests/test_cuda_emulation.py tests/test_varlen.py tests/test_varlen_torch.py
+	tests/test_fuzz.py tests/test_cuda_emulation.py tests/test_cuda_emulation_backward.py tests/test_varlen.py \
+	tests/test_varlen_torch.py
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 sanitize: build

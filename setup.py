@@ -41,7 +41,7 @@ MIN_TORCH = (2, 10)
 TARGET_VERSION = f"-DTORCH_TARGET_VERSION=0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 # Sources shared by every library: argument checks and layouts (each library has its own copy; nothing is
 # exported, -fvisibility=hidden).
-COMMON = ("common/attention.cpp", "common/linear.cpp")
+COMMON = ("common/attention.cpp", "common/attention_math.cpp", "common/linear.cpp")
 
 
 def _flag(name):

@@ -39,6 +39,7 @@ from attention_helpers import (
     make_qkv,
     make_sinks,
     nan_rows_case,
+    run_python,
 )
 from attnx import reference
 from conftest import DEVICES, require_kernel
@@ -782,3 +783,62 @@ def test_attention_gradcheck(device, head_dim):
 
     assert torch.autograd.gradcheck(f, (q, k, v, mask, sinks), atol=1e-6, rtol=1e-4,
                                     fast_mode=head_dim > 256)
+
+
+# The fused backward (cuda/attention_backward_kernel.cu) runs with ATTNX_CUDA_FUSED_BACKWARD=1, read once per
+# process: a fresh interpreter runs it against the CPU fused backward on the same forward, over every
+# feature, the mask's gradient in several broadcast patterns, dropout, every dtype and tile size, twice (for
+# determinism), and mha's training step.
+_FUSED_BACKWARD_SCRIPT = """
+import torch, attnx
+torch.manual_seed(0)
+dev = "cuda"
+TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+def case(dtype, B, H, Hkv, L, S, D, Dv, mask_shape=None, grad_mask=False, **kw):
+    q = torch.randn(B, L, H, D, dtype=dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D, dtype=dtype)
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype).transpose(1, 2)
+    if mask_shape is not None:
+        kw["attn_mask"] = torch.randn(*mask_shape, dtype=dtype)
+    if kw.get("sinks") is True:
+        kw["sinks"] = torch.randn(H, dtype=dtype)
+    out, lse = attnx.attention(q, k, v, **kw)
+    go = torch.randn_like(out)
+    want = attnx.attention_backward(go, q, k, v, out, lse, grad_attn_mask=grad_mask, **kw)
+    on = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t
+    args = [on(t) for t in (go, q, k, v, out, lse)]
+    kwd = {n: on(a) for n, a in kw.items()}
+    got = attnx.attention_backward(*args, grad_attn_mask=grad_mask, **kwd)
+    again = attnx.attention_backward(*args, grad_attn_mask=grad_mask, **kwd)
+    for name, g, w, g2 in zip(("q", "k", "v", "mask", "sinks"), got, want, again):
+        assert torch.equal(g, g2), f"{name}: not deterministic"
+        scale = max(w.abs().max().item(), 1.0) if w.numel() else 1.0
+        err = (g.cpu().double() - w.double()).abs().max().item() if w.numel() else 0.0
+        assert err <= TOL[dtype] * scale, f"{dtype} {name}: {err} > {TOL[dtype] * scale}"
+
+for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+    for D in (16, 64, 128, 256):
+        case(dtype, 2, 4, 2, 70, 45, D, D, is_causal=True)
+    case(dtype, 2, 4, 2, 37, 53, 24, 16, mask_shape=(37, 53), grad_mask=True, softcap=3.0, sinks=True,
+         window_left=20, window_right=3, key_lengths=torch.tensor([53, 30]))
+    case(dtype, 2, 3, 3, 40, 40, 32, 32, mask_shape=(2, 1, 40, 40), grad_mask=True,
+         key_padding_mask=torch.rand(2, 40) < 0.2, dropout_p=0.2, dropout_seed=torch.tensor([3, 4]))
+    case(dtype, 2, 3, 1, 40, 33, 32, 32, mask_shape=(1, 3, 1, 33), grad_mask=True)
+# mha's training step through it: one mha_backward dispatch, gradients as the CPU's
+m = attnx.nn.MultiheadAttention(64, 4, batch_first=True, dtype=torch.float64)
+x = torch.randn(2, 50, 64, dtype=torch.float64)
+grads = []
+for module, inp in ((m, x), (m.to(dev), x.to(dev))):
+    module.zero_grad()
+    module(inp, inp, inp, need_weights=False)[0].square().sum().backward()
+    grads.append([p.grad.cpu() for p in module.parameters()])
+for a, b in zip(*grads):
+    torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+print("ok")
+"""
+
+
+def test_fused_backward_matches_the_cpu_kernel(device):
+    env = {**os.environ, "ATTNX_CUDA_FUSED_BACKWARD": "1"}
+    assert run_python(_FUSED_BACKWARD_SCRIPT, env=env, timeout=600).strip().endswith("ok")

@@ -114,6 +114,10 @@ AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor quer
                                                     Tensor out, Tensor lse, AttentionOptions options,
                                                     bool grad_attn_mask);
 
+// attention_backward in whole-tensor math (common/attention_math.cpp): the backward of backends without a
+// fused kernel, and of what a backend's kernels do not take. Stores (B, H, L, S); no dropout.
+void run_attention_backward_math(AttentionBackwardProblem& pb);
+
 // ---------------------------------------------------------------------------------------------------------------
 // The op adapter: each backend registers its run functions through it, e.g.
 //   m.impl("_attention", &attention_op<run_attention_cpu>);

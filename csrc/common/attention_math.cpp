@@ -1,7 +1,8 @@
 // attnx: attention in whole-tensor math, for what needs the (B, H, L, S) probabilities anyway: the attention
 // weights mha returns when asked, and attention_backward on backends without a fused backward kernel. On the
 // LibTorch stable ABI: views are the shim's reinterpret (computed here from sizes and strides), the math is
-// torch's ops through the dispatcher.
+// torch's ops through the dispatcher. Compiled into every backend's library (setup.py's COMMON): the CUDA
+// backward falls back to it; its registration is common/attention_backward_math.cpp's, in the CPU library.
 #include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
@@ -120,8 +121,6 @@ Tensor attention_weights_exact(const Tensor& query, const Tensor& key, ScalarTyp
   return aten::softmax(add_masks(capped_scores(query, key, acc, scale, options.softcap), options), -1);
 }
 
-namespace {
-
 // FlashAttention-2's backward in whole-tensor form: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO O)),
 // dQ = scale dS K, dK = scale dS^T Q (dS times the soft-cap's derivative 1 - tanh^2 when capped). Correct
 // everywhere, fast nowhere: it stores P and dS. Grouped KV heads: each group's rows run as one GEMM against
@@ -166,10 +165,4 @@ void run_attention_backward_math(AttentionBackwardProblem& pb) {
   aten::copy_(pb.grad_key, grad_key);
 }
 
-}  // namespace
 }  // namespace attnx
-
-// Backends with a fused backward kernel (CPU) register their own, which the dispatcher prefers.
-STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
-  m.impl("attention_backward", &attnx::attention_op<attnx::run_attention_backward_math>);
-}

@@ -5,7 +5,6 @@
 #include "common/attention.h"
 
 #include <cuda_runtime_api.h>
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
@@ -17,32 +16,11 @@
 #include "common/stable.h"
 #include "cuda/attention_composite.h"
 #include "cuda/attention_kernel.h"
-
-// The C shim declares its CUDA calls only where torch's own USE_CUDA is defined, which an extension's build
-// does not define; this is the shim's declaration. It lives in libtorch_cuda.
-extern "C" AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index, void** ret_stream);
+#include "cuda/stream.h"
 
 namespace attnx {
 
 namespace {
-
-using torch::headeronly::ScalarType;
-using torch::stable::Tensor;
-
-cuda::DType kernel_dtype(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float:
-      return cuda::DType::kFloat32;
-    case ScalarType::Double:
-      return cuda::DType::kFloat64;
-    case ScalarType::Half:
-      return cuda::DType::kFloat16;
-    case ScalarType::BFloat16:
-      return cuda::DType::kBFloat16;
-    default:
-      stable::fail("attnx::attention: no CUDA kernel for dtype ", t);
-  }
-}
 
 // The tensor-core kernel where it covers the problem (cuda::mma_supports: float16/bfloat16 with max(D, Dv)
 // <= 128, float32 as 3xTF32 with max(D, Dv) <= 64, no dropout) and the device is sm80+; the SIMT kernel
@@ -60,22 +38,13 @@ cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, int32_t 
   return major >= 8 ? cuda::Kernel::kMma : cuda::Kernel::kSimt;
 }
 
-// The stream torch runs `device`'s work on now (torch.cuda.current_stream), so that the kernel is ordered
-// with the ops around it.
-cudaStream_t current_stream(int32_t device) {
-  void* stream = nullptr;
-  stable::check(aoti_torch_get_current_cuda_stream(device, &stream),
-                "attnx::attention: the current CUDA stream");
-  return static_cast<cudaStream_t>(stream);
-}
-
 }  // namespace
 
 void run_attention_cuda(AttentionProblem& pb) {
   // prepare_attention checked that every tensor is on query's device, a CUDA one (this kernel's key).
   const int32_t device = pb.query.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
-  const cuda::DType dtype = kernel_dtype(pb.dtype);
+  const cuda::DType dtype = cuda::kernel_dtype(pb.dtype, "attnx::attention");
   if (cuda::plan_attention(pb.params, dtype).bucket == 0) {
     ATTNX_CHECK(!pb.params.dropout, "attnx::attention: expected head dims up to ", cuda::kMaxHeadDim,
                 " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
@@ -83,7 +52,7 @@ void run_attention_cuda(AttentionProblem& pb) {
     cuda::attention_composite(pb);
     return;
   }
-  const cudaError_t err = cuda::launch_attention(pb.params, dtype, pb.ptr, current_stream(device),
+  const cudaError_t err = cuda::launch_attention(pb.params, dtype, pb.ptr, cuda::current_stream(device),
                                                  select_kernel(pb.params, dtype, device));
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
               ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,

@@ -25,6 +25,7 @@ CSRC = os.path.join(ROOT, "csrc")
 
 KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention_kernel.cu"),
                     os.path.join(CSRC, "cuda", "attention_kernel_mma.cu"),
+                    os.path.join(CSRC, "cuda", "attention_backward_kernel.cu"),
                     os.path.join(HERE, "cuda_shim.cpp")]
 SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "attention_emu.cpp")]  # the ctypes library
 RACE_CHECK_SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "race_check.cpp")]  # the TSan executable
@@ -149,6 +150,13 @@ class AttentionPlan(ctypes.Structure):
     ]
 
 
+class AttentionBackwardParams(ctypes.Structure):
+    _fields_ = [
+        ("fwd", AttentionParams), ("grad_out_stride", i64 * 4), ("grad_query_stride", i64 * 4),
+        ("grad_key_stride", i64 * 4), ("grad_value_stride", i64 * 4), ("grad_attn_mask_size", i64 * 4),
+    ]
+
+
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 MASK_KINDS = {torch.bool: 1, torch.float16: 2, torch.bfloat16: 3, torch.float32: 4, torch.float64: 5}
 KERNELS = {"simt": 0, "mma": 1}
@@ -247,6 +255,12 @@ class Emulator:
         self.lib.attnx_emu_sizeof_plan.restype = ctypes.c_size_t
         assert self.lib.attnx_emu_sizeof_params() == ctypes.sizeof(AttentionParams), "params.h changed"
         assert self.lib.attnx_emu_sizeof_plan() == ctypes.sizeof(AttentionPlan), "attention_plan.h changed"
+        self.lib.attnx_emu_sizeof_backward_params.restype = ctypes.c_size_t
+        assert self.lib.attnx_emu_sizeof_backward_params() == ctypes.sizeof(AttentionBackwardParams)
+        self.lib.attnx_emu_attention_backward.restype = ctypes.c_int
+        self.lib.attnx_emu_attention_backward.argtypes = [
+            ctypes.POINTER(AttentionBackwardParams), ctypes.c_int, *[ctypes.c_void_p] * 14
+        ]
         self.lib.attnx_emu_attention.restype = ctypes.c_int
         self.lib.attnx_emu_attention.argtypes = [
             ctypes.POINTER(AttentionParams), ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 9
@@ -284,3 +298,43 @@ class Emulator:
         if err != 0:
             raise RuntimeError(f"emulated launch failed: {CUDA_ERRORS.get(err, err)}")
         return out, lse
+
+    def attention_backward(self, grad_out, q, k, v, out, lse, attn_mask=None, key_padding_mask=None,
+                           is_causal=False, scale=None, dropout_p=0.0, dropout_seed=None, window_left=-1,
+                           window_right=-1, key_lengths=None, softcap=0.0, sinks=None, grad_attn_mask=False):
+        """attnx.attention_backward on the emulated CUDA kernels (attention_backward_kernel.cu): (grad_query,
+        grad_key, grad_value, grad_attn_mask) as the op returns them, the gradients in the op's (B, N, H, E)
+        memory order; grad_attn_mask is None unless asked for with a float attn_mask. The sinks' gradient is
+        not the kernels' (AttentionBackwardProblem::box computes it)."""
+        B, H, L, D = q.shape
+        Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if sinks is not None:
+            sinks = sinks.to(acc).contiguous()
+
+        def bnhe(n, heads, e):
+            return torch.empty(B, n, heads, e, dtype=q.dtype).transpose(1, 2)
+
+        dq, dk, dv = bnhe(L, H, D), bnhe(S, Hkv, D), bnhe(S, Hkv, Dv)
+        bp = AttentionBackwardParams()
+        bp.fwd = make_params(q, k, v, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout_p,
+                             dropout_seed, window_left, window_right, key_lengths, softcap or 0.0, sinks)
+        bp.grad_out_stride[:], bp.grad_query_stride[:] = grad_out.stride(), dq.stride()
+        bp.grad_key_stride[:], bp.grad_value_stride[:] = dk.stride(), dv.stride()
+        mask_grad = None
+        if grad_attn_mask and attn_mask is not None and attn_mask.dtype != torch.bool:
+            # common/attention.cpp's mask_grad_shape
+            m = attn_mask
+            size = ([1, 1, *m.shape] if m.dim() == 2 else [B, H, m.shape[1], m.shape[2]] if m.dim() == 3
+                    else list(m.shape))
+            bp.grad_attn_mask_size[:] = size
+            mask_grad = torch.zeros(size, dtype=acc)
+        tensors = (q, k, v, attn_mask, key_padding_mask, out, lse, key_lengths, sinks, grad_out, dq, dk, dv,
+                   mask_grad)
+        err = self.lib.attnx_emu_attention_backward(ctypes.byref(bp), DTYPES[q.dtype],
+                                                    *(data_ptr(t) for t in tensors))
+        if err != 0:
+            raise RuntimeError(f"emulated launch failed: {CUDA_ERRORS.get(err, err)}")
+        if mask_grad is not None:
+            mask_grad = mask_grad.reshape(attn_mask.shape).to(attn_mask.dtype)
+        return dq, dk, dv, mask_grad

@@ -4,7 +4,8 @@
 // that no __syncthreads/__syncwarp orders against another thread's write is reported as a data race, whether
 // or not the OS happened to interleave the threads badly. Values do not matter here (the pytest suite checks
 // them): each launch covers several key tiles, masks, causal skipping and partial tiles; some add grouped KV
-// heads, a window with per-batch key lengths (tile loops that start past key 0), soft-capping and sinks.
+// heads, a window with per-batch key lengths (tile loops that start past key 0), soft-capping and sinks. The
+// backward's three launches run after forwards of their own.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -13,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/attention_backward_kernel.h"
 #include "cuda/attention_kernel.h"
 #include "race_check.h"
 
@@ -73,6 +75,57 @@ int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, 
   return err == cudaSuccess ? 0 : 1;
 }
 
+// The forward (SIMT) then the backward (attention_backward_kernel.cu) of one problem, with a float (L, S)
+// attn_mask and its gradient (summed over B and H: one block loops over both) when `mask_grad`.
+template <typename T>
+int run_backward(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
+                 bool mask_grad, const Features& f = {}) {
+  using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  std::mt19937 gen(1);
+  attnx::AttentionBackwardParams bp{};
+  attnx::AttentionParams& p = bp.fwd;
+  p = attnx::race_check::params(B, H, L, S, D, causal, f);
+  if (!f.key_lengths.empty()) p.key_lengths_kind = attnx::kKeyLengthsInt32, p.key_lengths_stride = 1;
+  std::vector<acc_t> sinks(H, acc_t(0.5));
+  const auto q = randn<T>(B * H * L * D, gen), k = randn<T>(B * p.kv_heads * S * D, gen),
+             v = randn<T>(B * p.kv_heads * S * D, gen), grad_out = randn<T>(B * H * L * D, gen);
+  const auto bool_mask = attnx::race_check::random_attn_mask(L, S, gen);
+  const auto float_mask = randn<acc_t>(L * S, gen);
+  if (mask_grad) p.attn_mask_kind = sizeof(acc_t) == 8 ? attnx::kMaskFloat64 : attnx::kMaskFloat32;
+  const auto padding = attnx::race_check::padding_of_first_keys(B, S, 40);
+  std::vector<T> out(B * H * L * D), grad_query(B * H * L * D), grad_key(B * p.kv_heads * S * D),
+      grad_value(B * p.kv_heads * S * D);
+  std::vector<acc_t> lse(B * H * L), grad_mask(mask_grad ? L * S : 0);
+  attnx::AttentionBackwardPointers ptr{};
+  ptr.fwd.query = q.data();
+  ptr.fwd.key = k.data();
+  ptr.fwd.value = v.data();
+  ptr.fwd.attn_mask = mask_grad ? static_cast<const void*>(float_mask.data()) : bool_mask.data();
+  ptr.fwd.key_padding_mask = padding.data();
+  ptr.fwd.out = out.data();
+  ptr.fwd.lse = lse.data();
+  ptr.fwd.key_lengths = f.key_lengths.empty() ? nullptr : f.key_lengths.data();
+  ptr.fwd.sinks = f.sinks ? sinks.data() : nullptr;
+  cudaError_t err = attnx::cuda::launch_attention(p, dtype, ptr.fwd, nullptr, Kernel::kSimt);
+  // The gradients as the forward's layouts: contiguous (B, H, N, E).
+  attnx::race_check::contiguous(bp.grad_out_stride, H, L, D);
+  attnx::race_check::contiguous(bp.grad_query_stride, H, L, D);
+  attnx::race_check::contiguous(bp.grad_key_stride, p.kv_heads, S, D);
+  attnx::race_check::contiguous(bp.grad_value_stride, p.kv_heads, S, D);
+  if (mask_grad) bp.grad_attn_mask_size[0] = 1, bp.grad_attn_mask_size[1] = 1, bp.grad_attn_mask_size[2] = L;
+  if (mask_grad) bp.grad_attn_mask_size[3] = S;
+  ptr.grad_out = grad_out.data();
+  ptr.grad_query = grad_query.data();
+  ptr.grad_key = grad_key.data();
+  ptr.grad_value = grad_value.data();
+  ptr.grad_attn_mask = mask_grad ? grad_mask.data() : nullptr;
+  const attnx::cuda::AttentionBackwardPlan plan = attnx::cuda::plan_attention_backward(bp, dtype, mask_grad);
+  std::vector<double> workspace(plan.workspace_bytes / sizeof(double) + 1);
+  if (err == cudaSuccess) err = attnx::cuda::launch_attention_backward(bp, dtype, ptr, workspace.data(), nullptr);
+  if (err != cudaSuccess) std::fprintf(stderr, "backward launch failed: %d\n", static_cast<int>(err));
+  return err == cudaSuccess ? 0 : 1;
+}
+
 }  // namespace
 
 int main() {
@@ -91,6 +144,13 @@ int main() {
   failures += run<double>(DType::kFloat64, Kernel::kSimt, 2, 2, 9, 100, 40, false, f);
   f.window_left = 70;
   failures += run<__half>(DType::kFloat16, Kernel::kMma, 2, 2, 70, 200, 64, false, f);
+  // The backward: several query and key tiles, every tile size (32, 16 and 8), the mask's gradient.
+  failures += run_backward<float>(DType::kFloat32, 2, 2, 40, 70, 24, true, false);
+  failures += run_backward<float>(DType::kFloat32, 2, 2, 40, 50, 24, false, true);
+  failures += run_backward<__half>(DType::kFloat16, 1, 2, 20, 40, 200, false, false);
+  failures += run_backward<double>(DType::kFloat64, 1, 1, 20, 30, 200, true, true);
+  f.window_left = 30;
+  failures += run_backward<__nv_bfloat16>(DType::kBFloat16, 2, 2, 40, 100, 40, false, true, f);
   std::printf("%d failed launches\n", failures);
   return failures;
 }

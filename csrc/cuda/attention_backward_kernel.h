@@ -1,0 +1,92 @@
+// attnx: the torch-free entry point of attnx::attention_backward's CUDA kernels
+// (cuda/attention_backward_kernel.cu) and their launch plan, used by the glue (cuda/attention_backward.cpp)
+// and by the CPU emulation (tests/emulation/).
+//
+// Three launches on one stream, each over 128 threads:
+//   delta   one warp per query row: delta = rowsum(dO * O) in the accumulator type, into the workspace.
+//   keys    one block per (b, kv head, tile of `tile` keys): dK and dV of those keys, summed over the query
+//           heads of the kv head's group and over every query tile that sees the key tile (key-major).
+//   queries one block per (b, h, tile of `tile` query rows): dQ of those rows (query-major), and the float
+//           attn_mask's gradient. When that gradient broadcasts along B, H or L, the blocks that would add
+//           into the same elements are one block looping over them, so that no two blocks write the same
+//           memory: no atomics, and the results are the same bit for bit from run to run.
+// Shared memory, in accumulator elements: q_s (tile, ld) | do_s (tile, ld) | k_s (tile, ld) | v_s (tile, ld)
+// | p_s (tile, tile + 1) | ds_s (tile, tile + 1) | lse_s (tile) | delta_s (tile); ld = bucket + 1 (odd: the
+// 32 keys or rows a warp reads at once fall on distinct banks).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attnx/params.h"
+#include "cuda/attention_plan.h"
+
+namespace attnx::cuda {
+
+constexpr int kBackwardThreads = 128;
+
+// Keys and query rows per tile: 32, fewer where the four staged operand tiles would pass 64 KiB of shared
+// memory (so that a block fits in the 99 KiB an sm86/sm89 block may have): 16 at bucket 256 in float and
+// 128 in double, 8 at 256 in double. tile * bucket <= 4096 (float) or 2048 (double), so that a thread owns at
+// most 32 (16) elements of a (tile, bucket) gradient tile.
+constexpr int backward_tile(int bucket, int acc_size) {
+  return bucket * acc_size <= 512 ? 32 : 16384 / (bucket * acc_size);
+}
+
+struct AttentionBackwardPlan {
+  int bucket;  // max(D, Dv) rounded up to 32, 64, 128 or 256; 0 when it exceeds kMaxHeadDim (no kernel)
+  int tile;    // keys and query rows per tile: 32, 16 or 8
+  int ld;      // row stride of q_s, do_s, k_s and v_s
+  int threads;
+  int64_t q_tiles, k_tiles;
+  int64_t delta_blocks;  // ceil(B * H * L / warps per block)
+  int64_t key_blocks;    // B * Hkv * k_tiles
+  int64_t query_blocks;  // over (b, h, query tile), without the dims a block loops over:
+  bool all_batches, all_heads, all_query_tiles;  // where attn_mask's gradient broadcasts along B, H, L
+  size_t smem_bytes;
+  size_t workspace_bytes;  // delta: B * H * L accumulators
+};
+
+// `mask_grad`: attn_mask's gradient is asked for (AttentionBackwardPointers::grad_attn_mask is not null).
+inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardParams& bp, DType dtype,
+                                                     bool mask_grad) {
+  const AttentionParams& p = bp.fwd;
+  AttentionBackwardPlan plan{};
+  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  if (plan.bucket == 0) return plan;
+  const int acc = acc_bytes(dtype);
+  plan.tile = backward_tile(plan.bucket, acc);
+  plan.ld = plan.bucket + 1;
+  plan.threads = kBackwardThreads;
+  plan.q_tiles = (p.q_len + plan.tile - 1) / plan.tile;
+  plan.k_tiles = (p.kv_len + plan.tile - 1) / plan.tile;
+  const int64_t rows = p.batch * p.heads * p.q_len;
+  const int64_t warps = kBackwardThreads / kWarpSize;
+  plan.delta_blocks = (rows + warps - 1) / warps;
+  plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
+  const int64_t* g = bp.grad_attn_mask_size;
+  plan.all_batches = mask_grad && g[0] == 1;
+  plan.all_heads = mask_grad && g[1] == 1;
+  plan.all_query_tiles = mask_grad && g[2] == 1;
+  plan.query_blocks = (plan.all_batches ? 1 : p.batch) * (plan.all_heads ? 1 : p.heads) *
+                      (plan.all_query_tiles ? 1 : plan.q_tiles);
+  const int64_t operands = 4 * int64_t{plan.tile} * plan.ld;
+  const int64_t tiles = 2 * int64_t{plan.tile} * (plan.tile + 1);
+  plan.smem_bytes = static_cast<size_t>(operands + tiles + 2 * plan.tile) * acc;
+  plan.workspace_bytes = static_cast<size_t>(rows) * acc;
+  return plan;
+}
+
+// Runs attention_backward on `stream`: grad_query, grad_key and grad_value (every element written), and adds
+// attn_mask's gradient into ptr.grad_attn_mask when it is not null (a zeroed buffer of
+// bp.grad_attn_mask_size in the accumulator type). `workspace`: plan.workspace_bytes, 16-byte aligned, any
+// content. The sinks' gradient is not computed here (AttentionBackwardProblem::box computes it for every
+// backend). Returns the first launch error, cudaSuccess when there is nothing to compute, and
+// cudaErrorInvalidValue when the kernels do not cover the problem (head dims above kMaxHeadDim, packed
+// sequences, inconsistent params).
+cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType dtype,
+                                      const AttentionBackwardPointers& ptr, void* workspace,
+                                      cudaStream_t stream);
+
+}  // namespace attnx::cuda
