@@ -12,7 +12,12 @@ Per shape and mask case, fp32, ``(B, H, L, D)`` inputs that require grad:
 Masks: none (not in quick mode), or key_padding_mask (bool, the last eighth of batch 1's keys padded) + an
 (L, S) float mask. attnx reads both in place; SDPA gets them merged into one additive (B, 1, L, S) float
 mask, built before timing (as its convention requires; nn.MultiheadAttention would build it on every call).
+
+On CUDA attnx's backward is the whole-tensor math fallback unless ATTNX_CUDA_FUSED_BACKWARD=1 selects the
+fused kernels (opt-in until they have run on a GPU); the table says which ran.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +27,7 @@ import attnx
 from .common import fmt_ms, progress, table, time_interleaved
 from .memory import peak_extra_bytes_many
 
-DEVICES = ("cpu",)  # the backward has no CUDA kernel yet
+DEVICES = ("cpu", "cuda")
 TITLE = "attention forward + backward vs SDPA"
 B, H, D = 2, 8, 64
 LENGTHS = (1024, 4096)
@@ -69,6 +74,13 @@ def backward_case(device: str, impl: str, L: int, masks: str):
         return lambda: torch.autograd.grad(out, (q, k, v), grad_out)
 
     return graph(L), graph(256)
+
+
+def attnx_backward(device: str) -> str:
+    """Which attention_backward attnx runs on `device` (cuda/attention_backward.cpp's choice)."""
+    if device == "cuda" and os.environ.get("ATTNX_CUDA_FUSED_BACKWARD") != "1":
+        return "the whole-tensor math fallback"
+    return "the fused backward"
 
 
 def mib(n: int) -> str:
@@ -124,7 +136,8 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
         shape_results["tensor_bytes"] = tensor_bytes
         results[f"B{B}_H{H}_L{L}_D{D}"] = shape_results
         texts.append(
-            f"attention forward + backward, B={B} H={H} L=S={L} D={D}, {device} fp32 (median of "
+            f"attention forward + backward, B={B} H={H} L=S={L} D={D}, {device} fp32, attnx running "
+            f"{attnx_backward(device)} (median of "
             f"{len(t_step.samples)} interleaved reps; memory: backward alone, fresh process each). Each of "
             f"q, k, v, out, dq, dk, dv is {mib(tensor_bytes)} MiB: the gradients are "
             f"{mib(3 * tensor_bytes)} MiB, "

@@ -116,11 +116,16 @@ def test_kernel_report_flags_default_path_spills(gpu_check):
     assert not gpu_check.default_path("simt", "fp32", 64) and gpu_check.default_path("simt", "fp32", 128)
     ok, lines = gpu_check.spill_verdict(rows)
     assert not ok
-    assert lines == ["note: spills (dropout / ATTNX_CUDA_MMA=0 only): sm_90 simt fp16 D<=64: 1 LDL/STL, "
+    assert lines == ["note: spills, off the default path: sm_90 simt fp16 D<=64: 1 LDL/STL, "
                      "stack 24 B, local 0 B",
                      "FAIL: spills, default path: sm_90 simt fp32 D<=128: 3 LDL/STL, stack 24 B, local 0 B"]
     assert gpu_check.spill_verdict(rows[:2])[0]  # a spill off the default path is a note only
     sm80 = gpu_check.kernel_report(gpu_check.parse_resource_usage(USAGE), {}, "sm_80")
+    # the fused backward's kernels are labelled, and off the default path while it is opt-in
+    keys = ("_ZN5attnx4cuda61_GLOBAL__N__66b1aed9_28_attention_backward_kernel_cu_d88abaac23"
+            "attention_backward_keysI6__halfLi128EEEvNS_23AttentionBackwardParamsE")
+    assert gpu_check.kernel_label(keys) == ("backward_keys", "fp16", 128, None)
+    assert not gpu_check.default_path("backward_keys", "fp16", 128)
     assert [(r["registers"], r["spills"]) for r in sm80] == [(138, False)]
 
 

@@ -14,6 +14,8 @@ found (no network). Steps, each capped (seconds) and together held to the budget
     racecheck    the same cases under racecheck                                                    cap 100
     synccheck    the same cases under synccheck                                                    cap  60
     bench        python -m benchmarks --device cuda --only cuda --only eval --quick                cap 150
+    backward     the same with ATTNX_CUDA_FUSED_BACKWARD=1 --only backward --only train: the fused
+                 backward (opt-in until it has run on a GPU) against SDPA's and nn.MHA's            cap 150
 
 The tests and the three sanitizers run side by side (the sanitizers one after another); the benchmarks run
 last, alone on the GPU. A step that fails or times out does not stop the later ones; one the budget can no
@@ -71,6 +73,8 @@ STEPS = [
     Step("racecheck", 100, "compute-sanitizer racecheck on tools/gpu_sanitize_cases.py"),
     Step("synccheck", 60, "compute-sanitizer synccheck on tools/gpu_sanitize_cases.py"),
     Step("bench", 150, "python -m benchmarks --device cuda --only cuda --only eval --quick"),
+    Step("backward", 150, "ATTNX_CUDA_FUSED_BACKWARD=1 python -m benchmarks --device cuda --only backward "
+                          "--only train --quick"),
 ]
 STEP_NAMES = [s.name for s in STEPS]
 CAPS = {s.name: s.cap for s in STEPS}
@@ -146,7 +150,10 @@ def outcome(name, rc, seconds, limit, log, detail=""):
 # ------------------------------------------------------------------------------------------------------------
 # Parsers (no GPU needed; tests/test_gpu_check.py checks them on samples).
 
-_KERNEL = re.compile(r"attention_forward_(simt|mma)I(13__nv_bfloat16|6__half|f|d)Li(\d+)E(?:Li(\d+)E)?")
+# attention_forward_{simt,mma} and the fused backward's attention_backward_{keys,queries} (kinds "simt",
+# "mma", "backward_keys", "backward_queries"); the backward's delta pre-pass has no bucket or shared memory.
+_KERNEL = re.compile(r"attention_(?:forward_(simt|mma)|(backward_keys|backward_queries))"
+                     r"I(13__nv_bfloat16|6__half|f|d)Li(\d+)E(?:Li(\d+)E)?")
 _DTYPES = {"13__nv_bfloat16": "bf16", "6__half": "fp16", "f": "fp32", "d": "fp64"}
 
 
@@ -155,14 +162,17 @@ def kernel_label(mangled: str):
     m = _KERNEL.search(mangled)
     if not m:
         return None
-    return m.group(1), _DTYPES[m.group(2)], int(m.group(3)), int(m.group(4)) if m.group(4) else None
+    rows_per_warp = int(m.group(5)) if m.group(5) else None
+    return m.group(1) or m.group(2), _DTYPES[m.group(3)], int(m.group(4)), rows_per_warp
 
 
 def default_path(kind: str, dtype: str, head_dim: int) -> bool:
     """Whether the glue's default choice (no ATTNX_CUDA_MMA=0, no dropout) reaches this kernel on sm80+:
     the tensor-core kernel for fp16/bf16 up to head dim 128 and fp32 up to 64, the SIMT kernel for
     everything else. The SIMT kernel's instantiations below those run only with dropout or
-    ATTNX_CUDA_MMA=0."""
+    ATTNX_CUDA_MMA=0, the fused backward's only with ATTNX_CUDA_FUSED_BACKWARD=1."""
+    if kind.startswith("backward"):
+        return False
     if kind == "mma":
         return True
     return dtype == "fp64" or head_dim > (64 if dtype == "fp32" else 128)
@@ -233,7 +243,7 @@ def spill_verdict(rows: list) -> tuple[bool, list]:
             what = (f"{r['arch']} {r['kernel']} {r['dtype']} D<={r['head_dim']}: {r['ldl_stl']} LDL/STL, "
                     f"stack {r['stack']} B, local {r['local']} B")
             lines.append(("FAIL: spills, default path: " if r["default_path"] else
-                          "note: spills (dropout / ATTNX_CUDA_MMA=0 only): ") + what)
+                          "note: spills, off the default path: ") + what)
     return not any(r["spills"] and r["default_path"] for r in rows), lines
 
 
@@ -553,6 +563,18 @@ class Check:
 
         self.step("bench", cmd, detail=detail)
 
+    # the fused backward's benchmarks (opt-in until it has run on a GPU) -------------------------------------
+    def backward_step(self):
+        cmd = [PY, "-m", "benchmarks", "--device", "cuda", "--only", "backward", "--only", "train", "--quick",
+               "--no-plots", "--results-dir", self.args.results_dir]
+
+        def detail(log):
+            written = re.findall(r"\] (?:results|record) written to (\S+)", log)
+            self.extra["backward_bench_files"] = written
+            return f"{len(written)} result files"
+
+        self.step("backward", cmd, env=dict(self.env, ATTNX_CUDA_FUSED_BACKWARD="1"), detail=detail)
+
     # the whole run --------------------------------------------------------------------------------------
     def run(self) -> int:
         self.env_step()
@@ -567,8 +589,10 @@ class Check:
             side.join()
             if self.wanted("bench"):
                 self.bench_step()
+            if self.wanted("backward"):
+                self.backward_step()
         else:
-            for name in ["tests", *SANITIZERS, "bench"]:
+            for name in ["tests", *SANITIZERS, "bench", "backward"]:
                 if self.wanted(name):
                     self.record(Result(name, "SKIPPED", 0, CAPS[name], "no CUDA device"))
         return self.finish()
@@ -582,7 +606,7 @@ class Check:
         summary = summary_json(self.info, self.results, self.extra)
         paths = write_summary(summary, self.args.results_dir, self.args.out)
         if self.args.out:
-            for path in self.extra.get("bench_files", []):
+            for path in self.extra.get("bench_files", []) + self.extra.get("backward_bench_files", []):
                 if os.path.exists(path):
                     shutil.copy(path, self.args.out)
             with tarfile.open(os.path.join(self.args.out, "gpu-check-logs.tar.gz"), "w:gz") as tar:

@@ -4,7 +4,9 @@ A small set that still reaches every code path of the CUDA backend: the tensor-c
 bfloat16 and float32, vector and element tile staging, partial tiles), the SIMT kernel (float32 past head dim
 64, dropout), every feature
 (both masks, causal, grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256
-composite. Each launch is synchronised and named, so a sanitizer report follows the line of its case.
+composite; and the fused backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it), every
+tile size, every feature, dropout and a float mask's gradient. Each launch is synchronised and named, so a
+sanitizer report follows the line of its case.
 
     python tools/gpu_sanitize_cases.py          # from the repository root, attnx importable
 """
@@ -14,6 +16,7 @@ import sys
 
 import torch
 
+os.environ["ATTNX_CUDA_FUSED_BACKWARD"] = "1"  # read once, at attnx's first CUDA backward
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 sys.path.insert(0, TESTS)
 
@@ -75,12 +78,35 @@ def cases():
     yield "empty (S=0)", qkv(2, 2, 3, 0, 8, 8), {}
 
 
+def backward_cases():
+    """(label, (q, k, v), kwargs) for the fused backward; a float attn_mask is learned (has a gradient)."""
+    F64 = torch.float64
+    yield "backward fp16 D=64 GQA, both masks, every feature, learned mask", gqa(
+        2, 4, 2, 45, 70, 64, 48, layout="blhd"), {
+        "attn_mask": to_device(torch.randn(45, 70, generator=GEN).half(), DEV),
+        "key_padding_mask": bool_mask(2, 70), **features(2, 4, 70)}
+    yield "backward fp32 D=256 causal (16-row tiles)", qkv(1, 2, 40, 50, 256, 256, dtype=F32), {
+        "is_causal": True}
+    yield "backward fp64 D=200 dropout (8-row tiles)", qkv(1, 2, 20, 30, 200, 200, dtype=F64), {
+        "dropout_p": 0.2, "dropout_seed": torch.tensor([5, 6])}
+    yield "backward bf16 D=32 learned (1, H, 1, S) mask", qkv(2, 3, 40, 33, 32, 32, dtype=BF), {
+        "attn_mask": to_device(torch.randn(1, 3, 1, 33, generator=GEN).bfloat16(), DEV)}
+
+
 def main():
     failed = 0
-    for label, (q, k, v), kwargs in cases():
+    for label, (q, k, v), kwargs in [*cases(), *backward_cases()]:
         try:
-            with torch.no_grad():
-                out, _ = attnx.attention(q, k, v, **kwargs)
+            if label.startswith("backward"):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                mask = kwargs.get("attn_mask")
+                if mask is not None and mask.is_floating_point():
+                    kwargs = {**kwargs, "attn_mask": mask.detach().requires_grad_()}
+                out, _ = attnx.attention(*leaves, **kwargs)
+                out.sum().backward()
+            else:
+                with torch.no_grad():
+                    out, _ = attnx.attention(q, k, v, **kwargs)
             torch.cuda.synchronize()
             print(f"ok    {label}: out {tuple(out.shape)}", flush=True)
         except RuntimeError as e:  # reported and counted; the next cases still run
