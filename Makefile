@@ -84,16 +84,16 @@ wheel: $(VENV)/.deps
 # The wheel, built once, in fresh venvs with other builds of torch: the suite runs against the installed
 # package (a copy of the tree without python/ and setup.py, so that `import attnx` finds the wheel's).
 # A venv is deleted once its suite passed: a CUDA torch with its libraries is 6-7 GB, and three of them beside
-# .venv would need ~20 GB of disk. The CUDA emulation tier compiles the kernel sources itself and does not use
-# the wheel: `make test` runs it, and of the wheel venvs only the floor's (its composite harness then builds
-# against torch 2.10's headers).
-EMULATION_TESTS := tests/test_cuda_emulation.py tests/test_cuda_emulation_backward.py
+# .venv would need ~20 GB of disk. The CUDA emulation tier and the NVRTC check compile the kernel sources
+# themselves and do not use the wheel: `make test` runs them, and of the wheel venvs only the floor's (the
+# emulation's composite harness then builds against torch 2.10's headers, and the NVRTC check runs CUDA 12's).
+SOURCE_TESTS := tests/test_cuda_emulation.py tests/test_cuda_emulation_backward.py tests/test_cuda_nvrtc.py
 test-wheel: wheel tools
 	rm -rf build/wheel-cpu build/wheel-cuda build/wheel-floor
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS="$(TORCH_FREE_MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(EMULATION_TESTS))"
+		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(SOURCE_TESTS))"
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH=torch==2.14.1 WHEEL_LIBS="$(MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(EMULATION_TESTS))"
+		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(SOURCE_TESTS))"
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS=
 
 wheel-venv-test:

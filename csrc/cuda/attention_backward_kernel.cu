@@ -409,6 +409,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
   }
 }
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t>
 cudaError_t launch_backward(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
                             const AttentionBackwardPlan& plan, void* workspace, cudaStream_t stream) {
@@ -437,8 +438,10 @@ cudaError_t launch_backward(const AttentionBackwardParams& bp, const AttentionBa
   });
 }
 
+#endif
 }  // namespace
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType dtype,
                                       const AttentionBackwardPointers& ptr, void* workspace,
                                       cudaStream_t stream) {
@@ -461,5 +464,7 @@ cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType d
   }
   return cudaErrorInvalidValue;
 }
+
+#endif
 
 }  // namespace attnx::cuda

@@ -15,9 +15,11 @@
 // 32 keys or rows a warp reads at once fall on distinct banks).
 #pragma once
 
+#if !defined(__CUDACC_RTC__)  // NVRTC compiles the kernels only, not the host function below
 #include <cuda_runtime_api.h>
 #include <stddef.h>
 #include <stdint.h>
+#endif
 
 #include "attnx/params.h"
 #include "cuda/attention_plan.h"
@@ -78,6 +80,7 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
   return plan;
 }
 
+#if !defined(__CUDACC_RTC__)
 // Runs attention_backward on `stream`: grad_query, grad_key and grad_value (every element written), and adds
 // attn_mask's gradient into ptr.grad_attn_mask when it is not null (a zeroed buffer of
 // bp.grad_attn_mask_size in the accumulator type). `workspace`: plan.workspace_bytes, 16-byte aligned, any
@@ -88,5 +91,6 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
 cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType dtype,
                                       const AttentionBackwardPointers& ptr, void* workspace,
                                       cudaStream_t stream);
+#endif
 
 }  // namespace attnx::cuda

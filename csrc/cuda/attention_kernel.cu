@@ -254,6 +254,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, simt_min_blocks<typename Ac
   }
 }
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t>
 cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, const AttentionPlan& plan,
                         cudaStream_t stream) {
@@ -267,8 +268,10 @@ cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, 
   });
 }
 
+#endif
 }  // namespace
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel) {
   if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, stream);
@@ -289,5 +292,7 @@ cudaError_t launch_attention(const AttentionParams& p, DType dtype, const Attent
   }
   return cudaErrorInvalidValue;
 }
+
+#endif
 
 }  // namespace attnx::cuda

@@ -2,7 +2,9 @@
 // the glue (cuda/attention.cpp) and by the CPU emulation (tests/emulation/).
 #pragma once
 
+#if !defined(__CUDACC_RTC__)  // NVRTC compiles the kernels only, not these host functions
 #include <cuda_runtime_api.h>
+#endif
 
 #include "attnx/params.h"
 #include "cuda/attention_plan.h"
@@ -15,6 +17,7 @@ enum class Kernel {
           // kMmaMaxHeadDim, float32 (3xTF32) up to kMmaMaxHeadDimTf32 (mma_supports)
 };
 
+#if !defined(__CUDACC_RTC__)
 // Runs attention on `stream` with `kernel` and the launch of its plan (plan_attention / plan_attention_mma).
 // Returns the launch's error (cudaGetLastError right after it), cudaSuccess when there is nothing to compute,
 // and cudaErrorInvalidValue when the kernel does not cover the problem (plan_attention(p, dtype).bucket == 0:
@@ -26,5 +29,6 @@ cudaError_t launch_attention(const AttentionParams& p, DType dtype, const Attent
 // The tensor-core launcher (cuda/attention_kernel_mma.cu), called by launch_attention for Kernel::kMma.
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  cudaStream_t stream);
+#endif
 
 }  // namespace attnx::cuda

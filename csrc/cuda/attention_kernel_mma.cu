@@ -416,6 +416,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 }
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        cudaStream_t stream) {
@@ -430,8 +431,10 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
   }
 }
 
+#endif
 }  // namespace
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  cudaStream_t stream) {
   if (!mma_supports(p, dtype) || !params_consistent(p, ptr)) return cudaErrorInvalidValue;
@@ -449,5 +452,7 @@ cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const At
       return cudaErrorInvalidValue;
   }
 }
+
+#endif
 
 }  // namespace attnx::cuda

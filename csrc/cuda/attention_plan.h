@@ -14,8 +14,10 @@
 //          kTileKeys), every region 16-byte aligned.
 #pragma once
 
+#if !defined(__CUDACC_RTC__)  // NVRTC: attnx/rtc.h
 #include <stddef.h>
 #include <stdint.h>
+#endif
 
 #include "attnx/params.h"
 

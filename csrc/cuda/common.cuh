@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#if !defined(__CUDACC_RTC__)  // NVRTC has none of these; attnx/rtc.h stands in for what the kernels use
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +15,7 @@
 
 #include <type_traits>
 #include <utility>
+#endif
 
 #if defined(ATTNX_CUDA_EMULATION)
 // g++ compiles this file for the CPU: threadIdx, __syncthreads, warp shuffles and the launch are emulated.
@@ -34,6 +36,7 @@ using ::attnx_emu::launch_kernel;
   extern __shared__ __align__(16) unsigned char attnx_smem_[]; \
   T* name = reinterpret_cast<T*>(attnx_smem_)
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only
 // kernel<<<grid, block, smem, stream>>>(args...), then the launch's error, as C10_CUDA_KERNEL_LAUNCH_CHECK
 // reads it.
 template <typename... Params, typename... Args>
@@ -45,7 +48,9 @@ inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 bloc
   return cudaGetLastError();
 }
 #endif
+#endif
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only
 // A kernel's launch over `blocks` 1-D blocks of `threads` threads with `smem` bytes of dynamic shared memory:
 // above 48 KiB a kernel must opt in first, and a device with less shared memory per block fails there.
 template <typename... Params, typename... Args>
@@ -69,6 +74,7 @@ inline cudaError_t dispatch_bucket(int bucket, F&& f) {
   (void)((bucket == kBuckets ? (err = f(std::integral_constant<int, kBuckets>{}), true) : false) || ...);
   return err;
 }
+#endif
 
 constexpr unsigned kFullMask = 0xffffffffu;
 

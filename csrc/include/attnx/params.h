@@ -7,7 +7,7 @@
 
 #if defined(__METAL_VERSION__)
 #include <metal_stdlib>
-#else
+#elif !defined(__CUDACC_RTC__)  // NVRTC: attnx/rtc.h
 #include <stdint.h>
 #endif
 

@@ -19,7 +19,9 @@
 #include <metal_stdlib>
 #define ATTNX_PHILOX_INLINE inline
 #elif defined(__CUDACC__) || defined(__HIPCC__)
+#if !defined(__CUDACC_RTC__)  // NVRTC: attnx/rtc.h
 #include <stdint.h>
+#endif
 #define ATTNX_PHILOX_INLINE __host__ __device__ inline
 #else
 #include <stdint.h>

@@ -15,7 +15,9 @@
 #include <metal_stdlib>
 #define ATTNX_HOST_DEVICE
 #elif defined(__CUDACC__) || defined(__HIPCC__)
+#if !defined(__CUDACC_RTC__)  // NVRTC: attnx/rtc.h
 #include <math.h>
+#endif
 #define ATTNX_HOST_DEVICE __host__ __device__
 #else
 #include <math.h>
