@@ -288,6 +288,11 @@ def benchmark_ratios(results: dict) -> dict:
     return out
 
 
+def benchmark_files(log: str) -> list:
+    """The result files a `python -m benchmarks` run says it wrote."""
+    return re.findall(r"\] (?:results|record) written to (\S+)", log)
+
+
 def _round(x, digits=3):
     return None if x is None else round(float(x), digits)
 
@@ -547,12 +552,16 @@ class Check:
             self.step(name, cmd, env=env, detail=detail)
 
     # bench ----------------------------------------------------------------------------------------------
+    def benchmarks_command(self, *only):
+        """python -m benchmarks on the GPU, quick, for the benchmarks `only` names."""
+        return [PY, "-m", "benchmarks", "--device", "cuda", *(a for name in only for a in ("--only", name)),
+                "--quick", "--no-plots", "--results-dir", self.args.results_dir]
+
     def bench_step(self):
-        cmd = [PY, "-m", "benchmarks", "--device", "cuda", "--only", "cuda", "--only", "eval", "--quick",
-               "--no-plots", "--results-dir", self.args.results_dir]
+        cmd = self.benchmarks_command("cuda", "eval")
 
         def detail(log):
-            written = re.findall(r"\] (?:results|record) written to (\S+)", log)
+            written = benchmark_files(log)
             self.extra["bench_files"] = written
             for path in written:
                 if path.endswith(".json") and os.path.exists(path):
@@ -565,11 +574,10 @@ class Check:
 
     # the fused backward's benchmarks (opt-in until it has run on a GPU) -------------------------------------
     def backward_step(self):
-        cmd = [PY, "-m", "benchmarks", "--device", "cuda", "--only", "backward", "--only", "train", "--quick",
-               "--no-plots", "--results-dir", self.args.results_dir]
+        cmd = self.benchmarks_command("backward", "train")
 
         def detail(log):
-            written = re.findall(r"\] (?:results|record) written to (\S+)", log)
+            written = benchmark_files(log)
             self.extra["backward_bench_files"] = written
             return f"{len(written)} result files"
 

@@ -41,6 +41,17 @@ class Unavailable(Exception):
     """The emulation cannot be built on this machine (no C++20 compiler or no CUDA toolkit headers)."""
 
 
+def load():
+    """The emulation library as an Emulator, built if needed; for a test where it cannot be built, a skip
+    that says why."""
+    import pytest
+
+    try:
+        return Emulator(build())
+    except Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+
+
 def _depends():
     patterns = ["cuda/*.h", "cuda/*.cuh", "cuda/*.cu", "include/attnx/*.h"]
     files = sorted(p for pattern in patterns for p in glob.glob(os.path.join(CSRC, pattern)))
