@@ -14,11 +14,11 @@
 // A row that sees no key has lse = +inf: its P is 0 and it contributes nothing. A key outside a row's key
 // range (attnx/key_range.h) is not seen at all, whatever its score.
 //
-// Every tile pair computes its (tile x tile) P and dS in shared memory from the staged operands: thread t
-// takes elements t, t + 128, ... of the tile, each one dot product over D and one over Dv. Then the key pass
-// accumulates dV and dK of its key tile in registers (a thread owns (key, column) elements t, t + 128, ...)
-// and the query pass dQ of its query tile (a thread owns (row, column) elements), so that every output
-// element has one owner and is written once. Grouped KV heads: a key block loops over the query heads of
+// Every tile pair computes its (tile x tile) P and dS in shared memory from the staged operands, a thread a
+// small block of it (tile_pair: one pass over D and one over Dv for the whole block). Then the key pass
+// accumulates dV and dK of its key tile in registers and the query pass dQ of its query tile, a thread owning
+// a fixed set of (row, column) elements (Shape::kOwnedRows x kOwnedCols), so that every output element has
+// one owner and is written once. Grouped KV heads: a key block loops over the query heads of
 // its group, K and V are read in place, never repeated. Tiles are aligned to multiples of `tile` in both
 // passes, and a pass visits only the tiles its key ranges reach.
 #include "attnx/philox.h"
@@ -28,9 +28,9 @@
 namespace attnx::cuda {
 namespace {
 
-// Blocks per SM the launch bounds ask ptxas for. Stated, although it is the default: without it ptxas holds
-// the bucket-32 kernels to 64-72 registers on sm_90 and spills 8-28 bytes there; with it none spills on
-// sm_80 or sm_90 (120-255 registers).
+// Blocks per SM the launch bounds ask ptxas for. Stated, although 1 is what it means without it: left to
+// itself, ptxas holds some query-pass kernels to 128-168 registers on sm_80 and spills 4-32 bytes there
+// (fp32/fp16/bf16 at buckets 32 and 128, fp64 at 128); with it none spills on sm_80 or sm_90.
 constexpr int kBackwardMinBlocks = 1;
 
 template <typename A>
@@ -129,7 +129,11 @@ struct Shape {
   using acc_t = typename AccType<scalar_t>::type;
   static constexpr int kTile = backward_tile(kBucket, static_cast<int>(sizeof(acc_t)));
   static constexpr int kLd = kBucket + 1;
-  static constexpr int kOwned = kTile * kBucket / kBackwardThreads;  // gradient elements per thread
+  // The elements of a (kTile, kBucket) gradient tile a thread owns: rows warp + 4 m (m < kOwnedRows) and
+  // columns lane + 32 u (u < kOwnedCols). A warp reads one P or dS element (a broadcast) and its lanes 32
+  // consecutive operand columns (no bank conflict) per step, each read serving kOwnedCols (kOwnedRows) FMAs.
+  static constexpr int kWarpsPerBlock = kBackwardThreads / kWarpSize;
+  static constexpr int kOwnedRows = kTile / kWarpsPerBlock, kOwnedCols = kBucket / kWarpSize;
   using Smem = Tiles<acc_t, kTile, kLd>;
 };
 
@@ -137,6 +141,11 @@ struct Shape {
 // t.q, t.dout, t.k, t.v, t.lse and t.delta. t.p gets Z P (what dV needs) in the key pass and dS (the mask's
 // gradient) in the query pass; t.ds gets dS y' (what dQ and dK need). Elements outside the rows' key ranges,
 // past L or past S_b are 0.
+//
+// A thread computes a kRI x kRJ block of the pair (2 x 4 at tile 32, 1 x 2 at 16, 1 x 1 at 8, where half the
+// threads idle): rows ti + r * kTile / kRI and keys tj + s * kTile / kRJ, so that each operand element it
+// reads from shared memory serves kRJ (kRI) products, and the 8 key rows and 4 query rows a warp reads at
+// once fall on distinct banks (odd row stride kLd).
 template <typename scalar_t, int kBucket, bool kKeyPass>
 __device__ __forceinline__ void tile_pair(const AttentionParams& p, const AttentionPointers& ptr,
                                           const Constants<typename AccType<scalar_t>::type>& k,
@@ -144,53 +153,97 @@ __device__ __forceinline__ void tile_pair(const AttentionParams& p, const Attent
                                           int64_t h, int64_t q0, int64_t k0, int64_t Sb) {
   using acc_t = typename AccType<scalar_t>::type;
   constexpr int kTile = Shape<scalar_t, kBucket>::kTile, kLd = Shape<scalar_t, kBucket>::kLd;
+  constexpr int kRI = kTile == 32 ? 2 : 1, kRJ = kTile == 32 ? 4 : kTile == 16 ? 2 : 1;
+  constexpr int kThreadsI = kTile / kRI, kThreadsJ = kTile / kRJ;
+  static_assert(kThreadsI * kThreadsJ <= kBackwardThreads,
+                "a pair's blocks need more threads than a block has");
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid >= kThreadsI * kThreadsJ) return;
+  const int ti = tid / kThreadsJ, tj = tid % kThreadsJ;
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
+
+  // The block's scores and dO.v products: one pass over D and one over Dv.
+  acc_t dot[kRI][kRJ], dp[kRI][kRJ];
+#pragma unroll
+  for (int r = 0; r < kRI; ++r) {
+#pragma unroll
+    for (int c = 0; c < kRJ; ++c) dot[r][c] = dp[r][c] = acc_t(0);
+  }
+  for (int c = 0; c < D; ++c) {
+    acc_t q[kRI], kk[kRJ];
+#pragma unroll
+    for (int r = 0; r < kRI; ++r) q[r] = t.q[(ti + r * kThreadsI) * kLd + c];
+#pragma unroll
+    for (int j = 0; j < kRJ; ++j) kk[j] = t.k[(tj + j * kThreadsJ) * kLd + c];
+#pragma unroll
+    for (int r = 0; r < kRI; ++r) {
+#pragma unroll
+      for (int j = 0; j < kRJ; ++j) dot[r][j] += q[r] * kk[j];
+    }
+  }
+  for (int c = 0; c < Dv; ++c) {
+    acc_t o[kRI], v[kRJ];
+#pragma unroll
+    for (int r = 0; r < kRI; ++r) o[r] = t.dout[(ti + r * kThreadsI) * kLd + c];
+#pragma unroll
+    for (int j = 0; j < kRJ; ++j) v[j] = t.v[(tj + j * kThreadsJ) * kLd + c];
+#pragma unroll
+    for (int r = 0; r < kRI; ++r) {
+#pragma unroll
+      for (int j = 0; j < kRJ; ++j) dp[r][j] += o[r] * v[j];
+    }
+  }
+
   const int64_t L = p.q_len, S = p.kv_len;
   const int64_t am_base = b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1];
   const int64_t kpm_base = b * p.key_padding_mask_stride[0];
   const uint64_t dropout_row0 = static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L);
-  for (int e = static_cast<int>(threadIdx.x); e < kTile * kTile; e += kBackwardThreads) {
-    const int i = e / kTile, j = e % kTile;
-    const int64_t l = q0 + i, s = k0 + j;
-    acc_t pz = acc_t(0), ds_bias = acc_t(0), ds = acc_t(0);
-    if (l < L && range_key_begin(l, L, Sb, p.window_left) <= s &&
-        s < range_key_end(l, L, Sb, p.window_right, p.is_causal)) {
-      acc_t dot = acc_t(0), dp = acc_t(0);
-      for (int c = 0; c < D; ++c) dot += t.q[i * kLd + c] * t.k[j * kLd + c];
-      for (int c = 0; c < Dv; ++c) dp += t.dout[i * kLd + c] * t.v[j * kLd + c];
-      acc_t y = dot * k.scale, slope = acc_t(1);
-      if (k.cap.cap > acc_t(0)) {
-        const acc_t th = tanh_acc(y * k.cap.inv_cap);
-        y = k.cap.cap * th;
-        slope = acc_t(1) - th * th;
+#pragma unroll
+  for (int r = 0; r < kRI; ++r) {
+    const int i = ti + r * kThreadsI;
+    const int64_t l = q0 + i;
+    const int64_t key_lo = l < L ? range_key_begin(l, L, Sb, p.window_left) : 0;
+    const int64_t key_hi = l < L ? range_key_end(l, L, Sb, p.window_right, p.is_causal) : 0;
+#pragma unroll
+    for (int jj = 0; jj < kRJ; ++jj) {
+      const int j = tj + jj * kThreadsJ;
+      const int64_t s = k0 + j;
+      acc_t pz = acc_t(0), ds_bias = acc_t(0), ds = acc_t(0);
+      if (key_lo <= s && s < key_hi) {
+        acc_t y = dot[r][jj] * k.scale, slope = acc_t(1);
+        if (k.cap.cap > acc_t(0)) {
+          const acc_t th = tanh_acc(y * k.cap.inv_cap);
+          y = k.cap.cap * th;
+          slope = acc_t(1) - th * th;
+        }
+        // scores + (attn_mask + key_padding_mask), summed in the reference's order.
+        acc_t bias = acc_t(0);
+        if (p.key_padding_mask_kind != kMaskNone) {
+          bias = mask_value<acc_t>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                   kpm_base + s * p.key_padding_mask_stride[1]);
+        }
+        if (p.attn_mask_kind != kMaskNone) {
+          bias = mask_value<acc_t>(p.attn_mask_kind, ptr.attn_mask,
+                                   am_base + l * p.attn_mask_stride[2] + s * p.attn_mask_stride[3]) +
+                 bias;
+        }
+        const acc_t prob = exp_acc(y + bias - t.lse[i]);
+        acc_t z = acc_t(1);
+        if (p.dropout) {
+          const uint64_t el =
+              (dropout_row0 + static_cast<uint64_t>(l)) * static_cast<uint64_t>(S) + static_cast<uint64_t>(s);
+          z = dropout_keep(el, p.dropout_threshold, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
+                           p.dropout_offset[1])
+                  ? k.dropout_scale
+                  : acc_t(0);
+        }
+        pz = z * prob;
+        ds_bias = prob * (z * dp[r][jj] - t.delta[i]);
+        ds = ds_bias * slope;
       }
-      // scores + (attn_mask + key_padding_mask), summed in the reference's order.
-      acc_t bias = acc_t(0);
-      if (p.key_padding_mask_kind != kMaskNone) {
-        bias = mask_value<acc_t>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                 kpm_base + s * p.key_padding_mask_stride[1]);
-      }
-      if (p.attn_mask_kind != kMaskNone) {
-        bias = mask_value<acc_t>(p.attn_mask_kind, ptr.attn_mask,
-                                 am_base + l * p.attn_mask_stride[2] + s * p.attn_mask_stride[3]) +
-               bias;
-      }
-      const acc_t prob = exp_acc(y + bias - t.lse[i]);
-      acc_t z = acc_t(1);
-      if (p.dropout) {
-        const uint64_t el =
-            (dropout_row0 + static_cast<uint64_t>(l)) * static_cast<uint64_t>(S) + static_cast<uint64_t>(s);
-        z = dropout_keep(el, p.dropout_threshold, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
-                         p.dropout_offset[1])
-                ? k.dropout_scale
-                : acc_t(0);
-      }
-      pz = z * prob;
-      ds_bias = prob * (z * dp - t.delta[i]);
-      ds = ds_bias * slope;
+      t.p[i * (kTile + 1) + j] = kKeyPass ? pz : ds_bias;
+      t.ds[i * (kTile + 1) + j] = ds;
     }
-    t.p[i * (kTile + 1) + j] = kKeyPass ? pz : ds_bias;
-    t.ds[i * (kTile + 1) + j] = ds;
   }
 }
 
@@ -234,15 +287,16 @@ __device__ __forceinline__ void stage_keys(const AttentionParams& p, const Atten
 }
 
 // The key pass: block = (b, kv head, key tile). dV = sum (Z P)^T dO and dK = scale sum (dS y')^T Q over the
-// group's query heads and the query tiles that see the key tile. A thread owns (key, column) elements t,
-// t + 128, ... of the (kTile, kBucket) dK and dV, in registers.
+// group's query heads and the query tiles that see the key tile, in registers (Shape's ownership).
 template <typename scalar_t, int kBucket>
 __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
     attention_backward_keys(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
                             const AttentionBackwardPlan plan, const typename AccType<scalar_t>::type* delta) {
   using acc_t = typename AccType<scalar_t>::type;
   using Sh = Shape<scalar_t, kBucket>;
-  constexpr int kTile = Sh::kTile, kLd = Sh::kLd, kOwned = Sh::kOwned;
+  constexpr int kTile = Sh::kTile, kLd = Sh::kLd, kRows = Sh::kOwnedRows, kCols = Sh::kOwnedCols;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize,
+            lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const AttentionParams& p = bp.fwd;
   ATTNX_DYNAMIC_SHARED(acc_t, smem);
   const typename Sh::Smem t = tiles_of<acc_t, kTile, kLd>(smem);
@@ -256,9 +310,12 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
   const Constants<acc_t> consts = constants_of<acc_t>(p);
   stage_keys<scalar_t, kBucket>(p, ptr.fwd, t, b, hk, k0);
 
-  acc_t dk[kOwned], dv[kOwned];
+  acc_t dk[kRows][kCols], dv[kRows][kCols];
 #pragma unroll
-  for (int m = 0; m < kOwned; ++m) dk[m] = dv[m] = acc_t(0);
+  for (int m = 0; m < kRows; ++m) {
+#pragma unroll
+    for (int u = 0; u < kCols; ++u) dk[m][u] = dv[m][u] = acc_t(0);
+  }
 
   // The queries that see some key of the tile: from its first key's first query to its last key's end
   // (none when the tile starts past S_b).
@@ -274,17 +331,23 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
       __syncthreads();
       tile_pair<scalar_t, kBucket, /*kKeyPass=*/true>(p, ptr.fwd, consts, t, b, h, q0, k0, Sb);
       __syncthreads();
+      for (int i = 0; i < kTile; ++i) {
+        acc_t o[kCols], q[kCols];
 #pragma unroll
-      for (int m = 0; m < kOwned; ++m) {
-        const int e = static_cast<int>(threadIdx.x) + m * kBackwardThreads;
-        const int j = e / kBucket, c = e % kBucket;
-        acc_t sv = dv[m], sk = dk[m];
-        for (int i = 0; i < kTile; ++i) {
-          sv += t.p[i * (kTile + 1) + j] * t.dout[i * kLd + c];
-          sk += t.ds[i * (kTile + 1) + j] * t.q[i * kLd + c];
+        for (int u = 0; u < kCols; ++u) {
+          o[u] = t.dout[i * kLd + lane + u * kWarpSize];
+          q[u] = t.q[i * kLd + lane + u * kWarpSize];
         }
-        dv[m] = sv;
-        dk[m] = sk;
+#pragma unroll
+        for (int m = 0; m < kRows; ++m) {
+          const int j = warp + m * Sh::kWarpsPerBlock;
+          const acc_t pz = t.p[i * (kTile + 1) + j], ds = t.ds[i * (kTile + 1) + j];
+#pragma unroll
+          for (int u = 0; u < kCols; ++u) {
+            dv[m][u] += pz * o[u];
+            dk[m][u] += ds * q[u];
+          }
+        }
       }
     }
   }
@@ -294,17 +357,19 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
   scalar_t* const grad_value =
       static_cast<scalar_t*>(ptr.grad_value) + b * bp.grad_value_stride[0] + hk * bp.grad_value_stride[1];
 #pragma unroll
-  for (int m = 0; m < kOwned; ++m) {
-    const int e = static_cast<int>(threadIdx.x) + m * kBackwardThreads;
-    const int j = e / kBucket, c = e % kBucket;
-    const int64_t s = k0 + j;
+  for (int m = 0; m < kRows; ++m) {
+    const int64_t s = k0 + warp + m * Sh::kWarpsPerBlock;
     if (s >= S) continue;
-    if (c < p.head_dim) {
-      grad_key[s * bp.grad_key_stride[2] + c * bp.grad_key_stride[3]] =
-          from_acc<scalar_t>(dk[m] * consts.scale);
-    }
-    if (c < p.v_head_dim) {
-      grad_value[s * bp.grad_value_stride[2] + c * bp.grad_value_stride[3]] = from_acc<scalar_t>(dv[m]);
+#pragma unroll
+    for (int u = 0; u < kCols; ++u) {
+      const int c = lane + u * kWarpSize;
+      if (c < p.head_dim) {
+        grad_key[s * bp.grad_key_stride[2] + c * bp.grad_key_stride[3]] =
+            from_acc<scalar_t>(dk[m][u] * consts.scale);
+      }
+      if (c < p.v_head_dim) {
+        grad_value[s * bp.grad_value_stride[2] + c * bp.grad_value_stride[3]] = from_acc<scalar_t>(dv[m][u]);
+      }
     }
   }
 }
@@ -336,8 +401,8 @@ __device__ __forceinline__ void add_mask_grad(const AttentionBackwardParams& bp,
   }
 }
 
-// The query pass: dQ = scale sum (dS y') K of one (b, h, query tile) per iteration (a thread owns (row,
-// column) elements of the (kTile, kBucket) dQ), and attn_mask's gradient. A block loops over the batches,
+// The query pass: dQ = scale sum (dS y') K of one (b, h, query tile) per iteration (in registers, Shape's
+// ownership), and attn_mask's gradient. A block loops over the batches,
 // heads and query tiles whose mask gradients add into the same elements (the dims of
 // bp.grad_attn_mask_size that are 1), one after another, so that it alone writes them.
 template <typename scalar_t, int kBucket>
@@ -347,7 +412,9 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
                                const typename AccType<scalar_t>::type* delta) {
   using acc_t = typename AccType<scalar_t>::type;
   using Sh = Shape<scalar_t, kBucket>;
-  constexpr int kTile = Sh::kTile, kLd = Sh::kLd, kOwned = Sh::kOwned;
+  constexpr int kTile = Sh::kTile, kLd = Sh::kLd, kRows = Sh::kOwnedRows, kCols = Sh::kOwnedCols;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize,
+            lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const AttentionParams& p = bp.fwd;
   ATTNX_DYNAMIC_SHARED(acc_t, smem);
   const typename Sh::Smem t = tiles_of<acc_t, kTile, kLd>(smem);
@@ -371,9 +438,12 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
         const int64_t rows = L - q0 < kTile ? L - q0 : kTile;
         __syncthreads();  // the previous query tile is done with every shared region
         stage_queries<scalar_t, kBucket>(bp, ptr, delta, t, b, h, q0);
-        acc_t dq[kOwned];
+        acc_t dq[kRows][kCols];
 #pragma unroll
-        for (int m = 0; m < kOwned; ++m) dq[m] = acc_t(0);
+        for (int m = 0; m < kRows; ++m) {
+#pragma unroll
+          for (int u = 0; u < kCols; ++u) dq[m][u] = acc_t(0);
+        }
         // The keys any row of the tile sees: from its first row's first key to its last row's end.
         const int64_t k_begin = range_key_begin(q0, L, Sb, p.window_left);
         const int64_t k_end = range_key_end(q0 + rows - 1, L, Sb, p.window_right, p.is_causal);
@@ -383,25 +453,32 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
           __syncthreads();
           tile_pair<scalar_t, kBucket, /*kKeyPass=*/false>(p, ptr.fwd, consts, t, b, h, q0, k0, Sb);
           __syncthreads();
+          for (int j = 0; j < kTile; ++j) {
+            acc_t kk[kCols];
 #pragma unroll
-          for (int m = 0; m < kOwned; ++m) {
-            const int e = static_cast<int>(threadIdx.x) + m * kBackwardThreads;
-            const int i = e / kBucket, c = e % kBucket;
-            acc_t sq = dq[m];
-            for (int j = 0; j < kTile; ++j) sq += t.ds[i * (kTile + 1) + j] * t.k[j * kLd + c];
-            dq[m] = sq;
+            for (int u = 0; u < kCols; ++u) kk[u] = t.k[j * kLd + lane + u * kWarpSize];
+#pragma unroll
+            for (int m = 0; m < kRows; ++m) {
+              const acc_t ds = t.ds[(warp + m * Sh::kWarpsPerBlock) * (kTile + 1) + j];
+#pragma unroll
+              for (int u = 0; u < kCols; ++u) dq[m][u] += ds * kk[u];
+            }
           }
           if (mask_grad != nullptr) add_mask_grad<scalar_t, kBucket>(bp, mask_grad, t, b, h, q0, k0);
         }
         scalar_t* const grad_query = static_cast<scalar_t*>(ptr.grad_query) + b * bp.grad_query_stride[0] +
                                      h * bp.grad_query_stride[1];
 #pragma unroll
-        for (int m = 0; m < kOwned; ++m) {
-          const int e = static_cast<int>(threadIdx.x) + m * kBackwardThreads;
-          const int i = e / kBucket, c = e % kBucket;
-          if (i < rows && c < p.head_dim) {
-            grad_query[(q0 + i) * bp.grad_query_stride[2] + c * bp.grad_query_stride[3]] =
-                from_acc<scalar_t>(dq[m] * consts.scale);
+        for (int m = 0; m < kRows; ++m) {
+          const int i = warp + m * Sh::kWarpsPerBlock;
+          if (i >= rows) continue;
+#pragma unroll
+          for (int u = 0; u < kCols; ++u) {
+            const int c = lane + u * kWarpSize;
+            if (c < p.head_dim) {
+              grad_query[(q0 + i) * bp.grad_query_stride[2] + c * bp.grad_query_stride[3]] =
+                  from_acc<scalar_t>(dq[m][u] * consts.scale);
+            }
           }
         }
       }
