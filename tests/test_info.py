@@ -79,9 +79,9 @@ def test_op_lines_follow_the_loaded_libraries(report):
         assert _listed(report, op) == dict.fromkeys(loaded, "kernel"), op
     for op in ("attnx::mha", "attnx::mha_backward"):
         assert _listed(report, op) == dict.fromkeys(loaded, "composite"), op
-    # attention's backward: the CPU kernel, and the composite where attention has a forward kernel.
+    # attention's backward: the CPU and CUDA kernels, and the composite where attention has a forward kernel.
     backward = _listed(report, "attnx::attention_backward")
-    assert backward == {backend: "kernel" if backend == "CPU" else "composite" for backend in loaded}
+    assert backward == {b: "kernel" if b in ("CPU", "CUDA") else "composite" for b in loaded}
     for backend, kind in backward.items():
         has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("attnx::attention_backward", backend)
         assert has_kernel == (kind == "kernel"), backend
@@ -105,6 +105,10 @@ def test_cpu_backward_is_fused(report):
     assert listed.keys() == set(_loader.loaded_backends())
     for backend, text in listed.items():
         has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("attnx::attention_backward", backend)
+        if backend == "CUDA":  # the fused kernels are opt-in (ATTNX_CUDA_FUSED_BACKWARD=1)
+            fused = info.cuda_fused_backward_enabled()
+            assert text.startswith("fused kernel" if fused else "whole-tensor math")
+            continue
         assert text.startswith("fused kernel" if has_kernel else "composite"), backend
 
 

@@ -106,6 +106,12 @@ def mma_enabled() -> bool:
     return os.environ.get("ATTNX_CUDA_MMA") != "0"
 
 
+def cuda_fused_backward_enabled() -> bool:
+    """Whether ATTNX_CUDA_FUSED_BACKWARD=1 turns the fused CUDA backward on (cuda/attention_backward.cpp reads
+    it once, at the process's first CUDA backward; opt-in until the kernels have run on a GPU)."""
+    return os.environ.get("ATTNX_CUDA_FUSED_BACKWARD") == "1"
+
+
 def cuda_kernel(dtype: torch.dtype, capability: tuple[int, int], mma: bool) -> str:
     """The CUDA attention kernel that ``dtype`` takes at head dims up to 128 without dropout on a device of
     compute ``capability``, by select_kernel in csrc/cuda/attention.cpp: ``"mma"`` (tensor cores: float16
@@ -228,9 +234,17 @@ def backward_lines() -> list[str]:
                      "no dropout",
     }
     kinds = backend_kinds("attnx::attention_backward")
-    return ["backward (attnx::attention_backward, which attnx::mha_backward calls):"] + [
-        f"  {backend:<4}  {texts[kind]}" for backend, kind in kinds.items()
-    ]
+    lines = ["backward (attnx::attention_backward, which attnx::mha_backward calls):"]
+    for backend, kind in kinds.items():
+        text = texts[kind]
+        if backend == "CUDA" and kind == "kernel":  # cuda/attention_backward.cpp: fused only when asked for
+            if cuda_fused_backward_enabled():
+                text += " (ATTNX_CUDA_FUSED_BACKWARD=1; not yet run on a GPU)"
+            else:
+                text = ("whole-tensor math: stores the (B, H, L, S) probabilities and their gradient; no "
+                        "dropout (ATTNX_CUDA_FUSED_BACKWARD=1: the fused kernels, not yet run on a GPU)")
+        lines.append(f"  {backend:<4}  {text}")
+    return lines
 
 
 def integrations() -> dict[str, str | None]:
