@@ -459,6 +459,18 @@ AttentionProblem AttentionProblem::unbox(StableIValue* stack, uint64_t num_args,
                            std::move(options));
 }
 
+AttentionKernelProblem AttentionKernelProblem::unbox(StableIValue* stack, uint64_t num_args,
+                                                     uint64_t num_outputs) {
+  using torch::stable::detail::to;
+  AttentionOptions options =
+      detail::unbox_options<AttentionOptions>("attnx::_attention_kernel", stack, num_args, num_outputs,
+                                              /*tensors=*/3, /*trailing=*/1, /*outputs=*/1);
+  // The outputs are allocated as the call would allocate them: a backend's plan may read their strides.
+  return AttentionKernelProblem{prepare_attention(to<Tensor>(stack[0]), to<Tensor>(stack[1]),
+                                                  to<Tensor>(stack[2]), std::move(options)),
+                                to<bool>(stack[num_args - 1]), {}};
+}
+
 AttentionBackwardProblem AttentionBackwardProblem::unbox(StableIValue* stack, uint64_t num_args,
                                                          uint64_t num_outputs) {
   using torch::stable::detail::to;

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -71,6 +72,19 @@ struct AttentionProblem {
   }
 };
 
+// One call of attnx::_attention_kernel: attention's call as the op would prepare it (checks, params, outputs)
+// and the pass asked about; a backend's namer writes the kernel it would run into `kernel`.
+struct AttentionKernelProblem {
+  AttentionProblem call;
+  bool backward;
+  std::string kernel;
+
+  static AttentionKernelProblem unbox(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+  void box(StableIValue* stack) const {
+    stack[0] = torch::stable::detail::from(kernel);
+  }
+};
+
 // The argument checks of attnx::attention. Errors read "attnx::attention: expected ..., got ...".
 // key_lengths values are checked against [0, S] where they can be read without a device sync (on the CPU).
 void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& value,
@@ -122,6 +136,7 @@ void run_attention_backward_math(AttentionBackwardProblem& pb);
 // The op adapter: each backend registers its run functions through it, e.g.
 //   m.impl("_attention", &attention_op<run_attention_cpu>);
 //   m.impl("attention_backward", &attention_op<run_attention_backward_cpu>);
+//   m.impl("_attention_kernel", &attention_op<attention_kernel_cpu>);
 // and never spells out an argument list. A run function is `void run(Problem&)`; its Problem
 // (AttentionProblem, AttentionBackwardProblem or varlen_attention.h's) unboxes and prepares its op's stack
 // (Problem::unbox) and boxes the outputs the run wrote (Problem::box). A forward run writes pb.out and
@@ -152,7 +167,7 @@ Options unbox_options(const char* op, const StableIValue* stack, uint64_t num_ar
 }  // namespace detail
 
 // The boxed kernel of one of the attention ops (attnx::_attention, _attention_autograd, attention_backward,
-// and varlen_attention's) for a backend's run function.
+// _attention_kernel and varlen_attention's) for a backend's run function.
 template <auto Run>
 void attention_op(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   using Problem = typename detail::ProblemOf<decltype(Run)>::type;

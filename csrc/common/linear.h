@@ -113,8 +113,3 @@ torch::stable::Tensor call_linear(const torch::stable::Tensor& input, const torc
                                   const std::optional<torch::stable::Tensor>& bias);
 
 }  // namespace attnx
-
-#if defined(__OBJC__) && !defined(TORCH_TARGET_VERSION)
-// mps/linear.mm, still on the regular ABI, checks its at::Tensor arguments through the bridge.
-#include "common/stable_bridge.h"
-#endif

@@ -67,11 +67,18 @@ void run_attention_cpu(AttentionProblem& pb) {
   kernel(pb.params, pb.ptr, pb.dtype);
 }
 
+// attnx::_attention_kernel on CPU: one forward and one fused backward kernel, compiled per ISA level and
+// picked once per process (their plans, tiles and threads, are chosen inside them per call).
+void attention_kernel_cpu(AttentionKernelProblem& pb) {
+  pb.kernel = "cpu " + cpu_capability_name();
+}
+
 }  // namespace attnx
 
 STABLE_TORCH_LIBRARY_IMPL(attnx, CPU, m) {
   m.impl("_attention", &attnx::attention_op<attnx::run_attention_cpu>);
   m.impl("_attention_autograd", &attnx::attention_op<attnx::run_attention_cpu>);
+  m.impl("_attention_kernel", &attnx::attention_op<attnx::attention_kernel_cpu>);
 }
 
 // An op without tensor arguments gives the dispatcher no backend key: the CompositeExplicitAutograd kernel is

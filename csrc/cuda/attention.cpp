@@ -1,63 +1,89 @@
-// attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernel is
-// cuda/attention_kernel.cu (torch-free), launched here on the current stream of the inputs' device. On the
-// LibTorch stable ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C
-// shim, and nothing here needs libc10_cuda.
-#include "common/attention.h"
+// attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernels are
+// cuda/attention_kernel.cu and attention_kernel_mma.cu (torch-free), chosen by choose_kernel
+// (cuda/attention_plan.h) and launched on the current stream of the inputs' device. On the LibTorch stable
+// ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C shim, and nothing
+// here needs libc10_cuda.
+#include "cuda/attention.h"
 
-#include <cuda_runtime_api.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
+#include <string>
 
 #include "common/stable.h"
 #include "cuda/attention_composite.h"
 #include "cuda/attention_kernel.h"
-#include "cuda/stream.h"
+#include "cuda/device.h"
 
-namespace attnx {
+namespace attnx::cuda {
 
 namespace {
 
-// The tensor-core kernel where it covers the problem (cuda::mma_supports: float16/bfloat16 with max(D, Dv)
-// <= 128, float32 as 3xTF32 with max(D, Dv) <= 64, no dropout) and the device is sm80+; the SIMT kernel
-// otherwise, or everywhere when ATTNX_CUDA_MMA=0 (read once per process).
-cuda::Kernel select_kernel(const AttentionParams& p, cuda::DType dtype, int32_t device) {
-  static const bool requested = [] {
-    const char* flag = std::getenv("ATTNX_CUDA_MMA");
-    return flag == nullptr || std::strcmp(flag, "0") != 0;
-  }();
-  if (!requested || !cuda::mma_supports(p, dtype)) return cuda::Kernel::kSimt;
-  int major = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  ATTNX_CHECK(err == cudaSuccess, "attnx::attention: cannot read the compute capability of device ", device,
-              ": ", cudaGetErrorString(err));
-  return major >= 8 ? cuda::Kernel::kMma : cuda::Kernel::kSimt;
+// The forward's kernel for pb, with the error the call raises where no kernel takes it.
+Kernel forward_kernel(const AttentionProblem& pb, DType dtype, const Target& target) {
+  const Kernel kernel = choose_kernel(pb.params, dtype, target);
+  ATTNX_CHECK(kernel != Kernel::kComposite || !pb.params.dropout, "attnx::attention: expected head dims up to ",
+              kMaxHeadDim, " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
+              pb.params.head_dim, ", Dv=", pb.params.v_head_dim);
+  return kernel;
 }
 
 }  // namespace
+
+void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stream) {
+  const DType dtype = kernel_dtype(pb.dtype, "attnx::attention");
+  const Kernel kernel = forward_kernel(pb, dtype, target);
+  if (kernel == Kernel::kComposite) {
+    attention_composite(pb);
+    return;
+  }
+  const cudaError_t err = launch_attention(pb.params, dtype, pb.ptr, stream, kernel);
+  ATTNX_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
+              ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,
+              ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ",
+              pb.dtype, "): ", cudaGetErrorString(err));
+}
+
+void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
+  const AttentionParams& p = pb.call.params;
+  const char* op = pb.backward ? "attnx::attention_backward" : "attnx::attention";
+  const DType dtype = kernel_dtype(pb.call.dtype, op);
+  const std::string bucket = stable::str(dtype_name(dtype), " bucket ", head_dim_bucket(p.head_dim, p.v_head_dim));
+  if (pb.backward) {
+    pb.kernel = choose_fused_backward(p, target) ? "cuda fused " + bucket : "math";
+    return;
+  }
+  switch (forward_kernel(pb.call, dtype, target)) {
+    case Kernel::kMma:
+      pb.kernel = "cuda mma " + bucket;
+      break;
+    case Kernel::kSimt:
+      pb.kernel = "cuda simt " + bucket;
+      break;
+    case Kernel::kComposite:
+      pb.kernel = "cuda composite";
+      break;
+  }
+}
+
+}  // namespace attnx::cuda
+
+// The CUDA library's entry points: the device of the call made current, its Target and its current stream.
+// (The emulated backend compiles the glue above with ATTNX_CUDA_EMULATION and enters it with its own.)
+#if !defined(ATTNX_CUDA_EMULATION)
+namespace attnx {
 
 void run_attention_cuda(AttentionProblem& pb) {
   // prepare_attention checked that every tensor is on query's device, a CUDA one (this kernel's key).
   const int32_t device = pb.query.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
-  const cuda::DType dtype = cuda::kernel_dtype(pb.dtype, "attnx::attention");
-  if (cuda::plan_attention(pb.params, dtype).bucket == 0) {
-    ATTNX_CHECK(!pb.params.dropout, "attnx::attention: expected head dims up to ", cuda::kMaxHeadDim,
-                " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
-                pb.params.head_dim, ", Dv=", pb.params.v_head_dim);
-    cuda::attention_composite(pb);
-    return;
-  }
-  const cudaError_t err = cuda::launch_attention(pb.params, dtype, pb.ptr, cuda::current_stream(device),
-                                                 select_kernel(pb.params, dtype, device));
-  ATTNX_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
-              ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,
-              ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ",
-              pb.dtype, "): ", cudaGetErrorString(err));
+  cuda::run_attention(pb, cuda::target(device), cuda::current_stream(device));
+}
+
+void attention_kernel_cuda(AttentionKernelProblem& pb) {
+  cuda::attention_kernel(pb, cuda::target(pb.call.query.get_device_index()));
 }
 
 }  // namespace attnx
@@ -65,4 +91,6 @@ void run_attention_cuda(AttentionProblem& pb) {
 STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
   m.impl("_attention", &attnx::attention_op<attnx::run_attention_cuda>);
   m.impl("_attention_autograd", &attnx::attention_op<attnx::run_attention_cuda>);
+  m.impl("_attention_kernel", &attnx::attention_op<attnx::attention_kernel_cuda>);
 }
+#endif

@@ -11,18 +11,13 @@
 
 namespace attnx::cuda {
 
-enum class Kernel {
-  kSimt,  // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
-  kMma,   // cuda/attention_kernel_mma.cu: tensor cores on sm80+, float16/bfloat16 with head dims up to
-          // kMmaMaxHeadDim, float32 (3xTF32) up to kMmaMaxHeadDimTf32 (mma_supports)
-};
-
 #if !defined(__CUDACC_RTC__)
-// Runs attention on `stream` with `kernel` and the launch of its plan (plan_attention / plan_attention_mma).
-// Returns the launch's error (cudaGetLastError right after it), cudaSuccess when there is nothing to compute,
-// and cudaErrorInvalidValue when the kernel does not cover the problem (plan_attention(p, dtype).bucket == 0:
-// D or Dv above kMaxHeadDim; for kMma, !mma_supports(p, dtype)) or the params are inconsistent
-// (!params_consistent(p, ptr)). The caller checks that an sm80+ device runs kMma.
+// Runs attention on `stream` with `kernel` (kSimt or kMma: choose_kernel) and the launch of its plan
+// (plan_attention / plan_attention_mma). Returns the launch's error (cudaGetLastError right after it),
+// cudaSuccess when there is nothing to compute, and cudaErrorInvalidValue when the kernel does not cover the
+// problem (plan_attention(p, dtype).bucket == 0: D or Dv above kMaxHeadDim; kComposite; for kMma,
+// !mma_supports(p, dtype)) or the params are inconsistent (!params_consistent(p, ptr)). The caller checks
+// that an sm80+ device runs kMma.
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel = Kernel::kSimt);
 

@@ -146,6 +146,49 @@ constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
   return p.dropout == 0 && bucket != 0 && bucket <= max_head_dim;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The kernel choice: the one place that decides which CUDA kernel runs a call. The glue (cuda/attention.cpp,
+// cuda/attention_backward.cpp) runs what it says, attnx::_attention_kernel names it, and the emulated
+// backend (tests/emulation/) takes the same decisions for its own Target.
+
+// What the choice depends on beyond the call: the device's compute capability and what the process asked for
+// (ATTNX_CUDA_MMA=0 turns the tensor cores off, ATTNX_CUDA_FUSED_BACKWARD=1 turns the fused backward on;
+// cuda/stream.h reads them once per process).
+struct Target {
+  int capability;  // major * 10 + minor: 80 for sm_80
+  bool mma;
+  bool fused_backward;
+};
+
+enum class Kernel {
+  kSimt,       // cuda/attention_kernel.cu: every dtype and dropout, head dims up to kMaxHeadDim
+  kMma,        // cuda/attention_kernel_mma.cu: tensor cores on sm80+ (mma_supports)
+  kComposite,  // above kMaxHeadDim: torch's ops (cuda/attention_composite.h), no dropout
+};
+
+// attention's kernel: tensor cores where they cover the problem on sm80+ and the process has not turned them
+// off, the SIMT kernel for the rest up to kMaxHeadDim, the composite above.
+constexpr Kernel choose_kernel(const AttentionParams& p, DType dtype, const Target& target) {
+  if (head_dim_bucket(p.head_dim, p.v_head_dim) == 0) return Kernel::kComposite;
+  if (target.mma && target.capability >= 80 && mma_supports(p, dtype)) return Kernel::kMma;
+  return Kernel::kSimt;
+}
+
+// attention_backward's: the fused kernels (cuda/attention_backward_kernel.cu) when the process asked for
+// them and the head dims are within kMaxHeadDim, the whole-tensor math (common/attention_math.cpp) otherwise.
+// They are opt-in until they have run on a GPU.
+constexpr bool choose_fused_backward(const AttentionParams& p, const Target& target) {
+  return target.fused_backward && head_dim_bucket(p.head_dim, p.v_head_dim) != 0;
+}
+
+// The dtype as the kernel names spell it: "fp16", "bf16", "fp32", "fp64".
+constexpr const char* dtype_name(DType dtype) {
+  return dtype == DType::kFloat16    ? "fp16"
+         : dtype == DType::kBFloat16 ? "bf16"
+         : dtype == DType::kFloat32  ? "fp32"
+                                     : "fp64";
+}
+
 // True when every K and V row of the launch can be read as 16-byte vectors: unit column stride, head dims
 // and every other stride a multiple of 16 bytes, 16-byte aligned base pointers. The mma kernel then stages
 // its tiles with cp.async, 16 bytes per copy; otherwise element by element through the strides.

@@ -14,10 +14,6 @@ namespace attnx::mps {
 // is compiled from the embedded sources at the first call in the process; pipelines are cached by name.
 id<MTLComputePipelineState> pipeline(const char* name);
 
-// The kernels' element type for `dtype`; a clear error for the others (float64 above all: Metal has no
-// double). `op` names the op in the message.
-DType metal_dtype(at::ScalarType dtype, const char* op);
-
 // Where a tensor's first element lives: its storage's MTLBuffer and the byte offset of its storage offset.
 // Kernels index from there through the strides they are given, so views are read in place.
 struct BufferRef {

@@ -59,14 +59,6 @@ id<MTLComputePipelineState> pipeline(const char* name) {
   });
 }
 
-DType metal_dtype(at::ScalarType dtype, const char* op) {
-  TORCH_CHECK(dtype != at::kDouble, op,
-              ": float64 is not supported on MPS (Metal has no double); got float64 inputs");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              ": expected float32, float16 or bfloat16 on MPS, got ", dtype);
-  return dtype == at::kFloat ? DType::kFloat32 : dtype == at::kHalf ? DType::kFloat16 : DType::kBFloat16;
-}
-
 BufferRef buffer_ref(const at::Tensor& t) {
   // The MTLBuffer behind an MPS tensor is its storage's data pointer; a view starts storage_offset elements
   // into it.

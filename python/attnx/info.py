@@ -1,8 +1,8 @@
 """``python -m attnx.info``: does attention run here, on which backends, and with which kernels.
 
 Everything is read from this process: the kernels attnx's loaded libraries registered with torch's dispatcher,
-the devices torch sees, and the rules by which the libraries pick a kernel at run time (the CPU kernels' ISA
-level is asked of the library itself). ``python -m attnx.info --ops`` adds every op's dispatch keys.
+the devices torch sees, and the kernel each call takes, as the libraries name it (attnx::_attention_kernel,
+attnx::_cpu_capability): no rule is restated here. ``python -m attnx.info --ops`` adds every op's dispatch keys.
 """
 
 import argparse
@@ -100,25 +100,18 @@ def cpu_isa() -> str:
     return ISA_NAMES[torch.ops.attnx._cpu_capability()]
 
 
-def mma_enabled() -> bool:
-    """Whether ATTNX_CUDA_MMA leaves the tensor-core kernel on: any value but ``0`` (cuda/attention.cpp reads
-    it once, at the process's first CUDA attention call)."""
-    return os.environ.get("ATTNX_CUDA_MMA") != "0"
-
-
-def cuda_fused_backward_enabled() -> bool:
-    """Whether ATTNX_CUDA_FUSED_BACKWARD=1 turns the fused CUDA backward on (cuda/attention_backward.cpp reads
-    it once, at the process's first CUDA backward; opt-in until the kernels have run on a GPU)."""
-    return os.environ.get("ATTNX_CUDA_FUSED_BACKWARD") == "1"
-
-
-def cuda_kernel(dtype: torch.dtype, capability: tuple[int, int], mma: bool) -> str:
-    """The CUDA attention kernel that ``dtype`` takes at head dims up to 128 without dropout on a device of
-    compute ``capability``, by select_kernel in csrc/cuda/attention.cpp: ``"mma"`` (tensor cores: float16
-    and bfloat16 on sm80+, unless ``mma`` is False) or ``"simt"``."""
-    if mma and dtype in (torch.float16, torch.bfloat16) and tuple(capability) >= (8, 0):
-        return "mma"
-    return "simt"
+def attention_kernel(device, dtype: torch.dtype, head_dim: int, backward: bool = False, **options) -> str:
+    """The kernel attnx.attention (``backward``: its backward) runs on ``device`` for ``dtype`` at head dim
+    ``head_dim`` (D = Dv) with ``options`` (attnx.attention's keyword arguments): the backend's own answer
+    (``torch.ops.attnx._attention_kernel``, from the plan its kernels run by), e.g. ``"cuda mma fp16 bucket
+    64"``, ``"composite"``, ``"cpu avx2"``; the error's message where the backend refuses the call."""
+    q = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device=device)
+    if options.get("dropout_p"):
+        options.setdefault("dropout_seed", torch.zeros(2, dtype=torch.int64))
+    try:
+        return torch.ops.attnx._attention_kernel(q, q, q, backward=backward, **options)
+    except RuntimeError as e:
+        return f"none ({str(e).splitlines()[0]})"
 
 
 def arch_runs(arch_list: str, capability: tuple[int, int]) -> bool | None:
@@ -184,17 +177,21 @@ def cpu_line() -> str:
             + (f"; ATEN_CPU_CAPABILITY={asked}" if asked is not None else "") + ")")
 
 
-def _cuda_dtype_text(dtype: torch.dtype, capability: tuple[int, int]) -> str:
-    """What ``dtype`` runs on at each head dim on a device of ``capability``."""
-    # Above head dim 256 no kernel is instantiated: cuda/attention.cpp runs attention_composite.h.
-    beyond = "above 256: a composite of torch's ops, without dropout"
-    if cuda_kernel(dtype, capability, mma_enabled()) == "mma":
-        return (f"tensor-core (mma) kernel up to head dim 128 without dropout; else SIMT kernel up to 256; "
-                f"{beyond}")
-    why = ""
-    if dtype in (torch.float16, torch.bfloat16):
-        why = " (ATTNX_CUDA_MMA=0)" if not mma_enabled() else " (the tensor-core kernel needs sm_80+)"
-    return f"SIMT kernel{why} up to head dim 256; {beyond}"
+# The head dims and dtypes kernel_lines asks about: one per CUDA head-dim bucket and one past the last.
+KERNEL_HEAD_DIMS = (64, 128, 256, 512)
+
+
+def kernel_lines(device) -> list[str]:
+    """The kernel attention takes on ``device`` for each dtype at each of KERNEL_HEAD_DIMS, with dropout, and
+    for its backward, as the backend names them (attention_kernel)."""
+    lines = []
+    for dtype in CUDA_DTYPES:
+        by_dim = "; ".join(f"D={d}: {attention_kernel(device, dtype, d)}" for d in KERNEL_HEAD_DIMS)
+        dropout = attention_kernel(device, dtype, 64, dropout_p=0.1)
+        backward = attention_kernel(device, dtype, 64, backward=True)
+        lines.append(f"  {str(dtype).removeprefix('torch.'):<9} {by_dim}; D=64 with dropout: {dropout}; "
+                     f"backward at D=64: {backward}")
+    return lines
 
 
 def cuda_lines() -> list[str]:
@@ -221,8 +218,7 @@ def cuda_lines() -> list[str]:
             lines.append(f"CUDA attention on {device}: none, attnx's kernels are not built for it ({built})")
             continue
         lines.append(f"CUDA attention on {device}:")
-        lines += [f"  {str(dtype).removeprefix('torch.'):<9} {_cuda_dtype_text(dtype, capability)}"
-                  for dtype in CUDA_DTYPES]
+        lines += kernel_lines(f"cuda:{index}")
     return lines
 
 
@@ -237,12 +233,9 @@ def backward_lines() -> list[str]:
     lines = ["backward (attnx::attention_backward, which attnx::mha_backward calls):"]
     for backend, kind in kinds.items():
         text = texts[kind]
-        if backend == "CUDA" and kind == "kernel":  # cuda/attention_backward.cpp: fused only when asked for
-            if cuda_fused_backward_enabled():
-                text += " (ATTNX_CUDA_FUSED_BACKWARD=1; not yet run on a GPU)"
-            else:
-                text = ("whole-tensor math: stores the (B, H, L, S) probabilities and their gradient; no "
-                        "dropout (ATTNX_CUDA_FUSED_BACKWARD=1: the fused kernels, not yet run on a GPU)")
+        if backend == "CUDA" and kind == "kernel":
+            text = ("the fused kernels or the whole-tensor math, as the CUDA lines name them per device "
+                    "(ATTNX_CUDA_FUSED_BACKWARD=1 asks for the fused ones, not yet run on a GPU)")
         lines.append(f"  {backend:<4}  {text}")
     return lines
 
