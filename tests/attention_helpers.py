@@ -376,6 +376,27 @@ def attention_opcheck_cases():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Devices: the kernel a call takes on the device under test (conftest.py's ``device``), asked of its backend.
+
+
+def kernel_or_skip(device, q, k, v, backward=False, **kwargs):
+    """The kernel attnx.attention (``backward``: its backward) runs for this call on ``device``, as its backend
+    names it (attnx::_attention_kernel); the test is skipped, saying why, where the backend refuses the call
+    or where another emulated device runs the same kernel: ``cuda-emu`` (sm_90) leaves the SIMT kernel's
+    forward to ``cuda-emu-sm75``, which runs it for every call, and ``cuda-emu-sm75`` leaves the backward,
+    whose kernels do not depend on the device, to ``cuda-emu``."""
+    try:
+        kernel = torch.ops.attnx._attention_kernel(q, k, v, backward=backward, **kwargs)
+    except RuntimeError as e:
+        pytest.skip(f"{device.backend} does not take this call: {str(e).splitlines()[0]}")
+    if device.backend == "cuda-emu" and not backward and kernel.startswith("cuda simt"):
+        pytest.skip(f"{kernel}: cuda-emu-sm75 runs it")
+    if device.backend == "cuda-emu-sm75" and backward:
+        pytest.skip(f"{kernel}: cuda-emu runs the same backward")
+    return kernel
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Fresh processes: for what one process fixes once (the CPU kernels' ISA, peak memory).
 
 

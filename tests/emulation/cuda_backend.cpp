@@ -1,0 +1,57 @@
+// attnx: the CUDA backend on the CPU, for the tests (tests/emulation/backends.py builds and loads it). The
+// glue is csrc/cuda/attention.cpp and attention_backward.cpp themselves, compiled with ATTNX_CUDA_EMULATION
+// (which leaves out their device entry points), and the kernels are csrc/cuda/*.cu compiled for the CPU
+// against cuda_shim.h (a library of their own, linked here). attnx_emu_cuda::enable makes these attnx's CPU
+// kernels of attention, its backward and _attention_kernel, for a Target given by the test: the kernel
+// choice is choose_kernel's, the launches are those a GPU gets, on the emulator's threads.
+#include <torch/csrc/stable/library.h>
+
+#include <cstdint>
+
+#include "backend.h"
+#include "common/attention.h"
+#include "cuda/attention.h"
+
+namespace {
+
+using attnx::AttentionBackwardProblem;
+using attnx::AttentionKernelProblem;
+using attnx::AttentionProblem;
+
+// The device the tests emulate: sm_90 with the tensor cores and the fused backward on, unless told otherwise.
+attnx::cuda::Target target{90, true, true};
+attnx_emu::Library* library = nullptr;
+
+void run_attention(AttentionProblem& pb) {
+  attnx::cuda::run_attention(pb, target, /*stream=*/nullptr);
+}
+
+void run_attention_backward(AttentionBackwardProblem& pb) {
+  attnx::cuda::run_attention_backward(pb, target, /*stream=*/nullptr);
+}
+
+void attention_kernel(AttentionKernelProblem& pb) {
+  attnx::cuda::attention_kernel(pb, target);
+}
+
+// attnx_emu_cuda::enable: the emulated CUDA backend on (for a device of compute `capability`, with the
+// process's ATTNX_CUDA_MMA and ATTNX_CUDA_FUSED_BACKWARD as `mma` and `fused_backward`) or off.
+bool enable(bool on, int64_t capability, bool mma, bool fused_backward) {
+  if (on) target = {static_cast<int>(capability), mma, fused_backward};
+  return attnx_emu::override_cpu_kernels(library, on, [](attnx_emu::Library& m) {
+    m.impl("_attention", &attnx::attention_op<run_attention>);
+    m.impl("_attention_autograd", &attnx::attention_op<run_attention>);
+    m.impl("attention_backward", &attnx::attention_op<run_attention_backward>);
+    m.impl("_attention_kernel", &attnx::attention_op<attention_kernel>);
+  });
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(attnx_emu_cuda, m) {
+  m.def("enable(bool on, int capability=90, bool mma=True, bool fused_backward=True) -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(attnx_emu_cuda, CompositeExplicitAutograd, m) {
+  m.impl("enable", TORCH_BOX(&enable));
+}
