@@ -1,5 +1,5 @@
-"""The built CUDA library's kernels, read with cuobjdump (no GPU needed): no kernel that the default dispatch
-picks spills registers to local memory, on any arch the library is built for.
+"""The built CUDA library's kernels, read with cuobjdump (no GPU needed): no kernel spills registers to local
+memory, on any arch the library is built for.
 
 The check is tools/gpu_check.py's `binary` step (its cuobjdump parsers and `spill_verdict`) run on
 attnx/_C_cuda*.so for every arch in it, not only the visible GPU's. A spill is a kernel whose resource usage
@@ -67,14 +67,8 @@ def test_every_arch_has_every_kernel(kernels):
         assert found == SIMT | MMA | BACKWARD, (arch, sorted(found ^ (SIMT | MMA | BACKWARD)))
 
 
-def test_no_default_path_kernel_spills(gpu_check, kernels):
-    ok, lines = gpu_check.spill_verdict(kernels)
-    assert ok, "\n".join(lines)
-
-
 def test_no_kernel_spills(kernels):
-    # Stricter than gpu-check's verdict: the SIMT fp16/bf16 kernels up to head dim 128 run only with dropout
-    # or ATTNX_CUDA_MMA=0, and they do not spill either.
+    # Every kernel, on the default path or not (gpu-check's verdict on a GPU fails only the default path's).
     spills = [f"{r['arch']} {r['kernel']} {r['dtype']} D<={r['head_dim']}: {r['ldl_stl']} LDL/STL, "
               f"local {r['local']} B, {r['registers']} registers" for r in kernels if r["spills"]]
     assert not spills, "\n".join(spills)

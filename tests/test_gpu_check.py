@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from gpu_check_helpers import ROOT, TOOL, requires_tool
 
 pytestmark = requires_tool
@@ -104,29 +106,51 @@ arch = sm_90
 
 
 def test_kernel_report_flags_default_path_spills(gpu_check):
+    # The default kernels are the library's own answers (attnx::_attention_kernel), as the binary step asks
+    # them on the GPU: here an sm_90's for float32 at head dims 64 and 128, bfloat16 at 128, and the backward.
+    default = gpu_check.default_kernels(["cuda mma fp32 bucket 64", "cuda simt fp32 bucket 128",
+                                         "cuda mma bf16 bucket 128", "math", "cuda composite"])
+    assert default == {("mma", "fp32", 64), ("simt", "fp32", 128), ("mma", "bf16", 128)}
+    assert gpu_check.default_kernels(["cuda fused fp16 bucket 128"]) == {
+        ("backward_keys", "fp16", 128), ("backward_queries", "fp16", 128)}
     rows = gpu_check.kernel_report(gpu_check.parse_resource_usage(USAGE),
-                                   gpu_check.count_local_accesses(SASS), "sm_90")
+                                   gpu_check.count_local_accesses(SASS), "sm_90", default)
     assert [(r["kernel"], r["dtype"], r["head_dim"]) for r in rows] == [
         ("mma", "bf16", 128), ("simt", "fp16", 64), ("simt", "fp32", 128)]
     mma, simt16, simt32 = rows
     assert (mma["registers"], mma["shared"], mma["ldl_stl"], mma["spills"]) == (255, 1024, 0, False)
     assert (simt32["registers"], simt32["stack"], simt32["ldl_stl"], simt32["spills"]) == (128, 24, 3, True)
     assert simt32["default_path"] and not simt16["default_path"]
-    # float32 takes the tensor-core kernel up to head dim 64 and the SIMT kernel above
-    assert not gpu_check.default_path("simt", "fp32", 64) and gpu_check.default_path("simt", "fp32", 128)
     ok, lines = gpu_check.spill_verdict(rows)
     assert not ok
     assert lines == ["note: spills, off the default path: sm_90 simt fp16 D<=64: 1 LDL/STL, "
                      "stack 24 B, local 0 B",
                      "FAIL: spills, default path: sm_90 simt fp32 D<=128: 3 LDL/STL, stack 24 B, local 0 B"]
     assert gpu_check.spill_verdict(rows[:2])[0]  # a spill off the default path is a note only
-    sm80 = gpu_check.kernel_report(gpu_check.parse_resource_usage(USAGE), {}, "sm_80")
-    # the fused backward's kernels are labelled, and off the default path while it is opt-in
+    # Without the library's answers, every kernel counts as on the default path.
+    unknown = gpu_check.kernel_report(gpu_check.parse_resource_usage(USAGE),
+                                      gpu_check.count_local_accesses(SASS), "sm_90")
+    assert all(r["default_path"] for r in unknown) and not gpu_check.spill_verdict(unknown[:2])[0]
+    sm80 = gpu_check.kernel_report(gpu_check.parse_resource_usage(USAGE), {}, "sm_80", default)
+    assert [(r["registers"], r["spills"], r["default_path"]) for r in sm80] == [(138, False, True)]
+    # the fused backward's kernels are labelled as default_kernels names them
     keys = ("_ZN5attnx4cuda61_GLOBAL__N__66b1aed9_28_attention_backward_kernel_cu_d88abaac23"
             "attention_backward_keysI6__halfLi128EEEvNS_23AttentionBackwardParamsE")
     assert gpu_check.kernel_label(keys) == ("backward_keys", "fp16", 128, None)
-    assert not gpu_check.default_path("backward_keys", "fp16", 128)
-    assert [(r["registers"], r["spills"]) for r in sm80] == [(138, False)]
+
+
+def test_default_kernels_are_asked_of_the_library(gpu_check, device):
+    # The binary step's question, asked of the device's backend: on the emulated sm_90 its answers name
+    # kernels the library has (the SIMT and mma forwards, the fused backward), nothing restated here.
+    if not device.cuda_like:
+        pytest.skip(f"{device.backend} is not a CUDA backend")
+    from attnx import info
+
+    names = [info.attention_kernel(device, d, h, backward=b) for d in info.CUDA_DTYPES for h in (32, 64, 128, 256)
+             for b in (False, True)]
+    kinds = {kind for kind, _, _ in gpu_check.default_kernels(names)}
+    assert {"simt", "backward_keys", "backward_queries"} <= kinds
+    assert ("mma" in kinds) == (device.backend != "cuda-emu-sm75")
 
 
 def test_junit_sanitizer_and_benchmark_parsers(gpu_check, tmp_path):

@@ -105,9 +105,8 @@ def test_cpu_backward_is_fused(report):
     assert listed.keys() == set(_loader.loaded_backends())
     for backend, text in listed.items():
         has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("attnx::attention_backward", backend)
-        if backend == "CUDA":  # the fused kernels are opt-in (ATTNX_CUDA_FUSED_BACKWARD=1)
-            fused = info.cuda_fused_backward_enabled()
-            assert text.startswith("fused kernel" if fused else "whole-tensor math")
+        if backend == "CUDA":  # a kernel that runs the fused kernels or the math, per device (kernel_lines)
+            assert has_kernel and text.startswith("the fused kernels or the whole-tensor math")
             continue
         assert text.startswith("fused kernel" if has_kernel else "composite"), backend
 
@@ -146,15 +145,26 @@ def test_cuda_line_without_device(report):
     assert (f"archs {archs})" if archs else "not recorded") in line
 
 
-def test_cuda_kernel_rule():
-    # select_kernel in csrc/cuda/attention.cpp.
-    for dtype in (torch.float16, torch.bfloat16):
-        assert info.cuda_kernel(dtype, (8, 0), True) == "mma"
-        assert info.cuda_kernel(dtype, (9, 0), True) == "mma"
-        assert info.cuda_kernel(dtype, (7, 5), True) == "simt"
-        assert info.cuda_kernel(dtype, (9, 0), False) == "simt"
-    for dtype in (torch.float32, torch.float64):
-        assert info.cuda_kernel(dtype, (9, 0), True) == "simt"
+def test_kernel_lines_name_what_the_backend_runs(device):
+    # The kernel each dtype takes at each head dim, as the device's backend names it (attnx::_attention_kernel):
+    # on the emulated CUDA backend, an sm_90 device's choices (cuda/attention_plan.h's choose_kernel).
+    lines = info.kernel_lines(device)
+    assert len(lines) == len(info.CUDA_DTYPES)
+    for dtype, line in zip(info.CUDA_DTYPES, lines, strict=True):
+        assert line.split()[0] == str(dtype).removeprefix("torch.")
+        for d in info.KERNEL_HEAD_DIMS:
+            assert f"D={d}: {info.attention_kernel(device, dtype, d)};" in line
+    if device.backend == "cuda-emu":
+        assert "D=64: cuda mma fp32 bucket 64; D=128: cuda simt fp32 bucket 128;" in lines[2]
+        assert "D=512: cuda composite;" in lines[0] and "with dropout: cuda simt fp16 bucket 64" in lines[0]
+        assert "backward at D=64: cuda fused fp16 bucket 64" in lines[0]
+        assert "D=64: cuda simt fp64 bucket 64" in lines[3]
+    if device.backend == "cuda-emu-sm75":
+        assert all("mma" not in line for line in lines)
+    if device.backend == "metal-emu":
+        assert "float64 is not supported on MPS" in lines[3] and "D=512: none (" in lines[0]
+    if device.backend == "cpu":
+        assert f"D=64: cpu {torch.ops.attnx._cpu_capability()};" in lines[0]
 
 
 def test_arch_runs():
@@ -171,7 +181,8 @@ def test_arch_runs():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_lines_name_the_kernel_that_runs(report):
-    # The kernel names the profiler records: attention_forward_mma / attention_forward_simt (csrc/cuda).
+    # The kernel names the profiler records (attention_forward_mma / attention_forward_simt, csrc/cuda) are
+    # those the report names.
     if "CUDA" not in _loader.loaded_backends():
         pytest.skip("attnx's CUDA library is not loaded")
     lines = report.splitlines()
@@ -181,14 +192,14 @@ def test_cuda_lines_name_the_kernel_that_runs(report):
     for dtype in info.CUDA_DTYPES:
         name = str(dtype).removeprefix("torch.")
         text = next(line.strip() for line in lines[start + 1:] if line.strip().startswith(name + " "))
-        text = text.removeprefix(name).strip()
+        kernel = text.split("D=64: ")[1].split(";")[0]
         q, k, v = (torch.randn(1, 2, 64, 64, device="cuda", dtype=dtype) for _ in range(3))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             attnx.attention(q, k, v)
             torch.cuda.synchronize()
         launched = " ".join(event.name for event in prof.events())
-        expected = "attention_forward_mma" if text.startswith("tensor-core") else "attention_forward_simt"
-        assert expected in launched, (text, launched)
+        expected = "attention_forward_mma" if kernel.startswith("cuda mma") else "attention_forward_simt"
+        assert expected in launched, (kernel, launched)
 
 
 def test_sdpa_line(report):

@@ -8,7 +8,7 @@ found (no network). Steps, each capped (seconds) and together held to the budget
     build        setup.py build_ext --inplace for the visible GPU's arch only, MAX_JOBS=16         cap 240
     binary       registers, stack, local memory, shared memory and LDL/STL counts per kernel
                  (cuobjdump on the built _C_cuda); FAIL if a kernel the default dispatch picks spills cap  60
-    tests        pytest tests/test_cuda.py tests/test_linear.py -k cuda                           cap 200
+    tests        pytest -m cuda: the device matrix's cuda params and tests/test_cuda.py            cap 200
     memcheck     compute-sanitizer memcheck (torch's caching allocator off) on
                  tools/gpu_sanitize_cases.py: both kernels, every feature, the composite          cap 150
     racecheck    the same cases under racecheck                                                    cap 100
@@ -68,7 +68,7 @@ STEPS = [
     Step("env", 30, "card, driver, CUDA, torch, nvcc, commit"),
     Step("build", 240, "setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST = the visible GPU's, MAX_JOBS=16"),
     Step("binary", 60, "cuobjdump on _C_cuda: registers, stack, local and shared memory, LDL/STL per kernel"),
-    Step("tests", 200, "pytest tests/test_cuda.py tests/test_linear.py -k cuda"),
+    Step("tests", 200, "pytest -m cuda: the device matrix's cuda params and tests/test_cuda.py"),
     Step("memcheck", 150, "compute-sanitizer memcheck (no caching allocator) on tools/gpu_sanitize_cases.py"),
     Step("racecheck", 100, "compute-sanitizer racecheck on tools/gpu_sanitize_cases.py"),
     Step("synccheck", 60, "compute-sanitizer synccheck on tools/gpu_sanitize_cases.py"),
@@ -79,7 +79,6 @@ STEPS = [
 STEP_NAMES = [s.name for s in STEPS]
 CAPS = {s.name: s.cap for s in STEPS}
 SANITIZERS = ("memcheck", "racecheck", "synccheck")
-TEST_FILES = ["tests/test_cuda.py", "tests/test_linear.py"]
 
 
 @dataclasses.dataclass
@@ -166,16 +165,30 @@ def kernel_label(mangled: str):
     return m.group(1) or m.group(2), _DTYPES[m.group(3)], int(m.group(4)), rows_per_warp
 
 
-def default_path(kind: str, dtype: str, head_dim: int) -> bool:
-    """Whether the glue's default choice (no ATTNX_CUDA_MMA=0, no dropout) reaches this kernel on sm80+:
-    the tensor-core kernel for fp16/bf16 up to head dim 128 and fp32 up to 64, the SIMT kernel for
-    everything else. The SIMT kernel's instantiations below those run only with dropout or
-    ATTNX_CUDA_MMA=0, the fused backward's only with ATTNX_CUDA_FUSED_BACKWARD=1."""
-    if kind.startswith("backward"):
-        return False
-    if kind == "mma":
-        return True
-    return dtype == "fp64" or head_dim > (64 if dtype == "fp32" else 128)
+# The kernels attnx::_attention_kernel names (python -m attnx.info's attention_kernel) -> kernel_label's kinds.
+_NAMED = re.compile(r"cuda (simt|mma|fused) (fp16|bf16|fp32|fp64) bucket (\d+)")
+_NAMED_KINDS = {"simt": ("simt",), "mma": ("mma",), "fused": ("backward_keys", "backward_queries")}
+
+# Run on the GPU (the env step's Python): the kernel attention and its backward take, for every dtype at each
+# head-dim bucket, as the CUDA library names them (attnx::_attention_kernel): the default dispatch of this
+# process (no ATTNX_CUDA_MMA=0, no ATTNX_CUDA_FUSED_BACKWARD=1 unless the caller set them).
+ASK_DEFAULT_KERNELS = (
+    "import json, torch; from attnx import info; print(json.dumps(["
+    "info.attention_kernel('cuda', d, h, backward=b) for d in info.CUDA_DTYPES "
+    "for h in (32, 64, 128, 256) for b in (False, True)]))"
+)
+
+
+def default_kernels(names) -> set:
+    """(kind, dtype, head-dim bucket) of each CUDA kernel in ``names`` (attnx::_attention_kernel's answers,
+    e.g. "cuda mma fp16 bucket 64"; the fused backward is its two kernels); other answers (the composite, the
+    whole-tensor math) name no kernel of the library."""
+    out = set()
+    for name in names:
+        m = _NAMED.fullmatch(name)
+        if m:
+            out |= {(kind, m.group(2), int(m.group(3))) for kind in _NAMED_KINDS[m.group(1)]}
+    return out
 
 
 def parse_resource_usage(text: str) -> dict:
@@ -218,9 +231,11 @@ def count_local_accesses(sass: str) -> dict:
     return counts
 
 
-def kernel_report(resources: dict, local_accesses: dict, arch: str | None = None) -> list:
+def kernel_report(resources: dict, local_accesses: dict, arch: str | None = None, default=None) -> list:
     """One row per attnx attention kernel (of arch, if given), sorted; a kernel spills when its SASS has
-    local-memory accesses (LDL/STL) or its resource usage a LOCAL size."""
+    local-memory accesses (LDL/STL) or its resource usage a LOCAL size. ``default``: the (kind, dtype,
+    bucket) the default dispatch takes (default_kernels), or None where that is unknown (every kernel then
+    counts as on the default path)."""
     rows = []
     for (a, name), usage in resources.items():
         label = kernel_label(name)
@@ -231,7 +246,7 @@ def kernel_report(resources: dict, local_accesses: dict, arch: str | None = None
         rows.append({"arch": a, "kernel": kind, "dtype": dtype, "head_dim": head_dim,
                      "rows_per_warp": rows_per_warp, **usage, "ldl_stl": ldl_stl,
                      "spills": ldl_stl > 0 or usage["local"] > 0,
-                     "default_path": default_path(kind, dtype, head_dim)})
+                     "default_path": default is None or (kind, dtype, head_dim) in default})
     return sorted(rows, key=lambda r: (r["arch"], r["kernel"], r["dtype"], r["head_dim"]))
 
 
@@ -481,8 +496,12 @@ class Check:
         limit = self.budget.limit(CAPS["binary"]) or MIN_STEP
         arch = self.info.get("capability")
         arch = f"sm_{arch.replace('.', '')}" if arch else None
+        # The kernels the default dispatch takes on this GPU, as the library names them.
+        asked = subprocess.run([PY, "-c", ASK_DEFAULT_KERNELS], capture_output=True, text=True, cwd=ROOT,
+                               env=self.env, timeout=limit)
+        default = default_kernels(json.loads(asked.stdout)) if asked.returncode == 0 else None
         try:
-            rows, usage = binary_report(libs[0], cuobjdump, arch, limit)
+            rows, usage = binary_report(libs[0], cuobjdump, arch, limit, default)
         except subprocess.TimeoutExpired:
             self.record(Result("binary", "TIMEOUT", time.monotonic() - t0, limit, "cuobjdump", log))
             return
@@ -491,6 +510,9 @@ class Check:
                                f"cuobjdump exit {e.returncode}: {(e.stderr or '').strip()[:200]}", log))
             return
         ok, lines = spill_verdict(rows)
+        if default is None:
+            lines.append("note: the default kernels could not be asked (every spill fails): "
+                         + asked.stderr.strip()[-300:])
         symbols = _nm_checks(libs[0])
         with open(log, "w") as f:
             f.write(f"{libs[0]}\n{cuobjdump}\n\n{usage}\n\n")
@@ -514,7 +536,7 @@ class Check:
         if subprocess.run([PY, "-c", "import pytest_timeout"], capture_output=True).returncode == 0:
             extra = ["--timeout=120"]
         cmd = [PY, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", f"--junitxml={xml}", *extra,
-               *TEST_FILES, "-k", "cuda"]
+               "-m", "cuda"]
 
         def detail(log):
             if not os.path.exists(xml):
@@ -660,15 +682,16 @@ def find_tool(name):
     return None
 
 
-def binary_report(lib, cuobjdump, arch=None, timeout=None):
+def binary_report(lib, cuobjdump, arch=None, timeout=None, default=None):
     """(kernel_report rows, the resource-usage text) of a built _C_cuda library, from cuobjdump's resource
-    usage and SASS: the kernels of `arch` (e.g. "sm_90"), or of every arch in the library when None. Also
-    tests/test_cuda_binary.py's check that no default-path kernel spills. Raises subprocess.TimeoutExpired."""
+    usage and SASS: the kernels of `arch` (e.g. "sm_90"), or of every arch in the library when None;
+    ``default`` as kernel_report's. Also tests/test_cuda_binary.py's spill check. Raises
+    subprocess.TimeoutExpired."""
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
                            timeout=timeout, check=True).stdout
     sass = subprocess.run([cuobjdump, "-sass", lib], capture_output=True, text=True, timeout=timeout,
                           check=True).stdout
-    return kernel_report(parse_resource_usage(usage), count_local_accesses(sass), arch), usage
+    return kernel_report(parse_resource_usage(usage), count_local_accesses(sass), arch, default), usage
 
 
 def _nm_checks(lib):
