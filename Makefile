@@ -7,9 +7,9 @@
 #   make wheel                      the wheel users install: one build (pip's isolated build), repaired into a
 #                                   manylinux abi3 wheel (in build/wheel)
 #   make test-wheel                 that wheel installed into fresh venvs with the CPU-only torch 2.13.0, the
-#                                   CUDA torch 2.14.1 and the oldest torch it supports (2.10.0), the test suite
-#                                   run against each (build/wheel-{cpu,cuda,floor})
-#   make sanitize                   the kernel tests on an ASan + UBSan build (in build/sanitize)
+#                                   CUDA torch 2.14.1 and the oldest torch it supports (2.10.0), the tests
+#                                   marked `wheel` run against each (build/wheel-{cpu,cuda,floor})
+#   make sanitize                   the tests marked `kernel` on an ASan + UBSan build (in build/sanitize)
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 #   make gpu-check                  on a GPU machine: build for its GPU, kernel resources, the CUDA tests,
 #                                   compute-sanitizer, the CUDA benchmarks, in BUDGET=450 s; summary in
@@ -81,20 +81,21 @@ wheel: $(VENV)/.deps
 	PATH="$(abspath $(VENV))/bin:$$PATH" auditwheel repair $(addprefix --exclude ,$(WHEEL_EXCLUDE)) -w $(WHEEL_DIR) $(WHEEL_DIR)/raw/*.whl
 	@ls $(WHEEL_DIR)/*.whl
 
-# The wheel, built once, in fresh venvs with other builds of torch: the suite runs against the installed
-# package (a copy of the tree without python/ and setup.py, so that `import attnx` finds the wheel's).
-# A venv is deleted once its suite passed: a CUDA torch with its libraries is 6-7 GB, and three of them beside
-# .venv would need ~20 GB of disk. The CUDA emulation tier and the NVRTC check compile the kernel sources
-# themselves and do not use the wheel: `make test` runs them, and of the wheel venvs only the floor's (the
-# emulation's composite harness then builds against torch 2.10's headers, and the NVRTC check runs CUDA 12's).
-SOURCE_TESTS := tests/test_cuda_emulation.py tests/test_cuda_emulation_backward.py tests/test_cuda_nvrtc.py
+# The wheel, built once, in fresh venvs with other builds of torch: each runs, against the installed package (a
+# copy of the tree without python/ and setup.py, so that `import attnx` finds the wheel's), the tests marked
+# `wheel` (import, loader, ABI, packaging, and one smoke per public op and integration; the full suite runs
+# once, in `make test`). The floor's also runs those marked `floor`: every source against torch 2.10's headers
+# and the kernels through CUDA 12's NVRTC. A venv is deleted once its tests passed: a CUDA torch with its
+# libraries is 6-7 GB, and three of them beside .venv would need ~20 GB of disk.
+WHEEL_TESTS := -m "wheel and not emulated"
 test-wheel: wheel tools
 	rm -rf build/wheel-cpu build/wheel-cuda build/wheel-floor
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS="$(TORCH_FREE_MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(SOURCE_TESTS))"
+		WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH=torch==2.14.1 WHEEL_LIBS="$(MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS="$(addprefix --ignore=,$(SOURCE_TESTS))"
-	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS=
+		WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS= \
+		WHEEL_PYTEST_ARGS='-m "(wheel or floor) and not emulated"'
 
 wheel-venv-test:
 	rm -rf $(WHEEL_VENV) && mkdir -p $(WHEEL_VENV)
@@ -110,16 +111,13 @@ wheel-venv-test:
 	rm -rf $(WHEEL_VENV)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
-# every report fatal, then the tests of every CPU kernel path (attention forward and backward with each feature,
-# packed sequences and paged caches, dropout, linear, mha and its backward, the module, the seeded fuzz) and the CUDA emulation tier (its library
-# built with the same sanitizers) in a process that preloads the ASan runtime (and libstdc++ after it: without,
-# ASan's __cxa_throw interceptor fails a CHECK when triton's library throws). Leak detection is off: Python
-# keeps objects alive until exit by design (tests/test_leaks.py checks attnx's own memory). The one test that
-# measures peak RSS is left out: ASan's redzones and quarantine are part of any peak measured under it.
-SANITIZE_TESTS ?= tests/test_attention.py tests/test_attention_backward.py tests/test_attention_features.py \
-	tests/test_dropout.py tests/test_linear.py tests/test_mha_op.py tests/test_mha_backward.py tests/test_modules.py \
-	tests/test_fuzz.py tests/test_cuda_emulation.py tests/test_cuda_emulation_backward.py tests/test_varlen.py \
-	tests/test_varlen_torch.py
+# every report fatal, then every test marked `kernel` (those that reach attnx's C++ kernels, the emulated CUDA
+# and Metal backends' included: their libraries are built with the same sanitizers) but the `slow` ones, in a
+# process that preloads the ASan runtime (and libstdc++ after it: without, ASan's __cxa_throw interceptor fails
+# a CHECK when triton's library throws). Leak detection is off: Python keeps objects alive until exit by design
+# (tests/test_leaks.py checks attnx's own memory). Tests that measure peak memory skip themselves there:
+# ASan's redzones and quarantine are part of any peak measured under it.
+SANITIZE_TESTS ?= -m "kernel and not slow"
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 sanitize: build
@@ -130,8 +128,7 @@ sanitize: build
 		> build.log 2>&1 || (tail -n 60 build.log; exit 1)
 	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
 		$(SANITIZE_ENV) ATTNX_SANITIZE=1 \
-		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) \
-		-k "not test_no_quadratic_memory"
+		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 # Seeded fuzzing at scale (tests/test_fuzz.py): FUZZ_CASES times each fuzz test's default case count, from case
 # FUZZ_FIRST_CASE on (raise it to explore new cases), on FUZZ_JOBS pytest-xdist workers. A case that crashes its

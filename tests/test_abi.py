@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytestmark = [
+    pytest.mark.wheel,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads ELF libraries (Linux only)"),
     pytest.mark.skipif(shutil.which("nm") is None or shutil.which("readelf") is None,
                        reason="needs binutils (nm, readelf)"),

@@ -15,6 +15,8 @@ from attention_helpers import (
 )
 from attnx import reference
 
+pytestmark = pytest.mark.kernel
+
 B, H, L, S = MASKED_SHAPE
 D = 16
 MATH = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)

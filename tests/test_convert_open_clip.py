@@ -17,6 +17,8 @@ from open_clip.model import CLIP, CustomTextCLIP  # noqa: E402
 import attnx  # noqa: E402
 from attnx.integrations import open_clip as attnx_open_clip  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 B, CONTEXT, VOCAB, WIDTH, HEADS, LAYERS = 2, 12, 100, 64, 4, 2
 VISION_CFG = {"layers": LAYERS, "width": WIDTH, "head_width": WIDTH // HEADS, "patch_size": 8,
               "image_size": 32}

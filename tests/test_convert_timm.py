@@ -17,6 +17,8 @@ import attnx  # noqa: E402
 from attnx.integrations import timm as attnx_timm  # noqa: E402
 from dispatch_helpers import DispatchRecorder  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 B, IMG, PATCH, E, HEADS, DEPTH = 3, 32, 8, 64, 4, 2
 N = (IMG // PATCH) ** 2 + 1  # tokens: patches and the class token
 

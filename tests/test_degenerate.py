@@ -18,6 +18,8 @@ import torch
 import attnx
 from attnx import ops, reference
 
+pytestmark = pytest.mark.kernel
+
 NAN, INF = float("nan"), float("inf")
 DTYPES = [torch.float32, torch.float64]
 # The kernel in the inputs' dtype against the reference in float64 on the same values, at small shapes with

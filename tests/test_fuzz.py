@@ -46,6 +46,8 @@ import attnx
 from attnx import ops, reference
 from layouts import is_non_overlapping_and_dense
 
+pytestmark = pytest.mark.kernel
+
 DEFAULT_CASES = {
     "attention_forward": 300,
     "attention_backward": 100,

@@ -13,6 +13,8 @@ import torch
 import attnx
 from attnx._loader import backend_mismatch, build_mismatch
 
+pytestmark = pytest.mark.wheel
+
 PACKAGE = os.path.dirname(attnx.__file__)
 
 

@@ -14,10 +14,13 @@ of a normalised P, which attnx's CPU kernel now runs where a key tile holds whol
 import itertools
 import math
 
+import pytest
 import torch
 
 import attnx
 from attnx import ops
+
+pytestmark = pytest.mark.kernel
 
 E = H = 3  # head_dim 1
 L = 3

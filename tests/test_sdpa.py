@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import attnx
 from attention_helpers import make_in_layout
 
+pytestmark = pytest.mark.kernel
+
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 

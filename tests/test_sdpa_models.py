@@ -10,6 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnx
 
+pytestmark = pytest.mark.integration
+
 FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
 MISSING = "{} is not installed (make models installs it)"

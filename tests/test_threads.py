@@ -42,11 +42,14 @@ import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 import attnx
 import layouts
 from attnx import ops
+
+pytestmark = pytest.mark.kernel
 
 WORKERS = 6
 ROUNDS = 6  # each worker makes its 5 calls ROUNDS times: 30 calls per thread

@@ -23,7 +23,7 @@ import attnx.integrations.transformers as attnx_hf  # noqa: E402
 attnx_hf.register()
 
 # Eager attention takes its softmax in float32; float64 comparisons need it in float64 (conftest.py).
-pytestmark = pytest.mark.usefixtures("float64_softmax")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("float64_softmax")]
 
 VOCAB = 97
 SMALL = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,

@@ -11,6 +11,8 @@ import attnx
 from attention_helpers import ATOL, GRAD_ATOL, LSE_ATOL, assert_bounded, assert_grad_bounded, upcast
 from attnx import reference
 
+pytestmark = pytest.mark.kernel
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 

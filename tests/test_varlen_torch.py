@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import attnx
 from attnx.pytorch import varlen as attnx_varlen
 
-pytestmark = pytest.mark.skipif(not attnx_varlen.AVAILABLE, reason=attnx_varlen.REASON or "unavailable")
+pytestmark = [pytest.mark.kernel,
+              pytest.mark.skipif(not attnx_varlen.AVAILABLE, reason=attnx_varlen.REASON or "unavailable")]
 
 if attnx_varlen.AVAILABLE:
     import inspect
