@@ -153,6 +153,7 @@ def test_transformer_decoder_layer(batch_first):
     assert type(layer.self_attn) is type(layer.multihead_attn) is torch.nn.MultiheadAttention
 
 
+@pytest.mark.wheel
 def test_transformer():
     model = torch.nn.Transformer(E, HEADS, 2, 2, FF, dropout=0.0, batch_first=True, dtype=torch.float64)
     src, tgt = torch.randn(3, 7, E, dtype=torch.float64), torch.randn(3, 5, E, dtype=torch.float64)

@@ -176,6 +176,7 @@ def test_other_masks_are_added(block_type):
         reference(x[:, :-1], attn_mask=causal)
 
 
+@pytest.mark.wheel
 def test_float32_close():
     model = clip(dtype=torch.float32)
     reference = copy.deepcopy(model)

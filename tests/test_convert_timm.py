@@ -71,6 +71,7 @@ def test_vit_matches_timm(training, kwargs):
     assert_grads_match(model, reference)
 
 
+@pytest.mark.wheel
 def test_runs_attnx_not_sdpa():
     model, _ = converted_pair(vit())
     with torch.no_grad(), DispatchRecorder() as recorder:

@@ -161,6 +161,7 @@ def test_fully_masked_rows():
     assert (out[:, :, 2] == 0).all() and (lse[:, :, 2] == 0).all() and (gq[:, :, 2] == 0).all()
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("mask", ["bool", "none", "causal"])
 def test_sdpa_end_to_end_against_math_backend(mask):
     """F.scaled_dot_product_attention under the takeover, autograd included (the autograd engine passes an
@@ -238,6 +239,7 @@ def test_enable_disable_and_context():
     assert not attnx.sdpa.is_enabled() and cpu_kernel_source() == before
 
 
+@pytest.mark.wheel
 @pytest.mark.skipif(
     not HAS_REGISTRY, reason=f"torch {torch.__version__} has no restore_flash_attention_impl in its registry"
 )

@@ -56,6 +56,7 @@ def check_model(model, make_inputs, *, train=False, atol=1e-5):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=atol * max(1.0, e.abs().max().item()))
 
 
+@pytest.mark.wheel
 def test_diffusers_unet():
     diffusers = pytest.importorskip("diffusers", reason=MISSING.format("diffusers"))
     torch.manual_seed(0)

@@ -174,6 +174,7 @@ def test_register_returns_the_name_and_every_way_of_selecting_it_works():
     assert model.config._attn_implementation == "attnx"
 
 
+@pytest.mark.wheel
 def test_from_pretrained_selects_attnx(tmp_path):
     model = _build(DECODERS["llama-gqa"])
     model.save_pretrained(tmp_path)

@@ -111,6 +111,7 @@ def test_rows_outside_every_sequence():
     assert (dq[[0, 5]] == 0).all() and (dk[[0, 1, 6]] == 0).all() and (dv[[0, 1, 6]] == 0).all()
 
 
+@pytest.mark.wheel
 def test_sequences_never_read_each_other():
     # NaN in every key and value outside sequence 0's and past its seqused_k: sequence 0 stays finite, and the
     # tile that covers both sequences never mixes them.
@@ -243,6 +244,7 @@ def test_backward(case, dtype, layout):
     check_backward(lens_q, lens_k, H, Hkv, dtype, kwargs, layout)
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_backward_long(dtype):
     lens_q, lens_k, H, Hkv, kwargs = CASES["long"]

@@ -177,6 +177,7 @@ def test_raw_op_outputs():
     torch.testing.assert_close(out_t, out, rtol=0, atol=0)
 
 
+@pytest.mark.wheel
 def test_opcheck():
     require("window_size")
     q, k, v = make([3, 4], [5, 4], 2, 2, torch.float32)
