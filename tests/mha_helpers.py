@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import layouts
+from attention_helpers import kernel_or_skip
 from attnx import ops, reference
 
 # Masks a test case can ask for: (key_padding_mask kind, attn_mask kind, is_causal).
@@ -236,3 +237,11 @@ def batch_first_masked_args(extras, **kwargs):
     inputs, masks = inputs_and_masks("kv_shared", "contiguous", extras, dtype=torch.float32, batch_first=True)
     masks["kpm"][:, 0], masks["am"][:, 0] = False, False
     return mha_args(*inputs, extras=extras, batch_first=True, **masks, **kwargs)
+
+
+def attention_kernel_or_skip(device, dtype, batch=B, heads=H, length=L, source=S, head_dim=E // H, **kwargs):
+    """attention_helpers.kernel_or_skip for the attention call inside an mha (or module) call on ``device``:
+    queries (batch, heads, length, head_dim) and ``source`` keys of ``dtype``, with attention's ``kwargs``."""
+    q = torch.zeros(batch, heads, length, head_dim, dtype=dtype)
+    k = v = torch.zeros(batch, heads, source, head_dim, dtype=dtype)
+    return kernel_or_skip(device, q, k, v, **kwargs)

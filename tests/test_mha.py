@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from attnx import functional, ops, reference
 from mha_helpers import MASK_CASES, assert_close, make_masks, same_error, warning_messages
 
+pytestmark = pytest.mark.kernel
+
 E, H, D = 8, 2, 4
 WEIGHTS = [(False, True), (True, True), (True, False)]  # (need_weights, average_attn_weights)
 

@@ -1,6 +1,7 @@
 """attnx::mha's autograd (mha_forward + mha_backward) against autograd through its spec, reference.mha: every
 differentiable argument, strided inputs, appended keys, masks, the attention weights output, gradcheck,
-dispatch counts and memory."""
+dispatch counts and memory; and on every device (the ``device`` fixture), through that backend's attention
+backward."""
 
 import os
 import sys
@@ -11,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from attnx import _fake, ops, reference
 from dispatch_helpers import DispatchRecorder
+from layouts import to_device
 from mha_helpers import (
     MASK_CASES,
     B,
@@ -18,6 +20,7 @@ from mha_helpers import (
     H,
     L,
     S,
+    attention_kernel_or_skip,
     batch_first_masked_args,
     inputs_and_masks,
     key_count,
@@ -27,6 +30,8 @@ from mha_helpers import (
     mha_args,
     transposed_args,
 )
+
+pytestmark = pytest.mark.kernel
 
 # mha's argument positions that can require grad (masks excepted): query .. static_v.
 DIFFERENTIABLE = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 17, 18)
@@ -51,9 +56,9 @@ def _grads(fn, args, seed=0, **kwargs):
     args, leaves = _leaves(args)
     out, _, weights = fn(*args, **kwargs)
     g = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
+    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)).sum()
     if weights.numel():
-        w = torch.randn(weights.shape, generator=g, dtype=weights.dtype)
+        w = torch.randn(weights.shape, generator=g, dtype=weights.dtype).to(weights.device)
         loss = loss + (weights.nan_to_num(0.0) * w).sum()
     return torch.autograd.grad(loss, leaves, allow_unused=True)
 
@@ -112,6 +117,29 @@ def test_low_precision(dtype):
         assert err <= 4 * ref_err + 1e-5, (err, ref_err)
 
 
+@pytest.mark.parametrize("extras, masks, need_weights", [("none", "both_float", False),
+                                                         ("bias_kv+zero_attn", "causal", True)])
+def test_on_device(device, extras, masks, need_weights):
+    """float32 gradients on the device's attention backward (Metal has no float64), within a few times the
+    error of the reference's own float32 gradients (both against float64)."""
+    attention_kernel_or_skip(device, torch.float32, backward=True)
+    inputs, mask_args = inputs_and_masks("kv_shared", "batch_first", extras, masks)
+    args64 = mha_args(*inputs, extras=extras, **mask_args, need_weights=need_weights)
+    converted = {id(a): a.float() for a in args64 if isinstance(a, torch.Tensor) and a.is_floating_point()}
+    args = [converted.get(id(a), a) for a in args64]
+    want64 = _grads(reference.mha, args64)
+    moved = {}  # one tensor passed several times stays one on the device
+    on_device = [moved.setdefault(id(a), to_device(a, device)) if isinstance(a, torch.Tensor) else a
+                 for a in args]
+    got = _grads(ops.mha, on_device)
+    for i, (g, want, ref64) in enumerate(zip(got, _grads(reference.mha, args), want64, strict=True)):
+        assert g.device.type == torch.device(device).type, i
+        err = (g.cpu().double() - ref64).abs().max().item()
+        ref_err = (want.double() - ref64).abs().max().item()
+        assert err <= 4 * ref_err + 1e-5, (i, err, ref_err)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -304,6 +332,7 @@ def test_dropout_with_weights_is_a_clear_error():
         ops.mha(*mha_args(query, key, value, w, need_weights=True), dropout_p=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_unbatched_through_the_functional_layer(causal):
     """An unbatched (L, E) call of attnx.functional.multi_head_attention_forward (which runs attnx::mha as

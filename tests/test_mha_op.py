@@ -1,5 +1,7 @@
 """The fused op attnx::mha against its spec, reference.mha: every argument, strided inputs, memory,
-opcheck."""
+opcheck; and on every device (the ``device`` fixture), where it composes that backend's linear and attention
+kernels (on the emulated CUDA backends, the emulated attention kernels with torch's GEMM; on metal-emu, the
+Metal attention and linear kernels)."""
 
 import itertools
 
@@ -9,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import layouts
 from attnx import ops
+from layouts import to_device
 from mha_helpers import (
     MASK_CASES,
     B,
@@ -16,6 +19,7 @@ from mha_helpers import (
     H,
     L,
     S,
+    attention_kernel_or_skip,
     batch_first_masked_args,
     check_mha,
     inputs_and_masks,
@@ -26,6 +30,8 @@ from mha_helpers import (
     mha_args,
     transposed_args,
 )
+
+pytestmark = pytest.mark.kernel
 
 
 @pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
@@ -165,6 +171,57 @@ def test_opcheck(extras):
     inputs, mask_args = inputs_and_masks("kv_shared", "batch_first", extras, dtype=torch.float32)
     args = mha_args(*inputs, extras=extras, **mask_args, need_weights=True)
     torch.library.opcheck(torch.ops.attnx.mha.default, args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# On every device: mha composes the device's linear and attention. float32 (Metal has no float64; the
+# emulated CUDA backends then run the tensor-core and SIMT kernels, one each).
+
+
+@pytest.mark.parametrize("masks, need_weights", [("none", True), ("both_bool", False), ("both_float", True),
+                                                 ("causal", False), ("am3_float", True)])
+def test_on_device(device, masks, need_weights):
+    query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float32)
+    kpm, am, is_causal = make_masks(masks, B, H, L, S, torch.float32)
+    attention_kernel_or_skip(device, torch.float32)
+    args = mha_args(query, key, value, w, kpm=kpm, am=am, is_causal=is_causal, need_weights=need_weights)
+    check_mha(to_device(args, device), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("extras", ["none", "bias_kv+zero_attn", "static_kv"])
+def test_on_device_low_precision_and_extras(device, dtype, extras):
+    query, key, value, w = make_inputs("separate" if extras == "none" else "kv_shared", "sliced", dtype)
+    s = 5 if extras == "static_kv" else 9
+    attention_kernel_or_skip(device, dtype, source=s)
+    kpm, am, _ = make_masks("both_float", B, H, L, s, dtype)
+    check_mha(to_device(mha_args(query, key, value, w, extras=extras, kpm=kpm, am=am), device), dtype)
+
+
+def test_on_device_batch_first(device):
+    """(B, L, E) inputs at B=1 in the transposed layout of the upstream report, read as they are."""
+    query, key, value, w = make_inputs_batch_first("kv_shared", "transposed", torch.float32, batch=1)
+    attention_kernel_or_skip(device, torch.float32, batch=1)
+    kpm, am, _ = make_masks("both_bool", 1, H, L, S, torch.float32)
+    args = mha_args(query, key, value, w, kpm=kpm, am=am, need_weights=True, batch_first=True)
+    check_mha(to_device(args, device), torch.float32, batch_first=True)
+
+
+METAL_LINEAR_STRIDES = (
+    "Metal's linear writes a contiguous output (csrc/mps/glue.h, metal_linear) where the fake kernel gives "
+    "the rows' memory order (common/linear.cpp): torch.compile plans other strides than MPS returns")
+
+
+@pytest.mark.slow
+def test_on_device_opcheck(device, request):
+    attention_kernel_or_skip(device, torch.float32)
+    if device.backend in ("mps", "metal-emu"):  # the out-projection's rows are in (B, L) order here
+        request.applymarker(pytest.mark.xfail(strict=True, reason=METAL_LINEAR_STRIDES))
+    query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float32)
+    kpm, am, _ = make_masks("both_bool", B, H, L, S, torch.float32)
+    kpm[:, 0], am[:, 0] = False, False  # key 0 seen by every row: no NaN weights (opcheck has no equal_nan)
+    args = mha_args(query, key, value, w, kpm=kpm, am=am, need_weights=True)
+    torch.library.opcheck(torch.ops.attnx.mha.default, to_device(args, device))
 
 
 @pytest.mark.parametrize(

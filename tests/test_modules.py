@@ -1,4 +1,5 @@
-"""attnx.nn.MultiheadAttention against torch.nn.MultiheadAttention: outputs, weights, state, errors."""
+"""attnx.nn.MultiheadAttention against torch.nn.MultiheadAttention: outputs, weights, state, errors; and on
+every device (the ``device`` fixture), where its forward runs that backend's kernels."""
 
 import itertools
 import warnings
@@ -9,7 +10,15 @@ import torch
 import attnx
 from attnx import ops
 from dispatch_helpers import DispatchRecorder
-from mha_helpers import MASK_CASES, assert_close, make_masks, same_error, torch_fastpath, warning_messages
+from mha_helpers import (
+    MASK_CASES,
+    assert_close,
+    attention_kernel_or_skip,
+    make_masks,
+    same_error,
+    torch_fastpath,
+    warning_messages,
+)
 
 E, H = 8, 2
 EXTRAS = {  # module options beyond the projection layout
@@ -45,6 +54,9 @@ def inputs(attn, batch, batch_first, dtype):
     key = make(S, kdim)
     value = key if attn == "cross" else make(S, vdim)
     return query, key, value, L, S
+
+
+pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(autouse=True)
@@ -414,3 +426,43 @@ def test_mismatched_mask_types_warn_once_like_torch():
     )
     expected = warning_messages(torch_fn)
     assert expected and warning_messages(attnx_fn) == expected
+
+
+# ------------------------------------------------------------------------------------------------------------
+# On every device: the module's forward on that backend's kernels against torch's module on the same device,
+# through torch's fast path and its slow path.
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_on_device_matches_torch(device, batch_first):
+    E, H, B, L = 64, 4, 2, 24
+    attention_kernel_or_skip(device, torch.float32, batch=B, heads=H, length=L, source=L, head_dim=E // H)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=batch_first, device=device).eval()
+    ours = attnx.nn.MultiheadAttention(E, H, batch_first=batch_first, device=device).eval()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(B, L, E, device=device) if batch_first else torch.randn(L, B, E, device=device)
+    kpm = torch.rand(B, L, device=device) < 0.2
+    mask = torch.rand(L, L, device=device) < 0.2
+    mask.fill_diagonal_(False)
+    with torch.no_grad():
+        for fast in (True, False):
+            with torch_fastpath(fast):
+                want = ref(x, x, x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)[0]
+                got = ours(x, x, x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)[0]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lq, lkv", [(20, 40), (1, 30)])
+def test_on_device_b1_batch_first_matches_torch(device, lq, lkv):
+    """batch_first at B=1: the (1, L, E) inputs reach the op with a stride on the size-1 batch dim that is not
+    the contiguous one once transposed (the upstream report's layout); a decoding step among them."""
+    E, H = 64, 4
+    attention_kernel_or_skip(device, torch.float32, batch=1, heads=H, length=lq, source=lkv, head_dim=E // H)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    ours = attnx.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    ours.load_state_dict(ref.state_dict())
+    q, mem = torch.randn(1, lq, E), torch.randn(1, lkv, E)
+    with torch.no_grad():
+        want = ref(q, mem, mem, need_weights=False)[0]
+        got = ours.to(device)(q.to(device), mem.to(device), mem.to(device), need_weights=False)[0].cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -14,21 +14,15 @@
 
 #include "../race_check.h"
 #include "attnx/params.h"
-
-extern "C" {
-int attnx_metal_emu_attention(const attnx::AttentionParams* p, int dtype, void* query, void* key, void* value,
-                              void* attn_mask, void* key_padding_mask, void* out, void* lse,
-                              void* key_lengths, void* sinks);
-int attnx_metal_emu_linear(const attnx::LinearParams* p, int dtype, void* input, void* weight, void* bias,
-                           void* out);
-}
+#include "launches.h"
 
 namespace {
 
-constexpr int kFloat32 = 0, kBFloat16 = 2;
+using attnx::mps::DType;
+constexpr DType kFloat32 = DType::kFloat32, kBFloat16 = DType::kBFloat16;
 
 // Random data in float32 (4 bytes per element) or bfloat16 (the top half of a float32).
-std::vector<unsigned char> randn(size_t n, int dtype, std::mt19937& gen) {
+std::vector<unsigned char> randn(size_t n, DType dtype, std::mt19937& gen) {
   std::normal_distribution<float> dist;
   std::vector<unsigned char> out(n * (dtype == kFloat32 ? 4 : 2));
   for (size_t i = 0; i < n; ++i) {
@@ -50,7 +44,7 @@ struct Features : attnx::race_check::Features {
   bool key_lengths = false;  // batch b has S - 7 b keys (int64)
 };
 
-int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
+int attention(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
               Features f = Features{}) {
   std::mt19937 gen(0);
   attnx::AttentionParams p = attnx::race_check::params(B, H, L, S, D, causal, f);
@@ -65,15 +59,14 @@ int attention(int dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, 
   // A random (L, S) bool mask and a float key_padding_mask that removes the first tile of batch 0.
   auto attn_mask = attnx::race_check::random_attn_mask(L, S, gen);
   auto padding = attnx::race_check::padding_of_first_keys(B, S, 32);
-  const int err = attnx_metal_emu_attention(&p, dtype, q.data(), k.data(), v.data(), attn_mask.data(),
-                                            padding.data(), out.data(), lse.data(),
-                                            f.key_lengths ? lengths.data() : nullptr,
-                                            f.sinks ? sinks.data() : nullptr);
+  const int err = attnx_emu_metal::launch_attention(
+      p, dtype, q.data(), k.data(), v.data(), attn_mask.data(), padding.data(), out.data(), lse.data(),
+      f.key_lengths ? lengths.data() : nullptr, f.sinks ? sinks.data() : nullptr);
   if (err != 0) std::fprintf(stderr, "attention launch failed: %d\n", err);
   return err != 0;
 }
 
-int linear(int dtype, int64_t M, int64_t K, int64_t N) {
+int linear(DType dtype, int64_t M, int64_t K, int64_t N) {
   std::mt19937 gen(1);
   attnx::LinearParams p{};
   p.rows = M, p.rows_inner = 1, p.in_features = K, p.out_features = N;
@@ -83,7 +76,7 @@ int linear(int dtype, int64_t M, int64_t K, int64_t N) {
   p.out_stride[0] = N, p.out_stride[1] = 1;
   auto x = randn(M * K, dtype, gen), w = randn(N * K, dtype, gen), b = randn(N, dtype, gen);
   auto out = randn(M * N, dtype, gen);
-  const int err = attnx_metal_emu_linear(&p, dtype, x.data(), w.data(), b.data(), out.data());
+  const int err = attnx_emu_metal::launch_linear(p, dtype, x.data(), w.data(), b.data(), out.data());
   if (err != 0) std::fprintf(stderr, "linear launch failed: %d\n", err);
   return err != 0;
 }

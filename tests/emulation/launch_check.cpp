@@ -1,0 +1,162 @@
+// attnx: the CUDA launch plans and the launchers' refusals, on the kernels compiled for the CPU (see
+// test_cuda_emulation.py).
+//
+// What the glue never sends to a launcher, but a launcher must still hold to: the plans stay within a GPU's
+// limits for every dtype and head-dim bucket (shared memory, a 1-D grid past grid.y's 65535), and
+// launch_attention refuses parameters that would make a kernel divide by zero or read a null pointer, and
+// head dims it has no kernel for, with cudaErrorInvalidValue, as the CUDA runtime refuses a bad launch.
+// AttentionParams are built here as common/attention.cpp builds them, so nothing mirrors them outside C++.
+//
+// Prints one line per failed check and "ok" when there is none; the exit status is the number of failures.
+#include <cstdint>
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+#include "cuda/attention_kernel.h"
+#include "race_check.h"
+
+namespace {
+
+using attnx::AttentionParams;
+using attnx::AttentionPointers;
+using attnx::cuda::DType;
+using attnx::cuda::Kernel;
+
+int failures = 0;
+
+void check(bool ok, const char* what, long long a = 0, long long b = 0) {
+  if (ok) return;
+  std::printf("FAILED: %s (%lld, %lld)\n", what, a, b);
+  ++failures;
+}
+
+const char* name(DType dtype) {
+  return attnx::cuda::dtype_name(dtype);
+}
+
+// Plain attention over contiguous (B, H, L, D) query and out, (B, Hkv, S, Dv) key and value: no masks.
+AttentionParams plain(int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t D, int64_t Dv) {
+  attnx::race_check::Features f;
+  f.kv_heads = Hkv;
+  AttentionParams p = attnx::race_check::params(B, H, L, S, D, /*causal=*/false, f);
+  p.v_head_dim = Dv;
+  attnx::race_check::contiguous(p.v_stride, Hkv, S, Dv);
+  attnx::race_check::contiguous(p.out_stride, H, L, Dv);
+  p.attn_mask_kind = attnx::kMaskNone, p.key_padding_mask_kind = attnx::kMaskNone;
+  for (auto& st : p.attn_mask_stride) st = 0;
+  for (auto& st : p.key_padding_mask_stride) st = 0;
+  return p;
+}
+
+// Shared memory within the 163 KiB an sm80 block may opt into, for every dtype and head-dim bucket, of both
+// kernels (the launchers opt in above 48 KiB; the emulated runtime refuses a launch that did not, as the real
+// one does). B * H past grid.y's 65535: the grid is 1-D, one block per (query block, b, h).
+void plan_limits() {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    for (int d : {32, 64, 128, 256}) {
+      const AttentionParams p = plain(1, 1, 1, 1, 1, d, d);
+      const attnx::cuda::AttentionPlan plan = attnx::cuda::plan_attention(p, dtype);
+      std::printf("simt %s d=%d: %zu bytes of shared memory\n", name(dtype), d, plan.smem_bytes);
+      check(plan.bucket == d, "simt bucket", plan.bucket, d);
+      check(plan.threads == 128, "simt threads", plan.threads);
+      check(plan.smem_bytes <= 163 * 1024, "simt shared memory within 163 KiB", d,
+            static_cast<long long>(plan.smem_bytes));
+      const attnx::cuda::AttentionMmaPlan mma =
+          attnx::cuda::plan_attention_mma(p, dtype, AttentionPointers{});
+      if (mma.bucket == 0) continue;  // no tensor-core kernel for this dtype and bucket
+      std::printf("mma %s d=%d: %zu bytes of shared memory\n", name(dtype), d, mma.smem_bytes);
+      check(mma.bucket == d && mma.threads == 128, "mma bucket and threads", mma.bucket, mma.threads);
+      check(mma.smem_bytes <= 163 * 1024, "mma shared memory within 163 KiB", d,
+            static_cast<long long>(mma.smem_bytes));
+    }
+  }
+  AttentionParams p = plain(300, 300, 300, 40, 1, 8, 8);
+  const attnx::cuda::AttentionPlan plan = attnx::cuda::plan_attention(p, DType::kFloat32);
+  check(plan.bh == 90000, "simt grid: B * H", plan.bh);
+  check(plan.q_blocks == (40 + plan.rows_per_block - 1) / plan.rows_per_block, "simt grid: query blocks",
+        plan.q_blocks, plan.rows_per_block);
+  check(plan.blocks == plan.q_blocks * 90000 && plan.blocks <= attnx::cuda::kMaxBlocks, "simt grid: 1-D",
+        plan.blocks);
+  const attnx::cuda::AttentionMmaPlan mma = attnx::cuda::plan_attention_mma(p, DType::kFloat16, {});
+  check(mma.bh == 90000 && mma.blocks == mma.q_blocks * 90000 && mma.blocks <= attnx::cuda::kMaxBlocks,
+        "mma grid: 1-D", mma.blocks);
+}
+
+// Buffers for plain(1, 4, Hkv, 3, 5, D, Dv) in float16 (zeros: only the launch's status matters here).
+struct Buffers {
+  std::vector<uint16_t> q, k, v, out;
+  std::vector<float> lse, sinks;
+  std::vector<int32_t> key_lengths;
+  Buffers(int64_t Hkv, int64_t D, int64_t Dv)
+      : q(4 * 3 * D),
+        k(Hkv * 5 * D),
+        v(Hkv * 5 * Dv),
+        out(4 * 3 * Dv),
+        lse(4 * 3),
+        sinks(4),
+        key_lengths{5} {}
+  AttentionPointers pointers(bool key_lengths_ptr = false, bool sinks_ptr = false) {
+    AttentionPointers ptr{};
+    ptr.query = q.data(), ptr.key = k.data(), ptr.value = v.data();
+    ptr.out = out.data(), ptr.lse = lse.data();
+    ptr.key_lengths = key_lengths_ptr ? key_lengths.data() : nullptr;
+    ptr.sinks = sinks_ptr ? sinks.data() : nullptr;
+    return ptr;
+  }
+};
+
+int launch(const AttentionParams& p, const AttentionPointers& ptr, Kernel kernel) {
+  return static_cast<int>(attnx::cuda::launch_attention(p, DType::kFloat16, ptr, nullptr, kernel));
+}
+
+// The launchers check what the kernels would otherwise divide by or dereference.
+void inconsistent_params_are_refused(Kernel kernel) {
+  const char* k = kernel == Kernel::kMma ? "mma" : "simt";
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  Buffers buf(2, 16, 16);
+  const AttentionParams base = plain(1, 4, 2, 3, 5, 16, 16);
+  std::printf("%s: consistent params launch\n", k);
+  check(launch(base, buf.pointers(), kernel) == 0, "plain launch");
+  AttentionParams p = base;
+  p.key_lengths_kind = attnx::kKeyLengthsInt32, p.key_lengths_stride = 1;
+  check(launch(p, buf.pointers(true, false), kernel) == 0, "launch with key_lengths");
+  check(launch(p, buf.pointers(false, false), kernel) == invalid, "key_lengths without a pointer");
+  p = base;
+  p.has_sinks = 1;
+  check(launch(p, buf.pointers(false, true), kernel) == 0, "launch with sinks");
+  check(launch(p, buf.pointers(false, false), kernel) == invalid, "sinks without a pointer");
+  for (int64_t kv_heads : {0, 3, 8}) {
+    p = base;
+    p.kv_heads = kv_heads;
+    check(launch(p, buf.pointers(), kernel) == invalid, "kv_heads that do not divide heads", kv_heads);
+  }
+  p = base;
+  p.window_left = -2;
+  check(launch(p, buf.pointers(), kernel) == invalid, "window_left below -1");
+  p = base;
+  p.window_right = -2;
+  check(launch(p, buf.pointers(), kernel) == invalid, "window_right below -1");
+}
+
+// No kernel above head dim 256 (the glue runs the composite there): no bucket, and the launcher refuses.
+void head_dim_above_256_has_no_kernel() {
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  for (auto [D, Dv] : {std::pair<int64_t, int64_t>{264, 8}, {8, 300}}) {
+    const AttentionParams p = plain(1, 4, 4, 3, 5, D, Dv);
+    check(attnx::cuda::plan_attention(p, DType::kFloat32).bucket == 0, "no bucket above 256", D, Dv);
+    Buffers buf(4, D, Dv);
+    check(launch(p, buf.pointers(), Kernel::kSimt) == invalid, "launch above head dim 256", D, Dv);
+  }
+}
+
+}  // namespace
+
+int main() {
+  plan_limits();
+  inconsistent_params_are_refused(Kernel::kSimt);
+  inconsistent_params_are_refused(Kernel::kMma);
+  head_dim_above_256_has_no_kernel();
+  if (failures == 0) std::printf("ok\n");
+  return failures;
+}
