@@ -1,11 +1,12 @@
-// attnx: the CUDA execution model on CPU threads, enough to run attnx's SIMT kernels (csrc/cuda/*.cu)
-// unmodified.
+// attnx: the CUDA execution model on the CPU, enough to run attnx's kernels (csrc/cuda/*.cu) unmodified.
 //
 // g++ compiles a .cu file as C++ with -DATTNX_CUDA_EMULATION; csrc/cuda/common.cuh then includes this header.
 // The toolkit's own headers (host-capable) supply dim3, cudaError_t, __half, __nv_bfloat16 and turn
 // __device__/__global__/__shared__ into nothing; this file supplies the rest:
-//   - one std::thread per CUDA thread of a block; the blocks of a grid run one after another on the same
-//   threads;
+//   - one fiber (ucontext) per CUDA thread of a block, all on the calling thread, switched at barriers in a
+//   fixed round-robin order; or, under ThreadSanitizer or AddressSanitizer (which do not follow stack
+//   switches) or with -DATTNX_CUDA_EMU_THREADS, one std::thread each. The blocks of a grid run one after
+//   another on the same fibers or threads;
 //   - threadIdx / blockIdx / blockDim / gridDim as thread-locals;
 //   - __syncthreads: a barrier of the block's threads; __syncwarp: a barrier of the warp's 32;
 //   - __shfl_xor_sync / __shfl_sync / __all_sync / __any_sync / __ballot_sync: every lane of the warp writes
@@ -16,8 +17,8 @@
 //     that reads shared memory it never wrote produces NaN rather than a lucky zero;
 //   - launch_kernel(): grid/block/shared-memory checks like the runtime's (1024 threads, 48 KiB without
 //     cudaFuncAttributeMaxDynamicSharedMemorySize, 227 KiB at most, as on sm90), then the run.
-// A launch in which no barrier completes for kBarrierTimeout (a divergent __syncthreads or shuffle) aborts
-// the process with a message instead of hanging.
+// A launch in which a barrier can never complete (a divergent __syncthreads or shuffle) aborts the process with a
+// message instead of hanging: at once with fibers (no fiber can run), after kBarrierTimeout with threads.
 //
 //   - mma.sync.m16n8k16 (attnx::cuda::mma_m16n8k16) and ldmatrix: warp collectives over the PTX ISA's
 //     fragment layouts; cp.async: queued per thread and performed when cp.async.wait_group lets no more be
@@ -49,6 +50,18 @@
 #define __launch_bounds__(...)
 #endif
 
+// One OS thread per CUDA thread where a sanitizer must see the threads (TSan follows their barriers, ASan
+// does not follow fibers' stack switches); fibers otherwise, which switch in nanoseconds where 128 OS threads
+// meeting at a futex take microseconds each.
+#if !defined(ATTNX_CUDA_EMU_THREADS) && (defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__))
+#define ATTNX_CUDA_EMU_THREADS 1
+#endif
+#if !defined(ATTNX_CUDA_EMU_THREADS) && defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define ATTNX_CUDA_EMU_THREADS 1
+#endif
+#endif
+
 namespace attnx_emu {
 
 constexpr int kWarpSize = 32;
@@ -64,9 +77,10 @@ constexpr auto kBarrierTimeout = std::chrono::seconds(120);
   std::abort();
 }
 
-// Barriers (one OS thread per CUDA thread: waiters sleep on the generation word) and the watchdog that turns
-// a barrier not every thread reaches into an abort: barrier.h.
-using Barrier = attnx_emu_barrier::Barrier<attnx_emu_barrier::wait_on_word>;
+// Barriers (barrier.h): with threads a waiter sleeps on the generation word, with fibers it yields to the
+// scheduler until the word moves (cuda_shim.cpp).
+void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen);
+using Barrier = attnx_emu_barrier::Barrier<wait_for_change>;
 
 [[noreturn]] inline void stalled(long long seconds) {
   char message[200];
@@ -163,18 +177,18 @@ template <int K, typename Unpack>
 inline void mma_m16n8(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], Unpack unpack) {
   const MmaFragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {d[0], d[1], d[2], d[3]}};
   const auto slots = publish(mine);
-  float A[16][K], B[K][8], C[16][8];
-  for (int lane = 0; lane < kWarpSize; ++lane) {
-    const MmaFragments f = read_slot<MmaFragments>(slots, lane);
-    const int g = lane / 4, t = lane % 4;
-    unpack(f, g, t, A, B);
-    C[g][2 * t] = f.c[0], C[g][2 * t + 1] = f.c[1];
-    C[g + 8][2 * t] = f.c[2], C[g + 8][2 * t + 1] = f.c[3];
-  }
+  // This lane's elements of D are in rows g and g + 8 and columns 2t and 2t + 1: it reads A's rows from the
+  // lanes that hold them (group g) and B's columns from theirs (groups 2t and 2t + 1), and C is its own d.
   const int g = tl.lane / 4, t = tl.lane % 4;
+  float A[16][K], B[K][8];
+  for (int lane = 0; lane < kWarpSize; ++lane) {
+    const int group = lane / 4;
+    if (group != g && group != 2 * t && group != 2 * t + 1) continue;
+    unpack(read_slot<MmaFragments>(slots, lane), group, lane % 4, A, B);
+  }
   for (int i = 0; i < 4; ++i) {
     const int row = g + (i / 2) * 8, col = 2 * t + i % 2;
-    float acc = C[row][col];
+    float acc = d[i];
     for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
     d[i] = acc;
   }
@@ -290,11 +304,15 @@ inline cudaError_t& last_error() {
   return error;
 }
 
-// kernel<<<grid, block, smem>>>(args...) on std::threads; returns what cudaGetLastError would after the
-// launch.
+// kernel<<<grid, block, smem>>>(args...) on the emulated threads; returns what cudaGetLastError would after
+// the launch.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t,
                           Args&&... args);
+
+// Runs body(context, tid) for tid in [0, threads) as the block's threads (fibers or std::threads, see above),
+// returning when every one has finished (cuda_shim.cpp).
+void run_threads(int threads, void (*body)(void* context, int tid), void* context);
 
 }  // namespace attnx_emu
 
@@ -389,11 +407,9 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
       }
     }
   };
-  const attnx_emu_barrier::Watchdog watchdog(kBarrierTimeout, stalled);
-  std::vector<std::thread> pool;
-  pool.reserve(threads);
-  for (int tid = 0; tid < static_cast<int>(threads); ++tid) pool.emplace_back(body, tid);
-  for (auto& t : pool) t.join();
+  using Body = std::remove_const_t<decltype(body)>;
+  run_threads(static_cast<int>(threads), [](void* context, int tid) { (*static_cast<const Body*>(context))(tid); },
+              const_cast<Body*>(&body));
   return last_error() = cudaSuccess;
 }
 
