@@ -529,17 +529,8 @@ cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType d
   if (plan.delta_blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks || plan.query_blocks > kMaxBlocks) {
     return cudaErrorInvalidConfiguration;
   }
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_backward<float>(bp, ptr, plan, workspace, stream);
-    case DType::kFloat64:
-      return launch_backward<double>(bp, ptr, plan, workspace, stream);
-    case DType::kFloat16:
-      return launch_backward<__half>(bp, ptr, plan, workspace, stream);
-    case DType::kBFloat16:
-      return launch_backward<__nv_bfloat16>(bp, ptr, plan, workspace, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(
+      dtype, [&](auto tag) { return launch_backward<decltype(tag)>(bp, ptr, plan, workspace, stream); });
 }
 
 #endif

@@ -280,17 +280,7 @@ cudaError_t launch_attention(const AttentionParams& p, DType dtype, const Attent
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.blocks == 0) return cudaSuccess;
   if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_simt<float>(p, ptr, plan, stream);
-    case DType::kFloat64:
-      return launch_simt<double>(p, ptr, plan, stream);
-    case DType::kFloat16:
-      return launch_simt<__half>(p, ptr, plan, stream);
-    case DType::kBFloat16:
-      return launch_simt<__nv_bfloat16>(p, ptr, plan, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(dtype, [&](auto tag) { return launch_simt<decltype(tag)>(p, ptr, plan, stream); });
 }
 
 #endif

@@ -25,6 +25,7 @@
 #include "attnx/key_range.h"
 #include "attnx/params.h"
 #include "attnx/softmax.h"
+#include "cuda/attention_plan.h"
 
 namespace attnx::cuda {
 
@@ -73,6 +74,25 @@ inline cudaError_t dispatch_bucket(int bucket, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
   (void)((bucket == kBuckets ? (err = f(std::integral_constant<int, kBuckets>{}), true) : false) || ...);
   return err;
+}
+
+// f(scalar_t{}) for the element type of `dtype` (float, double, __half, __nv_bfloat16): the value is a type
+// tag, read as decltype(tag), as the CPU kernels' dispatch_float_types passes it. cudaErrorInvalidValue for a
+// value outside DType. A launcher without a kernel for some type refuses it in f with if constexpr, so that
+// no kernel is instantiated for it.
+template <typename F>
+inline cudaError_t dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kFloat64:
+      return f(double{});
+    case DType::kFloat16:
+      return f(__half{});
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
 }
 #endif
 
