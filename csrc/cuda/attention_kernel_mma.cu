@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const scalar_t* const k = block.k;
   const scalar_t* const v = block.v;
   const int64_t am_base = block.attn_mask_base, kpm_base = block.key_padding_mask_base;
-  const float scale = p.scale;
+  const float scale = split_value<float>(p.scale, p.scale_lo);
   const SoftCap<float> cap = soft_cap_of<float>(p);
   const scalar_t zero = from_acc<scalar_t>(0.0f);
 

@@ -251,7 +251,7 @@ struct SoftCap {
 template <typename A>
 __device__ __forceinline__ SoftCap<A> soft_cap_of(const AttentionParams& p) {
   SoftCap<A> c;
-  c.cap = sizeof(A) == 8 ? A(double(p.softcap) + double(p.softcap_lo)) : A(p.softcap);
+  c.cap = split_value<A>(p.softcap, p.softcap_lo);
   c.inv_cap = c.cap > A(0) ? A(1) / c.cap : A(0);
   return c;
 }

@@ -36,6 +36,14 @@ template <>
 struct AccType<double> {
   typedef double type;
 };
+
+// A value AttentionParams carries as a pair of floats hi + lo (scale, dropout_scale, softcap), in the
+// accumulator type A: the double the pair stands for in float64, hi in float. (Metal has no double; its
+// float kernels read hi alone.)
+template <typename A>
+ATTNX_HOST_DEVICE inline A split_value(float hi, float lo) {
+  return sizeof(A) == 8 ? A(double(hi) + double(lo)) : A(hi);
+}
 #endif
 
 template <typename T>
