@@ -233,10 +233,10 @@ __device__ __forceinline__ BlockProblem<scalar_t> block_problem(const AttentionP
   return r;
 }
 
-__device__ __forceinline__ float tanh_acc(float x) {
-  return tanhf(x);
-}
-__device__ __forceinline__ double tanh_acc(double x) {
+// tanh in the accumulator type: the overload of the argument's type, tanhf in float (accurate; soft_cap_fast
+// below is the SFU's).
+template <typename A>
+__device__ __forceinline__ A tanh_acc(A x) {
   return tanh(x);
 }
 
