@@ -10,7 +10,6 @@ takes tiny shapes, to check that a case runs, and writes nothing unless given ``
 
 import argparse
 import datetime
-import inspect
 import os
 import shlex
 import sys
@@ -35,7 +34,7 @@ from . import (
 )
 from .common import RESULTS_DIR, load_average, machine, progress, write_record, write_results
 
-# name -> module with TITLE, DEVICES (the devices it has cases for) and run(device, quick[, smoke]) returning
+# name -> module with TITLE, DEVICES (the devices it has cases for) and run(device, quick, smoke) returning
 # {"results": <JSON-able>, "text": <tables>}. The first four are the upstream problems, in the report's order.
 BENCHMARKS = {
     "eval": bench_mha,
@@ -103,23 +102,15 @@ def main(argv=None) -> int:
             "load_start": load_average(),
             "command": shlex.join(["python", "-m", "benchmarks", *argv]),
             "options": vars(args),
-            "skipped": {},
         }
         results = {}
         for name in (n for d, n in plan if d == device):
             module = BENCHMARKS[name]
             progress.begin(plan.index((device, name)) + 1, len(plan), f"{device} {name}")
-            kwargs = {"device": device, "quick": args.quick}
-            if args.smoke:
-                if "smoke" not in inspect.signature(module.run).parameters:
-                    progress("no smoke shapes, skipped")
-                    run["skipped"][name] = "no smoke shapes"
-                    continue
-                kwargs["smoke"] = True
             progress(f"{module.TITLE}")
             t0 = time.perf_counter()
             load = load_average()
-            out = module.run(**kwargs)
+            out = module.run(device=device, quick=args.quick, smoke=args.smoke)
             results[name] = {
                 "results": out["results"],
                 "text": out["text"],

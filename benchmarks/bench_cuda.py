@@ -30,6 +30,9 @@ SDPA_BACKENDS = {
     "math": SDPBackend.MATH,
 }
 THROUGHPUT_B, THROUGHPUT_H = 4, 16
+# --smoke: one short length at the smallest head dim, in float16 (the tensor-core kernel) and float32 (its
+# 3xTF32 variant), with and without masks: every path runs, in seconds.
+SMOKE_LENGTHS, SMOKE_DIMS, SMOKE_DTYPES = [128], [64], [torch.float16, torch.float32]
 
 
 def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
@@ -47,7 +50,7 @@ def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
     return q, k, v, attn_mask, kpm, keep
 
 
-def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, quick: bool) -> dict:
+def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, reps: int) -> dict:
     """{implementation: {"time", "tflops"} or None where the backend rejects the case} for one case."""
     q, k, v, attn_mask, kpm, keep = throughput_inputs(L, D, dtype, masked)
     flops = 4 * THROUGHPUT_B * THROUGHPUT_H * L * L * D
@@ -71,7 +74,7 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, quick: boo
             torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
             supported[name] = fn
         del want
-        timings = time_interleaved(supported, "cuda", reps=5 if quick else 15, min_block_s=0.05)
+        timings = time_interleaved(supported, "cuda", reps=reps, min_block_s=0.05)
     return {
         name: {"time": timings[name].to_json(), "tflops": flops / timings[name].median / 1e12}
         if name in timings
@@ -80,11 +83,13 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, quick: boo
     }
 
 
-def run_throughput(quick: bool) -> tuple:
+def run_throughput(quick: bool, smoke: bool) -> tuple:
     rows, results = [], {}
-    lengths = [1024] if quick else [1024, 4096]
-    dims = [64] if quick else [64, 128]
+    lengths = SMOKE_LENGTHS if smoke else [1024] if quick else [1024, 4096]
+    dims = SMOKE_DIMS if smoke else [64] if quick else [64, 128]
     dtypes = [torch.float16, torch.float32] if quick else [torch.float16, torch.bfloat16, torch.float32]
+    dtypes = SMOKE_DTYPES if smoke else dtypes
+    reps = 3 if smoke else 5 if quick else 15
     for dtype in dtypes:
         for L in lengths:
             for D in dims:
@@ -92,7 +97,7 @@ def run_throughput(quick: bool) -> tuple:
                     name = str(dtype).removeprefix("torch.")
                     label = f"{name} L=S={L} D={D}" + (" masks" if masked else "")
                     progress(label)
-                    case = throughput_case(L, D, dtype, masked, quick)
+                    case = throughput_case(L, D, dtype, masked, reps)
                     torch.cuda.empty_cache()
                     results[label] = case
                     rows.append([label] + [f"{c['tflops']:.1f}" if c else "n/a" for c in case.values()])
@@ -107,12 +112,12 @@ def run_throughput(quick: bool) -> tuple:
     return results, text
 
 
-def run(device: str = "cuda", quick: bool = False) -> dict:
+def run(device: str = "cuda", quick: bool = False, smoke: bool = False) -> dict:
     if device != "cuda" or not torch.cuda.is_available():
         raise RuntimeError("bench_cuda needs a CUDA device")
     if not torch._C._dispatch_has_kernel_for_dispatch_key("attnx::_attention", "CUDA"):
         raise RuntimeError("this build of attnx has no CUDA kernels (see python -m attnx.info)")
-    results, text = run_throughput(quick)
+    results, text = run_throughput(quick, smoke)
     return {
         "results": {
             "attention_throughput": results,
@@ -120,13 +125,3 @@ def run(device: str = "cuda", quick: bool = False) -> dict:
         },
         "text": text,
     }
-
-
-if (
-    __name__ == "__main__"
-):  # ``python -m benchmarks.bench_cuda [--quick]``: the GPU cases of python -m benchmarks
-    import sys
-
-    from .__main__ import main
-
-    sys.exit(main(["--device", "cuda", "--only", "eval", "--only", "cuda", *sys.argv[1:]]))

@@ -360,14 +360,6 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
 // generated together, round by round over arrays, so that the compiler vectorises them (32x32->64-bit
 // multiplies are vpmuludq); a scalar loop over attnx::philox4x32_10 costs more than the attention itself.
 
-// A value the params carry as two floats hi + lo (AttentionParams::scale, dropout_scale, softcap), in the
-// accumulator type: the double they stand for in float64, hi in float32.
-template <typename acc_t>
-acc_t split_value(float hi, float lo) {
-  return std::is_same_v<acc_t, double> ? static_cast<acc_t>(static_cast<double>(hi) + lo)
-                                       : static_cast<acc_t>(hi);
-}
-
 // Elements per call of dropout_draws, and the Philox blocks that cover them at any alignment.
 constexpr int64_t kDropoutChunk = 64;
 constexpr int kDropoutBlocks = kDropoutChunk / 4 + 1;

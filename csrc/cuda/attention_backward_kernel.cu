@@ -33,21 +33,6 @@ namespace {
 // (fp32/fp16/bf16 at buckets 32 and 128, fp64 at 128); with it none spills on sm_80 or sm_90.
 constexpr int kBackwardMinBlocks = 1;
 
-template <typename A>
-__device__ __forceinline__ A exp_acc(A x) {
-  if constexpr (sizeof(A) == 8) {
-    return exp(x);
-  } else {
-    return expf(x);
-  }
-}
-
-// A float64 kernel's value of a float32 pair hi + lo (AttentionParams::scale & co.); hi for the others.
-template <typename A>
-__device__ __forceinline__ A split_value(float hi, float lo) {
-  return sizeof(A) == 8 ? A(double(hi) + double(lo)) : A(hi);
-}
-
 // delta[(b * H + h) * L + l] = sum over c < Dv of dO[b, h, l, c] * O[b, h, l, c], one warp per row.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBackwardThreads)
@@ -227,7 +212,7 @@ __device__ __forceinline__ void tile_pair(const AttentionParams& p, const Attent
                                    am_base + l * p.attn_mask_stride[2] + s * p.attn_mask_stride[3]) +
                  bias;
         }
-        const acc_t prob = exp_acc(y + bias - t.lse[i]);
+        const acc_t prob = softmax_exp(y + bias - t.lse[i]);  // the accurate exp: expf in float
         acc_t z = acc_t(1);
         if (p.dropout) {
           const uint64_t el =
@@ -529,17 +514,8 @@ cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType d
   if (plan.delta_blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks || plan.query_blocks > kMaxBlocks) {
     return cudaErrorInvalidConfiguration;
   }
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_backward<float>(bp, ptr, plan, workspace, stream);
-    case DType::kFloat64:
-      return launch_backward<double>(bp, ptr, plan, workspace, stream);
-    case DType::kFloat16:
-      return launch_backward<__half>(bp, ptr, plan, workspace, stream);
-    case DType::kBFloat16:
-      return launch_backward<__nv_bfloat16>(bp, ptr, plan, workspace, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(
+      dtype, [&](auto tag) { return launch_backward<decltype(tag)>(bp, ptr, plan, workspace, stream); });
 }
 
 #endif

@@ -78,9 +78,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, simt_min_blocks<typename Ac
   const scalar_t* const k = block.k;
   const scalar_t* const v = block.v;
   const int64_t am_base = block.attn_mask_base, kpm_base = block.key_padding_mask_base;
-  const acc_t scale = sizeof(acc_t) == 8 ? acc_t(double(p.scale) + double(p.scale_lo)) : acc_t(p.scale);
-  const acc_t dropout_scale = sizeof(acc_t) == 8 ? acc_t(double(p.dropout_scale) + double(p.dropout_scale_lo))
-                                                 : acc_t(p.dropout_scale);
+  const acc_t scale = split_value<acc_t>(p.scale, p.scale_lo);
+  const acc_t dropout_scale = split_value<acc_t>(p.dropout_scale, p.dropout_scale_lo);
   const SoftCap<acc_t> cap = soft_cap_of<acc_t>(p);
   const uint64_t dropout_row0 =
       static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L);  // row of query 0
@@ -280,17 +279,7 @@ cudaError_t launch_attention(const AttentionParams& p, DType dtype, const Attent
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.blocks == 0) return cudaSuccess;
   if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_simt<float>(p, ptr, plan, stream);
-    case DType::kFloat64:
-      return launch_simt<double>(p, ptr, plan, stream);
-    case DType::kFloat16:
-      return launch_simt<__half>(p, ptr, plan, stream);
-    case DType::kBFloat16:
-      return launch_simt<__nv_bfloat16>(p, ptr, plan, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(dtype, [&](auto tag) { return launch_simt<decltype(tag)>(p, ptr, plan, stream); });
 }
 
 #endif

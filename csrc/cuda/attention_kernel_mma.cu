@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const scalar_t* const k = block.k;
   const scalar_t* const v = block.v;
   const int64_t am_base = block.attn_mask_base, kpm_base = block.key_padding_mask_base;
-  const float scale = p.scale;
+  const float scale = split_value<float>(p.scale, p.scale_lo);
   const SoftCap<float> cap = soft_cap_of<float>(p);
   const scalar_t zero = from_acc<scalar_t>(0.0f);
 
@@ -441,16 +441,14 @@ cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const At
   const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr);
   if (plan.blocks == 0) return cudaSuccess;
   if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
-  switch (dtype) {
-    case DType::kFloat16:
-      return launch_mma<__half>(p, ptr, plan, stream);
-    case DType::kBFloat16:
-      return launch_mma<__nv_bfloat16>(p, ptr, plan, stream);
-    case DType::kFloat32:
-      return launch_mma<float>(p, ptr, plan, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    if constexpr (std::is_same<scalar_t, double>::value) {
+      return cudaErrorInvalidValue;  // no float64 tensor-core kernel (mma_supports refuses it too)
+    } else {
+      return launch_mma<scalar_t>(p, ptr, plan, stream);
+    }
+  });
 }
 
 #endif

@@ -25,6 +25,7 @@
 #include "attnx/key_range.h"
 #include "attnx/params.h"
 #include "attnx/softmax.h"
+#include "cuda/attention_plan.h"
 
 namespace attnx::cuda {
 
@@ -73,6 +74,25 @@ inline cudaError_t dispatch_bucket(int bucket, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
   (void)((bucket == kBuckets ? (err = f(std::integral_constant<int, kBuckets>{}), true) : false) || ...);
   return err;
+}
+
+// f(scalar_t{}) for the element type of `dtype` (float, double, __half, __nv_bfloat16): the value is a type
+// tag, read as decltype(tag), as the CPU kernels' dispatch_float_types passes it. cudaErrorInvalidValue for a
+// value outside DType. A launcher without a kernel for some type refuses it in f with if constexpr, so that
+// no kernel is instantiated for it.
+template <typename F>
+inline cudaError_t dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kFloat64:
+      return f(double{});
+    case DType::kFloat16:
+      return f(__half{});
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
 }
 #endif
 
@@ -213,10 +233,10 @@ __device__ __forceinline__ BlockProblem<scalar_t> block_problem(const AttentionP
   return r;
 }
 
-__device__ __forceinline__ float tanh_acc(float x) {
-  return tanhf(x);
-}
-__device__ __forceinline__ double tanh_acc(double x) {
+// tanh in the accumulator type: the overload of the argument's type, tanhf in float (accurate; soft_cap_fast
+// below is the SFU's).
+template <typename A>
+__device__ __forceinline__ A tanh_acc(A x) {
   return tanh(x);
 }
 
@@ -231,7 +251,7 @@ struct SoftCap {
 template <typename A>
 __device__ __forceinline__ SoftCap<A> soft_cap_of(const AttentionParams& p) {
   SoftCap<A> c;
-  c.cap = sizeof(A) == 8 ? A(double(p.softcap) + double(p.softcap_lo)) : A(p.softcap);
+  c.cap = split_value<A>(p.softcap, p.softcap_lo);
   c.inv_cap = c.cap > A(0) ? A(1) / c.cap : A(0);
   return c;
 }

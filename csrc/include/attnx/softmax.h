@@ -36,6 +36,14 @@ template <>
 struct AccType<double> {
   typedef double type;
 };
+
+// A value AttentionParams carries as a pair of floats hi + lo (scale, dropout_scale, softcap), in the
+// accumulator type A: the double the pair stands for in float64, hi in float. (Metal has no double; its
+// float kernels read hi alone.)
+template <typename A>
+ATTNX_HOST_DEVICE inline A split_value(float hi, float lo) {
+  return sizeof(A) == 8 ? A(double(hi) + double(lo)) : A(hi);
+}
 #endif
 
 template <typename T>
@@ -55,22 +63,21 @@ ATTNX_HOST_DEVICE inline T safe_max(T m) {
   return m == -T(INFINITY) ? T(0) : m;
 }
 
+// exp and log of the argument's type: the accurate ones (expf and logf in float on CUDA, never the SFU's
+// __expf). Metal's live in namespace metal, the others' in the global namespace.
+#if defined(__METAL_VERSION__)
+using metal::exp;
+using metal::log;
+#endif
+
 template <typename T>
 ATTNX_HOST_DEVICE inline T softmax_exp(T x) {
-#if defined(__METAL_VERSION__)
-  return metal::exp(x);
-#else
   return exp(x);
-#endif
 }
 
 template <typename T>
 ATTNX_HOST_DEVICE inline T softmax_log(T x) {
-#if defined(__METAL_VERSION__)
-  return metal::log(x);
-#else
   return log(x);
-#endif
 }
 
 // One row's running statistics. Passed and returned by value: Metal has no unqualified references.
