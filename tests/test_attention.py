@@ -1,7 +1,24 @@
-"""attnx.attention against reference.attention: dtypes, shapes, strided layouts, masks, edge cases, errors.
+"""attnx.attention's forward against reference.attention, on every device: dtypes, shapes, strided layouts,
+head-dim buckets, block and tile boundaries, masks of every kind and dtype, fully masked rows, NaN, empty
+sizes, head dims above 256, the fake kernel, opcheck, torch.compile and bad inputs.
 
-Accuracy bound (flash-attention style): with ref64 the reference on float64 copies of the same inputs and
-ref_same the reference in the inputs' own dtype,
+The matrix: a test that takes conftest's ``device`` runs once per device, the CPU, a CUDA GPU and an MPS
+device where this machine has them, and the emulated backends (``cuda-emu``: an sm_90 GPU, tensor cores
+where they cover the call; ``cuda-emu-sm75``: the SIMT kernel for every call; ``metal-emu``: the Metal
+kernels), which run on CPU tensors through attnx's real glue. Each test first asks the device which kernel
+its main call takes (attention_helpers.kernel_or_skip): it is skipped, saying why, where the backend refuses
+the call (Metal: float64, head dims above 256) or where another emulated device runs the same kernel. The
+inputs are built on the CPU and moved with their exact layout (layouts.to_device); the reference runs on the
+CPU copies.
+
+Shapes are sized for the emulators (every emulated block is 128 threads) and chosen to cross every backend's
+boundaries at once: the SIMT kernel's blocks of 16 query rows and 32-key tiles, the tensor-core kernel's 64
+rows and 64-key tiles, Metal's tiled kernel's 32 rows and 32-key tiles and its vector kernel for a few query
+rows. The CPU kernel tiles 128 queries by 512 keys: the tests without ``device`` cover its larger tiles, its
+thread plans, its ISA variants and its memory.
+
+Accuracy bound (flash-attention style), the same on every device: with ref64 the reference on float64 copies
+of the same inputs and ref_same the reference in the inputs' own dtype,
 
     max |kernel - ref64| <= K * max |ref_same - ref64| + atol[dtype]
 
@@ -29,10 +46,12 @@ from attention_helpers import (
     MASKED_SHAPE,
     QKV_LAYOUTS,
     assert_fully_masked_rows,
+    assert_matches_reference,
     assert_nan_rows,
     attention_opcheck_cases,
     check_forward,
     fully_masked_rows_case,
+    kernel_or_skip,
     make_attn_mask,
     make_key_padding_mask,
     make_qkv,
@@ -40,12 +59,54 @@ from attention_helpers import (
     run_python,
     run_under_cpu_capability,
 )
+from layouts import to_device
+
+pytestmark = pytest.mark.kernel
+
+METAL = ("mps", "metal-emu")
 
 # ------------------------------------------------------------------------------------------------------------
-# Shapes, dtypes and layouts.
+# The comparison on a device.
 
-# (B, H, L, S, D, Dv). The CPU kernel tiles 128 queries by 512 keys and hands out blocks of up to 8 query
-# tiles that share each transposed key tile: the larger shapes cross those boundaries, with partial tiles.
+
+def kernel_for(device, q, k, v, **kwargs):
+    """The kernel attnx.attention takes on ``device`` for CPU inputs q, k, v and options (kernel_or_skip:
+    skips where the device refuses the call or another emulated device runs that kernel)."""
+    return kernel_or_skip(device, *to_device((q, k, v), device), **to_device(kwargs, device))
+
+
+def run(device, q, k, v, **kwargs):
+    """attnx.attention on ``device`` of CPU inputs q, k, v and options, moved with their layouts; returns
+    (out, lse) on the CPU, after checking that they came back on ``device``."""
+    out, lse = attnx.attention(*to_device((q, k, v), device), **to_device(kwargs, device))
+    assert out.device.type == lse.device.type == torch.device(device).type
+    return out.cpu(), lse.cpu()
+
+
+def check(device, q, k, v, **kwargs):
+    """run() against the reference on the CPU inputs (the bound above); returns (out, lse) on the CPU."""
+    return assert_matches_reference(*run(device, q, k, v, **kwargs), q, k, v, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Dtypes, layouts, shapes, head-dim buckets, block and tile boundaries.
+
+# (B, H, L, S, D, Dv). "few_rows": Metal's vector kernel, one query block elsewhere, B > 1 (the batch stride).
+# "long": L = 70 and S = 90 cut the last query block and key tile of every backend: SIMT 5 blocks x 3 tiles,
+# tensor cores 2 x 2, Metal tiled 3 x 3. Head dim 24 is a bucket of 32 with a partial 16-byte chunk (the
+# tensor-core kernel stages it zero-filled); "strided_last" rows cannot be copied as 16-byte vectors.
+LAYOUT_SIZES = {"few_rows": (2, 2, 5, 37, 24, 24), "long": (1, 2, 70, 90, 24, 24)}
+
+
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", LAYOUT_SIZES)
+def test_dtypes_layouts(device, sizes, dtype, layout):
+    q, k, v = make_qkv(*LAYOUT_SIZES[sizes], dtype=dtype, layout=layout)
+    kernel_for(device, q, k, v)
+    check(device, q, k, v)
+
+
 SHAPES = [
     (2, 3, 37, 53, 24, 24),  # odd sizes, L != S
     (1, 2, 16, 16, 32, 8),  # Dv < D
@@ -54,91 +115,297 @@ SHAPES = [
     (3, 2, 1, 33, 16, 16),  # decoding-like: one query
     (1, 1, 45, 1, 16, 16),  # one key
 ]
-BIG_SHAPES = [
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_shapes(device, shape, dtype):
+    q, k, v = make_qkv(*shape, dtype=dtype, layout="blhd")
+    kernel_for(device, q, k, v)
+    check(device, q, k, v)
+
+
+# (L, S, D, Dv): every head-dim bucket (32, 64, 128, 256) of every kernel, at query lengths that take both of
+# Metal's kernels; D != Dv; D not a multiple of any vector width; 128 itself, the tensor-core kernel's largest
+# bucket.
+BUCKETS = [(5, 40, 8, 32), (12, 33, 64, 40), (10, 70, 100, 128), (3, 35, 96, 96), (2, 33, 128, 3),
+           (3, 34, 256, 200), (33, 9, 129, 3)]
+
+
+@pytest.mark.parametrize("layout", ["blhd", "strided_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", BUCKETS, ids=str)
+def test_head_dim_buckets(device, sizes, dtype, layout):
+    L, S, D, Dv = sizes
+    q, k, v = make_qkv(1, 1, L, S, D, Dv, dtype=dtype, layout=layout)
+    kernel_for(device, q, k, v, is_causal=True)
+    check(device, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
+def test_many_blocks_and_tiles(device, dtype, is_causal):
+    # L = 150, S = 200: 10 SIMT blocks x 7 tiles, 3 tensor-core blocks x 4 tiles, 5 Metal threadgroups x 7
+    # tiles, each last one partial; causal skips the tiles past each block's last row (and orders the blocks
+    # longest first).
+    q, k, v = make_qkv(1, 1, 150, 200, 16, 16, dtype=dtype)
+    kernel_for(device, q, k, v, is_causal=is_causal)
+    check(device, q, k, v, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("L", [5, 40])
+def test_b1_transposed_layout(device, L):
+    # nn.MultiheadAttention(batch_first=True) at B == 1 leaves (D, B*D, 1)-like views behind (MPS did); here
+    # with heads too: the size-1 batch dim carries a stride that is not the contiguous one.
+    q, k, v = make_qkv(1, 4, L, 12, 8, 8, layout="lbhd")
+    assert q.stride(0) == 4 * 8
+    kernel_for(device, q, k, v)
+    check(device, q, k, v)
+
+
+@pytest.mark.parametrize("L", [5, 17])
+def test_sliced_with_storage_offset(device, L):
+    # Windows of one buffer: storage offsets (base pointers off any 16-byte boundary), row strides > rows.
+    big = torch.randn(3, 2, 50, 40)
+    q, k, v = big[1:2, :, 3 : 3 + L, 5:21], big[2:, :, 1:30, 2:18], big[:1, :, :29, 20:36]
+    assert q.storage_offset() > 0 and k.storage_offset() > 0
+    kernel_for(device, q, k, v)
+    check(device, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+def test_custom_scale(device, dtype):
+    q, k, v = make_qkv(1, 2, 20, 30, 16, 16, dtype=dtype)
+    kernel_for(device, q, k, v, scale=0.37)
+    for scale in (0.37, 0.0, 1 / 3):  # 1/3 is not a float: float64 carries it as a pair (hi + lo)
+        check(device, q, k, v, scale=scale)
+
+
+def test_output_layout(device):
+    # out is (B, H, L, Dv) in memory order (B, L, H, Dv): out.transpose(1, 2) is the (B, L, H * Dv) input
+    # of the out-projection, without a copy. lse is contiguous.
+    q, k, v = make_qkv(2, 3, 5, 7, 8, 4)
+    kernel_for(device, q, k, v)
+    out, lse = attnx.attention(*to_device((q, k, v), device))
+    assert out.shape == (2, 3, 5, 4) and out.stride() == (60, 4, 12, 1)
+    assert out.transpose(1, 2).reshape(2, 5, 12).data_ptr() == out.data_ptr()
+    assert out.transpose(1, 2).is_contiguous()
+    assert lse.shape == (2, 3, 5) and lse.is_contiguous()
+
+
+# (B, H, L, S, D, Dv): too large for the emulated kernels, which cross their own boundaries above; on a GPU,
+# many blocks of both CUDA kernels with whole key tiles removed by padding.
+BIG_SHAPES = [(2, 4, 300, 600, 64, 64), (1, 2, 1030, 1000, 128, 128)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", BIG_SHAPES, ids=str)
+def test_big_shapes_with_masks(device, shape, is_causal, dtype):
+    if device.emulated:
+        pytest.skip("too large for an emulated backend (test_many_blocks_and_tiles crosses its boundaries)")
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = make_qkv(*shape, dtype=dtype, layout="blhd")
+    B, _, L, S, _, _ = shape
+    kpm = torch.rand(B, S, generator=gen) < 0.2
+    kpm[:, :100] = True  # whole key tiles removed by padding
+    kwargs = {"attn_mask": torch.randn(L, S, generator=gen), "key_padding_mask": kpm, "is_causal": is_causal}
+    kernel_for(device, q, k, v, **kwargs)
+    check(device, q, k, v, **kwargs)
+
+
+def test_many_heads(device):
+    # B*H = 70000 (b, h) pairs of one query block each: past a GPU grid's 65535 in y (the grids are 1-D).
+    if device.emulated:
+        pytest.skip("70000 emulated blocks are too many (test_cuda_emulation.py checks the plan's grid)")
+    q, k, v = make_qkv(700, 100, 3, 5, 8, 8)
+    kernel_for(device, q, k, v)
+    check(device, q, k, v)
+
+
+# The CPU kernel's own boundaries: tiles of 128 queries by 512 keys, blocks of up to 8 query tiles that share
+# each transposed key tile. CPU only: too big for the emulated kernels.
+CPU_BIG_SHAPES = [
     (1, 2, 300, 600, 32, 32),  # partial tiles both ways
     (2, 1, 520, 1030, 16, 24),  # 5 query tiles, 3 key tiles
     (2, 4, 700, 900, 16, 16),  # blocks of 6 query tiles
 ]
 
 
-@pytest.mark.parametrize("layout", QKV_LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_shapes_dtypes_layouts(shape, dtype, layout):
-    check_forward(*make_qkv(*shape, dtype=dtype, layout=layout))
-
-
 @pytest.mark.parametrize("layout", ["contiguous", "blhd", "expanded_kv", "strided_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", BIG_SHAPES, ids=str)
+@pytest.mark.parametrize("shape", CPU_BIG_SHAPES, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_tile_boundaries(shape, dtype, layout, is_causal):
+def test_cpu_tile_boundaries(shape, dtype, layout, is_causal):
     check_forward(*make_qkv(*shape, dtype=dtype, layout=layout), is_causal=is_causal)
 
 
-def test_single_thread_plan():
+def test_cpu_single_thread_plan(intra_op_threads):
     # One thread plans larger query blocks for the same shape; results must not depend on it.
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        check_forward(*make_qkv(1, 2, 1100, 700, 16, 16), is_causal=True)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_custom_scale():
-    q, k, v = make_qkv(2, 2, 20, 30, 16, 16)
-    check_forward(q, k, v, scale=0.37)
-    check_forward(q, k, v, scale=0.0)
-
-
-def test_b1_transposed_layout():
-    # batch_first=True at B == 1 on MPS leaves strides (D, B*D, 1)-like views behind; here with heads too.
-    q, k, v = make_qkv(1, 4, 12, 12, 8, 8, layout="lbhd")
-    assert q.stride(0) == 4 * 8  # the size-1 batch dim carries a stride that is not the contiguous one
-    check_forward(q, k, v)
+    intra_op_threads(1)
+    check_forward(*make_qkv(1, 2, 1100, 700, 16, 16), is_causal=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Masks.
+# Masks (the factories of attention_helpers: (B, H, L, S) = MASKED_SHAPE = (2, 3, 19, 41), head dim 16).
 
 B, H, L, S = MASKED_SHAPE
 D = 16
-ATTN_MASKS = [None, *ATTN_MASK_KINDS]
-PADDINGS = [None, *KEY_PADDING_MASK_KINDS]
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("attn_mask", ATTN_MASKS, ids=str)
-def test_attn_mask(attn_mask, is_causal):
-    gen = torch.Generator().manual_seed(1)
-    mask = None if attn_mask is None else make_attn_mask(attn_mask, gen)
-    check_forward(*make_qkv(B, H, L, S, D, D, layout="blhd"), attn_mask=mask, is_causal=is_causal)
+def cut_rows(mask, rows):
+    """An attn_mask of MASKED_SHAPE's L rows for the first `rows` queries (masks that broadcast over L as
+    they are)."""
+    if mask is None or mask.dim() < 2 or mask.size(-2) == 1:
+        return mask
+    return mask[..., :rows, :]
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("padding", PADDINGS, ids=str)
-@pytest.mark.parametrize("attn_mask", [None, "bool_ls", "float_bhls", "float_1h1s"], ids=str)
-def test_padding_and_attn_mask(attn_mask, padding, is_causal):
+# 19 rows take Metal's tiled kernel, 5 its vector kernel; float16 inputs there.
+MASK_CASES = [pytest.param(L, torch.float32, False, id="fp32"),
+              pytest.param(L, torch.bfloat16, True, id="bf16-causal"),
+              pytest.param(5, torch.float16, False, id="fp16-5-rows")]
+
+
+@pytest.mark.parametrize(("rows", "dtype", "is_causal"), MASK_CASES)
+@pytest.mark.parametrize("attn_mask", [None, *ATTN_MASK_KINDS], ids=str)
+def test_attn_mask(device, attn_mask, rows, dtype, is_causal):
+    mask = None if attn_mask is None else make_attn_mask(attn_mask, torch.Generator().manual_seed(1))
+    q, k, v = make_qkv(B, H, L, S, D, D, dtype=dtype, layout="blhd")
+    q, mask = q[:, :, :rows], cut_rows(mask, rows)
+    kernel_for(device, q, k, v, attn_mask=mask, is_causal=is_causal)
+    check(device, q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
+# (attn_mask, key_padding_mask, query rows): both masks at 19 rows, and each padding kind alone on 5 rows
+# (Metal's vector kernel).
+PADDING_CASES = [
+    *((mask, padding, L) for mask in (None, "bool_ls", "float_bhls", "float_1h1s") for padding in
+      KEY_PADDING_MASK_KINDS),
+    *((None, padding, 5) for padding in KEY_PADDING_MASK_KINDS),
+]
+
+
+@pytest.mark.parametrize(("attn_mask", "padding", "rows"), PADDING_CASES, ids=str)
+def test_padding_and_attn_mask(device, attn_mask, padding, rows):
     gen = torch.Generator().manual_seed(2)
     mask = None if attn_mask is None else make_attn_mask(attn_mask, gen)
-    kpm = None if padding is None else make_key_padding_mask(padding, gen)
-    check_forward(*make_qkv(B, H, L, S, D, D), attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+    kwargs = {"attn_mask": mask, "key_padding_mask": make_key_padding_mask(padding, gen),
+              "is_causal": padding in ("bool", "float_neginf")}
+    q, k, v = make_qkv(B, H, L, S, D, D)
+    q = q[:, :, :rows]
+    kernel_for(device, q, k, v, **kwargs)
+    check(device, q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("rows", [L, 5])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_masks_low_precision_and_strided(dtype):
+def test_masks_low_precision_and_strided(device, dtype, rows):
+    # A float mask in the inputs' dtype, on strided inputs, with padding, causal and a scale.
     gen = torch.Generator().manual_seed(3)
     q, k, v = make_qkv(B, H, L, S, D, 8, dtype=dtype, layout="strided_last")
-    check_forward(q, k, v, attn_mask=make_attn_mask("float_ls", gen).to(dtype),
-                  key_padding_mask=make_key_padding_mask("bool", gen), is_causal=True, scale=0.2)
+    kwargs = {"attn_mask": make_attn_mask("float_ls", gen).to(dtype)[:rows],
+              "key_padding_mask": make_key_padding_mask("bool", gen), "is_causal": True, "scale": 0.2}
+    q = q[:, :, :rows]
+    kernel_for(device, q, k, v, **kwargs)
+    check(device, q, k, v, **kwargs)
 
 
+MASK_DTYPES = [torch.bool, torch.float16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masks_every_dtype(device, dtype, mask_dtype):
+    # Both masks in each mask dtype, on each input dtype, over several query blocks and key tiles of every
+    # kernel (L = 70 != S = 140: the causal diagonal cuts tiles anywhere; rows past L in the last block; a
+    # partial last key tile): tiles inside every row's key range take the masked loop without per-element
+    # range tests, tiles at its ends (the diagonal, the partial last tile) with them. Padding removes a whole
+    # tile of batch 0. Half of the pairs run without a key range, half causal with an attn_mask sliced 2
+    # elements into its rows: each input dtype and each mask dtype meets both.
+    gen = torch.Generator().manual_seed(12)
+    B_, L_, S_ = 2, 70, 140
+    q, k, v = make_qkv(B_, 1, L_, S_, 32, 32, dtype=dtype)
+    drop = torch.rand(L_, S_, generator=gen) < 0.15
+    padding = torch.rand(B_, S_, generator=gen) < 0.2
+    padding[0, 64:128] = True
+    if mask_dtype == torch.bool:
+        mask, kpm = drop, padding
+    else:
+        mask = torch.randn(L_, S_, generator=gen).masked_fill(drop, float("-inf")).to(mask_dtype)
+        kpm = torch.zeros(B_, S_).masked_fill(padding, float("-inf")).to(mask_dtype)
+    is_causal = (DTYPES.index(dtype) + MASK_DTYPES.index(mask_dtype)) % 2 == 1
+    if is_causal:
+        wide = torch.zeros(L_, S_ + 2, dtype=mask.dtype)
+        wide[:, 2:] = mask
+        mask = wide[:, 2:]
+    kernel_for(device, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+    check(device, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
+
+
+def test_padding_skips_whole_tiles(device):
+    # Masks that remove whole key tiles (32 keys: SIMT, Metal; 64: tensor cores), which the kernels skip, next
+    # to tiles they remove in part. Batch 0: padding removes keys 0-63 (whole tiles of both sizes) and part
+    # of the last tile; batch 1: the whole last, partial tile (128-139); batch 2: every key. attn_mask removes
+    # keys 64-127 for the first 10 rows only (not skipped), and every key of row 3; as a bool mask, then as a
+    # float one with -inf under is_causal.
+    q, k, v = make_qkv(3, 2, 20, 140, 16, 16, dtype=torch.float16)
+    kpm = torch.zeros(3, 140, dtype=torch.bool)
+    kpm[0, :64] = True
+    kpm[0, 134:] = True
+    kpm[1, 128:] = True
+    kpm[2] = True
+    mask = torch.zeros(20, 140, dtype=torch.bool)
+    mask[:10, 64:128] = True
+    mask[3] = True
+    kernel_for(device, q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    out, lse = check(device, q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    assert (out[2] == 0).all() and torch.isposinf(lse[2]).all()
+    assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
+    additive = torch.zeros(20, 140).masked_fill(mask, float("-inf"))
+    check(device, q, k, v, attn_mask=additive, key_padding_mask=kpm, is_causal=True)
+
+
+@pytest.mark.slow
+def test_padding_tiles_known_before_the_loop(device):
+    # The tensor-core kernel finds the tiles key_padding_mask removes entirely before its tile loop, 1024
+    # tiles (65536 keys) at a time: keys are kept only around the first window's last tile and the second
+    # window's first tiles, in a partial last tile, and (batch 1) nowhere in the first window at all. The
+    # other kernels skip the same tiles one by one.
+    S_ = 65536 + 3 * 64 + 20
+    q, k, v = make_qkv(2, 1, 5, S_, 16, 16, dtype=torch.float16)
+    kpm = torch.ones(2, S_, dtype=torch.bool)
+    kpm[0, 65536 - 3] = False  # the last tile of the first window
+    kpm[0, 65536 + 64 : 65536 + 70] = False  # the second window's second tile
+    kpm[0, S_ - 1] = False  # the partial last tile
+    kpm[1, 65536 + 130] = False  # batch 1: nothing before the second window's third tile
+    kernel_for(device, q, k, v, key_padding_mask=kpm)
+    out, lse = check(device, q, k, v, key_padding_mask=kpm)
+    assert torch.isfinite(lse).all()
+    kpm[1] = True  # batch 1: every tile removed, in both windows
+    out, lse = check(device, q, k, v, key_padding_mask=kpm)
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+
+
+def test_float_neginf_mask_is_a_bool_mask(device):
+    q, k, v = make_qkv(1, 2, 7, 11, 8, 8)
+    masked = torch.rand(7, 11, generator=torch.Generator().manual_seed(4)) < 0.5
+    masked[3] = True
+    kernel_for(device, q, k, v, attn_mask=masked)
+    out_bool, lse_bool = run(device, q, k, v, attn_mask=masked)
+    additive = torch.zeros(7, 11).masked_fill(masked, float("-inf"))
+    out_inf, lse_inf = run(device, q, k, v, attn_mask=additive)
+    torch.testing.assert_close(out_inf, out_bool, rtol=0, atol=0)
+    torch.testing.assert_close(lse_inf, lse_bool, rtol=0, atol=0)
+
+
+# Decoding at the CPU kernel's scale: one query row, whose scores the CPU kernel computes from the key rows
+# without transposing them (read in place, or converted when the rows are not contiguous: "strided_last").
+# CPU only: 700 keys are many tiles for the emulated kernels (test_shapes has a one-query case for them).
 @pytest.mark.parametrize("layout", ["blhd", "strided_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
-def test_single_query_with_masks(dtype, layout):
-    # Decoding: one query row, whose scores the kernel computes from the key rows without transposing them
-    # (read in place, or converted when the rows are not contiguous: "strided_last").
+def test_cpu_single_query_with_masks(dtype, layout):
     gen = torch.Generator().manual_seed(6)
     q, k, v = make_qkv(2, 3, 1, 700, 19, 8, dtype=dtype, layout=layout)
     kpm = torch.rand(2, 700, generator=gen) < 0.3
@@ -146,8 +413,9 @@ def test_single_query_with_masks(dtype, layout):
     check_forward(q, k, v, attn_mask=torch.rand(1, 700, generator=gen) < 0.2, is_causal=True)
 
 
-def test_masked_tiles_are_skipped_correctly():
-    # Masks that remove whole (128, 512) tiles, which the kernel skips, next to tiles they remove in part.
+def test_cpu_masked_tiles_are_skipped_correctly():
+    # Masks that remove whole (128, 512) tiles of the CPU kernel, which it skips, next to tiles they remove in
+    # part. CPU only: too big for the emulated kernels (test_padding_skips_whole_tiles has theirs).
     q, k, v = make_qkv(2, 2, 600, 1300, 16, 16)
     mask = torch.zeros(600, 1300, dtype=torch.bool)
     mask[:300, 512:1024] = True  # whole key tile for the first two query tiles, part of it for the third
@@ -161,85 +429,243 @@ def test_masked_tiles_are_skipped_correctly():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Fully masked rows, empty sizes, NaN.
+# Fully masked rows, NaN, infinities, empty sizes.
 
 
-def test_fully_masked_rows():
-    # Query 2 sees no key; batch 1 sees no key at all.
-    qkv, masks = fully_masked_rows_case()
-    out, lse = check_forward(*qkv, **masks)
+@pytest.mark.parametrize("L_", [6, 40])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows(device, dtype, L_):
+    # Query 2 sees no key; batch 1 sees no key at all (its tiles skipped, or its keys one by one): out 0,
+    # lse +inf; every other row's lse is finite.
+    (q, k, v), masks = fully_masked_rows_case(L_, dtype)
+    kernel_for(device, q, k, v, **masks, scale=0.3)
+    out, lse = check(device, q, k, v, **masks, scale=0.3)
     assert_fully_masked_rows(out, lse)
-    assert torch.isfinite(lse[0, :, [0, 1, 3, 4, 5]]).all()
+    assert torch.isfinite(lse[0, :, [row for row in range(L_) if row != 2]]).all()
 
 
-def test_float_neginf_mask_is_a_bool_mask():
-    q, k, v = make_qkv(1, 2, 7, 11, 8, 8)
-    masked = torch.rand(7, 11, generator=torch.Generator().manual_seed(4)) < 0.5
-    masked[3] = True
-    out_bool, lse_bool = attnx.attention(q, k, v, attn_mask=masked)
-    additive = torch.zeros(7, 11).masked_fill(masked, float("-inf"))
-    out_inf, lse_inf = attnx.attention(q, k, v, attn_mask=additive)
-    torch.testing.assert_close(out_inf, out_bool, rtol=0, atol=0)
-    torch.testing.assert_close(lse_inf, lse_bool, rtol=0, atol=0)
+@pytest.mark.parametrize("L_", [4, 40])
+def test_fully_masked_row_with_infinite_values(device, L_):
+    # A masked key whose value is inf gives 0 * inf = NaN in an accumulator; the row is written as 0 anyway.
+    q, k, v = make_qkv(1, 1, L_, 5, 8, 8)
+    v[0, 0, 3] = float("inf")
+    mask = torch.zeros(L_, 5, dtype=torch.bool)
+    mask[1] = True
+    kernel_for(device, q, k, v, attn_mask=mask)
+    out, lse = run(device, q, k, v, attn_mask=mask)
+    assert (out[0, 0, 1] == 0).all() and torch.isposinf(lse[0, 0, 1])
+
+
+@pytest.mark.parametrize("L_", [5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_nan_propagates_per_row(device, dtype, L_):
+    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
+    (q, k, v), masks = nan_rows_case(L_)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kernel_for(device, q, k, v, **masks)
+    assert_nan_rows(*check(device, q, k, v, **masks))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("sizes", EMPTY_SIZES, ids=str)
-def test_empty_sizes(sizes, dtype):
+@pytest.mark.parametrize("sizes", [*EMPTY_SIZES, (1, 1, 12, 0, 8, 8)], ids=str)
+def test_empty_sizes(device, sizes, dtype):
     q, k, v = make_qkv(*sizes, dtype=dtype)
-    out, lse = check_forward(q, k, v, key_padding_mask=torch.zeros(sizes[0], sizes[3], dtype=torch.bool))
+    kpm = torch.zeros(sizes[0], sizes[3], dtype=torch.bool)
+    kernel_for(device, q, k, v, key_padding_mask=kpm)
+    out, lse = check(device, q, k, v, key_padding_mask=kpm)
     if sizes[3] == 0:  # no keys: every row is fully masked
         assert (out == 0).all() and torch.isposinf(lse).all()
 
 
-def test_nan_propagates_per_row():
-    # NaN in every score of row (h=1, l=2), and in one score of row l=4 of every head.
-    qkv, masks = nan_rows_case()
-    assert_nan_rows(*check_forward(*qkv, **masks))
+# ------------------------------------------------------------------------------------------------------------
+# Head dims above 256: the CUDA glue runs a composite of torch's ops (cuda/attention_composite.h, on the CPU
+# tensors of the emulated CUDA devices); Metal refuses them (test_metal_refusals).
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", [(288, 288), (264, 64), (64, 320)], ids=str)
+def test_head_dim_above_256(device, dims, dtype):
+    gen = torch.Generator().manual_seed(6)
+    D_, Dv = dims
+    q, k, v = make_qkv(2, 2, 37, 50, D_, Dv, dtype=dtype, layout="blhd")
+    kpm = torch.rand(2, 50, generator=gen) < 0.3
+    kpm[1] = True  # fully masked rows here too
+    kwargs = {"attn_mask": torch.randn(4, 37, 50, generator=gen), "key_padding_mask": kpm, "is_causal": True}
+    kernel_for(device, q, k, v, **kwargs)
+    out, lse = check(device, q, k, v, **kwargs)
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    check(device, q, k, v, attn_mask=torch.rand(37, 50, generator=gen) < 0.2,
+          key_padding_mask=torch.randn(2, 50, generator=gen).to(dtype), scale=1.0)
+
+
+@pytest.mark.slow
+def test_head_dim_above_256_in_chunks(device):
+    # Scores of (B, H, L, S) = 1 x 1 x 1200 x 70000 fp32 are 336 MB: the composite takes two chunks of
+    # queries (each within 256 MiB). Only on a GPU: the emulated devices would need the same 336 MB and
+    # ~46 GFLOP on the CPU.
+    if device.emulated:
+        pytest.skip("too large for an emulated backend")
+    q, k, v = (torch.randn(1, 1, n, 272) for n in (1200, 70000, 70000))
+    kpm = torch.rand(1, 70000) < 0.5
+    q, k, v, kpm = to_device((q, k, v, kpm), device)
+    kernel = kernel_or_skip(device, q, k, v, key_padding_mask=kpm, is_causal=True)
+    if kernel != "cuda composite":
+        pytest.skip(f"{kernel}: the query chunks are the CUDA composite's")
+    # The reference runs on the GPU too: its float64 scores alone are 672 MB.
+    check_forward(q, k, v, key_padding_mask=kpm, is_causal=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Layout of the outputs, fake kernel, opcheck.
+# What Metal cannot do: float64 (Metal has no double) and head dims above 256 are refused with an error.
 
 
-def test_output_layout():
-    q, k, v = make_qkv(2, 3, 5, 7, 8, 4)
-    out, lse = attnx.attention(q, k, v)
-    assert out.shape == (2, 3, 5, 4) and out.stride() == (60, 4, 12, 1)  # memory order (B, L, H, Dv)
-    assert out.transpose(1, 2).reshape(2, 5, 12).data_ptr() == out.data_ptr()
-    assert out.transpose(1, 2).is_contiguous()
-    assert lse.shape == (2, 3, 5) and lse.is_contiguous()
+def test_metal_refusals(device):
+    if device.backend not in METAL:
+        pytest.skip("Metal's refusals")
+    q, k, v = make_qkv(1, 1, 3, 4, 8, 8)
+    with pytest.raises(RuntimeError, match="float64 is not supported on MPS"):
+        run(device, q.double(), k.double(), v.double())
+    with pytest.raises(RuntimeError, match="float64 masks are not supported on MPS"):
+        run(device, q, k, v, attn_mask=torch.zeros(3, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="float64 masks are not supported on MPS"):
+        run(device, q, k, v, key_padding_mask=torch.zeros(1, 4, dtype=torch.float64))
+    q, k, v = make_qkv(1, 1, 3, 4, 264, 8)
+    with pytest.raises(RuntimeError, match="expected head dims D and Dv up to 256 on MPS"):
+        run(device, q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The fake kernel, opcheck, torch.compile.
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "sizes", [(2, 3, 5, 7, 8, 4), (1, 1, 1, 1, 1, 1), (2, 0, 3, 4, 8, 8), (1, 2, 3, 4, 8, 0)], ids=str
 )
-def test_fake_matches_kernel(sizes, dtype):
+def test_fake_matches_kernel(device, sizes, dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    q, k, v = make_qkv(*sizes, dtype=dtype, layout="blhd")
-    out, lse = attnx.attention(q, k, v)
+    q, k, v = to_device(make_qkv(*sizes, dtype=dtype, layout="blhd"), device)
+    kernel_or_skip(device, q, k, v)
+    real = attnx.attention(q, k, v)
     with FakeTensorMode() as mode:
-        f_out, f_lse = attnx.attention(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v))
-    for real, fake in ((out, f_out), (lse, f_lse)):
-        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+        fake = attnx.attention(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v))
+    for r, f in zip(real, fake, strict=True):
+        assert (f.shape, f.stride(), f.dtype, f.device) == (r.shape, r.stride(), r.dtype, r.device)
 
 
 @pytest.mark.parametrize("case", range(4))
-def test_opcheck(case):
+def test_opcheck(device, case):
     pytest.importorskip("expecttest")
-    torch.library.opcheck(torch.ops.attnx.attention.default, attention_opcheck_cases()[case])
+    args = to_device(attention_opcheck_cases()[case], device)
+    q, k, v, attn_mask, key_padding_mask, is_causal, scale = args
+    kernel_or_skip(device, q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                   is_causal=is_causal, scale=scale)
+    torch.library.opcheck(torch.ops.attnx.attention.default, args)
 
 
-def test_compile_fullgraph():
-    q, k, v = make_qkv(2, 2, 5, 7, 8, 8)
+def test_compile_fullgraph(device):
+    q, k, v = to_device(make_qkv(2, 2, 5, 7, 8, 8), device)
+    kernel_or_skip(device, q, k, v, is_causal=True)
     fn = torch.compile(lambda q, k, v: attnx.attention(q, k, v, is_causal=True)[0] * 2, fullgraph=True)
     torch.testing.assert_close(fn(q, k, v), attnx.attention(q, k, v, is_causal=True)[0] * 2)
 
 
+def test_differentiable():
+    # The backward itself is tested in test_attention_backward.py; here only that gradients reach q, k and v.
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 3, 4, 8, 8))
+    out, lse = attnx.attention(q, k, v)
+    assert not lse.requires_grad  # not differentiable, as SDPA's logsumexp
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
 # ------------------------------------------------------------------------------------------------------------
-# Memory: nothing of size (B, H, L, S), or even (B, 1, L, S), is ever built.
+# Bad inputs: RuntimeError with a message that names what was expected, on every device (the checks are the
+# shared glue's, before any kernel).
+
+
+def _bad_cases(device="cpu"):
+    q, k, v = to_device(make_qkv(2, 3, 5, 7, 8, 4), device)
+
+    def zeros(*size, dtype=torch.float32, on=device):
+        return torch.zeros(*size, dtype=dtype, device=on)
+
+    where = q.device
+    return {
+        "query rank": ((q[0], k, v), {}, "expected query of shape (B, H, L, D), got a 3-D tensor"),
+        "key rank": ((q, k[0], v), {}, "expected key of shape (B, Hkv, S, D), got a 3-D tensor"),
+        "value rank": ((q, k, v[..., None]), {}, "expected value of shape (B, Hkv, S, Dv), got a 5-D tensor"),
+        "query dtype": (
+            (q.long(), k.long(), v.long()), {},
+            "expected query of dtype float32, float64, bfloat16 or float16, got Long",
+        ),
+        "key dtype": ((q, k.half(), v), {}, "expected key of query's dtype Float, got Half"),
+        "value dtype": ((q, k, v.half()), {}, "expected value of query's dtype Float, got Half"),
+        "device": ((q, k.to("meta"), v), {}, f"expected key on query's device {where}, got meta"),
+        "batch": ((q, k[:1], v[:1]), {}, "expected key of shape (B, Hkv, S, D) = (2, Hkv, S, 8)"),
+        "heads": (
+            (q, k[:, :2], v[:, :2]), {},
+            "expected the number of key/value heads (Hkv = 2) to divide the number of query heads (H = 3)",
+        ),
+        "value heads": ((q, k, v[:, :1]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
+        "head dim": ((q, k[..., :4], v), {}, "expected key of shape (B, Hkv, S, D) = (2, Hkv, S, 8)"),
+        "value S": ((q, k, v[:, :, :6]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
+        "value B": ((q, k, v[:1]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
+        "mask 2-D": (
+            (q, k, v), {"attn_mask": zeros(5, 6)},
+            "expected attn_mask of shape (L, S) = (5, 7), (B*H, L, S) = (6, 5, 7) or 4-D broadcastable to "
+            "(B, H, L, S) = (2, 3, 5, 7), got [5, 6]",
+        ),
+        "mask 3-D": ((q, k, v), {"attn_mask": zeros(3, 5, 7)}, "(B*H, L, S) = (6, 5, 7)"),
+        "mask 4-D": ((q, k, v), {"attn_mask": zeros(2, 2, 5, 7)}, "4-D broadcastable to (B, H, L, S)"),
+        "mask 1-D": ((q, k, v), {"attn_mask": zeros(7)}, "expected attn_mask of shape (L, S)"),
+        "mask int": ((q, k, v), {"attn_mask": zeros(5, 7, dtype=torch.int64)},
+                     "expected attn_mask of dtype bool (True = masked out) or a floating dtype"),
+        "mask uint8": ((q, k, v), {"attn_mask": zeros(5, 7, dtype=torch.uint8)}, "got Byte"),
+        "mask device": ((q, k, v), {"attn_mask": zeros(5, 7, on="meta")},
+                        f"expected attn_mask on query's device {where}, got meta"),
+        "padding shape": ((q, k, v), {"key_padding_mask": zeros(2, 6)},
+                          "expected key_padding_mask of shape (B, S) = (2, 7), got [2, 6]"),
+        "padding rank": ((q, k, v), {"key_padding_mask": zeros(2, 1, 7)},
+                         "expected key_padding_mask of shape (B, S) = (2, 7)"),
+        "padding dtype": ((q, k, v), {"key_padding_mask": zeros(2, 7, dtype=torch.int32)},
+                          "expected key_padding_mask of dtype bool (True = masked out) or a floating dtype"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_inputs(device, case):
+    args, kwargs, message = _bad_cases(device)[case]
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        attnx.attention(*args, **kwargs)
+
+
+def test_mixed_devices_are_an_error(device):
+    # A mask or key on the CPU next to inputs on a GPU.
+    if device == "cpu":
+        pytest.skip("the CPU is the other device")
+    q, k, v = to_device(make_qkv(1, 1, 3, 4, 8, 8), device)
+    with pytest.raises(RuntimeError, match="expected key on query's device"):
+        attnx.attention(q, k.cpu(), v)
+    with pytest.raises(RuntimeError, match="expected attn_mask on query's device"):
+        attnx.attention(q, k, v, attn_mask=torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("case", ["query rank", "key dtype", "batch", "value S", "mask 2-D", "mask int",
+                                  "padding shape"])
+def test_bad_inputs_fake(case):
+    # The fake kernel raises the same errors, so torch.compile reports them at trace time.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, kwargs, message = _bad_cases()[case]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            attnx.attention(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The CPU kernel's memory: nothing of size (B, H, L, S), or even (B, 1, L, S), is ever built.
 
 _MEMORY_SCRIPT = textwrap.dedent(
     """
@@ -265,7 +691,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc")
-def test_no_quadratic_memory():
+def test_cpu_no_quadratic_memory():
     # Peak RSS growth during one call in a fresh process: a merged (B, 1, L, S) float mask alone would be
     # 128 MiB, attention weights (B, H, L, S) 512 MiB. The call needs its outputs (1 MiB) and per-thread
     # tiles.
@@ -292,79 +718,3 @@ _ISA_SCRIPT = """
 @pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_isa_variants(isa):
     run_under_cpu_capability(_ISA_SCRIPT, isa)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Bad inputs: RuntimeError with a message that names what was expected.
-
-
-def _bad_cases():
-    q, k, v = make_qkv(2, 3, 5, 7, 8, 4)
-    return {
-        "query rank": ((q[0], k, v), {}, "expected query of shape (B, H, L, D), got a 3-D tensor"),
-        "key rank": ((q, k[0], v), {}, "expected key of shape (B, Hkv, S, D), got a 3-D tensor"),
-        "value rank": ((q, k, v[..., None]), {}, "expected value of shape (B, Hkv, S, Dv), got a 5-D tensor"),
-        "query dtype": (
-            (q.long(), k.long(), v.long()), {},
-            "expected query of dtype float32, float64, bfloat16 or float16, got Long",
-        ),
-        "key dtype": ((q, k.double(), v), {}, "expected key of query's dtype Float, got Double"),
-        "value dtype": ((q, k, v.half()), {}, "expected value of query's dtype Float, got Half"),
-        "device": ((q, k.to("meta"), v), {}, "expected key on query's device cpu, got meta"),
-        "batch": ((q, k[:1], v[:1]), {}, "expected key of shape (B, Hkv, S, D) = (2, Hkv, S, 8)"),
-        "heads": (
-            (q, k[:, :2], v[:, :2]), {},
-            "expected the number of key/value heads (Hkv = 2) to divide the number of query heads (H = 3)",
-        ),
-        "value heads": ((q, k, v[:, :1]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
-        "head dim": ((q, k[..., :4], v), {}, "expected key of shape (B, Hkv, S, D) = (2, Hkv, S, 8)"),
-        "value S": ((q, k, v[:, :, :6]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
-        "value B": ((q, k, v[:1]), {}, "expected value of shape (B, Hkv, S, Dv) = (2, 3, 7, Dv)"),
-        "mask 2-D": (
-            (q, k, v), {"attn_mask": torch.zeros(5, 6)},
-            "expected attn_mask of shape (L, S) = (5, 7), (B*H, L, S) = (6, 5, 7) or 4-D broadcastable to "
-            "(B, H, L, S) = (2, 3, 5, 7), got [5, 6]",
-        ),
-        "mask 3-D": ((q, k, v), {"attn_mask": torch.zeros(3, 5, 7)}, "(B*H, L, S) = (6, 5, 7)"),
-        "mask 4-D": ((q, k, v), {"attn_mask": torch.zeros(2, 2, 5, 7)}, "4-D broadcastable to (B, H, L, S)"),
-        "mask 1-D": ((q, k, v), {"attn_mask": torch.zeros(7)}, "expected attn_mask of shape (L, S)"),
-        "mask int": ((q, k, v), {"attn_mask": torch.zeros(5, 7, dtype=torch.int64)},
-                     "expected attn_mask of dtype bool (True = masked out) or a floating dtype"),
-        "mask uint8": ((q, k, v), {"attn_mask": torch.zeros(5, 7, dtype=torch.uint8)}, "got Byte"),
-        "mask device": ((q, k, v), {"attn_mask": torch.zeros(5, 7, device="meta")},
-                        "expected attn_mask on query's device cpu, got meta"),
-        "padding shape": ((q, k, v), {"key_padding_mask": torch.zeros(2, 6)},
-                          "expected key_padding_mask of shape (B, S) = (2, 7), got [2, 6]"),
-        "padding rank": ((q, k, v), {"key_padding_mask": torch.zeros(2, 1, 7)},
-                         "expected key_padding_mask of shape (B, S) = (2, 7)"),
-        "padding dtype": ((q, k, v), {"key_padding_mask": torch.zeros(2, 7, dtype=torch.int32)},
-                          "expected key_padding_mask of dtype bool (True = masked out) or a floating dtype"),
-    }
-
-
-@pytest.mark.parametrize("case", list(_bad_cases()))
-def test_bad_inputs(case):
-    args, kwargs, message = _bad_cases()[case]
-    with pytest.raises(RuntimeError, match=re.escape(message)):
-        attnx.attention(*args, **kwargs)
-
-
-@pytest.mark.parametrize("case", ["query rank", "key dtype", "batch", "value S", "mask 2-D", "mask int",
-                                  "padding shape"])
-def test_bad_inputs_fake(case):
-    # The fake kernel raises the same errors, so torch.compile reports them at trace time.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    args, kwargs, message = _bad_cases()[case]
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        with pytest.raises(RuntimeError, match=re.escape(message)):
-            attnx.attention(*args, **kwargs)
-
-
-def test_differentiable():
-    # The backward itself is tested in test_attention_backward.py; here only that gradients reach q, k and v.
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 3, 4, 8, 8))
-    out, lse = attnx.attention(q, k, v)
-    assert not lse.requires_grad  # not differentiable, as SDPA's logsumexp
-    out.sum().backward()
-    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
