@@ -258,17 +258,19 @@ __device__ __forceinline__ void stage_queries(const AttentionBackwardParams& bp,
   }
 }
 
-// Keys [k0, k0 + kTile) of (b, kv head hk): K and V into t.k and t.v.
+// Keys [k0, k0 + kTile) of (b, kv head hk): K and V into t.k and t.v, zero at and past the batch's key count
+// Sb. Those keys are never read: a static cache's unfilled slots may hold NaN, which 0 * NaN would carry into
+// dQ (P and dS are 0 there) and dV.
 template <typename scalar_t, int kBucket>
 __device__ __forceinline__ void stage_keys(const AttentionParams& p, const AttentionPointers& ptr,
                                            const typename Shape<scalar_t, kBucket>::Smem& t, int64_t b,
-                                           int64_t hk, int64_t k0) {
+                                           int64_t hk, int64_t k0, int64_t Sb) {
   constexpr int kTile = Shape<scalar_t, kBucket>::kTile, kLd = Shape<scalar_t, kBucket>::kLd;
   stage_rows(t.k, kLd, kTile, static_cast<const scalar_t*>(ptr.key) + b * p.k_stride[0] + hk * p.k_stride[1],
-             p.k_stride, k0, p.kv_len, p.head_dim);
+             p.k_stride, k0, Sb, p.head_dim);
   stage_rows(t.v, kLd, kTile,
              static_cast<const scalar_t*>(ptr.value) + b * p.v_stride[0] + hk * p.v_stride[1], p.v_stride, k0,
-             p.kv_len, p.v_head_dim);
+             Sb, p.v_head_dim);
 }
 
 // The key pass: block = (b, kv head, key tile). dV = sum (Z P)^T dO and dK = scale sum (dS y')^T Q over the
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
   const int64_t k0 = static_cast<int64_t>(kt) * kTile;
   const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
   const Constants<acc_t> consts = constants_of<acc_t>(p);
-  stage_keys<scalar_t, kBucket>(p, ptr.fwd, t, b, hk, k0);
+  stage_keys<scalar_t, kBucket>(p, ptr.fwd, t, b, hk, k0, Sb);
 
   acc_t dk[kRows][kCols], dv[kRows][kCols];
 #pragma unroll
@@ -434,7 +436,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
         const int64_t k_end = range_key_end(q0 + rows - 1, L, Sb, p.window_right, p.is_causal);
         for (int64_t k0 = k_begin / kTile * kTile; k0 < k_end; k0 += kTile) {
           __syncthreads();  // the queries are staged; the previous key tile is done with t.k, t.v, t.p, t.ds
-          stage_keys<scalar_t, kBucket>(p, ptr.fwd, t, b, hk, k0);
+          stage_keys<scalar_t, kBucket>(p, ptr.fwd, t, b, hk, k0, Sb);
           __syncthreads();
           tile_pair<scalar_t, kBucket, /*kKeyPass=*/false>(p, ptr.fwd, consts, t, b, h, q0, k0, Sb);
           __syncthreads();
