@@ -48,15 +48,17 @@ Tensor lengths_4d(const Tensor& key_lengths) {
 // (B, Hkv, G * L, E) view of a (B, H, L, E) tensor whose H = Hkv * G query heads are grouped by kv head, so
 // that one batched GEMM against (B, Hkv, ...) keys serves a whole group without repeating the keys. A copy
 // only when the strides do not allow the view (the math path materialises (B, H, L, S) anyway).
+// Without query heads there are no kv heads either, or no rows per kv head (G = 0).
 Tensor group_rows(const Tensor& t, int64_t kv_heads) {
   const int64_t B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3);
-  const int64_t sizes[4] = {B, kv_heads, (H / kv_heads) * L, E};
+  const int64_t sizes[4] = {B, kv_heads, (kv_heads > 0 ? H / kv_heads : 1) * L, E};
   return views::reshape(t, sizes);
 }
 
-// The inverse of group_rows for a result of shape (B, Hkv, G * L, E): (B, H, L, E).
-Tensor ungroup_rows(const Tensor& t, int64_t heads) {
-  const int64_t sizes[4] = {t.size(0), heads, t.size(2) * t.size(1) / heads, t.size(3)};
+// The inverse of group_rows for a result of shape (B, Hkv, G * L, E): (B, H, L, E). L is given: G * L is 0
+// when H is.
+Tensor ungroup_rows(const Tensor& t, int64_t heads, int64_t rows) {
+  const int64_t sizes[4] = {t.size(0), heads, rows, t.size(3)};
   return views::reshape(t, sizes);
 }
 
@@ -74,7 +76,8 @@ Tensor capped_scores(const Tensor& query, const Tensor& key, ScalarType acc, dou
                      std::optional<double> softcap) {
   const int64_t H = query.size(1), Hkv = key.size(1);
   const Tensor scores = ungroup_rows(
-      matmul4(group_rows(aten::to(query, acc), Hkv), views::transpose(aten::to(key, acc), -2, -1)), H);
+      matmul4(group_rows(aten::to(query, acc), Hkv), views::transpose(aten::to(key, acc), -2, -1)), H,
+      query.size(2));
   aten::mul_(scores, scale);
   if (softcap) {
     aten::div_(scores, *softcap);
@@ -132,7 +135,7 @@ void run_attention_backward_math(AttentionBackwardProblem& pb) {
               stable::device_name(Device(pb.query.device().type())), " yet (the CPU kernel has one)");
   const double s = attention_scale(o, pb.query.size(3));
   const ScalarType acc = pb.lse.scalar_type();
-  const int64_t H = pb.query.size(1), Hkv = pb.key.size(1);
+  const int64_t H = pb.query.size(1), Hkv = pb.key.size(1), L = pb.query.size(2);
   const Tensor key_read = valid_keys(pb.key, o.key_lengths), value_read = valid_keys(pb.value, o.key_lengths);
   const Tensor q = group_rows(aten::to(pb.query, acc), Hkv), k = aten::to(key_read, acc);
   const Tensor grad_out_acc = aten::to(pb.grad_out, acc);
@@ -148,7 +151,7 @@ void run_attention_backward_math(AttentionBackwardProblem& pb) {
     // Contiguous in the mask's shape, as the CPU kernel and the fake return it (sum_to_size gives a view of
     // ds when the mask broadcasts along nothing).
     const Tensor summed =
-        aten::contiguous(aten::sum_to_size(ungroup_rows(ds, H), std::vector<int64_t>(g, g + 4)));
+        aten::contiguous(aten::sum_to_size(ungroup_rows(ds, H, L), std::vector<int64_t>(g, g + 4)));
     pb.grad_attn_mask_out = mask_grad_from_buffer(summed, *o.attn_mask);
   }
   if (o.softcap) {
@@ -156,7 +159,7 @@ void run_attention_backward_math(AttentionBackwardProblem& pb) {
     const Tensor tanh = aten::div(group_rows(capped, Hkv), *o.softcap);
     ds = aten::mul(ds, aten::sub(aten::scalar_tensor(1.0), aten::square(tanh)));
   }
-  const Tensor grad_query = ungroup_rows(matmul4(ds, k), H);
+  const Tensor grad_query = ungroup_rows(matmul4(ds, k), H, L);
   aten::mul_(grad_query, s);
   const Tensor grad_key = matmul4(views::transpose(ds, -2, -1), q);
   aten::mul_(grad_key, s);
