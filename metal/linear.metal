@@ -2,8 +2,10 @@
 // bfloat16 (accumulating in float).
 //
 // Both read input through LinearParams' strides: rows as (outer, inner) with a stride each, any stride along
-// K. nn.MultiheadAttention's (L, 1, E) B=1 transpose, (L, B, E) views of batch-first data, slices and
-// stride-0 rows are read in place; nothing is copied on the host for inputs of up to two leading dims.
+// K, and write out the same way, where linear's layout on every backend puts each row (the input's memory
+// order of rows). nn.MultiheadAttention's (L, 1, E) B=1 transpose, (L, B, E) views of batch-first data,
+// slices and stride-0 rows are read in place; nothing is copied on the host for inputs of up to two leading
+// dims.
 //   linear_gemv  M <= kGemvMaxRows: one simdgroup per output feature n, lanes along K, simd_sum per row.
 //                Decoding-sized inputs are bandwidth-bound on the weight, which each simdgroup reads once.
 //   linear_gemm  otherwise: kGemmTile x kGemmTile outputs per threadgroup; input and weight tiles are staged
@@ -17,6 +19,11 @@ using namespace metal_config;
 // Element offset of input row r: (r / rows_inner, r % rows_inner) through their strides.
 inline int64_t input_row_offset(const constant LinearParams& p, int64_t r) {
   return (r / p.rows_inner) * p.input_stride[0] + (r % p.rows_inner) * p.input_stride[1];
+}
+
+// Element offset of output row r, indexed as the input's: the output keeps the input's memory order of rows.
+inline int64_t out_row_offset(const constant LinearParams& p, int64_t r) {
+  return (r / p.rows_inner) * p.out_stride[0] + (r % p.rows_inner) * p.out_stride[1];
 }
 
 template <typename T>
@@ -47,7 +54,7 @@ kernel void linear_gemv(const device T* input [[buffer(0)]], const device T* wei
   for (int r = 0; r < kGemvMaxRows; ++r) {
     if (r >= M) break;  // M is uniform: every lane leaves together, so simd_sum sees the whole simdgroup
     const float sum = simd_sum(acc[r]);
-    if (lane == 0) out[r * p.out_stride[0] + n * p.out_stride[1]] = T(sum + b);
+    if (lane == 0) out[out_row_offset(p, r) + n * p.out_stride[2]] = T(sum + b);
   }
 }
 
@@ -100,16 +107,22 @@ kernel void linear_gemm(const device T* input [[buffer(0)]], const device T* wei
     }
   }
 
-  // The simdgroup's 8 x kGemmTile outputs go through its own rows of a_s, then out through out's strides.
+  // The simdgroup's 8 x kGemmTile outputs go through its own rows of a_s, then out through out's strides, a
+  // row at a time (one row offset, a division, per row).
   threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading a_s
   for (int j = 0; j < kGemmTile / 8; ++j) simdgroup_store(c[j], a_s + sg * 8 * ld + j * 8, ld);
   simdgroup_barrier(mem_flags::mem_threadgroup);
-  for (int e = int(lane); e < 8 * kGemmTile; e += kSimdWidth) {
-    const int r = int(sg) * 8 + e / kGemmTile, col = e % kGemmTile;
-    const int64_t m = m0 + r, n = n0 + col;
-    if (m < M && n < N) {
-      const float b = p.has_bias ? float(bias[n * p.bias_stride]) : 0.0f;
-      out[m * p.out_stride[0] + n * p.out_stride[1]] = T(a_s[r * ld + col] + b);
+  for (int i = 0; i < 8; ++i) {
+    const int r = int(sg) * 8 + i;
+    const int64_t m = m0 + r;
+    if (m >= M) break;  // uniform across the simdgroup, and no barrier follows
+    const int64_t row = out_row_offset(p, m);
+    for (int col = int(lane); col < kGemmTile; col += kSimdWidth) {
+      const int64_t n = n0 + col;
+      if (n < N) {
+        const float b = p.has_bias ? float(bias[n * p.bias_stride]) : 0.0f;
+        out[row + n * p.out_stride[2]] = T(a_s[r * ld + col] + b);
+      }
     }
   }
 }

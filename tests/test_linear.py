@@ -250,15 +250,10 @@ def test_gradcheck_expanded_input_and_size1_bias():
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded", "column_major"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_opcheck(device, layout, bias, request):
+def test_opcheck(device, layout, bias):
     # float32 on Metal (no float64), within opcheck's float32 tolerances.
     dtype = torch.float32 if _metal(device) else torch.float64
     require_linear(device, dtype)
-    if _metal(device) and layout in ("transposed", "column_major"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "Metal's linear writes a contiguous output (csrc/mps/glue.h, metal_linear) where the fake kernel "
-            "gives the rows' memory order (common/linear.cpp): torch.compile plans other strides than MPS "
-            "returns")))
     x = make((3, 4, 5), layout, dtype, device).requires_grad_()
     w = torch.randn(6, 5, dtype=dtype, device=device, requires_grad=True)
     b = torch.randn(6, dtype=dtype, device=device, requires_grad=True) if bias else None

@@ -207,16 +207,9 @@ def test_on_device_batch_first(device):
     check_mha(to_device(args, device), torch.float32, batch_first=True)
 
 
-METAL_LINEAR_STRIDES = (
-    "Metal's linear writes a contiguous output (csrc/mps/glue.h, metal_linear) where the fake kernel gives "
-    "the rows' memory order (common/linear.cpp): torch.compile plans other strides than MPS returns")
-
-
 @pytest.mark.slow
-def test_on_device_opcheck(device, request):
+def test_on_device_opcheck(device):
     attention_kernel_or_skip(device, torch.float32)
-    if device.backend in ("mps", "metal-emu"):  # the out-projection's rows are in (B, L) order here
-        request.applymarker(pytest.mark.xfail(strict=True, reason=METAL_LINEAR_STRIDES))
     query, key, value, w = make_inputs("kv_shared", "batch_first", torch.float32)
     kpm, am, _ = make_masks("both_bool", B, H, L, S, torch.float32)
     kpm[:, 0], am[:, 0] = False, False  # key 0 seen by every row: no NaN weights (opcheck has no equal_nan)

@@ -158,14 +158,25 @@ size_t fold_inner_dim(const RowFold& fold, size_t leading) {
 
 }  // namespace
 
-LinearRows linear_rows(const Tensor& input) {
+namespace {
+
+// linear_rows before its copy: `copy` says whether it copies the input, and then r.fold is the copy's.
+LinearRows rows_layout(const Tensor& input, bool* copy) {
   const IntHeaderOnlyArrayRef sizes = input.sizes(), strides = input.strides();
   LinearRows r{input, fold_rows(sizes, strides), has_repeated_rows(sizes, strides), input.scalar_type()};
-  if (r.repeated || r.fold.dense) return r;
   // No single row stride exists (a strided slice such as x[:, ::2], or interleaved dims): copying the input
   // once into a contiguous buffer is the cheapest way to one GEMM.
-  r.rows = aten::contiguous(input);
-  r.fold = fold_rows(sizes, stable::contiguous_strides(sizes));
+  *copy = !r.repeated && !r.fold.dense;
+  if (*copy) r.fold = fold_rows(sizes, stable::contiguous_strides(sizes));
+  return r;
+}
+
+}  // namespace
+
+LinearRows linear_rows(const Tensor& input) {
+  bool copy = false;
+  LinearRows r = rows_layout(input, &copy);
+  if (copy) r.rows = aten::contiguous(input);
   return r;
 }
 
@@ -180,6 +191,11 @@ Tensor empty_linear_output(const LinearRows& rows, int64_t out_features) {
   const std::vector<int64_t> strides =
       rows.repeated || empty ? stable::contiguous_strides(out_sizes) : output_strides(out_sizes, rows.fold);
   return aten::empty_strided(out_sizes, strides, rows.dtype, rows.rows.device());
+}
+
+Tensor empty_linear_output(const Tensor& input, int64_t out_features) {
+  bool copy = false;  // the caller reads the input in place; the output is laid out as if it were copied
+  return empty_linear_output(rows_layout(input, &copy), out_features);
 }
 
 std::optional<LinearOperands> plan_linear_into(const Tensor& out, const LinearRows& rows,

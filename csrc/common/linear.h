@@ -69,6 +69,11 @@ LinearRows linear_rows(const torch::stable::Tensor& input);
 // column block of it is a valid output for plan_linear_into.
 torch::stable::Tensor empty_linear_output(const LinearRows& rows, int64_t out_features);
 
+// The same output for an input read in place whatever its layout, by a backend whose kernels index the rows
+// themselves (Metal): laid out as empty_linear_output(linear_rows(input), ...) would lay it out, without
+// linear_rows' copy, so that what linear returns never depends on the backend.
+torch::stable::Tensor empty_linear_output(const torch::stable::Tensor& input, int64_t out_features);
+
 // out = input @ weight.T + bias, out an empty_linear_output for these rows (or a column block of one): the
 // GEMM to run, or nothing when there is nothing to compute or it was computed already (rows repeated through
 // stride-0 dims: one GEMM over the distinct rows, run here, broadcast into out).

@@ -65,8 +65,9 @@ inline void attention_kernel(AttentionKernelProblem& pb) {
 }
 
 // One attnx::linear call as the Metal kernels read it: the input (the caller's, or its one contiguous copy
-// when no (outer, inner) row indexing of it exists, e.g. a 4-D input with two gaps), the params, a
-// contiguous (..., N) output and the launch.
+// when no (outer, inner) row indexing of it exists, e.g. a 4-D input with two gaps), the params, the output
+// laid out as on every other backend (common/linear.h's empty_linear_output: the memory order of the input's
+// rows, contiguous when they repeat or are copied) and the launch.
 struct MetalLinear {
   Tensor input;
   LinearParams params;
@@ -78,19 +79,28 @@ inline MetalLinear metal_linear(const Tensor& input, const Tensor& weight, const
   check_linear_args(input, weight, bias);
   const DType dtype = metal_dtype(input.scalar_type(), "attnx::linear");
   const int64_t N = weight.size(0);
-  const auto pack = [&](const Tensor& x, LinearParams* p) {
-    return pack_linear_params(static_cast<int>(x.dim()), x.sizes().data(), x.strides().data(), N,
-                              weight.strides().data(), bias.has_value(), bias ? bias->size(0) : 0,
-                              bias ? bias->stride(0) : 0, p);
+  MetalLinear call{input, LinearParams{}, empty_linear_output(input, N), LinearPlan{}};
+  const auto pack = [&](int ndim, const int64_t* sizes, const int64_t* strides, const int64_t* out_strides) {
+    return pack_linear_params(ndim, sizes, strides, out_strides, N, weight.strides().data(), bias.has_value(),
+                              bias ? bias->size(0) : 0, bias ? bias->stride(0) : 0, &call.params);
   };
-  MetalLinear call{input, LinearParams{}, input, LinearPlan{}};
-  if (!pack(call.input, &call.params)) {
-    call.input = aten::contiguous(input);  // a contiguous input always packs: this is a copy
-    pack(call.input, &call.params);
+  const int ndim = static_cast<int>(input.dim());
+  if (!pack(ndim, input.sizes().data(), input.strides().data(), call.out.strides().data())) {
+    const RowFold fold = fold_rows(input.sizes(), input.strides());
+    if (fold.dense) {
+      // One block of rows in an order that two groups do not describe (e.g. a 4-D permute): an (M, K)
+      // matrix in memory order, as is the output, laid out in the same order (the GEMM of common/linear.cpp).
+      const int64_t d = fold.dims.back(), k = ndim - 1;
+      const int64_t sizes[2] = {stable::product(input.sizes().slice(0, k)), input.size(k)};
+      const int64_t strides[2] = {fold.row_stride, input.stride(k)};
+      const int64_t out_strides[2] = {call.out.stride(d), call.out.stride(k)};
+      pack(2, sizes, strides, out_strides);
+    } else {
+      // Not one block of rows, so the output is contiguous: so is the one copy, which always packs.
+      call.input = aten::contiguous(input);
+      pack(ndim, call.input.sizes().data(), call.input.strides().data(), call.out.strides().data());
+    }
   }
-  std::vector<int64_t> out_sizes(input.sizes().begin(), input.sizes().end());
-  out_sizes.back() = N;
-  call.out = aten::empty(out_sizes, input.scalar_type(), input.device());  // params.out_stride: contiguous
   call.plan = plan_linear(call.params, dtype);
   return call;
 }

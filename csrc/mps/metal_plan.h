@@ -1,5 +1,5 @@
 // attnx: the launch plans of the Metal kernels (metal/*.metal): which kernel, under which host name, with how
-// many threadgroups of how many threads, and how LinearParams reads an input's layout.
+// many threadgroups of how many threads, and how LinearParams reads the layouts of linear's input and output.
 //
 // Torch-free, host-only C++. The MPS glue (csrc/mps/*.mm) and the CPU emulation (tests/emulation/metal/) both
 // launch from these functions, so the emulated launches are the ones a Mac gets; the emulation's tests check
@@ -119,51 +119,60 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
 
 enum class LinearKernel : int32_t { kGemv = 0, kGemm = 1 };
 
-// Reads the layout of an (..., K) input into p.rows, p.rows_inner and p.input_stride without copying: size-1
-// dims are dropped (their stride never moves a pointer), then each leading dim merges into the one before it
-// when that one's stride is its stride times its size. Returns false when more than two groups remain (no
-// (outer, inner) indexing exists: the caller copies the input once, contiguous, and asks again).
-inline bool linear_input_layout(int ndim, const int64_t* sizes, const int64_t* strides, LinearParams* p) {
-  int64_t group_size[2] = {1, 1}, group_stride[2] = {0, 0};
+// Reads how the rows of an (..., K) input and of its (..., N) output are laid out into p.rows, p.rows_inner,
+// p.input_stride and p.out_stride, without copying: size-1 dims are dropped (their stride never moves a
+// pointer), then each leading dim merges into the one before it when, in both tensors, that one's stride is
+// its stride times its size. Returns false when more than two groups remain (no (outer, inner) indexing
+// exists). Nothing is read of an empty input.
+inline bool linear_row_layout(int ndim, const int64_t* sizes, const int64_t* strides,
+                              const int64_t* out_strides, LinearParams* p) {
+  int64_t group_size[2] = {1, 1}, group_stride[2] = {0, 0}, group_out_stride[2] = {0, 0};
   int groups = 0;
   int64_t rows = 1;
+  for (int d = 0; d + 1 < ndim; ++d) rows *= sizes[d];
+  p->rows = rows;
+  p->rows_inner = 1;
+  p->in_features = ndim > 0 ? sizes[ndim - 1] : 1;
+  p->input_stride[2] = ndim > 0 ? strides[ndim - 1] : 0;
+  p->out_stride[2] = ndim > 0 ? out_strides[ndim - 1] : 0;
+  if (rows == 0) return true;
   for (int d = 0; d + 1 < ndim; ++d) {
-    rows *= sizes[d];
     if (sizes[d] == 1) continue;
-    if (groups > 0 && group_stride[groups - 1] == strides[d] * sizes[d]) {
+    if (groups > 0 && group_stride[groups - 1] == strides[d] * sizes[d] &&
+        group_out_stride[groups - 1] == out_strides[d] * sizes[d]) {
       group_size[groups - 1] *= sizes[d];  // dim d continues the previous group
       group_stride[groups - 1] = strides[d];
+      group_out_stride[groups - 1] = out_strides[d];
       continue;
     }
     if (groups == 2) return false;
     group_size[groups] = sizes[d];
     group_stride[groups] = strides[d];
+    group_out_stride[groups] = out_strides[d];
     ++groups;
   }
-  p->rows = rows;
-  p->rows_inner = groups == 2 ? group_size[1] : 1;
+  if (groups == 2) p->rows_inner = group_size[1];
   p->input_stride[0] = groups >= 1 ? group_stride[0] : 0;
   p->input_stride[1] = groups == 2 ? group_stride[1] : 0;
-  p->in_features = ndim > 0 ? sizes[ndim - 1] : 1;
-  p->input_stride[2] = ndim > 0 ? strides[ndim - 1] : 0;
+  p->out_stride[0] = groups >= 1 ? group_out_stride[0] : 0;
+  p->out_stride[1] = groups == 2 ? group_out_stride[1] : 0;
   return true;
 }
 
-// Everything attnx::linear's kernels read about the layouts: the input's rows (linear_input_layout), the
-// weight (N, K) and an optional bias of size N or 1 through their strides, and a contiguous (M, N) output.
-// Returns false when the input needs its one copy (see linear_input_layout).
-inline bool pack_linear_params(int ndim, const int64_t* sizes, const int64_t* strides, int64_t out_features,
-                               const int64_t* weight_strides, bool has_bias, int64_t bias_size,
-                               int64_t bias_stride, LinearParams* p) {
+// Everything attnx::linear's kernels read about the layouts: the rows of the input and of the output
+// (linear_row_layout; the output is (..., out_features) with out_strides), the weight (N, K) and an optional
+// bias of size N or 1 through their strides. Returns false when no (outer, inner) indexing of the rows exists
+// (see linear_row_layout).
+inline bool pack_linear_params(int ndim, const int64_t* sizes, const int64_t* strides,
+                               const int64_t* out_strides, int64_t out_features, const int64_t* weight_strides,
+                               bool has_bias, int64_t bias_size, int64_t bias_stride, LinearParams* p) {
   *p = LinearParams{};
-  if (!linear_input_layout(ndim, sizes, strides, p)) return false;
+  if (!linear_row_layout(ndim, sizes, strides, out_strides, p)) return false;
   p->out_features = out_features;
   p->weight_stride[0] = weight_strides[0];
   p->weight_stride[1] = weight_strides[1];
   p->has_bias = has_bias ? 1 : 0;
   p->bias_stride = has_bias && bias_size != 1 ? bias_stride : 0;  // a size-1 bias broadcasts
-  p->out_stride[0] = out_features;
-  p->out_stride[1] = 1;
   return true;
 }
 

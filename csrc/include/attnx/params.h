@@ -173,9 +173,11 @@ struct AttentionBackwardPointers {
 // attnx::linear on a backend that runs its own GEMM kernel (Metal): out (M, N) = input (M, K) @ weight.T +
 // bias.
 //
-// The M rows of input are indexed as (outer, inner) = (r / rows_inner, r % rows_inner), each with its own
-// element stride, so an (L, B, E) view of batch-first data of any strides (the B=1 transpose included) is
-// read in place; leading dims that merge into one row stride come with rows_inner = 1.
+// The M rows of input and of out are indexed as (outer, inner) = (r / rows_inner, r % rows_inner), each with
+// its own element stride in either tensor, so an (L, B, E) view of batch-first data of any strides (the B=1
+// transpose included) is read in place, and its output row r is written where linear's layout puts it (the
+// input's memory order of rows; common/linear.h), not at r * N; leading dims that merge into one row stride
+// in both come with rows_inner = 1.
 struct LinearParams {
   int64_t rows;          // M
   int64_t rows_inner;    // M = rows_outer * rows_inner
@@ -185,13 +187,13 @@ struct LinearParams {
   int64_t input_stride[3];   // (rows_outer, rows_inner, K)
   int64_t weight_stride[2];  // (N, K)
   int64_t bias_stride;       // along N; 0 for a broadcast (size-1) bias
-  int64_t out_stride[2];     // (M, N)
+  int64_t out_stride[3];     // (rows_outer, rows_inner, N)
   int32_t has_bias;
   int32_t reserved;  // 0; pads the struct to a multiple of 8 bytes, as Metal lays it out
 };
 
 #if !defined(__METAL_VERSION__)
-static_assert(sizeof(LinearParams) == 12 * 8 + 8, "LinearParams layout changed: update the Metal side too");
+static_assert(sizeof(LinearParams) == 13 * 8 + 8, "LinearParams layout changed: update the Metal side too");
 #endif
 
 }  // namespace attnx

@@ -54,7 +54,7 @@ LinearParams linear_params(int64_t M, int64_t K, int64_t N) {
   p.input_stride[0] = K, p.input_stride[2] = 1;
   p.weight_stride[0] = K, p.weight_stride[1] = 1;
   p.bias_stride = 1, p.has_bias = 1;
-  p.out_stride[0] = N, p.out_stride[1] = 1;
+  p.out_stride[0] = N, p.out_stride[2] = 1;
   return p;
 }
 

@@ -73,7 +73,7 @@ int linear(DType dtype, int64_t M, int64_t K, int64_t N) {
   p.input_stride[0] = K, p.input_stride[2] = 1;
   p.weight_stride[0] = K, p.weight_stride[1] = 1;
   p.bias_stride = 1, p.has_bias = 1;
-  p.out_stride[0] = N, p.out_stride[1] = 1;
+  p.out_stride[0] = N, p.out_stride[2] = 1;
   auto x = randn(M * K, dtype, gen), w = randn(N * K, dtype, gen), b = randn(N, dtype, gen);
   auto out = randn(M * N, dtype, gen);
   const int err = attnx_emu_metal::launch_linear(p, dtype, x.data(), w.data(), b.data(), out.data());
