@@ -90,6 +90,14 @@ def make_sinks(H, dtype, device="cpu"):
                           device=device)
 
 
+def every_feature(B, H, S):
+    """attnx.attention's key-range options and extras all at once, for B batches (up to 2), H query heads and
+    S keys: a window around the diagonal, key lengths (S, then S // 2; int32), soft-capping and sinks."""
+    return {"window_left": 20, "window_right": 3,
+            "key_lengths": torch.tensor([S, S // 2][:B], dtype=torch.int32), "softcap": 5.0,
+            "sinks": torch.linspace(-1.0, 2.0, H)}
+
+
 def seed_of(seed, offset=0):
     """A dropout_seed argument: the CPU int64 tensor (seed, offset)."""
     return torch.tensor([seed, offset], dtype=torch.int64)
@@ -380,19 +388,21 @@ def attention_opcheck_cases():
 
 
 def kernel_or_skip(device, q, k, v, backward=False, **kwargs):
-    """The kernel attnx.attention (``backward``: its backward) runs for this call on ``device``, as its backend
-    names it (attnx::_attention_kernel); the test is skipped, saying why, where the backend refuses the call
-    or where another emulated device runs the same kernel: ``cuda-emu`` (sm_90) leaves the SIMT kernel's
-    forward to ``cuda-emu-sm75``, which runs it for every call, and ``cuda-emu-sm75`` leaves the backward,
-    whose kernels do not depend on the device, to ``cuda-emu``."""
+    """The kernel attnx.attention (``backward``: its backward) runs for this call on ``device``, as its
+    backend names it (attnx::_attention_kernel). The test is skipped, saying why, where the backend refuses
+    the call (a backward needs its forward: Metal's whole-tensor backward takes float64, its forward does
+    not), and where another emulated device runs the same kernel: ``cuda-emu`` (sm_90) leaves the SIMT
+    kernel's forward to ``cuda-emu-sm75``, which runs it for every call, and ``cuda-emu-sm75`` leaves the
+    backward and the composite, which do not depend on the device, to ``cuda-emu``."""
     try:
-        kernel = torch.ops.attnx._attention_kernel(q, k, v, backward=backward, **kwargs)
+        forward = torch.ops.attnx._attention_kernel(q, k, v, **kwargs)
+        kernel = torch.ops.attnx._attention_kernel(q, k, v, backward=True, **kwargs) if backward else forward
     except RuntimeError as e:
         pytest.skip(f"{device.backend} does not take this call: {str(e).splitlines()[0]}")
-    if device.backend == "cuda-emu" and not backward and kernel.startswith("cuda simt"):
+    if device.backend == "cuda-emu" and not backward and forward.startswith("cuda simt"):
         pytest.skip(f"{kernel}: cuda-emu-sm75 runs it")
-    if device.backend == "cuda-emu-sm75" and backward:
-        pytest.skip(f"{kernel}: cuda-emu runs the same backward")
+    if device.backend == "cuda-emu-sm75" and (backward or forward == "cuda composite"):
+        pytest.skip(f"{kernel}: cuda-emu runs the same")
     return kernel
 
 

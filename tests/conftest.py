@@ -5,8 +5,8 @@ A test that takes the ``device`` fixture runs once per device of DEVICES: the CP
 device where this machine has them, and the emulated backends everywhere (tests/emulation/backends.py: attnx's
 CUDA and MPS backends run on the CPU, behind attnx's own ops). ``device`` is the torch device string its
 tensors are made on ("cpu" for the emulated ones), with the backend whose kernels run there as
-``device.backend``; ``attention_helpers.kernel_or_skip`` asks that backend which kernel a call takes (or skips,
-saying why it takes none).
+``device.backend``; ``attention_helpers.kernel_or_skip`` asks that backend which kernel a call takes (or
+skips, saying why it takes none).
 """
 
 import os

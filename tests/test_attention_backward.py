@@ -67,17 +67,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The comparison on a device.
 
 
-def backward_kernel(device, q, k, v, **kwargs):
-    """The kernel attention_backward takes for this call on ``device`` (kernel_or_skip); skipped where the
-    backend refuses the forward, whose out and lse the backward reads. ``q``, ``k``, ``v`` and the tensor
-    options are on ``device``."""
-    try:
-        torch.ops.attnx._attention_kernel(q, k, v, **kwargs)
-    except RuntimeError as e:
-        pytest.skip(f"{device.backend} does not take the forward: {str(e).splitlines()[0]}")
-    return kernel_or_skip(device, q, k, v, backward=True, **kwargs)
-
-
 def on(device, kwargs):
     """attention's keyword arguments on ``device`` (with their layouts); dropout_seed stays a CPU tensor."""
     return {n: a if n == "dropout_seed" else to_device(a, device) for n, a in kwargs.items()}
@@ -103,7 +92,8 @@ def check_grads(device, leaves, layout="contiguous", grad_out=None, learn=(), **
     ``learn`` ("attn_mask", "sinks"), against autograd through the reference on the CPU. Skips where the
     device takes no such call; returns (the backward's kernel, the gradients on the CPU)."""
     dtype = leaves[0].dtype
-    kernel = backward_kernel(device, *views(to_device(leaves, device), layout), **on(device, kwargs))
+    kernel = kernel_or_skip(device, *views(to_device(leaves, device), layout), backward=True,
+                            **on(device, kwargs))
     if grad_out is None:
         q, _, v = views(leaves, layout)
         grad_out = grad_out_for(q, v)
@@ -328,7 +318,7 @@ def test_float_masks_requiring_grad(device):
     # A float attn_mask that requires grad gets its gradient; a float key_padding_mask that does is a clear
     # error; masks that do not, float or bool, are fine.
     q, k, v = (t.requires_grad_() for t in to_device(make_leaves(1, 2, 4, 5, 8, 8), device))
-    backward_kernel(device, q, k, v)
+    kernel_or_skip(device, q, k, v, backward=True)
     mask = to_device(torch.randn(4, 5), device).requires_grad_()
     attnx.attention(q, k, v, attn_mask=mask)[0].sum().backward()
     assert mask.grad is not None and mask.grad.shape == mask.shape
@@ -359,7 +349,7 @@ def test_fully_masked_rows_get_zero_gradients(device, dtype):
 def test_nan_stays_in_its_row(device):
     q, k, v = to_device(make_qkv(1, 1, 5, 7, 8, 8), device)
     q[0, 0, 3, 0] = float("nan")
-    backward_kernel(device, q, k, v)
+    kernel_or_skip(device, q, k, v, backward=True)
     out, lse = attnx.attention(q, k, v)
     dq, dk, _, _, _ = attnx.attention_backward(to_device(grad_out_for(q, v), device), q, k, v, out, lse)
     dq, dk = dq.cpu(), dk.cpu()
@@ -373,7 +363,7 @@ def test_nan_stays_in_its_row(device):
 def test_empty_sizes(device, sizes, dtype):
     kpm = torch.zeros(sizes[0], sizes[3], dtype=torch.bool)
     leaves = make_leaves(*sizes, dtype=dtype)
-    backward_kernel(device, *to_device(leaves, device))
+    kernel_or_skip(device, *to_device(leaves, device), backward=True)
     _, (dq, dk, dv) = check_grads(device, leaves, key_padding_mask=kpm)
     if sizes[2] == 0:  # no queries: no gradient reaches the keys (every element written)
         assert (dk == 0).all() and (dv == 0).all()
@@ -489,7 +479,7 @@ def test_deterministic(device):
     q, k, v = to_device(make_gqa(2, 4, 2, 40, 37, 16, 16), device)
     kwargs = on(device, {"attn_mask": torch.randn(40, 37), "sinks": make_sinks(4, torch.float32),
                          "key_padding_mask": torch.rand(2, 37) < 0.2})
-    backward_kernel(device, q, k, v, **kwargs)
+    kernel_or_skip(device, q, k, v, **kwargs, backward=True)
     out, lse = attnx.attention(q, k, v, **kwargs)
     grad_out = to_device(grad_out_for(q, v), device)
     first = attnx.attention_backward(grad_out, q, k, v, out, lse, **kwargs, grad_attn_mask=True)
@@ -538,7 +528,7 @@ GRADCHECK_CASES = ["plain", "causal_scale", "bool_and_padding", "float_masks_str
 @pytest.mark.parametrize("case", GRADCHECK_CASES)
 def test_gradcheck(device, case):
     leaves, layout, kwargs, learn = _gradcheck_case(case, device)
-    backward_kernel(device, *views(leaves, layout), **kwargs, **learn)
+    kernel_or_skip(device, *views(leaves, layout), **kwargs, **learn, backward=True)
     inputs = [t.requires_grad_() for t in (*leaves, *learn.values())]
 
     def fn(*ts):
@@ -557,7 +547,7 @@ def test_gradcheck(device, case):
 
 def test_lse_is_not_differentiable(device):
     q, k, v = (t.requires_grad_() for t in to_device(make_leaves(1, 2, 4, 5, 8, 8), device))
-    backward_kernel(device, q, k, v)
+    kernel_or_skip(device, q, k, v, backward=True)
     out, lse = attnx.attention(q, k, v)
     assert out.requires_grad and not lse.requires_grad
     with pytest.raises(RuntimeError, match="does not require grad"):
@@ -566,7 +556,7 @@ def test_lse_is_not_differentiable(device):
 
 def test_double_backward_is_an_error(device):
     q, k, v = (t.requires_grad_() for t in to_device(make_leaves(1, 2, 4, 5, 8, 8), device))
-    backward_kernel(device, q, k, v)
+    kernel_or_skip(device, q, k, v, backward=True)
     out, _ = attnx.attention(q, k, v)
     (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="attnx.attention: double backward is not implemented"):
@@ -575,7 +565,7 @@ def test_double_backward_is_an_error(device):
 
 def test_only_requested_gradients(device):
     q, k, v = to_device(make_leaves(1, 2, 4, 5, 8, 8), device)
-    backward_kernel(device, q, k, v)
+    kernel_or_skip(device, q, k, v, backward=True)
     k.requires_grad_()
     attnx.attention(q, k, v)[0].sum().backward()
     assert k.grad is not None and q.grad is None and v.grad is None
@@ -591,7 +581,7 @@ def _backward_args(device, B=2, H=3, L=5, S=7, D=8, Dv=4, dtype=torch.float32, l
     ``forward``: out and lse None); skips where the device takes no such call."""
     q, k, v = views(to_device(make_leaves(B, H, L, S, D, Dv, dtype=dtype, layout=layout, seed=seed), device),
                     layout)
-    backward_kernel(device, q, k, v)
+    kernel_or_skip(device, q, k, v, backward=True)
     out, lse = attnx.attention(q, k, v) if forward else (None, None)
     grad_out = torch.randn(B, L, H, 2 * Dv, generator=torch.Generator().manual_seed(9)).to(dtype)
     return to_device(grad_out, device).transpose(1, 2)[..., ::2], q, k, v, out, lse
@@ -613,7 +603,7 @@ def test_fake_matches_kernel(device, sizes, dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     args = _backward_args(device, *sizes, dtype=dtype)
-    backward_kernel(device, *args[1:4])
+    kernel_or_skip(device, *args[1:4], backward=True)
     real = attnx.attention_backward(*args)
     with FakeTensorMode() as mode:
         fake = attnx.attention_backward(*[mode.from_tensor(a) for a in args])
@@ -645,8 +635,8 @@ def _opcheck_args(device, case):
     q, k, v, mask, kpm, is_causal, scale, p, dropout_seed = _opcheck_cases()[case]
     q, k, v, mask, kpm = to_device((q, k, v, mask, kpm), device)
     rest = (mask, kpm, is_causal, scale, p, dropout_seed)
-    backward_kernel(device, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal, scale=scale,
-                    dropout_p=p, dropout_seed=dropout_seed)
+    kernel_or_skip(device, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal, scale=scale,
+                    dropout_p=p, dropout_seed=dropout_seed, backward=True)
     return q, k, v, rest
 
 
@@ -670,7 +660,7 @@ def test_opcheck_attention_backward(device, case):
 @pytest.mark.slow
 def test_compile_backward(device):
     q, k, v = (t.requires_grad_() for t in to_device(make_leaves(2, 2, 5, 7, 8, 8), device))
-    backward_kernel(device, q, k, v, is_causal=True)
+    kernel_or_skip(device, q, k, v, is_causal=True, backward=True)
 
     def loss(q, k, v):
         return attnx.attention(q, k, v, is_causal=True)[0].square().sum()
@@ -690,7 +680,7 @@ def test_module_training_step(device, dtype):
     torch_module.load_state_dict(module.state_dict())
     x = torch.randn(2, 50, 64, dtype=dtype)
     q = x.unflatten(-1, (4, 16)).transpose(1, 2)
-    backward_kernel(device, *to_device((q, q, q), device))
+    kernel_or_skip(device, *to_device((q, q, q), device), backward=True)
     module.to(device)(*(to_device(x, device),) * 3, need_weights=False)[0].sum().backward()
     torch_module(x, x, x, need_weights=False)[0].sum().backward()
     for (name, p), p_torch in zip(module.named_parameters(), torch_module.parameters(), strict=True):

@@ -66,16 +66,6 @@ def check(q, k, v, **kwargs):
     return assert_matches_reference(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), **to_cpu(kwargs))
 
 
-def backward_kernel_or_skip(device, q, k, v, **kwargs):
-    """kernel_or_skip for the backward of the call, also skipping where the device refuses its forward (the
-    gradient needs one): Metal's backward takes float64, its forward does not."""
-    try:
-        torch.ops.attnx._attention_kernel(q, k, v, **kwargs)
-    except RuntimeError as e:
-        pytest.skip(f"{device.backend} does not take the forward: {str(e).splitlines()[0]}")
-    return kernel_or_skip(device, q, k, v, backward=True, **kwargs)
-
-
 def check_grads(q, k, v, grad_names=("q", "k", "v"), **kwargs):
     """Gradients of attnx.attention w.r.t. q, k, v and any of attn_mask / sinks named in grad_names, against
     autograd through the reference on CPU copies; returns them (on the CPU)."""
@@ -270,7 +260,7 @@ def test_keys_past_key_lengths_get_no_gradient(device):
     q, k, v = on(device, make_gqa(2, 4, 2, 3, 70, 16, 16))
     lengths = on(device, torch.tensor([51, 5]))
     kwargs = {"key_lengths": lengths, "window_left": -1, "window_right": 0}
-    backward_kernel_or_skip(device, q, k, v, **kwargs)
+    kernel_or_skip(device, q, k, v, **kwargs, backward=True)
     clean = check_grads(q, k, v, **kwargs)
     for t in (k, v):
         t[0, :, 51:] = float("nan")
@@ -524,7 +514,7 @@ GRAD_CASES = [
 @pytest.mark.parametrize(("case", "dtype"), GRAD_CASES)
 def test_feature_gradients(device, case, dtype):
     q, k, v, grad_names, kwargs = _grad_case(case, dtype, device)
-    backward_kernel_or_skip(device, q, k, v, **kwargs)
+    kernel_or_skip(device, q, k, v, **kwargs, backward=True)
     if case in ("key lengths", "window masks", "sinks"):  # rows that see no key: lse +inf
         _, lse = check(q, k, v, **kwargs)
         assert torch.isposinf(lse[1] if case != "window masks" else lse[1, :, -1]).all()
@@ -535,7 +525,7 @@ def test_feature_gradients(device, case, dtype):
 def test_windows_gradients(device, shape):
     L, S = shape
     q, k, v = on(device, make_gqa(1, 2, 1, L, S, 16, 8))
-    backward_kernel_or_skip(device, q, k, v, window_left=3, window_right=0)
+    kernel_or_skip(device, q, k, v, window_left=3, window_right=0, backward=True)
     for i, (window_left, window_right) in enumerate(WINDOWS):
         check_grads(q, k, v, window_left=window_left, window_right=window_right, is_causal=i % 2 == 1)
 
@@ -561,7 +551,7 @@ def test_mask_gradient(device, bias_shape):
     shape, B, H = bias_shape
     q, k, v = on(device, make_gqa(B, H, 2, 20, 45, 8, 8))
     bias = on(device, torch.randn(shape))
-    backward_kernel_or_skip(device, q, k, v, attn_mask=bias, is_causal=True)
+    kernel_or_skip(device, q, k, v, attn_mask=bias, is_causal=True, backward=True)
     grads = check_grads(q, k, v, grad_names=("q", "k", "v", "attn_mask"), attn_mask=bias, is_causal=True)
     assert grads[3].shape == bias.shape
 
@@ -571,7 +561,7 @@ def test_mask_gradient_of_an_expanded_mask(device):
     # backward then sums them into the base.
     q, k, v = on(device, make_gqa(2, 2, 2, 6, 7, 4, 4))
     base = on(device, torch.randn(1, 1, 6, 7)).requires_grad_()
-    backward_kernel_or_skip(device, q, k, v, attn_mask=base.expand(2, 2, 6, 7))
+    kernel_or_skip(device, q, k, v, attn_mask=base.expand(2, 2, 6, 7), backward=True)
     out, _ = attnx.attention(q, k, v, attn_mask=base.expand(2, 2, 6, 7))
     out.sum().backward()
     base_ref = base.detach().cpu().requires_grad_()

@@ -146,8 +146,8 @@ def test_default_kernels_are_asked_of_the_library(gpu_check, device):
         pytest.skip(f"{device.backend} is not a CUDA backend")
     from attnx import info
 
-    names = [info.attention_kernel(device, d, h, backward=b) for d in info.CUDA_DTYPES for h in (32, 64, 128, 256)
-             for b in (False, True)]
+    names = [info.attention_kernel(device, d, h, backward=b) for d in info.CUDA_DTYPES
+             for h in (32, 64, 128, 256) for b in (False, True)]
     kinds = {kind for kind, _, _ in gpu_check.default_kernels(names)}
     assert {"simt", "backward_keys", "backward_queries"} <= kinds
     assert ("mma" in kinds) == (device.backend != "cuda-emu-sm75")

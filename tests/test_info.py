@@ -146,8 +146,8 @@ def test_cuda_line_without_device(report):
 
 
 def test_kernel_lines_name_what_the_backend_runs(device):
-    # The kernel each dtype takes at each head dim, as the device's backend names it (attnx::_attention_kernel):
-    # on the emulated CUDA backend, an sm_90 device's choices (cuda/attention_plan.h's choose_kernel).
+    # The kernel each dtype takes at each head dim, as the device's backend names it
+    # (attnx::_attention_kernel): on the emulated CUDA backend, an sm_90 device's choices (choose_kernel).
     lines = info.kernel_lines(device)
     assert len(lines) == len(info.CUDA_DTYPES)
     for dtype, line in zip(info.CUDA_DTYPES, lines, strict=True):

@@ -165,7 +165,7 @@ def kernel_label(mangled: str):
     return m.group(1) or m.group(2), _DTYPES[m.group(3)], int(m.group(4)), rows_per_warp
 
 
-# The kernels attnx::_attention_kernel names (python -m attnx.info's attention_kernel) -> kernel_label's kinds.
+# The kernels attnx::_attention_kernel names (attnx.info's attention_kernel) -> kernel_label's kinds.
 _NAMED = re.compile(r"cuda (simt|mma|fused) (fp16|bf16|fp32|fp64) bucket (\d+)")
 _NAMED_KINDS = {"simt": ("simt",), "mma": ("mma",), "fused": ("backward_keys", "backward_queries")}
 

@@ -1,12 +1,11 @@
 """Launches for compute-sanitizer (memcheck, racecheck, synccheck), run by tools/gpu_check.py.
 
-A small set that still reaches every code path of the CUDA backend: the tensor-core kernel (float16,
-bfloat16 and float32, vector and element tile staging, partial tiles), the SIMT kernel (float32 past head dim
-64, dropout), every feature
-(both masks, causal, grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256
-composite; and the fused backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it), every
-tile size, every feature, dropout and a float mask's gradient. Each launch is synchronised and named, so a
-sanitizer report follows the line of its case.
+A small set that still reaches every code path of the CUDA backend: both forward kernels (float16, bfloat16
+and float32, vector and element tile staging, partial tiles, dropout), every feature (both masks, causal,
+grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256 composite; and the fused
+backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it), every tile size, every feature,
+dropout and a float mask's gradient. Each launch is synchronised and printed with the kernel it takes, as the
+library names it (attnx::_attention_kernel); the run fails if the cases no longer reach every kernel.
 
     python tools/gpu_sanitize_cases.py          # from the repository root, attnx importable
 """
@@ -21,12 +20,14 @@ TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TESTS)
 
 import attnx  # noqa: E402
-from attention_helpers import make_gqa, make_qkv  # noqa: E402
+from attention_helpers import every_feature, make_gqa, make_qkv  # noqa: E402
 from layouts import to_device  # noqa: E402
 
 DEV = "cuda"
 H16, BF, F32 = torch.float16, torch.bfloat16, torch.float32
 GEN = torch.Generator().manual_seed(0)
+# The kernels the cases must reach, by the first words of their names.
+KERNELS = ("cuda mma", "cuda simt", "cuda composite", "cuda fused")
 
 
 def bool_mask(*shape, p=0.2):
@@ -42,39 +43,37 @@ def gqa(*shape, dtype=H16, layout="contiguous"):
 
 
 def features(B, H, S):
-    """Every key-range feature and both extras, for B batches, H query heads, S keys."""
-    return {"window_left": 20, "window_right": 3,
-            "key_lengths": torch.tensor([S, S // 2][:B], device=DEV, dtype=torch.int32),
-            "softcap": 5.0, "sinks": torch.linspace(-1.0, 2.0, H, device=DEV)}
+    """attention_helpers.every_feature on the GPU."""
+    return to_device(every_feature(B, H, S), DEV)
 
 
 def cases():
-    yield "mma fp16 D=64 partial tiles, causal", qkv(2, 3, 37, 53, 64, 64), {"is_causal": True}
-    yield "mma fp16 D=32 strided (element staging), fp16 (B*H, L, S) mask", qkv(
+    yield "fp16 D=64 partial tiles, causal", qkv(2, 3, 37, 53, 64, 64), {"is_causal": True}
+    yield "fp16 D=32 strided (element staging), fp16 (B*H, L, S) mask", qkv(
         2, 2, 70, 90, 32, 32, layout="strided_last"), {
         "attn_mask": to_device(torch.randn(4, 70, 90, generator=GEN).half(), DEV)}
-    yield "mma bf16 D=128 GQA, both masks, every feature", gqa(2, 6, 2, 100, 150, 128, 128, dtype=BF,
+    yield "bf16 D=128 GQA, both masks, every feature", gqa(2, 6, 2, 100, 150, 128, 128, dtype=BF,
                                                                layout="blhd"), {
         "attn_mask": bool_mask(100, 150), "key_padding_mask": bool_mask(2, 150), **features(2, 6, 150)}
-    yield "mma fp32 D=64 GQA, both masks, causal, every feature", gqa(2, 4, 2, 45, 70, 64, 48, dtype=F32,
+    yield "fp32 D=64 GQA, both masks, causal, every feature", gqa(2, 4, 2, 45, 70, 64, 48, dtype=F32,
                                                                       layout="lbhd"), {
         "attn_mask": bool_mask(45, 70), "key_padding_mask": bool_mask(2, 70), "is_causal": True,
         **features(2, 4, 70)}
-    yield "mma fp32 D=20 strided (element staging), float mask", qkv(2, 2, 70, 90, 20, 20, dtype=F32,
+    yield "fp32 D=20 strided (element staging), float mask", qkv(2, 2, 70, 90, 20, 20, dtype=F32,
                                                                      layout="strided_last"), {
         "attn_mask": to_device(torch.randn(70, 90, generator=GEN), DEV)}
-    yield "SIMT fp32 D=96 GQA, both masks, every feature", gqa(2, 4, 2, 45, 70, 96, 80, dtype=F32), {
+    yield "fp32 D=96 GQA, both masks, every feature", gqa(2, 4, 2, 45, 70, 96, 80, dtype=F32), {
         "attn_mask": bool_mask(45, 70), "key_padding_mask": bool_mask(2, 70), **features(2, 4, 70)}
-    yield "SIMT fp32 D=256", qkv(1, 1, 20, 30, 256, 256, dtype=F32), {"is_causal": True}
-    yield "SIMT fp16 dropout, every feature", gqa(2, 4, 2, 37, 53, 24, 24), {
+    yield "fp32 D=256", qkv(1, 1, 20, 30, 256, 256, dtype=F32), {"is_causal": True}
+    yield "fp16 dropout, every feature", gqa(2, 4, 2, 37, 53, 24, 24), {
         "dropout_p": 0.3, "dropout_seed": torch.tensor([17, 3]), **features(2, 4, 53)}
-    yield "composite fp32 D=288 GQA, both masks, causal, every feature", gqa(2, 4, 2, 37, 50, 288, 48,
+    yield "fp32 D=288 GQA, both masks, causal, every feature", gqa(2, 4, 2, 37, 50, 288, 48,
                                                                              dtype=F32, layout="blhd"), {
         "attn_mask": bool_mask(37, 50), "key_padding_mask": bool_mask(2, 50), "is_causal": True,
         **features(2, 4, 50)}
     kpm = torch.zeros(2, 9, dtype=torch.bool)
     kpm[1] = True  # batch 1 sees no key
-    yield "mma fp16 fully masked rows", qkv(2, 2, 6, 9, 8, 8), {"key_padding_mask": to_device(kpm, DEV)}
+    yield "fp16 fully masked rows", qkv(2, 2, 6, 9, 8, 8), {"key_padding_mask": to_device(kpm, DEV)}
     yield "empty (S=0)", qkv(2, 2, 3, 0, 8, 8), {}
 
 
@@ -94,10 +93,13 @@ def backward_cases():
 
 
 def main():
-    failed = 0
+    failed, reached = 0, set()
     for label, (q, k, v), kwargs in [*cases(), *backward_cases()]:
         try:
-            if label.startswith("backward"):
+            backward = label.startswith("backward")
+            kernel = torch.ops.attnx._attention_kernel(q, k, v, backward=backward, **kwargs)
+            reached |= {prefix for prefix in KERNELS if kernel.startswith(prefix)}
+            if backward:
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 mask = kwargs.get("attn_mask")
                 if mask is not None and mask.is_floating_point():
@@ -108,10 +110,14 @@ def main():
                 with torch.no_grad():
                     out, _ = attnx.attention(q, k, v, **kwargs)
             torch.cuda.synchronize()
-            print(f"ok    {label}: out {tuple(out.shape)}", flush=True)
+            print(f"ok    {label} ({kernel}): out {tuple(out.shape)}", flush=True)
         except RuntimeError as e:  # reported and counted; the next cases still run
             failed += 1
             print(f"FAIL  {label}: {str(e).splitlines()[0][:300]}", flush=True)
+    missed = [prefix for prefix in KERNELS if prefix not in reached]
+    if missed:
+        failed += 1
+        print(f"FAIL  no case reaches {', '.join(missed)}", flush=True)
     print(f"{failed} of the launches failed" if failed else "all launches done", flush=True)
     return 1 if failed else 0
 

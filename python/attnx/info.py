@@ -2,7 +2,8 @@
 
 Everything is read from this process: the kernels attnx's loaded libraries registered with torch's dispatcher,
 the devices torch sees, and the kernel each call takes, as the libraries name it (attnx::_attention_kernel,
-attnx::_cpu_capability): no rule is restated here. ``python -m attnx.info --ops`` adds every op's dispatch keys.
+attnx::_cpu_capability): no rule is restated here. ``python -m attnx.info --ops`` adds every op's dispatch
+keys.
 """
 
 import argparse
