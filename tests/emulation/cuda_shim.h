@@ -3,10 +3,9 @@
 // g++ compiles a .cu file as C++ with -DATTNX_CUDA_EMULATION; csrc/cuda/common.cuh then includes this header.
 // The toolkit's own headers (host-capable) supply dim3, cudaError_t, __half, __nv_bfloat16 and turn
 // __device__/__global__/__shared__ into nothing; this file supplies the rest:
-//   - one fiber (ucontext) per CUDA thread of a block, all on the calling thread, switched at barriers in a
-//   fixed round-robin order; or, under ThreadSanitizer or AddressSanitizer (which do not follow stack
-//   switches) or with -DATTNX_CUDA_EMU_THREADS, one std::thread each. The blocks of a grid run one after
-//   another on the same fibers or threads;
+//   - one fiber (fibers.h) per CUDA thread of a block, all on the calling thread, switched at barriers in a
+//   fixed round-robin order; or, under ThreadSanitizer or with -DATTNX_CUDA_EMU_THREADS, one std::thread
+//   each. The blocks of a grid run one after another on the same fibers or threads;
 //   - threadIdx / blockIdx / blockDim / gridDim as thread-locals;
 //   - __syncthreads: a barrier of the block's threads; __syncwarp: a barrier of the warp's 32;
 //   - __shfl_xor_sync / __shfl_sync / __all_sync / __any_sync / __ballot_sync: every lane of the warp writes
@@ -50,14 +49,14 @@
 #define __launch_bounds__(...)
 #endif
 
-// One OS thread per CUDA thread where a sanitizer must see the threads (TSan follows their barriers, ASan
-// does not follow fibers' stack switches); fibers otherwise, which switch in nanoseconds where 128 OS threads
-// meeting at a futex take microseconds each.
-#if !defined(ATTNX_CUDA_EMU_THREADS) && (defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__))
+// One OS thread per CUDA thread where ThreadSanitizer must see the threads (it follows their barriers);
+// fibers otherwise (fibers.h), which switch in nanoseconds where 128 OS threads meeting at a futex take
+// microseconds each.
+#if !defined(ATTNX_CUDA_EMU_THREADS) && defined(__SANITIZE_THREAD__)
 #define ATTNX_CUDA_EMU_THREADS 1
 #endif
 #if !defined(ATTNX_CUDA_EMU_THREADS) && defined(__has_feature)
-#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#if __has_feature(thread_sanitizer)
 #define ATTNX_CUDA_EMU_THREADS 1
 #endif
 #endif

@@ -41,7 +41,7 @@ def metal_files():
 
 def _depends():
     files = glob.glob(os.path.join(METAL, "*")) + glob.glob(os.path.join(SHIM, "*"))
-    files += [os.path.join(HERE, "barrier.h"), os.path.join(HERE, "race_check.h")]
+    files += [os.path.join(HERE, name) for name in ("barrier.h", "fibers.h", "race_check.h")]
     files += glob.glob(os.path.join(CSRC, "include", "attnx", "*.h"))
     files += glob.glob(os.path.join(CSRC, "mps", "*.h"))
     return sorted(set(files))

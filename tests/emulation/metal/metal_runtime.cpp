@@ -16,7 +16,7 @@
 #include <vector>
 
 #if !defined(ATTNX_METAL_EMU_THREADS)
-#include <ucontext.h>
+#include "../fibers.h"
 #endif
 
 namespace attnx_emu_metal {
@@ -248,87 +248,36 @@ void run_all(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* 
 
 #else
 
-// Fibers (ucontext) on the calling thread: a fiber runs until it waits at a barrier, then the scheduler
-// resumes the next one that can go on, round-robin. Context switches cost nanoseconds where 128 OS threads
-// meeting at a futex cost microseconds each on a busy machine, and a barrier that not every thread reaches is
-// reported at once (no runnable fiber left) instead of after a timeout. The order is deterministic: thread
-// 0 runs as far as it can before thread 1 starts, so a missing barrier reads poisoned or stale memory.
-constexpr size_t kFiberStackBytes = 256 * 1024;
-
-struct Fiber {
-  ucontext_t context;
-  std::unique_ptr<char[]> stack;
-  ThreadState state;
-  const std::atomic<uint32_t>* waiting_on = nullptr;  // the barrier generation it waits to change
-  uint32_t waiting_seen = 0;
-  bool done = false;
-};
-
-struct Scheduler {
-  ucontext_t context;
-  Fiber* current = nullptr;
+// Fibers (../fibers.h) on the calling thread: each fiber's ThreadState is made current as it is resumed.
+struct ThreadgroupRun {
   Thunk thunk;
   Threadgroup* group;
   const int64_t* grid;
   void* const* buffers;
-  std::vector<Fiber> fibers;
+  std::vector<ThreadState> states;
 };
 
-Scheduler* scheduler = nullptr;
-
 void wait_for_change(const std::atomic<uint32_t>& word, uint32_t seen) {
-  Fiber* self = scheduler->current;
-  self->waiting_on = &word;
-  self->waiting_seen = seen;
-  swapcontext(&self->context, &scheduler->context);
-}
-
-void fiber_main(unsigned hi, unsigned lo) {
-  const uintptr_t index = (static_cast<uintptr_t>(hi) << 32) | lo;
-  run_thread(scheduler->thunk, *scheduler->group, scheduler->grid, scheduler->buffers,
-             static_cast<int>(index));
-  scheduler->current->done = true;
-  // Returning resumes uc_link, the scheduler.
+  attnx_emu_fibers::wait_for_change(word, seen);
 }
 
 void run_all(Thunk thunk, Threadgroup& group, const int64_t* grid, void* const* buffers, int threads) {
-  Scheduler sched;
-  sched.thunk = thunk, sched.group = &group, sched.grid = grid, sched.buffers = buffers;
-  sched.fibers = std::vector<Fiber>(threads);
-  scheduler = &sched;
-  for (int tid = 0; tid < threads; ++tid) {
-    Fiber& f = sched.fibers[tid];
-    f.stack.reset(new char[kFiberStackBytes]);  // uninitialised: committed page by page as it is used
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = f.stack.get();
-    f.context.uc_stack.ss_size = kFiberStackBytes;
-    f.context.uc_link = &sched.context;
-    makecontext(&f.context, reinterpret_cast<void (*)()>(fiber_main), 2,
-                static_cast<unsigned>(static_cast<uintptr_t>(tid) >> 32), static_cast<unsigned>(tid));
+  ThreadgroupRun run{thunk, &group, grid, buffers, std::vector<ThreadState>(threads)};
+  const int finished = attnx_emu_fibers::run(
+      threads, {[](void* r, int tid) {
+                  auto* run = static_cast<ThreadgroupRun*>(r);
+                  run_thread(run->thunk, *run->group, run->grid, run->buffers, tid);
+                },
+                [](void* r, int tid, bool in) {
+                  current_state = in ? &static_cast<ThreadgroupRun*>(r)->states[tid] : nullptr;
+                },
+                &run});
+  if (finished < threads) {
+    fail(
+        "every thread waits at a barrier that will never complete: a threadgroup_barrier or simd "
+        "collective that not every thread reaches (%d of %d threads have finished)",
+        finished, threads);
   }
-  for (int remaining = threads; remaining > 0;) {
-    bool progressed = false;
-    for (Fiber& f : sched.fibers) {
-      if (f.done) continue;
-      if (f.waiting_on != nullptr) {
-        if (f.waiting_on->load(std::memory_order_acquire) == f.waiting_seen) continue;
-        f.waiting_on = nullptr;
-      }
-      sched.current = &f;
-      current_state = &f.state;
-      swapcontext(&sched.context, &f.context);
-      progressed = true;
-      if (f.done) --remaining;
-    }
-    if (!progressed) {
-      fail(
-          "every thread waits at a barrier that will never complete: a threadgroup_barrier or simd "
-          "collective that not every thread reaches (%d of %d threads have finished)",
-          threads - remaining, threads);
-    }
-  }
-  scheduler = nullptr;
-  current_state = nullptr;
 }
 
 #endif

@@ -5,7 +5,7 @@
 // and talks to the shim through the declarations below.
 //
 // Model (one launch = one dispatchThreadgroups):
-//   - one fiber (ucontext) per Metal thread of a threadgroup, all on the calling thread, switched at barriers
+//   - one fiber (../fibers.h) per Metal thread of a threadgroup, all on the calling thread, switched at barriers
 //     in a fixed round-robin order; or, built with -DATTNX_METAL_EMU_THREADS (the ThreadSanitizer build), one
 //     std::thread each. The threadgroups of the grid run one after another on the same fibers or threads;
 //   - threadgroup memory: one 32 KiB arena (every Apple GPU's limit), filled with 0xff bytes (NaN as float,
