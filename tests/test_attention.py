@@ -315,6 +315,7 @@ def test_masks_low_precision_and_strided(device, dtype, rows):
 MASK_DTYPES = [torch.bool, torch.float16, torch.float32, torch.float64]
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("mask_dtype", MASK_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_masks_every_dtype(device, dtype, mask_dtype):
@@ -344,6 +345,7 @@ def test_masks_every_dtype(device, dtype, mask_dtype):
     check(device, q, k, v, attn_mask=mask, key_padding_mask=kpm, is_causal=is_causal)
 
 
+@pytest.mark.sanitize
 def test_padding_skips_whole_tiles(device):
     # Masks that remove whole key tiles (32 keys: SIMT, Metal; 64: tensor cores), which the kernels skip, next
     # to tiles they remove in part. Batch 0: padding removes keys 0-63 (whole tiles of both sizes) and part
@@ -690,6 +692,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # and its peak under the sanitizers would be theirs
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc")
 def test_cpu_no_quadratic_memory():
     # Peak RSS growth during one call in a fresh process: a merged (B, 1, L, S) float mask alone would be

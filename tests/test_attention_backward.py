@@ -450,6 +450,8 @@ def test_dropout(device, dtype):
                 is_causal=True, softcap=3.0, sinks=make_sinks(4, dtype), attn_mask=mask)
 
 
+@pytest.mark.wheel
+@pytest.mark.sanitize
 @pytest.mark.parametrize(("mask", "head_dim"), [("bool", 24), ("float", 24), ("float", 264)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_all_features_together(device, dtype, mask, head_dim):

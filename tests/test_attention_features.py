@@ -399,6 +399,8 @@ def test_float64_sinks_are_refused_on_metal(device):
 # Everything together.
 
 
+@pytest.mark.wheel
+@pytest.mark.sanitize
 @pytest.mark.parametrize("mask", ["bool", "float"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_all_features_together(device, dtype, mask):

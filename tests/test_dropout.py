@@ -232,6 +232,8 @@ def test_p_one_has_zero_gradients(device):
         assert torch.equal(leaf.grad, torch.zeros_like(leaf))
 
 
+@pytest.mark.wheel
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_all_features_with_dropout(device, dtype):
     # Grouped heads, a window, key lengths, soft-capping and sinks: the mask is drawn by (b, h, l, s) of the

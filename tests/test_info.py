@@ -145,6 +145,7 @@ def test_cuda_line_without_device(report):
     assert (f"archs {archs})" if archs else "not recorded") in line
 
 
+@pytest.mark.wheel
 def test_kernel_lines_name_what_the_backend_runs(device):
     # The kernel each dtype takes at each head dim, as the device's backend names it
     # (attnx::_attention_kernel): on the emulated CUDA backend, an sm_90 device's choices (choose_kernel).

@@ -73,6 +73,7 @@ def test_matches_reference(device, dtype, layout, batch, bias):
 TILE_SHAPES = [((5, 1), 40, 37), ((1, 8), 70, 9), ((9, 4), 45, 70), ((40, 1), 33, 20)]
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", TILE_SHAPES, ids=str)
@@ -84,6 +85,7 @@ def test_rows_and_tiles(device, shape, layout, dtype):
     _assert_close_to_reference(attnx.linear(x, w, b), x, w, b)
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("weight_layout", ["contiguous", "transposed_storage", "sliced_rows", "expanded"])
 @pytest.mark.parametrize("batch", [(3,), (4, 5)], ids=str)
 def test_weight_and_bias_layouts(device, batch, weight_layout):
@@ -231,6 +233,7 @@ def test_gradients_match_reference(device, layout, batch, dtype):
         torch.testing.assert_close(g, r)
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "column_major", "sliced"])
 def test_gradcheck(device, layout):
     require_linear(device, torch.float64)

@@ -71,6 +71,7 @@ def op_args(query, key, value, p, *, zero_attn=False, kpm=None, am=None, is_caus
             p["out_proj_bias"], kpm, am, is_causal, None, None, need_weights, average)
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("batch", [None, 1, 3], ids=["unbatched", "B1", "B3"])
 @pytest.mark.parametrize("separate", [False, True], ids=["packed", "separate"])

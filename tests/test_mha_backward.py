@@ -83,6 +83,7 @@ def test_gradients_of_every_argument(projection, layout, extras):
         _check_grads(mha_args(*inputs, bias=bias, extras=extras, **mask_args))
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("masks", MASK_CASES)
 def test_masks_and_weights(masks, need_weights, average):

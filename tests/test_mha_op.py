@@ -34,6 +34,7 @@ from mha_helpers import (
 pytestmark = pytest.mark.kernel
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("masks", MASK_CASES)
 def test_masks_and_weights(masks, need_weights, average):

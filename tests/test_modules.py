@@ -109,6 +109,7 @@ def test_train_mode_without_dropout(dtype, case):
             assert_close(actual[1], expected[1], dtype, f"{batch_first} {extra}")
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("case", ["none", "kpm_bool", "am2_bool", "am3_bool", "both_bool"])
 def test_matches_torch_fast_path(case):
     """Where torch takes its eval fast path (batch_first self-attention, no grad), the outputs agree too;
@@ -194,6 +195,7 @@ def test_learned_attn_mask_gets_torch_s_gradient(mask_shape, need_weights):
     assert_close(grads[1], grads[0], torch.float64)
 
 
+@pytest.mark.wheel
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_gradients_match_torch(batch_first):
     """The drop-in is differentiable like torch's: same gradients for inputs and every parameter."""

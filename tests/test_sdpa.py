@@ -262,6 +262,7 @@ def test_torch_registry():
     reason="torch < 2.13 prints the override warning to stderr from C++, past Python's warning filters "
     "(docs/integrations.md)",
 )
+@pytest.mark.slow
 def test_no_override_warning_reaches_the_user():
     """PyTorch warns when a kernel is overridden; turning the takeover on is that, asked for: no warning."""
     script = textwrap.dedent("""

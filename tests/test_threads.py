@@ -293,6 +293,7 @@ _FIRST_USE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_concurrent_first_use():
     """Eight threads make the process's first attnx calls at once (a fresh interpreter, so that the statics
     are still uninitialised): no crash, and each gets what a later, lone call gets."""
