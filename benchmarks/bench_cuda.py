@@ -6,12 +6,10 @@ key_padding_mask + (L, S) attn_mask; fp32 at D = 64 (the float32 tensor-core ker
 SDPA's efficient backend, whose fp32 is 3xTF32 whatever ``allow_tf32`` says) and D = 128 (the SIMT kernel).
 SDPA takes masks in its own convention: one boolean mask, True = keep, merged here *before* timing into
 (B, 1, L, S); attnx takes the two masks as they are. Backends that reject a case (flash attention with a
-mask, flash and cuDNN in fp32) show "n/a". attnx runs its tensor-core kernel for fp16/bf16/fp32 unless
-``ATTNX_CUDA_MMA=0`` selects the SIMT kernel (the result file records which). The upstream eval memory
-case runs on CUDA in the ``eval`` case (bench_mha).
+mask, flash and cuDNN in fp32) show "n/a". Each row names the kernel attnx ran, as the CUDA library names
+it for that call (``torch.ops.attnx._attention_kernel``; ``ATTNX_CUDA_MMA=0`` selects the SIMT kernel). The
+upstream eval memory case runs on CUDA in the ``eval`` case (bench_mha).
 """
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +48,13 @@ def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
     return q, k, v, attn_mask, kpm, keep
 
 
-def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, reps: int) -> dict:
-    """{implementation: {"time", "tflops"} or None where the backend rejects the case} for one case."""
+def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, reps: int) -> tuple[str, dict]:
+    """The kernel attnx runs, and {implementation: {"time", "tflops"} or None where the backend rejects the
+    case}, for one case."""
     q, k, v, attn_mask, kpm, keep = throughput_inputs(L, D, dtype, masked)
     flops = 4 * THROUGHPUT_B * THROUGHPUT_H * L * L * D
     fns = {"attnx": lambda: attnx.attention(q, k, v, attn_mask, kpm)[0]}
+    kernel = torch.ops.attnx._attention_kernel(q, k, v, attn_mask=attn_mask, key_padding_mask=kpm)
     for name, backend in SDPA_BACKENDS.items():
 
         def sdpa(backend=backend):
@@ -75,7 +75,7 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, reps: int)
             supported[name] = fn
         del want
         timings = time_interleaved(supported, "cuda", reps=reps, min_block_s=0.05)
-    return {
+    return kernel, {
         name: {"time": timings[name].to_json(), "tflops": flops / timings[name].median / 1e12}
         if name in timings
         else None
@@ -84,7 +84,7 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, reps: int)
 
 
 def run_throughput(quick: bool, smoke: bool) -> tuple:
-    rows, results = [], {}
+    rows, results, kernels = [], {}, {}
     lengths = SMOKE_LENGTHS if smoke else [1024] if quick else [1024, 4096]
     dims = SMOKE_DIMS if smoke else [64] if quick else [64, 128]
     dtypes = [torch.float16, torch.float32] if quick else [torch.float16, torch.bfloat16, torch.float32]
@@ -97,19 +97,18 @@ def run_throughput(quick: bool, smoke: bool) -> tuple:
                     name = str(dtype).removeprefix("torch.")
                     label = f"{name} L=S={L} D={D}" + (" masks" if masked else "")
                     progress(label)
-                    case = throughput_case(L, D, dtype, masked, reps)
+                    kernel, case = throughput_case(L, D, dtype, masked, reps)
                     torch.cuda.empty_cache()
-                    results[label] = case
-                    rows.append([label] + [f"{c['tflops']:.1f}" if c else "n/a" for c in case.values()])
-    mma = os.environ.get("ATTNX_CUDA_MMA") != "0"
+                    results[label], kernels[label] = case, kernel
+                    cells = [f"{c['tflops']:.1f}" if c else "n/a" for c in case.values()]
+                    rows.append([label, *cells, kernel.removeprefix("cuda ")])
     text = (
         f"(b) attention forward TFLOP/s (4*B*H*L*S*D / time), B={THROUGHPUT_B}, H={THROUGHPUT_H}; masks = "
         f"key_padding_mask (last 1/8 of keys) + 10% random (L, S) attn_mask; SDPA gets them merged "
-        f"beforehand into one (B, 1, L, S) keep-mask; attnx: "
-        + ("tensor-core (mma) kernel, SIMT for float32 at D = 128\n" if mma else "SIMT kernel\n")
-        + table(["case", "attnx", *[f"sdpa {n}" for n in SDPA_BACKENDS]], rows)
+        f"beforehand into one (B, 1, L, S) keep-mask; the kernel attnx ran, as the CUDA library names it\n"
+        + table(["case", "attnx", *[f"sdpa {n}" for n in SDPA_BACKENDS], "attnx kernel"], rows)
     )
-    return results, text
+    return results, kernels, text
 
 
 def run(device: str = "cuda", quick: bool = False, smoke: bool = False) -> dict:
@@ -117,11 +116,8 @@ def run(device: str = "cuda", quick: bool = False, smoke: bool = False) -> dict:
         raise RuntimeError("bench_cuda needs a CUDA device")
     if not torch._C._dispatch_has_kernel_for_dispatch_key("attnx::_attention", "CUDA"):
         raise RuntimeError("this build of attnx has no CUDA kernels (see python -m attnx.info)")
-    results, text = run_throughput(quick, smoke)
+    results, kernels, text = run_throughput(quick, smoke)
     return {
-        "results": {
-            "attention_throughput": results,
-            "attnx_cuda_mma": os.environ.get("ATTNX_CUDA_MMA") != "0",
-        },
+        "results": {"attention_throughput": results, "attnx_kernels": kernels},
         "text": text,
     }

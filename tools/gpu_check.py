@@ -285,13 +285,14 @@ def benchmark_ratios(results: dict) -> dict:
     peak extra memory over the unavoidable."""
     cases = results.get("cases", {})
     out = {}
-    throughput = cases.get("cuda", {}).get("results", {}).get("attention_throughput", {})
+    cuda = cases.get("cuda", {}).get("results", {})
+    throughput, kernels = cuda.get("attention_throughput", {}), cuda.get("attnx_kernels", {})
     for label, row in throughput.items():
         attnx = (row.get("attnx") or {}).get("tflops")
         sdpa = {n: c["tflops"] for n, c in row.items() if n != "attnx" and c and c.get("tflops")}
         best = max(sdpa, key=sdpa.get) if sdpa else None
-        out[f"cuda {label}"] = {"attnx_tflops": _round(attnx), "best_sdpa": best,
-                                "best_sdpa_tflops": _round(sdpa.get(best)),
+        out[f"cuda {label}"] = {"attnx_kernel": kernels.get(label), "attnx_tflops": _round(attnx),
+                                "best_sdpa": best, "best_sdpa_tflops": _round(sdpa.get(best)),
                                 "ratio": _round(attnx / sdpa[best]) if attnx and best else None}
     ev = cases.get("eval", {}).get("results", {})
     if "attnx" in ev:
