@@ -136,6 +136,17 @@ def _tensor(rng, g, shape, dtype, requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
+def _draw_score_options(rng, g, kw, H, dtype, grad):
+    """Soft-capping, sinks and the scale, each now and then: into ``kw``, the same draws for attention and
+    varlen_attention."""
+    if rng.random() < 0.2:
+        kw["softcap"] = rng.choice([0.5, 5.0])
+    if rng.random() < 0.2:
+        kw["sinks"] = torch.randn(H, generator=g, dtype=dtype).requires_grad_(grad)
+    if rng.random() < 0.2:
+        kw["scale"] = rng.choice([0.01, 1.0, 3.0])
+
+
 def _config(case, dtype, grad):
     """(query, key, value, keyword arguments) of one case; L and S may be 0 in the forward cases."""
     rng = random.Random(case)
@@ -166,12 +177,7 @@ def _config(case, dtype, grad):
         kw["window_left"], kw["window_right"] = rng.choice([-1, 0, 2, 7]), rng.choice([-1, 0, 3])
     if rng.random() < 0.3:
         kw["key_lengths"] = torch.randint(0, S + 1, (B,), generator=g)
-    if rng.random() < 0.2:
-        kw["softcap"] = rng.choice([0.5, 5.0])
-    if rng.random() < 0.2:
-        kw["sinks"] = torch.randn(H, generator=g, dtype=dtype).requires_grad_(grad)
-    if rng.random() < 0.2:
-        kw["scale"] = rng.choice([0.01, 1.0, 3.0])
+    _draw_score_options(rng, g, kw, H, dtype, grad)
     return q, k, v, kw
 
 
@@ -518,12 +524,7 @@ def _varlen_config(rng, g, dtype, grad):
         kw["window_left"], kw["window_right"] = rng.choice([-1, 0, 2, 7]), rng.choice([-1, 0, 3])
     if rng.random() < 0.3:
         kw["seqused_k"] = torch.tensor([rng.randint(0, n) for n in lens_k], dtype=torch.int32)
-    if rng.random() < 0.2:
-        kw["softcap"] = rng.choice([0.5, 5.0])
-    if rng.random() < 0.2:
-        kw["sinks"] = torch.randn(H, generator=g, dtype=dtype).requires_grad_(grad)
-    if rng.random() < 0.2:
-        kw["scale"] = rng.choice([0.01, 1.0, 3.0])
+    _draw_score_options(rng, g, kw, H, dtype, grad)
     if not grad and N > 0 and rng.random() < 0.4:
         page_size = rng.choice([1, 3, 7, 16])
         pages = [(n + page_size - 1) // page_size for n in lens_k]

@@ -191,14 +191,24 @@ def default_kernels(names) -> set:
     return out
 
 
-def parse_resource_usage(text: str) -> dict:
-    """`cuobjdump --dump-resource-usage` output -> {(arch, mangled): {registers, stack, local, shared}}."""
-    out, arch, function = {}, None, None
+_ARCH = re.compile(r"\s*arch = (sm_\d+\w*)")
+
+
+def _by_arch(text: str):
+    """(arch, line) for each line of cuobjdump's output below an `arch = sm_XY` header."""
+    arch = None
     for line in text.splitlines():
-        m = re.match(r"\s*arch = (sm_\d+\w*)", line)
+        m = _ARCH.match(line)
         if m:
             arch = m.group(1)
-            continue
+        elif arch:
+            yield arch, line
+
+
+def parse_resource_usage(text: str) -> dict:
+    """`cuobjdump --dump-resource-usage` output -> {(arch, mangled): {registers, stack, local, shared}}."""
+    out, function = {}, None
+    for arch, line in _by_arch(text):
         m = re.match(r"\s*Function (\S+?):?\s*$", line) or re.match(r"\s*Function (\S+?):\s+REG:", line)
         if m:
             function = m.group(1)
@@ -215,19 +225,14 @@ _LOCAL_ACCESS = re.compile(r"\s(LDL|STL)(\.\S+)?\s")
 
 def count_local_accesses(sass: str) -> dict:
     """`cuobjdump -sass` output -> {(arch, mangled): number of LDL + STL instructions}."""
-    counts, arch, function = {}, None, None
-    for line in sass.splitlines():
-        m = re.match(r"\s*arch = (sm_\d+\w*)", line)
-        if m:
-            arch = m.group(1)
-            continue
+    counts, function = {}, None
+    for arch, line in _by_arch(sass):
         m = re.match(r"\s*Function : (\S+)", line)
         if m:
-            function = m.group(1)
-            counts.setdefault((arch, function), 0)
-            continue
-        if function and _LOCAL_ACCESS.search(line):
-            counts[(arch, function)] += 1
+            function = (arch, m.group(1))
+            counts.setdefault(function, 0)
+        elif function and _LOCAL_ACCESS.search(line):
+            counts[function] += 1
     return counts
 
 

@@ -313,23 +313,22 @@ struct alignas(sizeof(T) * N) Pack {
 // The CPU emulation replaces the instruction with a warp collective that rebuilds A, B and D from these
 // layouts.
 
+// The asm operands of an m16n8 mma `instruction` that accumulates in place into float d[4] from 32-bit A and B
+// fragments a[4] and b[2] (the f16, bf16 and tf32 forms alike).
+#define ATTNX_MMA_F32(instruction)                                                              \
+  instruction " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"              \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                          \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1])
+
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 #if defined(ATTNX_CUDA_EMULATION)
   ::attnx_emu::mma_m16n8k16<T>(d, a, b);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (std::is_same<T, __half>::value) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    asm(ATTNX_MMA_F32("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"));
   } else {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    asm(ATTNX_MMA_F32("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // no tensor-core kernel below sm80; the glue never launches one there
@@ -384,10 +383,7 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (
 #if defined(ATTNX_CUDA_EMULATION)
   ::attnx_emu::mma_m16n8k8_tf32(d, a, b);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  asm(ATTNX_MMA_F32("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));
 #elif defined(__CUDA_ARCH__)
   __trap();  // no tensor-core kernel below sm80; the glue never launches one there
 #endif

@@ -52,6 +52,26 @@ def records_backward(*tensors: Tensor | None) -> bool:
 _LIB = torch.library.Library("attnx", "IMPL")
 
 
+def _run(op, keyset, *args):
+    """A Function's forward runs its op: called (``keyset`` None: attnx.ops' direct route), or redispatched
+    below autograd (the Autograd kernel's route)."""
+    return op(*args) if keyset is None else op.redispatch(keyset, *args)
+
+
+def _save(ctx, tensors: tuple, extras: tuple) -> None:
+    """Keeps ``tensors`` and an op's further arguments ``extras`` for the backward: the tensors through
+    save_for_backward (which checks that they were not modified in place), the others on ctx."""
+    ctx.save_for_backward(*tensors, *(e if isinstance(e, Tensor) else None for e in extras))
+    ctx.extras = tuple(None if isinstance(e, Tensor) else e for e in extras)
+
+
+def _saved(ctx) -> tuple[tuple, tuple]:
+    """(tensors, extras) as _save kept them."""
+    saved = ctx.saved_tensors
+    n = len(saved) - len(ctx.extras)
+    return saved[:n], tuple(e if t is None else t for e, t in zip(ctx.extras, saved[n:], strict=True))
+
+
 def _register_autograd(op_name: str, function: type) -> None:
     """Registers ``function`` (an ``autograd.Function`` whose forward takes the op, the dispatch keys below
     autograd and the op's arguments) as the Autograd kernel of ``attnx::<op_name>``."""
@@ -108,7 +128,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, op, keyset, input, weight, bias=None):
         ctx.save_for_backward(input, weight)
         ctx.bias_size = -1 if bias is None else bias.shape[0]
-        return op(input, weight, bias) if keyset is None else op.redispatch(keyset, input, weight, bias)
+        return _run(op, keyset, input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -148,37 +168,28 @@ if AttentionBackwardArgs._fields[6:-1] != AttentionOptions._fields:
     raise AssertionError("attnx::attention_backward's options differ from attnx::_attention's")
 
 
+def _attention_forward(ctx, op, keyset, query, key, value, *extras):
+    """The forward of both attentions' Functions: keeps what the backward recomputes the probabilities and
+    the dropout mask from (the arguments, which the backward op takes in the same order, out and lse);
+    nothing of size (B, H, L, S)."""
+    out, lse = _run(op, keyset, query, key, value, *extras)
+    _save(ctx, (query, key, value, out, lse), extras)
+    # Like SDPA's logsumexp: an output for the backward (and for combining partial attentions), not a path
+    # for gradients; marking it keeps a loss that uses it from silently missing that term.
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    return out, lse
+
+
 class _AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, op, keyset, query, key, value, *options):
-        if keyset is None:
-            out, lse = op(query, key, value, *options)
-        else:
-            out, lse = op.redispatch(keyset, query, key, value, *options)
-        # Everything the backward recomputes the probabilities and the dropout mask from (attention's options,
-        # which attention_backward takes in the same order; tensors saved apart, the rest on ctx); nothing of
-        # size (B, H, L, S).
-        if options:
-            ctx.save_for_backward(query, key, value, out, lse, *(o if isinstance(o, Tensor) else None
-                                                                 for o in options))
-            ctx.options = tuple(None if isinstance(o, Tensor) else o for o in options)
-        else:  # the plain call
-            ctx.save_for_backward(query, key, value, out, lse)
-            ctx.options = options
-        # Like SDPA's logsumexp: an output for the backward (and for combining partial attentions), not a path
-        # for gradients; marking it keeps a loss that uses it from silently missing that term.
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
+    forward = staticmethod(_attention_forward)
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        query, key, value, out, lse, *saved_options = ctx.saved_tensors
+        (query, key, value, out, lse), options = _saved(ctx)
         needs = ctx.needs_input_grad  # op, keyset, query, key, value, then one per option given
-        options = ctx.options
         want_mask = want_sinks = False
         if options:
-            options = tuple(o if t is None else t for o, t in zip(options, saved_options, strict=True))
             needs_options = needs[5:] + _NO_NEEDS[len(options):]
             if needs_options[_KEY_PADDING_MASK]:
                 raise RuntimeError(
@@ -222,26 +233,11 @@ if VarlenAttentionBackwardArgs._fields[6:] != VarlenAttentionArgs._fields[3:]:
 
 
 class _VarlenAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, op, keyset, query, key, value, *rest):
-        if keyset is None:
-            out, lse = op(query, key, value, *rest)
-        else:
-            out, lse = op.redispatch(keyset, query, key, value, *rest)
-        # The arguments after value (tensors saved apart, the rest on ctx), out and lse: the backward
-        # recomputes the probabilities from them.
-        ctx.save_for_backward(
-            query, key, value, out, lse, *(r if isinstance(r, Tensor) else None for r in rest)
-        )
-        ctx.rest = tuple(None if isinstance(r, Tensor) else r for r in rest)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
+    forward = staticmethod(_attention_forward)
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        query, key, value, out, lse, *saved = ctx.saved_tensors
-        rest = tuple(r if t is None else t for r, t in zip(ctx.rest, saved, strict=True))
+        (query, key, value, out, lse), rest = _saved(ctx)
         needs = ctx.needs_input_grad  # op, keyset, query, key, value, then one per argument after value
         sinks_at = 2 + _VARLEN_SINKS
         want_sinks = len(needs) > sinks_at and needs[sinks_at]
@@ -274,7 +270,7 @@ _mha_backward = torch.ops.attnx.mha_backward.default
 class _MhaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, keyset, *args):
-        out, lse, weights, q, k, v, attn = op(*args) if keyset is None else op.redispatch(keyset, *args)
+        out, lse, weights, q, k, v, attn = _run(op, keyset, *args)
         # The arguments and what attention needs to recompute its probabilities; nothing of size (B, H, L, S).
         ctx.save_for_backward(*(a if isinstance(a, Tensor) else None for a in args), q, k, v, attn, lse)
         ctx.flags = {n: a for n, a in zip(MhaArgs._fields, args, strict=False) if not isinstance(a, Tensor)}

@@ -20,6 +20,7 @@ namespace {
 
 using attnx::AttentionParams;
 using attnx::AttentionPointers;
+using attnx::race_check::unmasked;
 using attnx::cuda::DType;
 using attnx::cuda::Kernel;
 
@@ -35,27 +36,13 @@ const char* name(DType dtype) {
   return attnx::cuda::dtype_name(dtype);
 }
 
-// Plain attention over contiguous (B, H, L, D) query and out, (B, Hkv, S, Dv) key and value: no masks.
-AttentionParams plain(int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t D, int64_t Dv) {
-  attnx::race_check::Features f;
-  f.kv_heads = Hkv;
-  AttentionParams p = attnx::race_check::params(B, H, L, S, D, /*causal=*/false, f);
-  p.v_head_dim = Dv;
-  attnx::race_check::contiguous(p.v_stride, Hkv, S, Dv);
-  attnx::race_check::contiguous(p.out_stride, H, L, Dv);
-  p.attn_mask_kind = attnx::kMaskNone, p.key_padding_mask_kind = attnx::kMaskNone;
-  for (auto& st : p.attn_mask_stride) st = 0;
-  for (auto& st : p.key_padding_mask_stride) st = 0;
-  return p;
-}
-
 // Shared memory within the 163 KiB an sm80 block may opt into, for every dtype and head-dim bucket, of both
 // kernels (the launchers opt in above 48 KiB; the emulated runtime refuses a launch that did not, as the real
 // one does). B * H past grid.y's 65535: the grid is 1-D, one block per (query block, b, h).
 void plan_limits() {
   for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
     for (int d : {32, 64, 128, 256}) {
-      const AttentionParams p = plain(1, 1, 1, 1, 1, d, d);
+      const AttentionParams p = unmasked(1, 1, 1, 1, 1, d, d);
       const attnx::cuda::AttentionPlan plan = attnx::cuda::plan_attention(p, dtype);
       std::printf("simt %s d=%d: %zu bytes of shared memory\n", name(dtype), d, plan.smem_bytes);
       check(plan.bucket == d, "simt bucket", plan.bucket, d);
@@ -71,7 +58,7 @@ void plan_limits() {
             static_cast<long long>(mma.smem_bytes));
     }
   }
-  AttentionParams p = plain(300, 300, 300, 40, 1, 8, 8);
+  AttentionParams p = unmasked(300, 300, 300, 40, 1, 8, 8);
   const attnx::cuda::AttentionPlan plan = attnx::cuda::plan_attention(p, DType::kFloat32);
   check(plan.bh == 90000, "simt grid: B * H", plan.bh);
   check(plan.q_blocks == (40 + plan.rows_per_block - 1) / plan.rows_per_block, "simt grid: query blocks",
@@ -83,7 +70,7 @@ void plan_limits() {
         "mma grid: 1-D", mma.blocks);
 }
 
-// Buffers for plain(1, 4, Hkv, 3, 5, D, Dv) in float16 (zeros: only the launch's status matters here).
+// Buffers for unmasked(1, 4, Hkv, 3, 5, D, Dv) in float16 (zeros: only the launch's status matters here).
 struct Buffers {
   std::vector<uint16_t> q, k, v, out;
   std::vector<float> lse, sinks;
@@ -115,7 +102,7 @@ void inconsistent_params_are_refused(Kernel kernel) {
   const char* k = kernel == Kernel::kMma ? "mma" : "simt";
   const int invalid = static_cast<int>(cudaErrorInvalidValue);
   Buffers buf(2, 16, 16);
-  const AttentionParams base = plain(1, 4, 2, 3, 5, 16, 16);
+  const AttentionParams base = unmasked(1, 4, 2, 3, 5, 16, 16);
   std::printf("%s: consistent params launch\n", k);
   check(launch(base, buf.pointers(), kernel) == 0, "plain launch");
   AttentionParams p = base;
@@ -143,7 +130,7 @@ void inconsistent_params_are_refused(Kernel kernel) {
 void head_dim_above_256_has_no_kernel() {
   const int invalid = static_cast<int>(cudaErrorInvalidValue);
   for (auto [D, Dv] : {std::pair<int64_t, int64_t>{264, 8}, {8, 300}}) {
-    const AttentionParams p = plain(1, 4, 4, 3, 5, D, Dv);
+    const AttentionParams p = unmasked(1, 4, 4, 3, 5, D, Dv);
     check(attnx::cuda::plan_attention(p, DType::kFloat32).bucket == 0, "no bucket above 256", D, Dv);
     Buffers buf(4, D, Dv);
     check(launch(p, buf.pointers(), Kernel::kSimt) == invalid, "launch above head dim 256", D, Dv);

@@ -1,5 +1,6 @@
-// attnx: what the race checks of the emulated CUDA and Metal kernels (race_check.cpp, metal/race_check.cpp)
-// share: the features a launch may add beyond masks, and the AttentionParams of their problems.
+// attnx: what the checks of the emulated CUDA and Metal kernels (race_check.cpp, metal/race_check.cpp,
+// launch_check.cpp, metal/plan_check.cpp) share: the features a launch may add beyond masks, and the
+// AttentionParams of their problems.
 #pragma once
 
 #include <cmath>
@@ -50,6 +51,19 @@ inline AttentionParams params(int64_t B, int64_t H, int64_t L, int64_t S, int64_
   p.key_padding_mask_stride[1] = 1;
   p.is_causal = causal;
   p.scale = 0.25f;
+  return p;
+}
+
+// Attention over contiguous (B, H, L, D) queries and out, (B, Hkv, S, Dv) keys and values, without masks:
+// the problems the launch and plan checks size.
+inline AttentionParams unmasked(int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t D, int64_t Dv) {
+  AttentionParams p = params(B, H, L, S, D, /*causal=*/false, Features{.kv_heads = Hkv});
+  p.v_head_dim = Dv;
+  contiguous(p.v_stride, Hkv, S, Dv);
+  contiguous(p.out_stride, H, L, Dv);
+  p.attn_mask_kind = kMaskNone, p.key_padding_mask_kind = kMaskNone;
+  for (auto& st : p.attn_mask_stride) st = 0;
+  for (auto& st : p.key_padding_mask_stride) st = 0;
   return p;
 }
 

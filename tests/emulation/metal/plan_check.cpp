@@ -23,6 +23,7 @@ namespace cfg = attnx::metal_config;
 namespace mps = attnx::mps;
 using attnx::AttentionParams;
 using attnx::LinearParams;
+using attnx::race_check::unmasked;
 using mps::DType;
 
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
@@ -33,18 +34,6 @@ void check(bool ok, const std::string& what, long long a = 0, long long b = 0) {
   if (ok) return;
   std::printf("FAILED: %s (%lld, %lld)\n", what.c_str(), a, b);
   ++failures;
-}
-
-// Attention over contiguous (B, H, L, D) queries and out and (B, H, S, Dv) keys and values, no masks.
-AttentionParams attention_params(int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, int64_t Dv) {
-  AttentionParams p = attnx::race_check::params(B, H, L, S, D, /*causal=*/false, {});
-  p.v_head_dim = Dv;
-  attnx::race_check::contiguous(p.v_stride, H, S, Dv);
-  attnx::race_check::contiguous(p.out_stride, H, L, Dv);
-  p.attn_mask_kind = attnx::kMaskNone, p.key_padding_mask_kind = attnx::kMaskNone;
-  for (auto& st : p.attn_mask_stride) st = 0;
-  for (auto& st : p.key_padding_mask_stride) st = 0;
-  return p;
 }
 
 // A contiguous (M, K) input times an (N, K) weight, with a bias.
@@ -70,7 +59,7 @@ void plans_name_instantiated_kernels() {
     for (int64_t d : {1, 32, 33, 64, 65, 128, 129, 256}) {
       for (int64_t L : {int64_t{1}, int64_t{cfg::kVectorMaxQueries}, int64_t{cfg::kVectorMaxQueries} + 1,
                         int64_t{100}}) {
-        const mps::AttentionPlan plan = mps::plan_attention(attention_params(1, 1, L, 1, d, d), dtype);
+        const mps::AttentionPlan plan = mps::plan_attention(unmasked(1, 1, 1, L, 1, d, d), dtype);
         const std::string name = plan.launch.name;
         check(plan.kernel != mps::AttentionKernel::kNone, "a kernel for head dim " + std::to_string(d), d,
               L);
@@ -103,7 +92,7 @@ void plans_name_instantiated_kernels() {
 void plan_grids_and_limits() {
   for (int64_t L : {int64_t{70}, int64_t{5}}) {
     const mps::AttentionPlan plan =
-        mps::plan_attention(attention_params(300, 300, L, 5, 8, 8), DType::kFloat32);
+        mps::plan_attention(unmasked(300, 300, 300, L, 5, 8, 8), DType::kFloat32);
     const int64_t blocks =
         plan.kernel == mps::AttentionKernel::kVector ? L : (L + cfg::kTiledRows - 1) / cfg::kTiledRows;
     check(plan.launch.grid[0] == blocks && plan.launch.grid[1] == 90000 && plan.launch.grid[2] == 1,
@@ -111,7 +100,7 @@ void plan_grids_and_limits() {
           plan.launch.grid[0], plan.launch.grid[1]);
   }
   for (auto [D, Dv] : {std::pair<int64_t, int64_t>{257, 8}, {8, 300}}) {
-    const AttentionParams p = attention_params(1, 1, 3, 5, D, Dv);
+    const AttentionParams p = unmasked(1, 1, 1, 3, 5, D, Dv);
     const mps::AttentionPlan plan = mps::plan_attention(p, DType::kFloat32);
     check(plan.kernel == mps::AttentionKernel::kNone, "no kernel above head dim 256", D, Dv);
     std::vector<float> buffer(1024);
@@ -142,7 +131,7 @@ void threadgroup_memory_is_what_the_plan_says() {
   const Case cases[] = {{AttentionKernel::kVector, 1, 32}, {AttentionKernel::kVector, 1, 256},
                         {AttentionKernel::kTiled, tiled, 32}, {AttentionKernel::kTiled, tiled, 128}};
   for (const Case& c : cases) {
-    const AttentionParams p = attention_params(1, 1, c.L, 3, c.d, c.d);
+    const AttentionParams p = unmasked(1, 1, 1, c.L, 3, c.d, c.d);
     const mps::AttentionPlan plan = mps::plan_attention(p, DType::kFloat32);
     check(plan.kernel == c.kernel, std::string("the case takes the ") + attention_kind(c.kernel) + " kernel",
           c.L, c.d);
