@@ -6,9 +6,9 @@
 #                                   BENCH_ARGS="--only train" for one case; see benchmarks/README.md)
 #   make wheel                      the wheel users install, from the build `make test` tested, repaired into
 #                                   a manylinux abi3 wheel (in build/wheel)
-#   make test-wheel                 that wheel installed into fresh venvs with the CPU-only torch 2.13.0, the
-#                                   CUDA torch 2.14.1 and the oldest torch it supports (2.10.0), the tests
-#                                   marked `wheel` run against each (build/wheel-{cpu,cuda,floor})
+#   make test-wheel                 that wheel beside the CPU-only torch 2.13.0 and the oldest torch it
+#                                   supports (2.10.0), each in a fresh venv, and .venv's CUDA torch 2.14.1:
+#                                   the tests marked `wheel` against each (build/wheel-{cpu,cuda,floor})
 #   make sanitize                   the tests that reach the kernels on an ASan + UBSan build (build/sanitize)
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 #   make gpu-check                  on a GPU machine: build for its GPU, kernel resources, the CUDA tests,
@@ -73,6 +73,12 @@ tools:
 # libraries are on torch's stable ABI (setup.py), so the one wheel serves every torch >= 2.10. auditwheel makes
 # it a manylinux wheel; torch's own libraries and the CUDA runtime that the CUDA library links come from the
 # installed torch, so they stay out of it.
+WHEEL_DIR := build/wheel
+# setup.py's MIN_TORCH, as a release that installs here (a CUDA 12.8 build: the wheel's CUDA 13 library is
+# skipped there with a warning, and the CPU kernels are tested).
+FLOOR_TORCH := 2.10.0
+WHEEL_EXCLUDE := libc10.so libtorch.so libtorch_cpu.so libc10_cuda.so libtorch_cuda.so libcudart.so.13
+
 wheel: build
 	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)/raw
 	@echo "building the wheel (log: $(WHEEL_DIR)/build.log)"
@@ -83,33 +89,39 @@ wheel: build
 	PATH="$(abspath $(VENV))/bin:$$PATH" auditwheel repair $(addprefix --exclude ,$(WHEEL_EXCLUDE)) -w $(WHEEL_DIR) $(WHEEL_DIR)/raw/*.whl
 	@ls $(WHEEL_DIR)/*.whl
 
-# The wheel, built once, in fresh venvs with other builds of torch: each runs, against the installed package (a
-# copy of the tree without python/ and setup.py, so that `import attnx` finds the wheel's), the tests marked
-# `wheel` (import, loader, ABI, packaging, and one smoke per public op and integration; the full suite runs
-# once, in `make test`). The floor's also runs those marked `floor`: every source against torch 2.10's headers
-# and the kernels through CUDA 12's NVRTC. A venv is deleted once its tests passed: a CUDA torch with its
-# libraries is 6-7 GB, and three of them beside .venv would need ~20 GB of disk.
+# The wheel, built once, beside three builds of torch: each runs, against the installed package (a copy of the
+# tree without python/ and setup.py, so that `import attnx` finds the wheel's), the tests marked `wheel`
+# (import, loader, ABI, packaging, and one smoke per public op and integration; the full suite runs once, in
+# `make test`). The floor's also runs those marked `floor`: every source against torch 2.10's headers and the
+# kernels through CUDA 12's NVRTC. The CPU torch 2.13.0 and the floor get fresh venvs, each deleted once its
+# tests passed (a CUDA torch with its libraries is 6-7 GB); the CUDA torch 2.14.1 is .venv's own, with the
+# model libraries, and the wheel is installed into a folder put first on its path (WHEEL_TORCH empty), rather
+# than a second copy of the same 6 GB.
 WHEEL_TESTS := -m "wheel and not emulated"
+WHEEL_PY = $(if $(WHEEL_TORCH),venv/bin/python,env PYTHONPATH=site $(abspath $(PY)))
+
 test-wheel: wheel tools
 	rm -rf build/wheel-cpu build/wheel-cuda build/wheel-floor
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS="$(TORCH_FREE_MODEL_LIBS)" \
 		WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
-	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH=torch==2.14.1 WHEEL_LIBS="$(MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH= WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS= \
 		WHEEL_PYTEST_ARGS='-m "(wheel or floor) and not emulated"'
 
 wheel-venv-test:
 	rm -rf $(WHEEL_VENV) && mkdir -p $(WHEEL_VENV)
-	$(PYTHON) -m venv $(WHEEL_VENV)/venv
-	$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS)
-	$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) $(WHEEL_DIR)/*.whl
-	$(WHEEL_VENV)/venv/bin/python -m pip list 2>/dev/null | grep -E "^(torch|attnx) "
+	if [ -n "$(WHEEL_TORCH)" ]; then \
+		$(PYTHON) -m venv $(WHEEL_VENV)/venv && \
+		$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS) && \
+		$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) $(WHEEL_DIR)/*.whl; \
+	else \
+		$(PY) $(PIP_INSTALL) --no-deps --target $(WHEEL_VENV)/site $(WHEEL_DIR)/*.whl; \
+	fi
 	cp -r csrc metal tests benchmarks upstream docs pyproject.toml README.md Makefile $(WHEEL_VENV)/
-	cd $(WHEEL_VENV) && venv/bin/python -c "import attnx, torch; print('attnx from', attnx.__file__, \
-		'under torch', torch.__version__)"
-	cd $(WHEEL_VENV) && venv/bin/python -m attnx.info
-	cd $(WHEEL_VENV) && venv/bin/python -m pytest -q -p no:cacheprovider $(WHEEL_PYTEST_ARGS)
+	cd $(WHEEL_VENV) && $(WHEEL_PY) -c "import attnx, importlib.metadata as m, torch; print('attnx', \
+		m.version('attnx'), 'from', attnx.__file__, 'under torch', torch.__version__)"
+	cd $(WHEEL_VENV) && $(WHEEL_PY) -m attnx.info
+	cd $(WHEEL_VENV) && $(WHEEL_PY) -m pytest -q -p no:cacheprovider $(WHEEL_PYTEST_ARGS)
 	rm -rf $(WHEEL_VENV)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
