@@ -21,11 +21,13 @@ PY := $(VENV)/bin/python
 # Plain `torch` resolves to the CUDA build where one is available, so the CUDA kernels compile too.
 TORCH ?= torch
 BENCH_ARGS ?=
-# pytest-xdist workers for `make test` and `make sanitize`. torch's OpenMP threads spin while they wait for
-# work by default, taking the cores from the other workers (one test file: 71 s on two workers, 46 s with
-# passive waiting, 62 s on one): the parallel runs make them sleep.
+# pytest-xdist workers for `make test` and `make sanitize`, each with its share of the cores for torch's
+# threads: oversubscribed, waiting threads take the cores from the other worker (the suite on two workers of
+# one thread each: 700 s; of two threads each, 864 s, sleeping while they wait). The kernels' multi-thread
+# plans are tested where a test sets its thread count (the `intra_op_threads` fixture, test_threads.py).
 TEST_JOBS ?= 2
-PARALLEL := OMP_WAIT_POLICY=PASSIVE
+PARALLEL = OMP_NUM_THREADS=$(shell n=$$(( $$(nproc) / $(TEST_JOBS) )); echo $$(( n > 0 ? n : 1 ))) \
+	OMP_WAIT_POLICY=PASSIVE
 # No .pyc files at install time: Python compiles what it imports, and torch's tree is most of a venv's install.
 PIP_INSTALL := -m pip install --quiet --no-compile
 # gpu-check uses the machine's own Python and its CUDA torch, not the venv (GPU_CHECK_PY=... to choose).
