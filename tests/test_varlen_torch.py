@@ -5,6 +5,9 @@ window mask built explicitly (SDPA's is_causal is top-left), forward and backwar
 (out like query, lse (H, T_q) float32, rng_state) checked as its fake kernels state them.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,6 +227,30 @@ def test_attnx_import_registers():
     q, k, v = make([3], [3], 2, 2, torch.float32)
     with pytest.raises(RuntimeError, match="attnx::varlen_attention: expected max_seqlen_q"):
         call_varlen(q, k, v, offsets([3]), offsets([3]), 1, 3)
+
+
+@pytest.mark.parametrize("first", ["attnx", "torch.nn.attention.varlen"])
+def test_registered_whichever_is_imported_first(first):
+    # `import attnx` leaves torch.nn.attention.varlen (and the torch._dynamo it imports, seconds) unimported;
+    # the kernels are registered when it is imported, before or after attnx.
+    code = f"""
+import sys, torch
+import {first}
+import attnx
+assert ("torch._dynamo" in sys.modules) == ({first!r} != "attnx"), "import attnx imported torch._dynamo"
+from torch.nn.attention.varlen import varlen_attn
+cu = torch.tensor([0, 3], dtype=torch.int32)
+q = torch.randn(3, 2, 8)
+try:
+    varlen_attn(q, q, q, cu, cu, 1, 3)
+except RuntimeError as error:
+    assert "attnx::varlen_attention: expected max_seqlen_q" in str(error), error
+else:
+    raise AssertionError("attnx's kernel did not run")
+assert attnx.pytorch.varlen.AVAILABLE
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_compile():

@@ -2,11 +2,13 @@
 
 PyTorch defines ``torch_attn::_varlen_attn`` (and ``_varlen_attn_out`` and ``_varlen_attn_backward``) as
 Python custom ops (``torch.library.custom_op``) whose only kernels run FlashAttention or cuDNN on CUDA; their
-fake and autograd kernels are PyTorch's. Importing this module (``import attnx`` does) adds a ``"cpu"``
-kernel to each through ``torch.library.register_kernel``, so ``varlen_attn`` works on CPU tensors, forward and
-backward, with PyTorch's layouts exactly: out ``(T_q, H, D)`` in query's layout, lse ``(H, T_q)`` float32
-(whatever the input dtype, as PyTorch's fake kernel says), and a zero ``rng_state`` (no dropout). Nothing
-is overridden: PyTorch has no CPU kernel for these ops.
+fake and autograd kernels are PyTorch's. Once this module is imported (``import attnx`` does), a ``"cpu"``
+kernel is added to each through ``torch.library.register_kernel`` when ``torch.nn.attention.varlen`` is
+(the module defines the ops; importing it takes seconds, as it imports ``torch._dynamo``, so ``import attnx``
+does not import it for users who never call ``varlen_attn``). ``varlen_attn`` then works on CPU tensors,
+forward and backward, with PyTorch's layouts exactly: out ``(T_q, H, D)`` in query's layout, lse ``(H, T_q)``
+float32 (whatever the input dtype, as PyTorch's fake kernel says), and a zero ``rng_state`` (no dropout).
+Nothing is overridden: PyTorch has no CPU kernel for these ops.
 
 Why Python rather than a C++ registration: these ops are Python custom ops, so every call runs PyTorch's
 Python anyway (``varlen_attn``, the custom op's autograd kernel and its device dispatch); the kernels here add
@@ -30,29 +32,38 @@ Translation:
   lse in the accumulator dtype), so float64 gradients carry lse's float32 rounding (~1e-7 relative).
 """
 
+import importlib
+import importlib.abc
 import inspect
+import sys
 
 import torch
 from torch import Tensor
 
 from attnx.ops import varlen_attention, varlen_attention_backward
 
-__all__ = ["AVAILABLE", "REASON"]
+__all__ = ["AVAILABLE", "REASON"]  # noqa: F822  (the module's __getattr__ answers them)
+
+# The module that defines the torch_attn ops.
+_MODULE = "torch.nn.attention.varlen"
+
+# (AVAILABLE, REASON) once registration was tried; None before torch.nn.attention.varlen was imported.
+_status: tuple[bool, str] | None = None
 
 
-def _torch_varlen_ops() -> tuple[bool, str]:
-    try:
-        import torch.nn.attention.varlen  # noqa: F401  (defines the torch_attn ops)
-    except Exception as error:  # absent (ImportError), or a version whose module fails here: never fatal
-        return False, f"torch {torch.__version__} has no usable torch.nn.attention.varlen ({error!r})"
-    missing = [n for n in ("_varlen_attn", "_varlen_attn_backward") if not hasattr(torch.ops.torch_attn, n)]
-    if missing:
-        return False, f"torch {torch.__version__} defines no torch_attn::{', '.join(missing)}"
-    return True, ""
-
-
-# Whether the kernels are registered under this torch, and if not, why.
-AVAILABLE, REASON = _torch_varlen_ops()
+def __getattr__(name: str):
+    """``AVAILABLE`` (whether the kernels are registered under this torch) and ``REASON`` (if not, why):
+    asking imports torch.nn.attention.varlen, which registers them, when nothing imported it yet."""
+    if name not in ("AVAILABLE", "REASON"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    global _status
+    if _status is None:
+        try:
+            importlib.import_module(_MODULE)
+        except Exception as error:  # absent (ImportError), or a version whose module fails here: never fatal
+            _status = False, f"torch {torch.__version__} has no usable {_MODULE} ({error!r})"
+    available, reason = _status if _status is not None else (False, f"{_MODULE} did not register")
+    return available if name == "AVAILABLE" else reason
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -150,12 +161,48 @@ def _translatable(name: str) -> bool:
     return [a.name for a in schema.arguments] == params[: len(schema.arguments)]
 
 
-if AVAILABLE:
-    for _name in ("_varlen_attn", "_varlen_attn_backward"):
-        if not _translatable(_name):
-            AVAILABLE = False
-            REASON = f"torch {torch.__version__}'s torch_attn::{_name} takes other arguments"
-    if AVAILABLE:
-        for _name, _kernel in _KERNELS.items():
-            if hasattr(torch.ops.torch_attn, _name) and _translatable(_name):
-                torch.library.register_kernel(f"torch_attn::{_name}", "cpu", _kernel)
+def _register() -> None:
+    """Registers the kernels on the ops torch.nn.attention.varlen defined (once), or records why not."""
+    global _status
+    if _status is not None:
+        return
+    missing = [n for n in ("_varlen_attn", "_varlen_attn_backward") if not hasattr(torch.ops.torch_attn, n)]
+    if missing:
+        _status = False, f"torch {torch.__version__} defines no torch_attn::{', '.join(missing)}"
+        return
+    for name in ("_varlen_attn", "_varlen_attn_backward"):
+        if not _translatable(name):
+            _status = False, f"torch {torch.__version__}'s torch_attn::{name} takes other arguments"
+            return
+    for name, kernel in _KERNELS.items():
+        if hasattr(torch.ops.torch_attn, name) and _translatable(name):
+            torch.library.register_kernel(f"torch_attn::{name}", "cpu", kernel)
+    _status = True, ""
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Finds torch.nn.attention.varlen through the other finders and registers the kernels once its module has
+    run (the import machinery holds the module's lock meanwhile, so no call sees the ops without them)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MODULE:
+            return None
+        sys.meta_path.remove(self)
+        specs = (f.find_spec(fullname, path, target) for f in sys.meta_path if hasattr(f, "find_spec"))
+        spec = next((s for s in specs if s is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _MODULE in sys.modules:
+    _register()
+else:
+    sys.meta_path.insert(0, _RegisterOnImport())
