@@ -60,10 +60,13 @@ class _Calls:
 
     def __init__(self, monkeypatch):
         self.varlen = self.dense = 0
+        self.lengths = []  # per varlen call, each sequence's (queries, keys)
         varlen, dense = attnx.varlen_attention, attnx.attention
 
         def count_varlen(*args, **kwargs):
             self.varlen += 1
+            q_lengths, k_lengths = (torch.diff(c).tolist() for c in args[3:5])
+            self.lengths.append(list(zip(q_lengths, k_lengths, strict=True)))
             return varlen(*args, **kwargs)
 
         def count_dense(*args, **kwargs):
@@ -140,9 +143,13 @@ def test_packed_mask_is_recognised_not_built():
 def _generate_batch(model, implementation, prompts):
     model.set_attn_implementation(implementation)
     config = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # A cache sized for these prompts, not from the machine's free memory (gigabytes, filled at start): pages
+    # of 16 tokens, so that each sequence spans several and the block table is read across pages, and batches
+    # of 32 tokens, so that prefill is split into chunks that read earlier ones from the cache.
+    batching = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=32)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate_batch(prompts, generation_config=config)
+        out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=batching)
     return {request: result.generated_tokens for request, result in out.items()}
 
 
@@ -161,6 +168,11 @@ def test_continuous_batching_is_token_identical_to_sdpa(name, monkeypatch):
     assert actual == expected
     assert calls.varlen > 0 and calls.dense == 0
     assert model.config._attn_implementation == "attnx"
+    # The cache's sizes above are in effect: prefill in chunks of at most 32 queries, a chunk after the first
+    # reading the earlier ones' keys, and sequences whose keys span several 16-token pages.
+    lengths = [pair for call in calls.lengths for pair in call]
+    assert max(q for q, _ in lengths) <= 32 and any(1 < q < k for q, k in lengths)
+    assert max(k for _, k in lengths) > 16
 
 
 def test_continuous_batching_admission_is_only_widened_for_attnx():
