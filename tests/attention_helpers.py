@@ -420,8 +420,12 @@ def run_python(script, **kwargs):
 
 def run_under_cpu_capability(script, isa):
     """Runs `script` in a fresh interpreter whose CPU kernels are `isa`'s variant (torch picks one per process
-    from ATEN_CPU_CAPABILITY), with torch imported and tests/ on its path; skips AVX2 on a CPU without it."""
-    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    from ATEN_CPU_CAPABILITY), with torch imported and tests/ on its path; skips AVX2 on a CPU without it, and
+    the variant this process runs."""
+    own = torch.backends.cpu.get_cpu_capability()
+    if isa == own:
+        pytest.skip(f"{isa} is this process's own variant, which every other test runs")
+    if isa == "AVX2" and own not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
     preamble = textwrap.dedent(
         f"""
