@@ -2,10 +2,13 @@
 kernels): a build is named by the hash of the compiler, its version, the flags and the bytes of every file it
 depends on, under ``build/emulation/``, and is reused until one of them changes."""
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD_DIR = os.path.join(ROOT, "build", "emulation")
@@ -19,17 +22,32 @@ class BuildFailed(RuntimeError):
         self.stderr = stderr
 
 
-def cached_build(prefix, cxx, flags, sources, depends, command, *, shared, what, unavailable):
-    """The path of ``prefix-<hash>`` (``.so`` when ``shared``) in BUILD_DIR, compiled by ``command`` (the
-    compiler with its flags and source arguments, without ``-o``) unless it is there already. The hash covers
-    ``cxx``, its version, ``flags``, the ``sources`` named, and the bytes of ``depends`` and ``sources``. A
-    compiler that does not run raises ``unavailable``; a failed compile raises BuildFailed, which names
-    ``what`` was being built."""
+@contextlib.contextmanager
+def _locked(path):
+    """Holds an exclusive lock on ``path`` (created if missing): one process builds, the others (pytest-xdist
+    workers) wait for its result rather than compiling the same library beside it."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def cached_build(prefix, cxx, flags, sources, depends, *, cxx_sources=(), libraries=(), shared, what,
+                 unavailable):
+    """The path of ``prefix-<hash>`` (``.so`` when ``shared``) in BUILD_DIR, built unless it is there already:
+    each of ``sources`` compiled by ``cxx`` with ``flags`` into an object of its own, on every core at once
+    (``cxx_sources``, among them, as C++ whatever their extension: .cu and .metal files), then linked with
+    ``libraries`` after the objects (a linker that drops unneeded libraries reads left to right). The hash
+    covers ``cxx``, its version, ``flags``, ``libraries``, the ``sources`` named, and the bytes of ``depends``
+    and ``sources``. A compiler that does not run raises ``unavailable``; a failed compile raises
+    BuildFailed, which names ``what`` was being built."""
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     except OSError as e:
         raise unavailable(f"{cxx} does not run: {e}") from e
-    digest = hashlib.sha256("\0".join([cxx, version, *flags, *sources]).encode())
+    digest = hashlib.sha256("\0".join([cxx, version, *flags, *libraries, *sources]).encode())
     for path in [*depends, *sources]:
         with open(path, "rb") as f:
             digest.update(f.read())
@@ -38,13 +56,23 @@ def cached_build(prefix, cxx, flags, sources, depends, command, *, shared, what,
     if os.path.exists(target):
         return target
     os.makedirs(BUILD_DIR, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=BUILD_DIR, prefix=name + ".")
-    os.close(fd)
-    result = subprocess.run([*command, "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        message = f"{what} build failed:\n{' '.join(command)}\n{result.stderr[-6000:]}"
-        raise BuildFailed(message, result.stderr)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, target)  # atomic: concurrent test processes never see a half-written library
+    with _locked(target + ".lock"), tempfile.TemporaryDirectory(dir=BUILD_DIR, prefix=name + ".") as tmp:
+        if os.path.exists(target):  # built by the process that held the lock before
+            return target
+
+        def run(command):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                message = f"{what} build failed:\n{' '.join(command)}\n{result.stderr[-6000:]}"
+                raise BuildFailed(message, result.stderr)
+
+        objects = [os.path.join(tmp, f"{i}-{os.path.basename(src)}.o") for i, src in enumerate(sources)]
+        compiles = [[cxx, *flags, "-c", *(["-x", "c++"] if src in cxx_sources else []), src, "-o", obj]
+                    for src, obj in zip(sources, objects, strict=True)]
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(run, compiles))
+        out = os.path.join(tmp, name)
+        run([cxx, *flags, *objects, *libraries, "-o", out])
+        os.chmod(out, 0o755)
+        os.replace(out, target)  # atomic: a process that does not wait for the lock never sees half a library
     return target

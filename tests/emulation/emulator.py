@@ -102,15 +102,11 @@ def build(extra_flags=(), sources=KERNELS_AND_SHIM, shared=True, link=()):
     # -Bsymbolic: the library's cudaFuncSetAttribute & co. are the shim's, even in a process where torch has
     # loaded the real libcudart (whose versions fail without a driver).
     flags += ["-shared", "-Wl,-Bsymbolic"] if shared else []
-    # .cu files are C++ here; the -x c++ / -x none pair scopes that to them.
-    cmd = [cxx, *flags]
-    for src in sources:
-        cmd += ["-x", "c++", src, "-x", "none"] if src.endswith(".cu") else [src]
-    # After the sources that use them (a linker that drops unneeded libraries reads left to right).
     libraries = [arg for lib in link for arg in (lib, "-Wl,-rpath," + os.path.dirname(lib))]
-    cmd += libraries
     try:
-        return cached_build("attention", cxx, [*flags, *libraries], list(sources), _depends(), cmd,
+        # .cu files are C++ here.
+        return cached_build("attention", cxx, flags, list(sources), _depends(),
+                            cxx_sources=[s for s in sources if s.endswith(".cu")], libraries=libraries,
                             shared=shared, what="emulation", unavailable=Unavailable)
     except BuildFailed as e:
         if "C++20" in e.stderr or "-std=c++20" in e.stderr:

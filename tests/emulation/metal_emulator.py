@@ -74,12 +74,10 @@ def build(extra_flags=(), sources=SOURCES, shared=True, metal_sources=None, link
     metal_sources = metal_files() if metal_sources is None else list(metal_sources)
     flags = [*FLAGS, *extra_flags, "-I" + SHIM, "-I" + CSRC, "-I" + os.path.join(CSRC, "include")]
     flags += ["-shared"] if shared else []
-    cmd = [cxx, *flags, "-x", "c++", *metal_sources, "-x", "none", *sources] if metal_sources else [
-        cxx, *flags, *sources]
-    # After the sources that use them (a linker that drops unneeded libraries reads left to right).
     libraries = [arg for lib in link for arg in (lib, "-Wl,-rpath," + os.path.dirname(lib))]
-    return cached_build("metal", cxx, [*flags, *libraries], [*metal_sources, *sources], _depends(),
-                        cmd + libraries, shared=shared, what="Metal emulation", unavailable=Unavailable)
+    return cached_build("metal", cxx, flags, [*metal_sources, *sources], _depends(),
+                        cxx_sources=metal_sources, libraries=libraries, shared=shared, what="Metal emulation",
+                        unavailable=Unavailable)
 
 
 def check_program(source):
