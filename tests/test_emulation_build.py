@@ -13,16 +13,18 @@ CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or clang++)")
 
 
-def _build(tmp_path, sources):
-    # A compiler that records each run, so that the test counts compiles.
+def _recording_compiler(tmp_path):
+    """A compiler that records each run in the returned log, so that the test counts compiles."""
     log = tmp_path / "runs.log"
     wrapper = tmp_path / "cxx"
     wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\nexec {CXX} \"$@\"\n")
     wrapper.chmod(0o755)
-    sources = [str(s) for s in sources]
-    path = build_cache.cached_build("probe", str(wrapper), ["-fPIC", "-shared"], sources, [], shared=True,
-                                    what="probe", unavailable=RuntimeError)
-    return path, log
+    return str(wrapper), log
+
+
+def _build(cxx, sources):
+    return build_cache.cached_build("probe", cxx, ["-fPIC", "-shared"], [str(s) for s in sources], [],
+                                    shared=True, what="probe", unavailable=RuntimeError)
 
 
 def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
@@ -32,11 +34,12 @@ def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
         source = tmp_path / f"{name}.cpp"
         source.write_text(f'extern "C" int {name}() {{ return 1; }}\n')
         sources.append(source)
+    cxx, log = _recording_compiler(tmp_path)
     paths, errors = [], []
 
     def build():
         try:
-            paths.append(_build(tmp_path, sources))
+            paths.append(_build(cxx, sources))
         except Exception as error:  # reported below
             errors.append(error)
 
@@ -46,7 +49,7 @@ def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert not errors, errors
-    (path, log), = set(paths)
+    (path,) = set(paths)
     runs = [run for run in log.read_text().splitlines() if run != "--version"]
     # Two compiles (one per source, run side by side) and one link, by whichever thread held the lock.
     assert sum(" -c " in run for run in runs) == 2 and len(runs) == 3, runs
@@ -60,6 +63,7 @@ def test_failed_compile_names_the_command(tmp_path, monkeypatch):
     source.write_text("int f() { return undeclared; }\n")
     failed = r"(?s)probe build failed:.*broken\.cpp.*undeclared"
     with pytest.raises(build_cache.BuildFailed, match=failed) as e:
-        _build(tmp_path, [source])
+        _build(CXX, [source])
     assert "undeclared" in e.value.stderr
-    assert os.listdir(tmp_path / "cache") == [next(iter(os.listdir(tmp_path / "cache")))]  # the lock alone
+    (left,) = os.listdir(tmp_path / "cache")  # no library, no objects: the lock file alone
+    assert left.endswith(".so.lock"), left
