@@ -9,6 +9,7 @@
 #   make test-wheel                 that wheel beside the CPU-only torch 2.13.0 and the oldest torch it
 #                                   supports (2.10.0), each in a fresh venv, and .venv's CUDA torch 2.14.1:
 #                                   the tests marked `wheel` against each (build/wheel-{cpu,cuda,floor})
+#   make wheel-venvs                test-wheel's two venvs (torch and the test tools), ahead of it
 #   make sanitize                   the tests that reach the kernels on an ASan + UBSan build (build/sanitize)
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 #   make gpu-check                  on a GPU machine: build for its GPU, kernel resources, the CUDA tests,
@@ -42,7 +43,7 @@ MODEL_LIBS ?= $(TORCH_FREE_MODEL_LIBS) timm==1.0.31 open-clip-torch==3.3.0 torch
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test wheel test-wheel wheel-venv-test sanitize fuzz bench bench-deps build clean tools lint models \
+.PHONY: test wheel test-wheel wheel-venvs wheel-venv wheel-venv-test sanitize fuzz bench bench-deps build clean tools lint models \
 	gpu-check
 
 test: build tools lint models $(VENV)/.xdist
@@ -95,26 +96,42 @@ wheel: build
 # tree without python/ and setup.py, so that `import attnx` finds the wheel's), the tests marked `wheel`
 # (import, loader, ABI, packaging, and one smoke per public op and integration; the full suite runs once, in
 # `make test`). The floor's also runs those marked `floor`: every source against torch 2.10's headers and the
-# kernels through CUDA 12's NVRTC. The CPU torch 2.13.0 and the floor get fresh venvs, each deleted once its
-# tests passed (a CUDA torch with its libraries is 6-7 GB); the CUDA torch 2.14.1 is .venv's own, with the
-# model libraries, and the wheel is installed into a folder put first on its path (WHEEL_TORCH empty), rather
-# than a second copy of the same 6 GB.
+# kernels through CUDA 12's NVRTC. The CPU torch 2.13.0 and the floor get venvs of their own (`make
+# wheel-venvs`, which .ci/run starts while `make test` runs: installing a torch is mostly waiting for the
+# network and the disk), each deleted once its tests passed (a CUDA torch with its libraries is 6-7 GB); the
+# CUDA torch 2.14.1 is .venv's own, with the model libraries, and the wheel is installed into a folder put
+# first on its path (WHEEL_TORCH empty), rather than a second copy of the same 6 GB.
 WHEEL_TESTS := -m "wheel and not emulated"
 WHEEL_PY = $(if $(WHEEL_TORCH),venv/bin/python,env PYTHONPATH=site $(abspath $(PY)))
+WHEEL_VENVS := build/wheel-cpu/venv/.ready build/wheel-floor/venv/.ready
 
-test-wheel: wheel tools
-	rm -rf build/wheel-cpu build/wheel-cuda build/wheel-floor
-	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS="$(TORCH_FREE_MODEL_LIBS)" \
-		WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
+test-wheel: wheel tools $(WHEEL_VENVS)
+	rm -rf build/wheel-cuda
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
 	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-cuda WHEEL_TORCH= WHEEL_PYTEST_ARGS='$(WHEEL_TESTS)'
-	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS= \
+	$(MAKE) wheel-venv-test WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) \
 		WHEEL_PYTEST_ARGS='-m "(wheel or floor) and not emulated"'
 
+wheel-venvs: $(WHEEL_VENVS)
+
+build/wheel-cpu/venv/.ready:
+	$(MAKE) wheel-venv WHEEL_VENV=build/wheel-cpu WHEEL_TORCH=torch==2.13.0 WHEEL_LIBS="$(TORCH_FREE_MODEL_LIBS)"
+
+build/wheel-floor/venv/.ready:
+	$(MAKE) wheel-venv WHEEL_VENV=build/wheel-floor WHEEL_TORCH=torch==$(FLOOR_TORCH) WHEEL_LIBS=
+
+# A venv with a torch and the test tools, no attnx: $(WHEEL_VENV)/venv, ready once .ready is there.
+wheel-venv:
+	rm -rf $(WHEEL_VENV)/venv
+	$(PYTHON) -m venv $(WHEEL_VENV)/venv
+	$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS)
+	touch $(WHEEL_VENV)/venv/.ready
+
 wheel-venv-test:
-	rm -rf $(WHEEL_VENV) && mkdir -p $(WHEEL_VENV)
+	mkdir -p $(WHEEL_VENV)
+	find $(WHEEL_VENV) -mindepth 1 -maxdepth 1 ! -name venv -exec rm -rf {} +
 	if [ -n "$(WHEEL_TORCH)" ]; then \
-		$(PYTHON) -m venv $(WHEEL_VENV)/venv && \
-		$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) "$(WHEEL_TORCH)" pytest numpy expecttest ninja $(WHEEL_LIBS) && \
+		$(WHEEL_VENV)/venv/bin/python -m pip uninstall --quiet --yes attnx && \
 		$(WHEEL_VENV)/venv/bin/python $(PIP_INSTALL) $(WHEEL_DIR)/*.whl; \
 	else \
 		$(PY) $(PIP_INSTALL) --no-deps --target $(WHEEL_VENV)/site $(WHEEL_DIR)/*.whl; \
