@@ -146,20 +146,25 @@ wheel-venv-test:
 # AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
 # every report fatal, at -O1, then the tests that reach attnx's C++ kernels (marked `kernel`) but the `slow`
 # ones, in processes that preload the ASan runtime (and libstdc++ after it: without, ASan's __cxa_throw
-# interceptor fails a CHECK when triton's library throws). The emulated CUDA and Metal backends' libraries are
-# built with the same sanitizers; a kernel on a fiber-scheduled emulated GPU runs some ten times slower again
+# interceptor fails a CHECK when triton's library throws). The emulated CUDA backend's kernels and both emulated
+# backends' glue are built with the same sanitizers (the Metal kernels are compiled by clang, whose ASan runtime
+# is not GCC's); a kernel on a fiber-scheduled emulated GPU runs some ten times slower again
 # under ASan, so on those backends the tests marked `sanitize` run: each emulated kernel with every feature
 # together, every mask dtype, tiles removed whole and in part. Leak detection is off: Python keeps objects
 # alive until exit by design (tests/test_leaks.py checks attnx's own memory). Tests that measure peak memory
 # skip themselves there: ASan's redzones and quarantine are part of any peak measured under it.
 SANITIZE_TESTS ?= -m "kernel and not slow and (not emulated or sanitize)"
+# The CPU kernels' x86 variants this machine runs (torch's level), no wider: a wider one could not run here.
+SANITIZE_CPU_VARIANT = $(shell $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability().lower(); \
+	print(c if c in ('default', 'avx2') else 'avx512')")
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 sanitize: build $(VENV)/.xdist
 	rm -rf build/sanitize && mkdir -p build/sanitize
 	cp -r csrc metal python tests upstream setup.py pyproject.toml build/sanitize/
 	rm -f build/sanitize/python/attnx/_C*.so build/sanitize/python/attnx/_build_info.py
-	cd build/sanitize && ATTNX_SANITIZE=1 ATTNX_WITH_CUDA=0 $(abspath $(PY)) setup.py -q build_ext --inplace \
+	cd build/sanitize && ATTNX_SANITIZE=1 ATTNX_WITH_CUDA=0 ATTNX_CPU_MAX_VARIANT=$(SANITIZE_CPU_VARIANT) \
+		$(abspath $(PY)) setup.py -q build_ext --inplace \
 		> build.log 2>&1 || (tail -n 60 build.log; exit 1)
 	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
 		$(SANITIZE_ENV) $(PARALLEL) ATTNX_SANITIZE=1 \

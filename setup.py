@@ -17,6 +17,8 @@ Environment:
   ATTNX_DEBUG=1                      -O0 -g
   ATTNX_SANITIZE=1                   AddressSanitizer + UndefinedBehaviorSanitizer, any report fatal (`make
                                      sanitize` builds a CPU-only copy with it and runs the kernel tests)
+  ATTNX_CPU_MAX_VARIANT              avx512 (default) | avx2 | default: the widest x86 variant of the CPU
+                                     kernels built (`make sanitize` builds those its machine runs)
   CUDA_HOME                          toolkit root; by default read from `nvcc --dryrun`
                                      (nvcc may be a wrapper)
   TORCH_CUDA_ARCH_LIST               default "8.0;9.0" when no GPU is visible
@@ -162,6 +164,12 @@ def _extensions(backends):
         sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
         cxx += sanitizers + ["-fno-omit-frame-pointer", "-g"]
         link += sanitizers
+    variant = os.environ.get("ATTNX_CPU_MAX_VARIANT")
+    if variant:
+        levels = {"default": 0, "avx2": 1, "avx512": 2}
+        if variant not in levels:
+            sys.exit(f"ATTNX_CPU_MAX_VARIANT={variant!r}: expected one of {', '.join(levels)}")
+        cxx.append(f"-DATTNX_CPU_MAX_VARIANT={levels[variant]}")
     if _openmp():
         # The CPU kernels run on torch's threads (torch_parallel_for) and use no OpenMP themselves; the
         # linear shares only need to know whether those threads are OpenMP's (csrc/cpu/linear.cpp), which

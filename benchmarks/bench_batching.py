@@ -24,6 +24,8 @@ from .memory import peak_extra_bytes_many
 DEVICES = ("cpu",)
 TITLE = "transformers continuous batching and packed training: attnx vs sdpa"
 FACTORY = "benchmarks.bench_batching:training_case"
+# Imported once by benchmarks.memory before it forks a process per job (seconds each, otherwise).
+MEMORY_PRELOAD = ("transformers.modeling_utils", "attnx.integrations.transformers")
 
 # Prompt lengths of the 16 requests (mixed, as a serving queue holds them).
 PROMPTS = (16, 400, 37, 128, 250, 64, 300, 24, 180, 90, 350, 48, 210, 140, 72, 320)

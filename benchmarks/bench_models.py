@@ -42,6 +42,8 @@ from .memory import peak_extra_bytes_many
 DEVICES = ("cpu", "cuda")
 TITLE = "transformers models (LLaMA prefill and decoding, BERT encoder): attnx vs sdpa vs eager"
 FACTORY = "benchmarks.bench_models:memory_case"
+# Imported once by benchmarks.memory before it forks a process per job (seconds each, otherwise).
+MEMORY_PRELOAD = ("transformers.modeling_utils", "attnx.integrations.transformers")
 IMPLS = ("attnx", "sdpa", "eager")
 
 LLAMA = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,

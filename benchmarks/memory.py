@@ -16,8 +16,12 @@ MPS: not measured (torch has no peak counter for it); reported as ``None``.
 Usage from a benchmark: ``peak_extra_bytes("benchmarks.bench_mha:eval_case", impl="attnx", ...)`` runs
 ``python -m benchmarks.memory`` with the factory's name and keyword arguments; the factory returns
 ``(fn, warmup_fn)``, both called under ``torch.no_grad()`` unless ``grad=True`` (a training step).
-``peak_extra_bytes_many`` runs several such processes, a few at a time: memory is per process, so running
-them side by side changes no figure, only the wall time.
+``peak_extra_bytes_many`` measures several jobs, a few at a time: memory is per process, so running them side
+by side changes no figure, only the wall time. On Linux one interpreter imports torch, attnx and the jobs'
+modules (and those a module names in ``MEMORY_PRELOAD``, e.g. transformers) and forks a process per job, each
+measured as a fresh one is: it starts from that interpreter's state, which ran no op, instead of paying
+seconds of imports per job. The interpreter must not have touched the GPU or torch's thread pool, which
+forked processes could not use: it only imports.
 """
 
 import ctypes
@@ -27,6 +31,7 @@ import os
 import resource
 import subprocess
 import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -84,13 +89,11 @@ def _command(factory: str, device: str, kwargs: dict, grad: bool) -> list:
     return [sys.executable, "-m", "benchmarks.memory", factory, device, json.dumps(kwargs), str(int(grad))]
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _run(command: list) -> int:
-    out = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    out = subprocess.run(command, capture_output=True, text=True, cwd=_ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(command[2:])} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
@@ -111,12 +114,64 @@ def peak_extra_bytes_many(jobs: list, device: str = "cpu", workers: int = 1) -> 
     """
     if device == "mps":
         return [None] * len(jobs)
+    workers = 1 if device == "cuda" else max(1, workers)
+    if sys.platform.startswith("linux"):
+        command = [sys.executable, "-m", "benchmarks.memory", "--forks", device, str(workers)]
+        out = subprocess.run(command, input=json.dumps(jobs), capture_output=True, text=True, cwd=_ROOT)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[2:])} failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
     commands = [_command(factory, device, kwargs, grad) for factory, grad, kwargs in jobs]
-    if device == "cuda" or workers <= 1:
-        return [_run(c) for c in commands]
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(_run, commands))
 
 
+def _forks(device: str, workers: int, jobs: list) -> list:
+    """``python -m benchmarks.memory --forks``: imports what the jobs need, then measures each in a forked
+    process, ``workers`` at a time; the peaks in the jobs' order."""
+    for module in sorted({factory.split(":")[0] for factory, _, _ in jobs}):
+        for name in getattr(importlib.import_module(module), "MEMORY_PRELOAD", ()):
+            try:
+                importlib.import_module(name)
+            except ImportError:  # optional: a job that needs it says so itself
+                pass
+    peaks, running = [None] * len(jobs), {}
+
+    def reap():
+        pid, status = os.wait()
+        index, read = running.pop(pid)
+        with os.fdopen(read) as f:
+            text = f.read()
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"job {jobs[index]} failed (exit {os.waitstatus_to_exitcode(status)})")
+        peaks[index] = json.loads(text)["peak_extra_bytes"]
+
+    for index, (factory, grad, kwargs) in enumerate(jobs):
+        while len(running) >= workers:
+            reap()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the measured process: its result through the pipe, its exit code says whether it ran
+            os.close(read)
+            code = 1
+            try:
+                os.write(write, json.dumps(measure(factory, device, kwargs, grad)).encode())
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(write)
+        running[pid] = index, read
+    while running:
+        reap()
+    return peaks
+
+
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), grad=sys.argv[4] == "1")))
+    if sys.argv[1] == "--forks":
+        print(json.dumps(_forks(sys.argv[2], int(sys.argv[3]), json.load(sys.stdin))))
+    else:
+        print(json.dumps(measure(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), grad=sys.argv[4] == "1")))

@@ -5,6 +5,7 @@
 
 #include <torch/csrc/stable/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -37,7 +38,8 @@ cpu::CpuCapability detect_cpu_capability() {
     if (std::strcmp(asked, "default") == 0) level = CpuCapability::kDefault;
     if (std::strcmp(asked, "avx2") == 0 && level == CpuCapability::kAvx512) level = CpuCapability::kAvx2;
   }
-  return level;
+  // No wider than the widest variant built.
+  return std::min(level, static_cast<CpuCapability>(ATTNX_CPU_MAX_VARIANT));
 #else
   return cpu::CpuCapability::kDefault;
 #endif

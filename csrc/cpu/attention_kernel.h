@@ -54,14 +54,21 @@
 #define ATTNX_CPU_X86_VARIANTS 0
 #endif
 
+// The widest x86 variant built: 2 (AVX-512, every build users get), 1 (AVX2) or 0 (DEFAULT alone). A build
+// whose kernels only ever run on the machine that built it (`make sanitize`'s) leaves out the variants that
+// machine cannot run (setup.py's ATTNX_CPU_MAX_VARIANT).
+#ifndef ATTNX_CPU_MAX_VARIANT
+#define ATTNX_CPU_MAX_VARIANT 2
+#endif
+
 namespace attnx::cpu {
 
 // dtype: of query, key, value and out.
 using AttentionKernel = void (*)(const AttentionParams&, const AttentionPointers&,
                                  torch::headeronly::ScalarType);
 
-// The ISA levels the kernels are compiled for.
-enum class CpuCapability { kDefault, kAvx2, kAvx512 };
+// The ISA levels the kernels are compiled for, numbered as ATTNX_CPU_MAX_VARIANT.
+enum class CpuCapability { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The level torch's own CPU kernels run at (torch.backends.cpu.get_cpu_capability()), by torch's rule: the
 // highest the CPU supports (AVX-512 with VL, BW, DQ and FMA; AVX2 with FMA), lowered by ATEN_CPU_CAPABILITY
@@ -81,19 +88,26 @@ Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unuse
       return portable;
   }
 }
-#if ATTNX_CPU_X86_VARIANTS
-#define ATTNX_CPU_VARIANT(name)                                                       \
-  ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::AVX2::name, \
-                             &::attnx::cpu::AVX512::name)
+// The namespace each level's kernels are taken from: its own where it is built, else the widest built below
+// it (cpu_capability() never names a level above ATTNX_CPU_MAX_VARIANT, so those are never called).
+#if ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT >= 2
+#define ATTNX_CPU_AVX2_NAMESPACE AVX2
+#define ATTNX_CPU_AVX512_NAMESPACE AVX512
+#elif ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT == 1
+#define ATTNX_CPU_AVX2_NAMESPACE AVX2
+#define ATTNX_CPU_AVX512_NAMESPACE AVX2
+#else
+#define ATTNX_CPU_AVX2_NAMESPACE DEFAULT
+#define ATTNX_CPU_AVX512_NAMESPACE DEFAULT
+#endif
+#define ATTNX_CPU_VARIANT(name)                                                                          \
+  ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::ATTNX_CPU_AVX2_NAMESPACE::name, \
+                             &::attnx::cpu::ATTNX_CPU_AVX512_NAMESPACE::name)
 // One line per namespace: not clang-format's layout.
 // clang-format off
-// Declares a kernel's entry point in each ISA namespace it is compiled in.
+// Declares a kernel's entry point in each ISA namespace it may be compiled in.
 #define ATTNX_CPU_DECLARE_VARIANTS(...) \
   namespace DEFAULT { __VA_ARGS__; } namespace AVX2 { __VA_ARGS__; } namespace AVX512 { __VA_ARGS__; }
-#else
-#define ATTNX_CPU_VARIANT(name) (&::attnx::cpu::DEFAULT::name)
-#define ATTNX_CPU_DECLARE_VARIANTS(...) namespace DEFAULT { __VA_ARGS__; }
-#endif
 // clang-format on
 
 ATTNX_CPU_DECLARE_VARIANTS(void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,

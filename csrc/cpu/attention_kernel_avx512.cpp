@@ -3,7 +3,7 @@
 #include "cpu/attention_backward_kernel.h"
 #include "cpu/attention_kernel.h"
 
-#if ATTNX_CPU_X86_VARIANTS
+#if ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT >= 2
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,avx,fma,f16c,bmi,bmi2,lzcnt,popcnt")
 // The pragma does not define the ISA macros that vec.h tests to pick its implementation.
