@@ -26,6 +26,8 @@ BENCH_ARGS ?=
 # threads: oversubscribed, waiting threads take the cores from the other worker (the suite on two workers of
 # one thread each: 700 s; of two threads each, 864 s, sleeping while they wait). The kernels' multi-thread
 # plans are tested where a test sets its thread count (the `intra_op_threads` fixture, test_threads.py).
+# Workers steal pending tests from each other (--dist worksteal), so neither idles while the other still has
+# a queue of long ones.
 TEST_JOBS ?= 2
 PARALLEL = OMP_NUM_THREADS=$(shell n=$$(( $$(nproc) / $(TEST_JOBS) )); echo $$(( n > 0 ? n : 1 ))) \
 	OMP_WAIT_POLICY=PASSIVE
@@ -47,7 +49,7 @@ SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 	gpu-check
 
 test: build tools lint models $(VENV)/.xdist
-	$(PARALLEL) $(PY) -m pytest -n $(TEST_JOBS)
+	$(PARALLEL) $(PY) -m pytest -n $(TEST_JOBS) --dist worksteal
 
 models: $(VENV)/.models
 
@@ -168,7 +170,8 @@ sanitize: build $(VENV)/.xdist
 		> build.log 2>&1 || (tail -n 60 build.log; exit 1)
 	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
 		$(SANITIZE_ENV) $(PARALLEL) ATTNX_SANITIZE=1 \
-		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) $(SANITIZE_TESTS)
+		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal \
+		$(SANITIZE_TESTS)
 
 # Seeded fuzzing at scale (tests/test_fuzz.py): FUZZ_CASES times each fuzz test's default case count, from case
 # FUZZ_FIRST_CASE on (raise it to explore new cases), on FUZZ_JOBS pytest-xdist workers. A case that crashes its
