@@ -11,6 +11,7 @@
 #                                   the tests marked `wheel` against each (build/wheel-{cpu,cuda,floor})
 #   make wheel-venvs                test-wheel's two venvs (torch and the test tools), ahead of it
 #   make sanitize                   the tests that reach the kernels on an ASan + UBSan build (build/sanitize)
+#   make sanitize-build             that build alone, ahead of it
 #   make fuzz                       seeded fuzzing at scale (FUZZ_CASES=100 x the default counts), crash-safe
 #   make gpu-check                  on a GPU machine: build for its GPU, kernel resources, the CUDA tests,
 #                                   compute-sanitizer, the CUDA benchmarks, in BUDGET=450 s; summary in
@@ -45,7 +46,7 @@ MODEL_LIBS ?= $(TORCH_FREE_MODEL_LIBS) timm==1.0.31 open-clip-torch==3.3.0 torch
 
 SOURCES := $(shell find csrc metal -type f) setup.py pyproject.toml
 
-.PHONY: test wheel test-wheel wheel-venvs wheel-venv wheel-venv-test sanitize fuzz bench bench-deps build clean tools lint models \
+.PHONY: test wheel test-wheel wheel-venvs wheel-venv wheel-venv-test sanitize sanitize-build fuzz bench bench-deps build clean tools lint models \
 	gpu-check
 
 test: build tools lint models $(VENV)/.xdist
@@ -161,17 +162,27 @@ SANITIZE_CPU_VARIANT = $(shell $(PY) -c "import torch; c = torch.backends.cpu.ge
 	print(c if c in ('default', 'avx2') else 'avx512')")
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
-sanitize: build $(VENV)/.xdist
+# The copy, built (`make sanitize-build`, which .ci/run starts while `make test` runs); again when a file it
+# copies changes.
+SANITIZE_COPIED := $(shell find python tests upstream -type f ! -path '*__pycache__*' ! -path '*.egg-info*' \
+	! -name '*.so' ! -name _build_info.py)
+
+sanitize: build/sanitize/.built $(VENV)/.xdist
+	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
+		$(SANITIZE_ENV) $(PARALLEL) ATTNX_SANITIZE=1 \
+		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal \
+		$(SANITIZE_TESTS)
+
+sanitize-build: build/sanitize/.built
+
+build/sanitize/.built: $(VENV)/.deps $(SOURCES) $(SANITIZE_COPIED)
 	rm -rf build/sanitize && mkdir -p build/sanitize
 	cp -r csrc metal python tests upstream setup.py pyproject.toml build/sanitize/
 	rm -f build/sanitize/python/attnx/_C*.so build/sanitize/python/attnx/_build_info.py
 	cd build/sanitize && ATTNX_SANITIZE=1 ATTNX_WITH_CUDA=0 ATTNX_CPU_MAX_VARIANT=$(SANITIZE_CPU_VARIANT) \
 		$(abspath $(PY)) setup.py -q build_ext --inplace \
 		> build.log 2>&1 || (tail -n 60 build.log; exit 1)
-	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
-		$(SANITIZE_ENV) $(PARALLEL) ATTNX_SANITIZE=1 \
-		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal \
-		$(SANITIZE_TESTS)
+	touch $@
 
 # Seeded fuzzing at scale (tests/test_fuzz.py): FUZZ_CASES times each fuzz test's default case count, from case
 # FUZZ_FIRST_CASE on (raise it to explore new cases), on FUZZ_JOBS pytest-xdist workers. A case that crashes its

@@ -229,6 +229,7 @@ def test_attnx_import_registers():
         call_varlen(q, k, v, offsets([3]), offsets([3]), 1, 3)
 
 
+@pytest.mark.slow  # a fresh interpreter each
 @pytest.mark.parametrize("first", ["attnx", "torch.nn.attention.varlen"])
 def test_registered_whichever_is_imported_first(first):
     # `import attnx` leaves torch.nn.attention.varlen (and the torch._dynamo it imports, seconds) unimported;
