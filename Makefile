@@ -16,6 +16,9 @@
 #   make gpu-check                  on a GPU machine: build for its GPU, kernel resources, the CUDA tests,
 #                                   compute-sanitizer, the CUDA benchmarks, in BUDGET=450 s; summary in
 #                                   benchmarks/results/gpu-check-<date>-<card>.md (tools/gpu_check.py)
+#   make sass                       build, then check the CUDA forward's instruction budget per key tile in the
+#                                   built library's SASS, no GPU needed (tools/sass.py; SASS_ARGS=--report
+#                                   prints the table without failing)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -202,6 +205,14 @@ fuzz: build $(VENV)/.xdist
 # builds in place for that GPU alone and needs nothing from .venv. `--dry-run` prints the plan anywhere.
 gpu-check:
 	$(GPU_CHECK_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The tensor-core forward's tile loop read from the built library (cuobjdump and nvdisasm: the toolkit's or
+# triton's): instructions per key tile by class, per HMMA, registers, spills, occupancy, FlashAttention-2's
+# figures beside them; fails when a kernel is over its budget (the budgets are at the top of tools/sass.py).
+SASS_ARGS ?=
+.PHONY: sass
+sass: build
+	$(PY) tools/sass.py $(SASS_ARGS)
 
 bench: build bench-deps
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -1,0 +1,391 @@
+"""tools/sass.py (`make sass`): the control-flow walk over SASS and the instruction classes, on hand-written
+nvdisasm excerpts (no CUDA tools needed), and on the built library where there is one.
+
+tools/ is not part of the installed package: a copy of the tree without it (the installed-wheel CI run) skips
+these tests, saying so.
+"""
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "sass.py")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(TOOL), reason="tools/sass.py is not in this tree")
+
+
+@pytest.fixture(scope="module")
+def sass():
+    """tools/sass.py, loaded from its path (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("sass", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sass"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel(sass, text):
+    """The one function of an excerpt, and its tile loop."""
+    (function,) = sass.parse_sass(text).values()
+    return function, sass.tile_loop(function)
+
+
+# A loop with one back edge: the header is its only block.
+SIMPLE = """
+        .type           kern,@function
+kern:
+        /*0000*/                   MOV R0, RZ ;
+.L_x_0:
+        /*0010*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0020*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0030*/                   MUFU.EX2 R9, R9 ;
+        /*0040*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0050*/                   ISETP.NE.AND P0, PT, R0, c[0x0][0x160], PT ;
+        /*0060*/               @P0 BRA `(.L_x_0) ;
+        /*0070*/                   EXIT ;
+.L_x_1:
+        /*0080*/                   BRA `(.L_x_1);
+"""
+
+
+def test_a_loop_with_a_back_edge(sass):
+    function, loop = kernel(sass, SIMPLE)
+    assert [i.addr for i in function.instrs] == list(range(0, 0x90, 0x10))
+    assert function.labels == {".L_x_0": 0x10, ".L_x_1": 0x80}
+    assert loop["header_addr"] == 0x10 and loop["inner_loops"] == 0 and loop["candidates"] == 1
+    for kind in ("steady", "fall", "min", "max"):
+        path = loop["paths"][kind]
+        assert path.instrs == 6, kind
+        assert path.classes == {"HMMA": 1, "LDSM": 1, "MUFU.EX2": 1, "branch": 1, "other": 2}
+        assert path.per_hmma() == 6.0
+    # the padding loop after EXIT is never reached: no loop of its own
+    cfg = sass.build_cfg(function)
+    assert len(sass.find_loops(cfg)) == 1
+
+
+# A tile loop with, in order: a data-dependent branch (on R3, the key index the loop advances) over an address
+# computation (the common tile does it), the next tile's copy, a soft-cap test on a predicate set before the
+# loop (the common tile skips the cap), a mask-kind test on a kernel parameter around an inner loop of mask
+# reads (the common tile skips it), and the loop's back edge. {src} is a source file whose line 2 is the
+# soft-cap test.
+NESTED = """
+        .type           kern,@function
+kern:
+	//## File "{src}", line 1
+        /*0000*/                   ISETP.NE.AND P1, PT, RZ, c[0x0][0x170], PT ;
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0020*/                   ISETP.GE.AND P2, PT, R3, R7, PT ;
+        /*0030*/               @P2 BRA `(.L_x_2) ;
+        /*0040*/                   IMAD.WIDE.U32 R10, R3, 0x4, R12 ;
+        /*0050*/                   IADD3 R20, R10, 0x10, RZ ;
+.L_x_2:
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R20], desc[UR4][R10.64] ;
+	//## File "{src}", line 2
+        /*0070*/              @!P1 BRA `(.L_x_3) ;
+        /*0080*/                   MUFU.TANH R8, R8 ;
+        /*0090*/                   FMUL R8, R8, c[0x0][0x174] ;
+.L_x_3:
+	//## File "{src}", line 3
+        /*00a0*/                   ISETP.NE.AND P3, PT, RZ, c[0x0][0x178], PT ;
+        /*00b0*/              @!P3 BRA `(.L_x_5) ;
+        /*00c0*/                   MOV R14, RZ ;
+.L_x_4:
+        /*00d0*/                   LDG.E.U8 R15, desc[UR4][R16.64] ;
+        /*00e0*/                   IADD3 R14, R14, 0x1, RZ ;
+        /*00f0*/                   ISETP.LT.AND P4, PT, R14, 0x4, PT ;
+        /*0100*/               @P4 BRA `(.L_x_4) ;
+.L_x_5:
+        /*0110*/                   FMNMX R9, R9, R8, !PT ;
+        /*0120*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0130*/                   IADD3 R3, R3, 0x40, RZ ;
+        /*0140*/                   ISETP.NE.AND P0, PT, R3, R18, PT ;
+        /*0150*/               @P0 BRA `(.L_x_0) ;
+        /*0160*/                   EXIT ;
+"""
+
+
+@pytest.fixture
+def nested(sass, tmp_path):
+    src = tmp_path / "kernel.cu"
+    src.write_text("const bool valid = j < nk;\nif (cap.cap > 0.0f) s = soft_cap(s, cap);\n"
+                   "if (p.attn_mask_kind != kMaskNone) { ... }\n")
+    return kernel(sass, NESTED.format(src=src))
+
+
+def test_a_nested_loop_and_the_paths_through_an_iteration(sass, nested):
+    function, loop = nested
+    cfg = sass.build_cfg(function)
+    loops = sass.find_loops(cfg)
+    assert sorted((cfg.blocks[o.header].instrs[0].addr, len(o.body)) for o in loops) == [(0x10, 8), (0xD0, 1)]
+    inner = next(o for o in loops if len(o.body) == 1)
+    assert cfg.blocks[inner.parent.header].instrs[0].addr == 0x10  # nested in the tile loop
+    assert loop["header_addr"] == 0x10 and loop["inner_loops"] == 1
+    paths = loop["paths"]
+    # steady: the address computation (data-dependent: done), the copy; not the cap, not the mask loop
+    steady = paths["steady"]
+    assert steady.instrs == 14 and steady.inner_entries == 0 and steady.softcap_branches == 1
+    assert steady.classes == {"HMMA": 1, "LDGSTS": 1, "FMNMX": 1, "BAR/sync": 1, "branch": 4, "INT64": 1,
+                              "other": 5}
+    assert [cfg.blocks[b].instrs[0].addr for b in steady.blocks] == [0x10, 0x40, 0x60, 0xA0, 0x110]
+    assert paths["min"].instrs == 12  # skips the address computation too
+    assert paths["max"].instrs == 21 and paths["max"].inner_entries == 1  # the inner loop's body once
+    assert paths["fall"].instrs == 21 and paths["fall"].inner_entries == 1  # falls into cap and mask loop
+    body = loop["body"]
+    counts = (body["ldg"], body["imul64"], body["brx"], body["softcap_branches"], body["hmma"])
+    assert counts == (1, 1, 0, 1, 1)
+
+
+def test_the_budgets_flag_what_the_loop_holds(sass, nested):
+    _, loop = nested
+    row = {"arch": "sm_90", "kernel": "mma fp16 bucket64", "ldl_stl": 0, "local": 0, "loop": loop}
+    problems = "\n".join(sass.check_row(row))
+    assert "14.0 instructions per HMMA on the steady path > 5.0" in problems
+    assert "1 LDG (global loads)" in problems and "1 64-bit multiplies" in problems
+    assert "1 soft-cap branches" in problems and "BRX" not in problems and "spills" not in problems
+    assert sass.check_row(dict(row, kernel="mma fp16 bucket64 general", ldl_stl=2)) == [
+        "sm_90 mma fp16 bucket64 general: spills (2 LDL/STL, local 0 B)"]  # no budget but spills
+    assert len(sass.check_row(dict(row, kernel="mma bf16 bucket128 plain"))) == 4
+
+
+# A jump table in the loop: nvdisasm names its targets.
+JUMP_TABLE = """
+        .type           kern,@function
+kern:
+.L_x_0:
+        /*0000*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0010*/                   LDC R2, c[0x0][0x180] ;
+        /*0020*/                   BRX R2 -0x30                  (*"BRANCH_TARGETS .L_x_1,.L_x_2,.L_x_3"*);
+.L_x_1:
+        /*0030*/                   FADD R8, R8, 1 ;
+        /*0040*/                   BRA `(.L_x_4) ;
+.L_x_2:
+        /*0050*/                   FMUL R8, R8, 2 ;
+        /*0060*/                   FMUL R8, R8, 2 ;
+        /*0070*/                   BRA `(.L_x_4) ;
+.L_x_3:
+        /*0080*/                   MOV R8, RZ ;
+.L_x_4:
+        /*0090*/                   ISETP.NE.AND P0, PT, R3, R18, PT ;
+        /*00a0*/               @P0 BRA `(.L_x_0) ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_a_jump_table(sass):
+    function, loop = kernel(sass, JUMP_TABLE)
+    cfg = sass.build_cfg(function)
+    assert [(cfg.blocks[s].instrs[0].addr, kind) for s, kind in cfg.blocks[0].succs] == [
+        (0x30, "taken"), (0x50, "taken"), (0x80, "taken")]  # no fall-through after an unpredicated BRX
+    assert not cfg.unresolved
+    assert loop["body"]["brx"] == 1 and loop["body"]["blocks"] == 5
+    assert (loop["paths"]["min"].instrs, loop["paths"]["max"].instrs) == (6, 8)
+    # cuobjdump -sass prints no jump table: the BRX is flagged, and nothing past it is reached
+    bare = JUMP_TABLE.replace('(*"BRANCH_TARGETS .L_x_1,.L_x_2,.L_x_3"*)', "")
+    function, loop = kernel(sass, bare)
+    assert [i.opcode for i in sass.build_cfg(function).unresolved] == ["BRX"] and loop is None
+
+
+def test_cuobjdump_listing_and_local_calls(sass):
+    # cuobjdump -sass: "Function :" headers, jump targets as addresses, encodings after the instructions;
+    # sm_80 leaves a loop with a CALL.REL.NOINC to a label of the kernel (a jump), not to a subroutine
+    text = """
+	code for sm_80
+		Function : kern
+	.headerflags	@"EF_CUDA_SM80 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM80)"
+        /*0000*/                   HMMA.16816.F32 R8, R4, R6, R8 ;    /* 0x0000000604087239 */
+                                                                       /* 0x000fe20000001808 */
+        /*0010*/                   ISETP.NE.AND P0, PT, R3, R18, PT ;  /* 0x000000120300720c */
+        /*0020*/              @!P0 CALL.REL.NOINC 0x40 ;              /* 0x0000001000008944 */
+        /*0030*/                   BRA 0x0 ;                           /* 0xfffffffc00f07947 */
+        /*0040*/                   EXIT ;                              /* 0x000000000000794d */
+"""
+    function, loop = kernel(sass, text)
+    assert function.name == "kern" and [t for i in function.instrs for t in i.targets] == [0x40, 0x0]
+    steady = loop["paths"]["steady"]
+    assert steady.instrs == 4 and steady.calls == 0 and loop["body"]["blocks"] == 2
+
+
+@pytest.mark.parametrize("opcode, operands, cls", [
+    ("HMMA.16816.F32", "R8, R4, R6, R8", "HMMA"),
+    ("HMMA.1688.F32.TF32", "R8, R4, R6, R8", "HMMA"),
+    ("LDSM.16.MT88.4", "R4, [R2]", "LDSM"),
+    ("LDGSTS.E.BYPASS.128", "[R41], desc[UR8][R32.64], P2", "LDGSTS"),
+    ("MUFU.EX2", "R1, R2", "MUFU.EX2"),
+    ("MUFU.RCP", "R1, R2", "MUFU other"),
+    ("FFMA32I", "R1, R2, 1.5, R3", "FFMA"),
+    ("FMNMX.NAN", "R1, R2, R3, !PT", "FMNMX"),
+    ("FSETP.GEU.AND", "P0, PT, R33, -126, PT", "FSEL/FSETP"),
+    ("SHFL.BFLY", "PT, R1, R2, 0x1, 0x1f", "SHFL"),
+    ("BAR.SYNC.DEFER_BLOCKING", "0x0", "BAR/sync"),
+    ("DEPBAR.LE", "SB0, 0x1", "BAR/sync"),
+    ("BSSY", "B0, `(.L_x_1)", "BAR/sync"),
+    ("BRX", "R2 -0x30", "branch"),
+    ("IMAD.WIDE.U32", "R2, R25, UR4, R2", "INT64"),
+    ("IMAD.HI.U32", "R3, R3, R7, R2", "INT64"),
+    ("IADD3", "R186, P2, -R18, R15, RZ", "INT64"),  # the low half of a 64-bit add: it writes a carry
+    ("IADD3", "R1, R2, 0x10, RZ", "other"),
+    ("IADD3.X", "R47, R9, UR13, RZ, P5, !PT", "INT64"),
+    ("LEA.HI.X.SX32", "R35, R156, R21, 0x1, P4", "INT64"),
+    ("LEA.HI", "R14, R32, R179, RZ, 0x2", "other"),
+    ("ISETP.GT.AND.EX", "P0, PT, R12, R21, PT, P0", "INT64"),
+    ("IMAD.MOV.U32", "R2, RZ, RZ, R4", "other"),
+    ("LDG.E.U8", "R15, desc[UR4][R16.64]", "LDG"),
+    ("STG.E", "desc[UR8][R4.64], R10", "STG"),
+    ("LDS.64", "R2, [R3]", "LDS/STS"),
+    ("STL", "[R1], R2", "LDL/STL"),
+])
+def test_classes(sass, opcode, operands, cls):
+    assert sass.classify(opcode, operands) == cls
+    assert cls in sass.CLASSES
+
+
+def test_occupancy(sass):
+    # 213 registers: 6912 a warp (27 units of 256), 2 warps in each 16384-register sub-partition: 8 warps
+    assert sass.occupancy("sm_90", 213, 128, 37888) == {"blocks": 2, "warps": 8, "limit": "registers"}
+    # 128 registers: 4 blocks by registers; 69632 + 1 KiB of shared memory: 2 blocks on sm_80, 3 on sm_90
+    assert sass.occupancy("sm_80", 128, 128, 69632) == {"blocks": 2, "warps": 8, "limit": "shared"}
+    assert sass.occupancy("sm_90", 128, 128, 69632) == {"blocks": 3, "warps": 12, "limit": "shared"}
+    assert sass.occupancy("sm_90", 32, 128, 0)["limit"] == "warps+registers"  # 16 blocks of 4 warps
+    assert sass.occupancy("sm_90", 40, 32, None) == {"blocks": 32, "warps": 32, "limit": "blocks"}
+    assert sass.occupancy("sm_90", 64, None, 0)["blocks"] is None
+
+
+def test_names(sass):
+    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_forward_mma<__half, 64>("
+                           "attnx::AttentionParams, attnx::AttentionPointers, attnx::cuda::AttentionMmaPlan)"
+                           ) == "mma fp16 bucket64"
+    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_forward_mma<__nv_bfloat16, "
+                           "128, true>(attnx::AttentionParams)") == "mma bf16 bucket128 plain"
+    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_forward_simt<float, 128, 4>("
+                           "attnx::AttentionParams)") == "simt fp32 bucket128 rows4"
+    fa2 = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+           "cutlass::half_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::half_t> >, false, false, false, "
+           "false, true, true, false, false>(flash::Flash_fwd_params)")
+    assert sass.short_name(fa2) == "fa2 fp16 hdim64 128x128 4w even_MN even_K"
+    assert sass.threads_from_name(fa2) == 128
+    assert sass.dynamic_smem("fa2 fp16 hdim64 128x128 4w even_MN even_K", fa2) == 128 * 64 * 2 * 3
+    assert sass.dynamic_smem("mma fp16 bucket64", "") == 2 * 2 * 64 * 72 * 2
+
+
+def test_the_shared_memory_formula_is_the_launch_plans(sass, tmp_path):
+    """dynamic_smem's attnx formula against plan_attention_mma in csrc/cuda/attention_plan.h."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "plan.cpp"
+    src.write_text("""
+#include <cstdio>
+#include "cuda/attention_plan.h"
+using namespace attnx;
+using namespace attnx::cuda;
+int main() {
+  const DType dtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
+  const char* names[] = {"fp16", "bf16", "fp32"};
+  for (int d = 0; d < 3; ++d)
+    for (int bucket = 32; bucket <= 128; bucket *= 2) {
+      AttentionParams p{};
+      p.batch = p.heads = p.kv_heads = p.q_len = 1;
+      p.head_dim = p.v_head_dim = bucket;
+      AttentionPointers ptr{};
+      const AttentionMmaPlan plan = plan_attention_mma(p, dtypes[d], ptr);
+      if (plan.bucket) std::printf("%s %d %zu\\n", names[d], bucket, plan.smem_bytes);
+    }
+}
+""")
+    exe = tmp_path / "plan"
+    subprocess.run([cxx, "-std=c++17", "-I", os.path.join(ROOT, "csrc"), "-I",
+                    os.path.join(ROOT, "csrc", "include"), str(src), "-o", str(exe)], check=True, timeout=120)
+    lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
+    plans = [line.split() for line in lines if line]
+    assert len(plans) == 8  # fp16, bf16 up to 128; fp32 up to 64
+    for dtype, bucket, smem in plans:
+        assert sass.dynamic_smem(f"mma {dtype} bucket{bucket}", "") == int(smem), (dtype, bucket)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The built library: each tensor-core kernel of one arch has an HMMA loop with a plausible count (not the
+# budgets: they are the kernels' target, not their state).
+
+
+@pytest.fixture(scope="module")
+def built(sass):
+    libs = sorted(glob.glob(os.path.join(ROOT, "python", "attnx", "_C_cuda*.so")))
+    if not libs:
+        pytest.skip("no CUDA library in python/attnx (a CPU torch, or no nvcc at build time)")
+    cuobjdump = sass.gpu_check.find_tool("cuobjdump")
+    tools = {"cuobjdump": cuobjdump, "nvdisasm": sass.find_nvdisasm(cuobjdump)}
+    if not all(tools.values()):
+        pytest.skip("no cuobjdump or nvdisasm (CUDA toolkit, or triton's copies beside torch)")
+    rows = sass.analyse(libs[:1], arch="sm_90", tools=tools)  # one arch keeps this to seconds
+    if not rows:
+        pytest.skip("the library has no sm_90 code")
+    return rows
+
+
+def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
+    found = {tuple(r["kernel"].split()[1:3]) for r in built}
+    assert found >= {(dtype, f"bucket{b}") for dtype in ("fp16", "bf16") for b in (32, 64, 128)} | {
+        ("fp32", "bucket32"), ("fp32", "bucket64")}, found
+    for r in built:
+        assert r["kernel"].startswith("mma ") and r["arch"] == "sm_90", r["kernel"]
+        loop = r["loop"]
+        assert loop is not None, f"{r['kernel']}: no loop holds HMMA"
+        steady = loop["paths"]["steady"]
+        # a tile's QK^T and PV: at least one m16n8k16 (m16n8k8 for fp32) per 8 keys per 16 columns each
+        bucket = int(r["kernel"].split()[2][len("bucket"):])
+        assert steady.classes.get("HMMA", 0) >= 2 * bucket // 16, r["kernel"]
+        assert steady.classes.get("LDSM", 0) > 0 and steady.classes.get("LDGSTS", 0) > 0, r["kernel"]
+        assert 2 <= steady.per_hmma() <= 40, (r["kernel"], steady.per_hmma())
+        assert steady.instrs <= loop["paths"]["max"].instrs and steady.instrs >= loop["paths"]["min"].instrs
+        assert r["registers"] > 0 and r["threads"] % 32 == 0 and r["occupancy"]["blocks"] >= 1
+    text = sass.format_table(built)
+    assert "mma fp16 bucket64" in text and "The steady path by instruction class" in text
+    json_rows = [sass.row_json(r) for r in built]
+    assert all(j["loop"]["paths"]["steady"]["per_hmma"] for j in json_rows)
+
+
+def test_the_command_line(sass, built, tmp_path, capsys):
+    # one kernel, check mode: the exit status is the budget verdict the JSON records
+    out = tmp_path / "sass.json"
+    status = sass.main(["--arch", "sm_90", "--kernel", "^mma fp16 bucket64 plain$", "--json", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    (row,) = result["kernels"]
+    assert row["arch"] == "sm_90" and row["kernel"].startswith("mma fp16 bucket64")
+    assert status == (1 if result["problems"] else 0)
+    assert ("FAIL: over budget:" in printed) == bool(result["problems"])
+    assert row["loop"]["paths"]["steady"]["classes"]["HMMA"] == 64
+
+
+def test_the_anchor_figures_add_up(sass):
+    assert set(sass.FA2_ANCHOR) == {(arch, d) for arch in ("sm_80", "sm_90") for d in (64, 128)}
+    for key, a in sass.FA2_ANCHOR.items():
+        assert sum(a["classes"].values()) == a["instrs"] and a["classes"]["HMMA"] == a["hmma"], key
+        assert a["per_hmma"] == round(a["instrs"] / a["hmma"], 2) and set(a["classes"]) <= set(sass.CLASSES)
+        # the budgets are an FA2-shaped loop's: FA2 meets them
+        assert a["per_hmma"] <= sass.MAX_PER_HMMA[key[1]], key
+
+
+def test_the_plain_loops_hold_only_the_tile_and_stay_near_flashattention(sass, built):
+    """The plain instantiation (no mask, no soft-cap) of the fp16/bf16 kernels: nothing the budgets forbid
+    anywhere in its tile loop (jump tables, global loads, 64-bit multiplies, soft-cap branches), no spills,
+    and its steady path within 1.25x FlashAttention-2's instructions per HMMA at bucket 128 (measured 1.21)
+    and 1.4x at bucket 64 (measured 1.35-1.37; the budget of 5 per HMMA there needs FA2's 32 query rows a
+    warp, which this kernel's 16 do not reach)."""
+    plain = [r for r in built if re.fullmatch(r"mma (fp16|bf16) bucket(64|128) plain", r["kernel"])]
+    assert len(plain) == 4, [r["kernel"] for r in built]
+    for r in plain:
+        per_hmma_line = re.compile(r"instructions per HMMA on the steady path")
+        assert [p for p in sass.check_row(r) if not per_hmma_line.search(p)] == [], r["kernel"]
+        bucket = int(r["kernel"].split()[2][len("bucket"):])
+        ratio = r["loop"]["paths"]["steady"].per_hmma() / sass.anchor_for(r)["per_hmma"]
+        assert ratio <= {64: 1.4, 128: 1.25}[bucket], (r["kernel"], ratio)
