@@ -57,7 +57,7 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   }
   switch (forward_kernel(pb.call, dtype, target)) {
     case Kernel::kMma:
-      pb.kernel = "cuda mma " + bucket;
+      pb.kernel = "cuda mma " + bucket + (plan_attention_mma(p, dtype, pb.call.ptr).plain ? "" : " general");
       break;
     case Kernel::kSimt:
       pb.kernel = "cuda simt " + bucket;

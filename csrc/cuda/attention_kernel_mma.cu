@@ -11,7 +11,8 @@
 // row-major, in two stages: cp.async copies tile i + 1 while tile i is computed (16-byte copies when the rows
 // allow it, see mma_vector_loads; element by element through the strides otherwise). Per tile: S = Q K^T
 // (8 n-tiles of 8 keys, K's B fragments by ldmatrix), scale and both masks read in place, the online softmax
-// of softmax.h per row (a row's 64 scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
+// of softmax.h per row in base 2 (one FFMA and one ex2 per score, the scale folded into the FFMA; a row's 64
+// scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
 // O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
 // fragment of one k-step; V's B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel: the
 // loop runs over the keys the block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window,
@@ -35,7 +36,11 @@
 namespace attnx::cuda {
 namespace {
 
-template <typename scalar_t, int kBucket>
+// kPlain (AttentionMmaPlan::plain: no mask, no soft-cap, a positive scale, vector loads) keeps the scores unscaled through the
+// tile loop: the row maxima are taken on Q K^T itself and the scale, with log2(e), is folded into the one
+// FFMA that subtracts the maximum before ex2, and the loop holds no code for masks or the cap. The general
+// instantiation scales each score, caps it and adds the masks; its exponent's factor is log2(e) alone.
+template <typename scalar_t, int kBucket, bool kPlain>
 __global__ void __launch_bounds__(kWarps* kWarpSize)
     attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan) {
   constexpr bool kTf32 = std::is_same<scalar_t, float>::value;  // 3xTF32, m16n8k8
@@ -50,6 +55,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   constexpr int kLd = mma_tile_ld(kBucket, static_cast<int>(sizeof(scalar_t)));
   constexpr int kTile = kMmaTileKeys * kLd;  // elements of one staged K or V tile
   constexpr float kNegInf = -INFINITY;
+  constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two k-steps / two n-tiles");
 
   // Stage s: K at smem + 2 s kTile, V right after; zero past D (Dv) and past the tile's last key.
@@ -69,6 +75,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const float scale = split_value<float>(p.scale, p.scale_lo);
   const SoftCap<float> cap = soft_cap_of<float>(p);
   const scalar_t zero = from_acc<scalar_t>(0.0f);
+  // The loop's scores x are `unit` times the logits (kPlain: Q K^T, unit = scale; otherwise the logits), and
+  // exp(logit - max) = 2^(x c - max c) with c = unit log2(e).
+  const float unit = kPlain ? scale : 1.0f;
+  const float c = unit * kLog2e;
 
   // This lane's two query rows: fragment rows g and g + 8 of the warp's 16.
   int64_t l[2];
@@ -84,6 +94,20 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const auto tile_keys = [&](int64_t k0) {
     return kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
   };
+
+  // Every tile starts at kv_begin + kMmaTileKeys n. The interior tiles of this warp, n_lo <= n < n_hi, hold
+  // 64 keys that every one of its 16 rows (all below L) sees: they need no per-element key-range test. Found
+  // once here, so that a tile's test is one unsigned compare of its 32-bit index (a key range of 2^37 keys
+  // is beyond any tensor a GPU holds).
+  const int64_t warp_row0 = q0 + warp * kMmaRowsPerWarp;
+  int n_lo = 0, n_hi = 0;
+  if (warp_row0 + kMmaRowsPerWarp <= L) {
+    const int64_t in_lo = range_key_begin(warp_row0 + kMmaRowsPerWarp - 1, L, Sb, p.window_left);
+    const int64_t in_hi = range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
+    n_lo = static_cast<int>((range_max(in_lo - kv_begin, 0) + kMmaTileKeys - 1) / kMmaTileKeys);
+    n_hi = static_cast<int>(range_max(in_hi - kv_begin, 0) / kMmaTileKeys);
+    n_hi = n_hi > n_lo ? n_hi : n_lo;
+  }
 
   // Tiles that key_padding_mask removes entirely, found before the tile loop rather than by a read at the top
   // of every tile: a window of kWindowTiles tiles from window_k0 is scanned once (32 keys per warp-wide load
@@ -110,41 +134,66 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // The first tile at or after k0 (a tile start) that key_padding_mask does not remove entirely; kv_end when
   // none. Register work only, but for the scan of a new window.
   const auto next_tile = [&](int64_t k0) {
-    if (p.key_padding_mask_kind == kMaskNone) return k0;
-    for (; k0 < kv_end; k0 = window_k0 + kWindowKeys) {
-      if (k0 >= window_k0 + kWindowKeys) scan_window(k0);
-      const int first = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
-      const uint32_t mine = lane < first / 32    ? 0u
-                            : lane == first / 32 ? tiles_seen & (~0u << (first % 32))
-                                                 : tiles_seen;
-      const unsigned lanes = __ballot_sync(kFullMask, mine != 0);
-      if (lanes != 0) {
-        const int owner = __ffs(static_cast<int>(lanes)) - 1;
-        const uint32_t word = __shfl_sync(kFullMask, mine, owner);
-        return window_k0 + int64_t{32 * owner + __ffs(static_cast<int>(word)) - 1} * kMmaTileKeys;
+    if constexpr (!kPlain) {
+      if (p.key_padding_mask_kind != kMaskNone) {
+        for (; k0 < kv_end; k0 = window_k0 + kWindowKeys) {
+          if (k0 >= window_k0 + kWindowKeys) scan_window(k0);
+          const int first = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
+          const uint32_t mine = lane < first / 32    ? 0u
+                                : lane == first / 32 ? tiles_seen & (~0u << (first % 32))
+                                                     : tiles_seen;
+          const unsigned lanes = __ballot_sync(kFullMask, mine != 0);
+          if (lanes != 0) {
+            const int owner = __ffs(static_cast<int>(lanes)) - 1;
+            const uint32_t word = __shfl_sync(kFullMask, mine, owner);
+            return window_k0 + int64_t{32 * owner + __ffs(static_cast<int>(word)) - 1} * kMmaTileKeys;
+          }
+        }
+        return kv_end;
       }
     }
-    return kv_end;
+    return k0;
   };
-  if (p.key_padding_mask_kind != kMaskNone && kv_begin < kv_end) scan_window(kv_begin);
+  if (!kPlain && p.key_padding_mask_kind != kMaskNone && kv_begin < kv_end) scan_window(kv_begin);
 
-  // Stages the tile of keys k0 .. k0 + nk - 1 into `stage` and commits its copies as one cp.async group.
-  // Consecutive threads fill consecutive 16-byte chunks of a row (coalesced reads, conflict-free stores).
+  // Staging with cp.async (plan.vector_loads): consecutive threads fill consecutive 16-byte chunks of a row
+  // (coalesced reads, conflict-free stores); this thread copies chunk c_chunk of rows j_chunk + kCopyRows it.
+  // Its source addresses move by pointer increments: k_src is its first chunk of the next tile to stage, the
+  // others kCopyRows rows apart, and a tile kMmaTileKeys rows on (no 64-bit multiply per copy). A chunk past
+  // D (Dv) is zero-filled and reads nothing: its thread's address stays at k (v), a key stride of 0.
+  constexpr int kChunks = kBucket / kVec;  // 16-byte chunks per row
+  constexpr int kCopyRows = kThreads / kChunks;
+  constexpr int kCopies = kMmaTileKeys / kCopyRows;
+  static_assert(kThreads % kChunks == 0 && kMmaTileKeys % kCopyRows == 0, "every thread copies alike");
+  const int j_chunk = tid / kChunks, c_chunk = kVec * (tid % kChunks);
+  const bool k_chunk = c_chunk < D, v_chunk = c_chunk < Dv;
+  const int64_t k_key = k_chunk ? p.k_stride[2] : 0, v_key = v_chunk ? p.v_stride[2] : 0;
+  const scalar_t* const k_chunk0 = k + j_chunk * k_key + (k_chunk ? c_chunk : 0);  // key 0's chunk
+  const scalar_t* const v_chunk0 = v + j_chunk * v_key + (v_chunk ? c_chunk : 0);
+  const scalar_t* k_src = k_chunk0;
+  const scalar_t* v_src = v_chunk0;
+
+  // Stages the tile of keys k0 .. k0 + nk - 1 into `stage` and commits its copies as one cp.async group;
+  // k_src and v_src are that tile's (vector loads). A row past the tile's last key is zero-filled and reads
+  // nothing (src-size 0, as CUTLASS's zfill copies): its address, past the keys, is never read, so it needs
+  // no select. The plain kernel is only launched with vector loads (plan_attention_mma), which keeps the
+  // element-wise path, its global loads and its 64-bit index arithmetic, out of its tile loop.
   const auto stage_tile = [&](int stage, int64_t k0, int nk) {
     scalar_t* const k_s = smem + 2 * stage * kTile;
     scalar_t* const v_s = k_s + kTile;
-    if (plan.vector_loads) {
-      constexpr int kChunks = kBucket / kVec;  // 16-byte chunks per row
-      static_assert(kMmaTileKeys * kChunks % kThreads == 0, "every thread copies the same number of chunks");
+    if (kPlain || plan.vector_loads) {
+      const scalar_t* ks = k_src;
+      const scalar_t* vs = v_src;
 #pragma unroll
-      for (int it = 0; it < kMmaTileKeys * kChunks / kThreads; ++it) {
-        const int i = tid + it * kThreads;
-        const int j = i / kChunks, c = kVec * (i % kChunks);
-        const bool k_valid = j < nk && c < D, v_valid = j < nk && c < Dv;
-        cp_async_16(k_s + j * kLd + c, k_valid ? k + (k0 + j) * p.k_stride[2] + c : k, k_valid);
-        cp_async_16(v_s + j * kLd + c, v_valid ? v + (k0 + j) * p.v_stride[2] + c : v, v_valid);
+      for (int it = 0; it < kCopies; ++it) {
+        const int j = j_chunk + kCopyRows * it;
+        const int dst = j * kLd + c_chunk;
+        cp_async_16(k_s + dst, ks, k_chunk && j < nk);
+        cp_async_16(v_s + dst, vs, v_chunk && j < nk);
+        ks += kCopyRows * k_key;
+        vs += kCopyRows * v_key;
       }
-    } else {
+    } else if constexpr (!kPlain) {
       for (int j = warp; j < kMmaTileKeys; j += kWarps) {
         const bool valid = j < nk;
         const scalar_t* ksrc = k + (k0 + j) * p.k_stride[2];
@@ -157,9 +206,25 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
     cp_async_commit();
   };
+  // k_src and v_src for the tile at k1, the tile after the one at k0: a constant step when it is the next
+  // one (always, but where key_padding_mask skips tiles).
+  const auto advance_src = [&](int64_t k0, int64_t k1) {
+    if (kPlain || k1 == k0 + kMmaTileKeys) {
+      k_src += kMmaTileKeys * k_key;
+      v_src += kMmaTileKeys * v_key;
+    } else {
+      k_src = k_chunk0 + k1 * k_key;
+      v_src = v_chunk0 + k1 * v_key;
+    }
+  };
 
   int64_t k0 = kv_begin < kv_end ? next_tile(kv_begin) : kv_end;
-  if (k0 < kv_end) stage_tile(0, k0, tile_keys(k0));
+  int n_tile = static_cast<int>((k0 - kv_begin) / kMmaTileKeys);  // k0 = kv_begin + kMmaTileKeys n_tile
+  if (k0 < kv_end) {
+    k_src = k_chunk0 + k0 * k_key;
+    v_src = v_chunk0 + k0 * v_key;
+    stage_tile(0, k0, tile_keys(k0));
+  }
 
   // Q fragments, zero past D and past L: register i holds rows g (i even) or g + 8 (i odd), columns
   // 16 ks + 2t (+ 8 for i >= 2), two elements each; float32: column 8 ks + t (+ 4 for i >= 2), its big part
@@ -192,6 +257,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
   }
+  // The rows' running statistics, the maximum in the loop's units (x).
   SoftmaxRow<float> state[2] = {softmax_row_init<float>(), softmax_row_init<float>()};
 
   // ldmatrix row addresses of this lane. K (no .trans): matrix m = (keys 8j .. 8j + 7, columns 16 ks + 8m
@@ -200,13 +266,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // + 7), i.e. the b[0], b[1] of output n-tiles n and n + 1.
   const int k_lane = (lane % 8) * kLd + kVec * (lane / 8);
   const int v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kLd + 8 * (lane / 16);
-  const int64_t warp_row0 = q0 + warp * kMmaRowsPerWarp;
 
   for (int stage = 0; k0 < kv_end; stage ^= 1) {
     const int nk = tile_keys(k0);
     const int64_t k_next = next_tile(k0 + kMmaTileKeys);
     if (k_next < kv_end) {
       // The other stage was last read in the previous iteration, which ended with a barrier.
+      advance_src(k0, k_next);
       stage_tile(stage ^ 1, k_next, tile_keys(k_next));
       cp_async_wait<1>();
     } else {
@@ -236,26 +302,26 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
     }
 
-    // Scale, soft-capping and masks: element i of n-tile j is row l[i / 2], key k0 + 8j + 2t + i % 2. A tile
-    // with no mask, 64 keys, the warp's 16 rows all below L and every key in every one of their intervals
-    // only needs the scale (and the cap): the common case takes that short path (uniform over the warp).
+    // The scores x (element i of n-tile j is row l[i / 2], key k0 + 8j + 2t + i % 2) and their row maxima.
+    // kPlain: x = Q K^T. Otherwise the scaled score, capped, plus the masks. An interior tile with no mask
+    // needs nothing more (uniform over the warp); other tiles test each score against its row's interval
+    // and read the masks.
     float row_max[2] = {kNegInf, kNegInf};
-    // (The interval ends grow with the row: every row of the warp sees keys from its last row's first key
-    // to its first row's end. Recomputed per tile from kernel parameters rather than held in registers
-    // across the loop, as are the rows' intervals below: the loop is register-bound.) An interior tile (64
-    // keys, the warp's 16 rows all below L, every key in every one of their intervals) needs no per-element
-    // key-range test; only boundary tiles take one.
-    const bool interior = nk == kMmaTileKeys && warp_row0 + kMmaRowsPerWarp <= L &&
-                          range_key_begin(warp_row0 + kMmaRowsPerWarp - 1, L, Sb, p.window_left) <= k0 &&
-                          k0 + kMmaTileKeys <= range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
-    if (interior && p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone) {
+    const bool interior = static_cast<unsigned>(n_tile - n_lo) < static_cast<unsigned>(n_hi - n_lo);
+    const auto score = [&](float x) {
+      if constexpr (!kPlain) {
+        x *= scale;
+        if (cap.cap > 0.0f) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);
+      }
+      return x;
+    };
+    if (interior && (kPlain || (p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone))) {
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          s[j][i] *= scale;
-          if (cap.cap > 0.0f) s[j][i] = kTf32 ? soft_cap(s[j][i], cap) : soft_cap_fast(s[j][i], cap);
-          row_max[i / 2] = nan_max(row_max[i / 2], s[j][i]);
+          s[j][i] = score(s[j][i]);
+          row_max[i / 2] = max_nan(row_max[i / 2], s[j][i]);
         }
       }
     } else {
@@ -266,7 +332,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int jj = 8 * j + 2 * t + e;
-          kpm[j][e] = p.key_padding_mask_kind != kMaskNone && jj < nk
+          kpm[j][e] = !kPlain && p.key_padding_mask_kind != kMaskNone && jj < nk
                           ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
                                               kpm_base + (k0 + jj) * p.key_padding_mask_stride[1])
                           : 0.0f;
@@ -289,7 +355,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
             hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
             row_reads = active[r] && lo < hi;
           }
-          const int64_t am_row =
+          [[maybe_unused]] const int64_t am_row =
               am_base + l[r] * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
 #pragma unroll
           for (int j = 0; j < kSTiles; ++j) {
@@ -299,18 +365,19 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
               const int jj = 8 * j + 2 * t + e;
               float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
               if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
-                float bias = kpm[j][e];
-                if (p.attn_mask_kind != kMaskNone) {
-                  bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
-                                           am_row + (8 * j + e) * p.attn_mask_stride[3]) +
-                         bias;
+                x = score(s[j][i]);
+                if constexpr (!kPlain) {
+                  float bias = kpm[j][e];
+                  if (p.attn_mask_kind != kMaskNone) {
+                    bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
+                                             am_row + (8 * j + e) * p.attn_mask_stride[3]) +
+                           bias;
+                  }
+                  x += bias;
                 }
-                x = s[j][i] * scale;
-                if (cap.cap > 0.0f) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);
-                x += bias;
               }
               s[j][i] = x;
-              row_max[r] = nan_max(row_max[r], x);
+              row_max[r] = max_nan(row_max[r], x);
             }
           }
         }
@@ -322,27 +389,30 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
     }
 
-    // Online softmax per row; a row's scores are spread over the 4 lanes of its quad.
+    // Online softmax per row (softmax.h's recurrence, in base 2: p = 2^(x c - base c)); a row's scores are
+    // spread over the 4 lanes of its quad.
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float m = row_max[r];
-      m = nan_max(m, __shfl_xor_sync(kFullMask, m, 1));
-      m = nan_max(m, __shfl_xor_sync(kFullMask, m, 2));
-      const SoftmaxStep<float> step = softmax_step(state[r], m);
+      m = max_nan(m, __shfl_xor_sync(kFullMask, m, 1));
+      m = max_nan(m, __shfl_xor_sync(kFullMask, m, 2));
+      m = max_nan(state[r].max, m);
+      const float base_c = safe_max(m) * c;
+      alpha[r] = fast_exp2(state[r].max * c - base_c);  // 0 while the row has seen only -inf
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int i = 2 * r; i < 2 * r + 2; ++i) {
-          s[j][i] = fast_exp(s[j][i] - step.base);
+          s[j][i] = fast_exp2(s[j][i] * c - base_c);
           sum += s[j][i];
         }
       }
       sum += __shfl_xor_sync(kFullMask, sum, 1);
       sum += __shfl_xor_sync(kFullMask, sum, 2);
-      state[r] = softmax_advance(state[r], step, sum);
-      alpha[r] = step.alpha;
+      state[r].sum = state[r].sum * alpha[r] + sum;
+      state[r].max = m;
     }
 #pragma unroll
     for (int n = 0; n < kOTiles; ++n) {
@@ -390,16 +460,20 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
+    n_tile = kPlain || k_next == k0 + kMmaTileKeys ? n_tile + 1
+                                                   : static_cast<int>((k_next - kv_begin) / kMmaTileKeys);
     k0 = k_next;
   }
 
-  // out = O / l, lse = m + log(l) (the sink joins l); fully masked rows: out 0, lse +inf.
+  // out = O / l, lse = m + log(l) (the sink joins l); fully masked rows: out 0, lse +inf. The maxima go back
+  // to logits first.
   const float sink = p.has_sinks ? static_cast<const float*>(ptr.sinks)[h] : 0.0f;
   scalar_t* const out = static_cast<scalar_t*>(ptr.out) + b * p.out_stride[0] + h * p.out_stride[1];
   float* const lse = static_cast<float*>(ptr.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (!active[r]) continue;
+    state[r].max *= unit;
     const bool empty = softmax_row_empty(state[r]);
     const RowResult<float> result = softmax_finish(state[r], p.has_sinks != 0, sink);
     const float factor = result.factor;
@@ -421,8 +495,10 @@ template <typename scalar_t>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        cudaStream_t stream) {
   const auto launch = [&](auto bucket) {
-    return launch_plan(&attention_forward_mma<scalar_t, decltype(bucket)::value>, plan.blocks, plan.threads,
-                       plan.smem_bytes, stream, p, ptr, plan);
+    constexpr int kBucket = decltype(bucket)::value;
+    return launch_plan(plan.plain ? &attention_forward_mma<scalar_t, kBucket, true>
+                                  : &attention_forward_mma<scalar_t, kBucket, false>,
+                       plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan);
   };
   if constexpr (std::is_same<scalar_t, float>::value) {
     return dispatch_bucket<32, 64>(plan.bucket, launch);  // up to kMmaMaxHeadDimTf32

@@ -203,8 +203,17 @@ inline bool mma_vector_loads(const AttentionParams& p, const void* key, const vo
          rows_aligned(p.k_stride) && rows_aligned(p.v_stride);
 }
 
+// Whether a call's features let the mma kernel's plain instantiation run it: no mask, no soft-cap and a
+// scale in [2^-100, 2^100] (positive, so that the row maxima can be taken on Q K^T before the scale, and far
+// enough from 0 and inf that scale log2(e) is a normal float). The plan also asks for vector loads.
+constexpr bool mma_plain(const AttentionParams& p) {
+  return p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone && !(p.softcap > 0.0f) &&
+         p.scale >= 0x1p-100f && p.scale <= 0x1p100f;
+}
+
 struct AttentionMmaPlan {
   int bucket;  // head-dim bucket (32, 64 or 128; float32: 32 or 64); 0 when mma_supports() is false
+  bool plain;  // mma_plain() and vector_loads: the kernel's instantiation without masks and soft-cap
   int threads;
   int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
   int64_t bh;
@@ -224,6 +233,7 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   const int element_bytes = mma_element_bytes(dtype);
   plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value, element_bytes);
+  plan.plain = mma_plain(p) && plan.vector_loads;
   // kMmaStages * (K tile + V tile)
   plan.smem_bytes =
       static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * mma_tile_ld(plan.bucket, element_bytes)) *

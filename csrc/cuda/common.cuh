@@ -502,15 +502,29 @@ __device__ __forceinline__ float fast_tanh(float x) {
 #endif
 }
 
-// exp(x) through the SFU's ex2.approx (2 instructions; relative error ~2^-21 plus ~2^-24 |x|, far below the
-// 2^-8 of the float16/bfloat16 probabilities it feeds; for float32's unrounded ones, weighted by the
-// probability, near float32's own rounding: the float32 tests passed on an H100). expf under the emulation,
-// which therefore cannot see this error. -inf gives 0 and NaN stays NaN.
-__device__ __forceinline__ float fast_exp(float x) {
-#if defined(ATTNX_CUDA_EMULATION)
-  return expf(x);
+// 2^x on the SFU: one ex2.approx.ftz (relative error ~2^-22; results and arguments below 2^-126 flush to 0,
+// far below the probabilities' own rounding). The tensor-core kernel's exponential: with the scores' scale
+// and log2(e) folded into the FFMA that subtracts the row's maximum, a probability is two instructions, as in
+// FlashAttention-2. exp2f under the emulation, which therefore cannot see this error. -inf gives 0 and NaN
+// stays NaN.
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(ATTNX_CUDA_EMULATION) || !defined(__CUDA_ARCH__)
+  return exp2f(x);
 #else
-  return __expf(x);
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+// nan_max (attnx/softmax.h) in one instruction on sm80+: max.NaN returns NaN when either argument is NaN.
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if defined(ATTNX_CUDA_EMULATION) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
+  return nan_max(a, b);
+#else
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+  return y;
 #endif
 }
 
