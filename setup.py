@@ -21,7 +21,7 @@ Environment:
                                      kernels built (`make sanitize` builds those its machine runs)
   CUDA_HOME                          toolkit root; by default read from `nvcc --dryrun`
                                      (nvcc may be a wrapper)
-  TORCH_CUDA_ARCH_LIST               default "8.0;9.0" when no GPU is visible
+  TORCH_CUDA_ARCH_LIST               default "8.0;9.0+PTX" when no GPU is visible
   MAX_JOBS                           parallel compile jobs (ninja)
 """
 
@@ -95,8 +95,9 @@ def _configure():
         # when nvcc is a wrapper script.
         os.environ["CUDA_HOME"] = cuda_home
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            # Without a visible GPU, torch derives no arch and the build crashes: name Ampere and Hopper.
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+            # Without a visible GPU, torch derives no arch and the build crashes: name Ampere and Hopper,
+            # with Hopper's PTX, which the driver compiles for later GPUs (Blackwell) at first use.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
 
     mps = False
     if with_mps != "0":

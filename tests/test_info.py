@@ -177,6 +177,12 @@ def test_arch_runs():
     assert info.arch_runs("9.0a", (9, 0)) is True
     assert info.arch_runs("9.0a", (10, 0)) is False
     assert info.arch_runs("Ampere", (8, 0)) is None
+    assert info.arch_code("8.0;9.0+PTX", (9, 0)) == "cubin"
+    assert info.arch_code("8.0;9.0+PTX", (8, 9)) == "cubin"
+    assert info.arch_code("8.0;9.0+PTX", (10, 0)) == "ptx"
+    assert info.arch_code("8.0;9.0+PTX", (12, 0)) == "ptx"
+    assert info.arch_code("8.0;9.0+PTX", (7, 5)) == "none"
+    assert info.arch_code("9.0a+PTX", (10, 0)) == "none"  # arch-specific PTX runs on its arch only
 
 
 @pytest.mark.cuda

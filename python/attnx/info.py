@@ -115,22 +115,33 @@ def attention_kernel(device, dtype: torch.dtype, head_dim: int, backward: bool =
         return f"none ({str(e).splitlines()[0]})"
 
 
-def arch_runs(arch_list: str, capability: tuple[int, int]) -> bool | None:
-    """Whether code built for ``arch_list`` (TORCH_CUDA_ARCH_LIST's form, ``"8.0;9.0+PTX"``) runs on a device
-    of compute ``capability``: a cubin for X.Y runs on X.y for y >= Y (an arch-specific one, ``9.0a``, on X.Y
-    only), PTX on every later device. None when the list is not made of numbered archs."""
-    runs = False
+def arch_code(arch_list: str, capability: tuple[int, int]) -> str | None:
+    """What of code built for ``arch_list`` (TORCH_CUDA_ARCH_LIST's form, ``"8.0;9.0+PTX"``) a device of
+    compute ``capability`` runs: ``"cubin"`` (a cubin for X.Y runs on X.y for y >= Y; an arch-specific one,
+    ``9.0a``, on X.Y only), ``"ptx"`` (no cubin does, but PTX for an earlier arch, which the driver compiles
+    for the device at first use), ``"none"``; None when the list is not made of numbered archs."""
+    code = "none"
     for entry in filter(None, re.split(r"[;,\s]+", arch_list)):
         match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", entry)
         if match is None:
             return None
         arch, suffix = (int(match[1]), int(match[2])), match[3]
         if suffix == "a":
-            runs |= tuple(capability) == arch
+            cubin = tuple(capability) == arch
         else:
-            runs |= capability[0] == arch[0] and capability[1] >= arch[1]
-            runs |= bool(match[4]) and tuple(capability) >= arch
-    return runs
+            cubin = capability[0] == arch[0] and capability[1] >= arch[1]
+        if cubin:
+            return "cubin"
+        if match[4] and suffix != "a" and tuple(capability) >= arch:
+            code = "ptx"
+    return code
+
+
+def arch_runs(arch_list: str, capability: tuple[int, int]) -> bool | None:
+    """Whether code built for ``arch_list`` runs on a device of compute ``capability`` (arch_code), as a
+    cubin or as PTX; None when the list is not made of numbered archs."""
+    code = arch_code(arch_list, capability)
+    return None if code is None else code != "none"
 
 
 def _build_info() -> dict:
@@ -215,10 +226,12 @@ def cuda_lines() -> list[str]:
         capability = torch.cuda.get_device_capability(index)
         device = (f"cuda:{index} ({torch.cuda.get_device_name(index)}, "
                   f"sm_{capability[0]}{capability[1]})")
-        if archs and arch_runs(archs, capability) is False:
+        code = arch_code(archs, capability) if archs else None
+        if code == "none":
             lines.append(f"CUDA attention on {device}: none, attnx's kernels are not built for it ({built})")
             continue
-        lines.append(f"CUDA attention on {device}:")
+        jit = ", from the build's PTX, which the driver compiles for it at first use" if code == "ptx" else ""
+        lines.append(f"CUDA attention on {device}{jit}:")
         lines += kernel_lines(f"cuda:{index}")
     return lines
 
