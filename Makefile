@@ -158,7 +158,9 @@ wheel-venv-test:
 # under ASan, so on those backends the tests marked `sanitize` run: each emulated kernel with every feature
 # together, every mask dtype, tiles removed whole and in part. Leak detection is off: Python keeps objects
 # alive until exit by design (tests/test_leaks.py checks attnx's own memory). Tests that measure peak memory
-# skip themselves there: ASan's redzones and quarantine are part of any peak measured under it.
+# skip themselves there: ASan's redzones and quarantine are part of any peak measured under it. The copy
+# shares the tree's emulation build cache (ATTNX_EMULATION_CACHE): the Metal kernels `make test` built are
+# the ones it needs.
 SANITIZE_TESTS ?= -m "kernel and not slow and (not emulated or sanitize)"
 # The CPU kernels' x86 variants this machine runs (torch's level), no wider: a wider one could not run here.
 SANITIZE_CPU_VARIANT = $(shell $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability().lower(); \
@@ -172,7 +174,7 @@ SANITIZE_COPIED := $(shell find python tests upstream -type f ! -path '*__pycach
 
 sanitize: build/sanitize/.built $(VENV)/.xdist
 	cd build/sanitize && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
-		$(SANITIZE_ENV) $(PARALLEL) ATTNX_SANITIZE=1 \
+		$(SANITIZE_ENV) $(PARALLEL) ATTNX_SANITIZE=1 ATTNX_EMULATION_CACHE=$(abspath build/emulation) \
 		PYTHONPATH=python $(abspath $(PY)) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist worksteal \
 		$(SANITIZE_TESTS)
 

@@ -11,7 +11,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD_DIR = os.path.join(ROOT, "build", "emulation")
+# ATTNX_EMULATION_CACHE: another tree's cache. `make sanitize` runs a copy of the tree and shares the main
+# tree's, so that a library both build with the same flags (the Metal kernels', which the sanitizers do not
+# instrument) is built once: names hash paths relative to their tree.
+BUILD_DIR = os.environ.get("ATTNX_EMULATION_CACHE") or os.path.join(ROOT, "build", "emulation")
 
 
 class BuildFailed(RuntimeError):
@@ -40,14 +43,15 @@ def cached_build(prefix, cxx, flags, sources, depends, *, cxx_sources=(), librar
     each of ``sources`` compiled by ``cxx`` with ``flags`` into an object of its own, on every core at once
     (``cxx_sources``, among them, as C++ whatever their extension: .cu and .metal files), then linked with
     ``libraries`` after the objects (a linker that drops unneeded libraries reads left to right). The hash
-    covers ``cxx``, its version, ``flags``, ``libraries``, the ``sources`` named, and the bytes of ``depends``
-    and ``sources``. A compiler that does not run raises ``unavailable``; a failed compile raises
-    BuildFailed, which names ``what`` was being built."""
+    covers ``cxx``, its version, ``flags``, ``libraries``, the ``sources`` named (paths in the tree relative
+    to it), and the bytes of ``depends`` and ``sources``. A compiler that does not run raises
+    ``unavailable``; a failed compile raises BuildFailed, which names ``what`` was being built."""
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     except OSError as e:
         raise unavailable(f"{cxx} does not run: {e}") from e
-    digest = hashlib.sha256("\0".join([cxx, version, *flags, *libraries, *sources]).encode())
+    named = [cxx, version, *flags, *libraries, *sources]
+    digest = hashlib.sha256("\0".join(x.replace(ROOT, "<root>") for x in named).encode())
     for path in [*depends, *sources]:
         with open(path, "rb") as f:
             digest.update(f.read())
