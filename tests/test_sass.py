@@ -284,6 +284,7 @@ def test_the_shared_memory_formula_is_the_launch_plans(sass, tmp_path):
     src = tmp_path / "plan.cpp"
     src.write_text("""
 #include <cstdio>
+#include <initializer_list>
 #include "cuda/attention_plan.h"
 using namespace attnx;
 using namespace attnx::cuda;
@@ -291,14 +292,18 @@ int main() {
   const DType dtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
   const char* names[] = {"fp16", "bf16", "fp32"};
   for (int d = 0; d < 3; ++d)
-    for (int bucket = 32; bucket <= 128; bucket *= 2) {
-      AttentionParams p{};
-      p.batch = p.heads = p.kv_heads = p.q_len = 1;
-      p.head_dim = p.v_head_dim = bucket;
-      AttentionPointers ptr{};
-      const AttentionMmaPlan plan = plan_attention_mma(p, dtypes[d], ptr);
-      if (plan.bucket) std::printf("%s %d %zu\\n", names[d], bucket, plan.smem_bytes);
-    }
+    for (int bucket = 32; bucket <= 128; bucket *= 2)
+      for (float scale : {0.0f, 1.0f}) {  // the general instantiation (a scale of 0), the plain one
+        AttentionParams p{};
+        p.batch = p.heads = p.kv_heads = p.q_len = 1;
+        p.head_dim = p.v_head_dim = bucket;
+        p.scale = scale;
+        AttentionPointers ptr{};
+        const AttentionMmaPlan plan = plan_attention_mma(p, dtypes[d], ptr);
+        if (plan.bucket) {
+          std::printf("%s %d %s %zu\\n", names[d], bucket, plan.plain ? "plain" : "general", plan.smem_bytes);
+        }
+      }
 }
 """)
     exe = tmp_path / "plan"
@@ -306,9 +311,10 @@ int main() {
                     os.path.join(ROOT, "csrc", "include"), str(src), "-o", str(exe)], check=True, timeout=120)
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
     plans = [line.split() for line in lines if line]
-    assert len(plans) == 8  # fp16, bf16 up to 128; fp32 up to 64
-    for dtype, bucket, smem in plans:
-        assert sass.dynamic_smem(f"mma {dtype} bucket{bucket}", "") == int(smem), (dtype, bucket)
+    assert len(plans) == 16  # fp16, bf16 up to 128; fp32 up to 64; each plain and general
+    for dtype, bucket, variant, smem in plans:
+        short = f"mma {dtype} bucket{bucket} {variant}"
+        assert sass.dynamic_smem(short, "") == int(smem), short
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -363,7 +369,8 @@ def test_the_command_line(sass, built, tmp_path, capsys):
     assert row["arch"] == "sm_90" and row["kernel"].startswith("mma fp16 bucket64")
     assert status == (1 if result["problems"] else 0)
     assert ("FAIL: over budget:" in printed) == bool(result["problems"])
-    assert row["loop"]["paths"]["steady"]["classes"]["HMMA"] == 64
+    # two row groups of 16 queries a warp: 2 x (QK^T + PV) over 64 keys at bucket 64
+    assert row["loop"]["paths"]["steady"]["classes"]["HMMA"] == 128
 
 
 def test_the_anchor_figures_add_up(sass):
@@ -378,9 +385,8 @@ def test_the_anchor_figures_add_up(sass):
 def test_the_plain_loops_hold_only_the_tile_and_stay_near_flashattention(sass, built):
     """The plain instantiation (no mask, no soft-cap) of the fp16/bf16 kernels: nothing the budgets forbid
     anywhere in its tile loop (jump tables, global loads, 64-bit multiplies, soft-cap branches), no spills,
-    and its steady path within 1.25x FlashAttention-2's instructions per HMMA at bucket 128 (measured 1.21)
-    and 1.4x at bucket 64 (measured 1.35-1.37; the budget of 5 per HMMA there needs FA2's 32 query rows a
-    warp, which this kernel's 16 do not reach)."""
+    and its steady path within 1.25x FlashAttention-2's instructions per HMMA (measured 1.14 at bucket 64,
+    1.21 at 128)."""
     plain = [r for r in built if re.fullmatch(r"mma (fp16|bf16) bucket(64|128) plain", r["kernel"])]
     assert len(plain) == 4, [r["kernel"] for r in built]
     for r in plain:
@@ -388,4 +394,4 @@ def test_the_plain_loops_hold_only_the_tile_and_stay_near_flashattention(sass, b
         assert [p for p in sass.check_row(r) if not per_hmma_line.search(p)] == [], r["kernel"]
         bucket = int(r["kernel"].split()[2][len("bucket"):])
         ratio = r["loop"]["paths"]["steady"].per_hmma() / sass.anchor_for(r)["per_hmma"]
-        assert ratio <= {64: 1.4, 128: 1.25}[bucket], (r["kernel"], ratio)
+        assert ratio <= 1.25, (r["kernel"], bucket, ratio)

@@ -5,11 +5,13 @@
 // (make gpu-check, 2026-11-26); the CPU emulation runs this source in CI with mma.sync, ldmatrix and cp.async
 // replaced by their definitions in the PTX ISA (tests/emulation/cuda_shim.h).
 //
-// FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: one block per (b, h, 64 query
-// rows), 4 warps of 16 rows. A warp keeps its Q fragments (16 x bucket) in registers, loaded once from
-// global memory through q's strides. Tiles of 64 keys are staged in shared memory in the input type, K and V
-// row-major, in two stages: cp.async copies tile i + 1 while tile i is computed (16-byte copies when the rows
-// allow it, see mma_vector_loads; element by element through the strides otherwise). Per tile: S = Q K^T
+// FlashAttention-2's scheme on mma.sync.m16n8k16 with fp32 accumulators: 4 warps of one or two groups of 16
+// query rows (mma_row_groups: two for the plain 16-bit kernels up to bucket 64, as FlashAttention-2's 32-row
+// warps), one block per (b, h, 64 or 128 rows). With one group a warp keeps its Q fragments (16 x bucket) in
+// registers, loaded once from global memory through q's strides; with two, Q is staged in shared memory.
+// Tiles of 64 keys are staged in shared memory in the input type, K and V row-major, in two stages:
+// cp.async copies tile i + 1 while tile i is computed (16-byte copies when the rows allow it, see
+// mma_vector_loads; element by element through the strides otherwise). Per tile: S = Q K^T
 // (8 n-tiles of 8 keys, K's B fragments by ldmatrix), scale and both masks read in place, the online softmax
 // of softmax.h per row in base 2 (one FFMA and one ex2 per score, the scale folded into the FFMA; a row's 64
 // scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
@@ -36,16 +38,21 @@
 namespace attnx::cuda {
 namespace {
 
-// kPlain (AttentionMmaPlan::plain: no mask, no soft-cap, a positive scale, vector loads) keeps the scores unscaled through the
-// tile loop: the row maxima are taken on Q K^T itself and the scale, with log2(e), is folded into the one
-// FFMA that subtracts the maximum before ex2, and the loop holds no code for masks or the cap. The general
-// instantiation scales each score, caps it and adds the masks; its exponent's factor is log2(e) alone.
+// kPlain (AttentionMmaPlan::plain: no mask, no soft-cap, a positive scale, vector loads) keeps the scores
+// unscaled through the tile loop: the row maxima are taken on Q K^T itself and the scale, with log2(e), is
+// folded into the one FFMA that subtracts the maximum before ex2, and the loop holds no code for masks or the
+// cap. The general instantiation scales each score, caps it and adds the masks; its exponent's factor is
+// log2(e) alone.
 template <typename scalar_t, int kBucket, bool kPlain>
 __global__ void __launch_bounds__(kWarps* kWarpSize)
     attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan) {
   constexpr bool kTf32 = std::is_same<scalar_t, float>::value;  // 3xTF32, m16n8k8
   constexpr int kThreads = kWarps * kWarpSize;
-  constexpr int kRowsPerBlock = kMmaRowsPerBlock;
+  // The warp's m16 row groups (mma_row_groups): each K and V fragment feeds the mma of every group.
+  constexpr int kGroups = mma_row_groups(static_cast<int>(sizeof(scalar_t)), kBucket, kPlain);
+  constexpr int kRows = 2 * kGroups;  // query rows of this lane: row R is group R / 2's g (+ 8 for R odd)
+  constexpr int kRowsPerWarp = kMmaRowsPerWarp * kGroups;
+  constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
   constexpr int kVec = 16 / static_cast<int>(sizeof(scalar_t));  // elements per 16-byte chunk
   constexpr int kK = kTf32 ? 8 : 16;                             // the mma's k
   constexpr int kKSteps = kBucket / kK;       // k-steps of Q K^T over the (padded) head dim
@@ -57,6 +64,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   constexpr float kNegInf = -INFINITY;
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two k-steps / two n-tiles");
+  static_assert(!kTf32 || kGroups == 1, "the float32 kernel computes one row group a warp");
+  // With two row groups Q's fragments would take 32 more registers than the loop has: Q is staged in shared
+  // memory once (after the K and V stages) and its fragments read by ldmatrix a k-step pair at a time, as
+  // FlashAttention-2 does where registers are short.
+  constexpr bool kQShared = kGroups > 1;
 
   // Stage s: K at smem + 2 s kTile, V right after; zero past D (Dv) and past the tile's last key.
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
@@ -80,13 +92,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const float unit = kPlain ? scale : 1.0f;
   const float c = unit * kLog2e;
 
-  // This lane's two query rows: fragment rows g and g + 8 of the warp's 16.
-  int64_t l[2];
-  bool active[2];
-  for (int r = 0; r < 2; ++r) {
-    l[r] = q0 + warp * kMmaRowsPerWarp + g + 8 * r;
-    active[r] = l[r] < L;
-  }
+  // This lane's query rows: row(r) is fragment row g (r even) or g + 8 (r odd) of the warp's row group r / 2.
+  // Held in registers for one row group; with two, recomputed where needed (the loop has no registers left).
+  const int64_t warp_row0 = q0 + warp * kRowsPerWarp;
+  int64_t held[2];
+  for (int r = 0; r < 2; ++r) held[r] = warp_row0 + g + 8 * r;
+  const auto row = [&](int r) {
+    return kGroups == 1 ? held[r % 2] : warp_row0 + kMmaRowsPerWarp * (r / 2) + g + 8 * (r % 2);
+  };
 
   // The keys any row of the block sees: from its first row's first key to its last row's end.
   const int64_t kv_begin = range_key_begin(q0, L, Sb, p.window_left);
@@ -96,13 +109,12 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   };
 
   // Every tile starts at kv_begin + kMmaTileKeys n. The interior tiles of this warp, n_lo <= n < n_hi, hold
-  // 64 keys that every one of its 16 rows (all below L) sees: they need no per-element key-range test. Found
+  // 64 keys that every one of its rows (all below L) sees: they need no per-element key-range test. Found
   // once here, so that a tile's test is one unsigned compare of its 32-bit index (a key range of 2^37 keys
   // is beyond any tensor a GPU holds).
-  const int64_t warp_row0 = q0 + warp * kMmaRowsPerWarp;
   int n_lo = 0, n_hi = 0;
-  if (warp_row0 + kMmaRowsPerWarp <= L) {
-    const int64_t in_lo = range_key_begin(warp_row0 + kMmaRowsPerWarp - 1, L, Sb, p.window_left);
+  if (warp_row0 + kRowsPerWarp <= L) {
+    const int64_t in_lo = range_key_begin(warp_row0 + kRowsPerWarp - 1, L, Sb, p.window_left);
     const int64_t in_hi = range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
     n_lo = static_cast<int>((range_max(in_lo - kv_begin, 0) + kMmaTileKeys - 1) / kMmaTileKeys);
     n_hi = static_cast<int>(range_max(in_hi - kv_begin, 0) / kMmaTileKeys);
@@ -229,36 +241,55 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // Q fragments, zero past D and past L: register i holds rows g (i even) or g + 8 (i odd), columns
   // 16 ks + 2t (+ 8 for i >= 2), two elements each; float32: column 8 ks + t (+ 4 for i >= 2), its big part
   // in qa and its small part in qs. Loaded while the first tile's copies are in flight.
-  uint32_t qa[kKSteps][4];
+  uint32_t qa[kQShared ? 1 : kGroups][kQShared ? 1 : kKSteps][4];
   uint32_t qs[kTf32 ? kKSteps : 1][4];
+  scalar_t* const q_s = smem + 4 * kTile + warp * kRowsPerWarp * kLd;  // this warp's rows (kQShared)
+  if constexpr (kQShared) {
+    for (int e = lane; e < kRowsPerWarp * kBucket; e += kWarpSize) {
+      const int rr = e / kBucket, col = e % kBucket;
+      const int64_t qrow = warp_row0 + rr;
+      q_s[rr * kLd + col] = qrow < L && col < D ? q[qrow * p.q_stride[2] + col * p.q_stride[3]] : zero;
+    }
+    __syncwarp();  // ldmatrix reads rows other lanes wrote
+  }
+  if constexpr (!kQShared) {
 #pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
+    for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = i % 2;
-      const scalar_t* src = q + l[r] * p.q_stride[2];
-      if constexpr (kTf32) {
-        const int col = 8 * ks + t + (i >= 2 ? 4 : 0);
-        const Tf32Split x = split_tf32(active[r] && col < D ? src[col * p.q_stride[3]] : 0.0f);
-        qa[ks][i] = x.big;
-        qs[ks][i] = x.small;
-      } else {
-        const int col = 16 * ks + 2 * t + (i >= 2 ? 8 : 0);
-        const scalar_t x0 = active[r] && col < D ? src[col * p.q_stride[3]] : zero;
-        const scalar_t x1 = active[r] && col + 1 < D ? src[(col + 1) * p.q_stride[3]] : zero;
-        qa[ks][i] = pack2(x0, x1);
+      for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = 2 * gi + i % 2;
+          const scalar_t* src = q + row(r) * p.q_stride[2];
+          if constexpr (kTf32) {
+            const int col = 8 * ks + t + (i >= 2 ? 4 : 0);
+            const Tf32Split x = split_tf32(row(r) < L && col < D ? src[col * p.q_stride[3]] : 0.0f);
+            qa[gi][ks][i] = x.big;
+            qs[ks][i] = x.small;
+          } else {
+            const int col = 16 * ks + 2 * t + (i >= 2 ? 8 : 0);
+            const scalar_t x0 = row(r) < L && col < D ? src[col * p.q_stride[3]] : zero;
+            const scalar_t x1 = row(r) < L && col + 1 < D ? src[(col + 1) * p.q_stride[3]] : zero;
+            qa[gi][ks][i] = pack2(x0, x1);
+          }
+        }
       }
     }
   }
 
-  float o[kOTiles][4];
+  float o[kGroups][kOTiles][4];
 #pragma unroll
-  for (int n = 0; n < kOTiles; ++n) {
+  for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+    for (int n = 0; n < kOTiles; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[gi][n][i] = 0.0f;
+    }
   }
   // The rows' running statistics, the maximum in the loop's units (x).
-  SoftmaxRow<float> state[2] = {softmax_row_init<float>(), softmax_row_init<float>()};
+  SoftmaxRow<float> state[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) state[r] = softmax_row_init<float>();
 
   // ldmatrix row addresses of this lane. K (no .trans): matrix m = (keys 8j .. 8j + 7, columns 16 ks + 8m
   // .. + 7), i.e. the b[0], b[1] of k-steps ks and ks + 1 (float32: columns 8 ks + 4m .. + 3, the same
@@ -283,30 +314,72 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     const scalar_t* const v_s = k_s + kTile;
 
     // S = Q K^T: n-tile j is keys k0 + 8j .. + 7; B[kk][n] = K[8j + n][16 ks + kk].
-    float s[kSTiles][4];
+    float s[kGroups][kSTiles][4];
+    if constexpr (kQShared) {
+      // k-step pairs outermost: Q's fragments of a pair (ldmatrix, A's layout: matrices rows 0-7 / 8-15 x
+      // columns 0-7 / 8-15, the lane addresses V's .trans reads use) serve every n-tile.
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
+      for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[j][i] = 0.0f;
+        for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ks += 2) {
-        uint32_t kb[4];
-        ldmatrix_x4<false>(kb, k_s + k_lane + 8 * j * kLd + kK * ks);
-        if constexpr (kTf32) {
-          mma_m16n8k8_3xtf32(s[j], qa[ks], qs[ks], {kb[0], kb[1]});
-          mma_m16n8k8_3xtf32(s[j], qa[ks + 1], qs[ks + 1], {kb[2], kb[3]});
-        } else {
-          mma_m16n8k16<scalar_t>(s[j], qa[ks], {kb[0], kb[1]});
-          mma_m16n8k16<scalar_t>(s[j], qa[ks + 1], {kb[2], kb[3]});
+          for (int i = 0; i < 4; ++i) s[gi][j][i] = 0.0f;
         }
       }
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        uint32_t qf[kGroups][2][4];
+#pragma unroll
+        for (int gi = 0; gi < kGroups; ++gi) {
+          ldmatrix_x4<false>(qf[gi][0], q_s + v_lane + kMmaRowsPerWarp * gi * kLd + kK * ks);
+          ldmatrix_x4<false>(qf[gi][1], q_s + v_lane + kMmaRowsPerWarp * gi * kLd + kK * (ks + 1));
+        }
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+          uint32_t kb[4];
+          ldmatrix_x4<false>(kb, k_s + k_lane + 8 * j * kLd + kK * ks);
+#pragma unroll
+          for (int gi = 0; gi < kGroups; ++gi) {
+            mma_m16n8k16<scalar_t>(s[gi][j], qf[gi][0], {kb[0], kb[1]});
+            mma_m16n8k16<scalar_t>(s[gi][j], qf[gi][1], {kb[2], kb[3]});
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int gi = 0; gi < kGroups; ++gi) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[gi][j][i] = 0.0f;
+        }
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ks += 2) {
+          uint32_t kb[4];
+          ldmatrix_x4<false>(kb, k_s + k_lane + 8 * j * kLd + kK * ks);
+#pragma unroll
+          for (int gi = 0; gi < kGroups; ++gi) {
+            if constexpr (kTf32) {
+              mma_m16n8k8_3xtf32(s[gi][j], qa[gi][ks], qs[ks], {kb[0], kb[1]});
+              mma_m16n8k8_3xtf32(s[gi][j], qa[gi][ks + 1], qs[ks + 1], {kb[2], kb[3]});
+            } else {
+              mma_m16n8k16<scalar_t>(s[gi][j], qa[gi][ks], {kb[0], kb[1]});
+              mma_m16n8k16<scalar_t>(s[gi][j], qa[gi][ks + 1], {kb[2], kb[3]});
+            }
+          }
+        }
+      }
+
     }
 
-    // The scores x (element i of n-tile j is row l[i / 2], key k0 + 8j + 2t + i % 2) and their row maxima.
+    // The scores x (element i of group gi's n-tile j is row l[2 gi + i / 2], key k0 + 8j + 2t + i % 2) and
+    // their row maxima.
     // kPlain: x = Q K^T. Otherwise the scaled score, capped, plus the masks. An interior tile with no mask
     // needs nothing more (uniform over the warp); other tiles test each score against its row's interval
     // and read the masks.
-    float row_max[2] = {kNegInf, kNegInf};
+    float row_max[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) row_max[r] = kNegInf;
     const bool interior = static_cast<unsigned>(n_tile - n_lo) < static_cast<unsigned>(n_hi - n_lo);
     const auto score = [&](float x) {
       if constexpr (!kPlain) {
@@ -317,11 +390,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     };
     if (interior && (kPlain || (p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone))) {
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
+      for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          s[j][i] = score(s[j][i]);
-          row_max[i / 2] = max_nan(row_max[i / 2], s[j][i]);
+        for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            s[gi][j][i] = score(s[gi][j][i]);
+            row_max[2 * gi + i / 2] = max_nan(row_max[2 * gi + i / 2], s[gi][j][i]);
+          }
         }
       }
     } else {
@@ -342,30 +418,31 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       // interval (compiled twice, so that interior tiles carry no test).
       const auto masked_scores = [&](auto ranged) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < kRows; ++r) {
+          float (&sg)[kSTiles][4] = s[r / 2];
           // The row's keys in this tile, [lo, hi) in tile coordinates (32-bit: the per-element tests are
           // against the unrolled constants jj). Rows past L, and rows whose key interval misses the tile,
           // read no mask.
           int lo = 0, hi = kMmaTileKeys;
           bool row_reads = true;
           if constexpr (decltype(ranged)::value) {
-            const int64_t key_lo = range_key_begin(l[r], L, Sb, p.window_left);
-            const int64_t key_hi = range_key_end(l[r], L, Sb, p.window_right, p.is_causal);
+            const int64_t key_lo = range_key_begin(row(r), L, Sb, p.window_left);
+            const int64_t key_hi = range_key_end(row(r), L, Sb, p.window_right, p.is_causal);
             lo = static_cast<int>(range_min(range_max(key_lo - k0, 0), nk));
             hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
-            row_reads = active[r] && lo < hi;
+            row_reads = row(r) < L && lo < hi;
           }
           [[maybe_unused]] const int64_t am_row =
-              am_base + l[r] * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
+              am_base + row(r) * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
 #pragma unroll
           for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int i = 2 * r + e;
+              const int i = 2 * (r % 2) + e;
               const int jj = 8 * j + 2 * t + e;
               float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
               if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
-                x = score(s[j][i]);
+                x = score(sg[j][i]);
                 if constexpr (!kPlain) {
                   float bias = kpm[j][e];
                   if (p.attn_mask_kind != kMaskNone) {
@@ -376,7 +453,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
                   x += bias;
                 }
               }
-              s[j][i] = x;
+              sg[j][i] = x;
               row_max[r] = max_nan(row_max[r], x);
             }
           }
@@ -391,9 +468,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 
     // Online softmax per row (softmax.h's recurrence, in base 2: p = 2^(x c - base c)); a row's scores are
     // spread over the 4 lanes of its quad.
-    float alpha[2];
+    float alpha[kRows];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kRows; ++r) {
+      float (&sg)[kSTiles][4] = s[r / 2];
       float m = row_max[r];
       m = max_nan(m, __shfl_xor_sync(kFullMask, m, 1));
       m = max_nan(m, __shfl_xor_sync(kFullMask, m, 2));
@@ -404,9 +482,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-        for (int i = 2 * r; i < 2 * r + 2; ++i) {
-          s[j][i] = fast_exp2(s[j][i] * c - base_c);
-          sum += s[j][i];
+        for (int i = 2 * (r % 2); i < 2 * (r % 2) + 2; ++i) {
+          sg[j][i] = fast_exp2(sg[j][i] * c - base_c);
+          sum += sg[j][i];
         }
       }
       sum += __shfl_xor_sync(kFullMask, sum, 1);
@@ -415,9 +493,12 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       state[r].max = m;
     }
 #pragma unroll
-    for (int n = 0; n < kOTiles; ++n) {
+    for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
+      for (int n = 0; n < kOTiles; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[gi][n][i] *= alpha[2 * gi + i / 2];
+      }
     }
 
     // O += P V: k-step kk covers keys 16kk .. 16kk + 15 = S n-tiles 2kk and 2kk + 1;
@@ -431,31 +512,36 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         uint32_t pb[4], ps[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const Tf32Split x = split_tf32(s[kk][i == 1 ? 2 : i == 2 ? 1 : i]);
+          const Tf32Split x = split_tf32(s[0][kk][i == 1 ? 2 : i == 2 ? 1 : i]);
           pb[i] = x.big;
           ps[i] = x.small;
         }
         const scalar_t* const v_row = v_s + (8 * kk + 2 * t) * kLd + g;
 #pragma unroll
         for (int n = 0; n < kOTiles; ++n) {
-          mma_m16n8k8_3xtf32(o[n], pb, ps, {float_bits(v_row[8 * n]), float_bits(v_row[kLd + 8 * n])});
+          mma_m16n8k8_3xtf32(o[0][n], pb, ps, {float_bits(v_row[8 * n]), float_bits(v_row[kLd + 8 * n])});
         }
       }
     } else {
 #pragma unroll
       for (int kk = 0; kk < kPSteps; ++kk) {
-        const uint32_t pa[4] = {
-            pack2_rn<scalar_t>(s[2 * kk][0], s[2 * kk][1]),
-            pack2_rn<scalar_t>(s[2 * kk][2], s[2 * kk][3]),
-            pack2_rn<scalar_t>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-            pack2_rn<scalar_t>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
-        };
+        uint32_t pa[kGroups][4];
+#pragma unroll
+        for (int gi = 0; gi < kGroups; ++gi) {
+          pa[gi][0] = pack2_rn<scalar_t>(s[gi][2 * kk][0], s[gi][2 * kk][1]);
+          pa[gi][1] = pack2_rn<scalar_t>(s[gi][2 * kk][2], s[gi][2 * kk][3]);
+          pa[gi][2] = pack2_rn<scalar_t>(s[gi][2 * kk + 1][0], s[gi][2 * kk + 1][1]);
+          pa[gi][3] = pack2_rn<scalar_t>(s[gi][2 * kk + 1][2], s[gi][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int n = 0; n < kOTiles; n += 2) {
           uint32_t vb[4];
           ldmatrix_x4<true>(vb, v_s + v_lane + 16 * kk * kLd + 8 * n);
-          mma_m16n8k16<scalar_t>(o[n], pa, {vb[0], vb[1]});
-          mma_m16n8k16<scalar_t>(o[n + 1], pa, {vb[2], vb[3]});
+#pragma unroll
+          for (int gi = 0; gi < kGroups; ++gi) {
+            mma_m16n8k16<scalar_t>(o[gi][n], pa[gi], {vb[0], vb[1]});
+            mma_m16n8k16<scalar_t>(o[gi][n + 1], pa[gi], {vb[2], vb[3]});
+          }
         }
       }
     }
@@ -471,22 +557,22 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   scalar_t* const out = static_cast<scalar_t*>(ptr.out) + b * p.out_stride[0] + h * p.out_stride[1];
   float* const lse = static_cast<float*>(ptr.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (!active[r]) continue;
+  for (int r = 0; r < kRows; ++r) {
+    if (row(r) >= L) continue;
     state[r].max *= unit;
     const bool empty = softmax_row_empty(state[r]);
     const RowResult<float> result = softmax_finish(state[r], p.has_sinks != 0, sink);
     const float factor = result.factor;
-    scalar_t* dst = out + l[r] * p.out_stride[2];
+    scalar_t* dst = out + row(r) * p.out_stride[2];
 #pragma unroll
     for (int n = 0; n < kOTiles; ++n) {
 #pragma unroll
-      for (int i = 2 * r; i < 2 * r + 2; ++i) {
+      for (int i = 2 * (r % 2); i < 2 * (r % 2) + 2; ++i) {
         const int c = 8 * n + 2 * t + i % 2;
-        if (c < Dv) dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? 0.0f : o[n][i] * factor);
+        if (c < Dv) dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? 0.0f : o[r / 2][n][i] * factor);
       }
     }
-    if (t == 0) lse[l[r] * p.lse_stride[2]] = result.lse;
+    if (t == 0) lse[row(r) * p.lse_stride[2]] = result.lse;
   }
 }
 

@@ -114,12 +114,12 @@ inline AttentionPlan plan_attention(const AttentionParams& p, DType dtype) {
 }
 
 // The tensor-core kernel (cuda/attention_kernel_mma.cu): float16/bfloat16 on sm80+, with mma.sync.m16n8k16
-// (fp32 accumulators), and float32 as 3xTF32 on mma.sync.m16n8k8. One block per (b, h, 64 query rows), 4
-// warps of 16 rows. Tiles of 64 keys are staged in shared memory in two stages (the next tile is copied while
-// the current one is computed): K and V in the input type, row-major with row stride bucket + one 16-byte
-// unit (an odd number of 16-byte units, so the 8 rows an ldmatrix phase reads fall on 8 distinct bank
-// groups).
-constexpr int kMmaRowsPerWarp = 16;
+// (fp32 accumulators), and float32 as 3xTF32 on mma.sync.m16n8k8. 4 warps of one or two groups of 16 query
+// rows (mma_row_groups), one block per (b, h, 64 or 128 query rows). Tiles of 64 keys are staged in shared
+// memory in two stages (the next tile is copied while the current one is computed): K and V in the input
+// type, row-major with row stride bucket + one 16-byte unit (an odd number of 16-byte units, so the 8 rows an
+// ldmatrix phase reads fall on 8 distinct bank groups).
+constexpr int kMmaRowsPerWarp = 16;  // one m16 row group
 constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
 constexpr int kMmaTileKeys = 64;
 constexpr int kMmaStages = 2;
@@ -211,11 +211,21 @@ constexpr bool mma_plain(const AttentionParams& p) {
          p.scale >= 0x1p-100f && p.scale <= 0x1p100f;
 }
 
+// The m16 row groups a warp of the mma kernel computes: 2 (32 query rows, as FlashAttention-2's warps) for
+// the plain instantiation of the 16-bit kernels up to bucket 64, where Q, S and O of both groups fit in
+// registers; each K and V fragment read from shared memory then feeds twice the mma, and the per-tile work
+// around them is shared by twice the scores. 1 elsewhere (at bucket 128 the second group's Q, S and O would
+// not fit; the general instantiation's mask reads are per row).
+constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
+  return plain && element_bytes == 2 && bucket <= 64 ? 2 : 1;
+}
+
 struct AttentionMmaPlan {
   int bucket;  // head-dim bucket (32, 64 or 128; float32: 32 or 64); 0 when mma_supports() is false
   bool plain;  // mma_plain() and vector_loads: the kernel's instantiation without masks and soft-cap
   int threads;
-  int64_t q_blocks;  // ceil(L / kMmaRowsPerBlock)
+  int rows_per_block;  // kWarps * kMmaRowsPerWarp * mma_row_groups()
+  int64_t q_blocks;    // ceil(L / rows_per_block)
   int64_t bh;
   int64_t blocks;     // grid.x
   bool vector_loads;  // mma_vector_loads(): K and V by cp.async
@@ -226,18 +236,22 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
                                            const AttentionPointers& ptr) {
   AttentionMmaPlan plan{};
   plan.threads = kWarps * kWarpSize;
-  plan.q_blocks = (p.q_len + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock;
   plan.bh = p.batch * p.heads;
-  plan.blocks = plan.q_blocks * plan.bh;
-  if (!mma_supports(p, dtype)) return plan;
-  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   const int element_bytes = mma_element_bytes(dtype);
-  plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value, element_bytes);
-  plan.plain = mma_plain(p) && plan.vector_loads;
-  // kMmaStages * (K tile + V tile)
-  plan.smem_bytes =
-      static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * mma_tile_ld(plan.bucket, element_bytes)) *
-      element_bytes;
+  const bool supported = mma_supports(p, dtype);
+  if (supported) {
+    plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+    plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value, element_bytes);
+    plan.plain = mma_plain(p) && plan.vector_loads;
+  }
+  plan.rows_per_block = kMmaRowsPerBlock * mma_row_groups(element_bytes, plan.bucket, plan.plain);
+  plan.q_blocks = (p.q_len + plan.rows_per_block - 1) / plan.rows_per_block;
+  plan.blocks = plan.q_blocks * plan.bh;
+  if (!supported) return plan;
+  // kMmaStages * (K tile + V tile), and Q's rows where a warp has two row groups (the kernel's kQShared)
+  const int ld = mma_tile_ld(plan.bucket, element_bytes);
+  const int q_rows = plan.rows_per_block > kMmaRowsPerBlock ? plan.rows_per_block : 0;
+  plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
   return plan;
 }
 
