@@ -315,17 +315,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 
     // S = Q K^T: n-tile j is keys k0 + 8j .. + 7; B[kk][n] = K[8j + n][16 ks + kk].
     float s[kGroups][kSTiles][4];
+#pragma unroll
+    for (int gi = 0; gi < kGroups; ++gi) {
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[gi][j][i] = 0.0f;
+      }
+    }
     if constexpr (kQShared) {
       // k-step pairs outermost: Q's fragments of a pair (ldmatrix, A's layout: matrices rows 0-7 / 8-15 x
       // columns 0-7 / 8-15, the lane addresses V's .trans reads use) serve every n-tile.
-#pragma unroll
-      for (int gi = 0; gi < kGroups; ++gi) {
-#pragma unroll
-        for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s[gi][j][i] = 0.0f;
-        }
-      }
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ks += 2) {
         uint32_t qf[kGroups][2][4];
@@ -348,11 +348,6 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     } else {
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-        for (int gi = 0; gi < kGroups; ++gi) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s[gi][j][i] = 0.0f;
-        }
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ks += 2) {
           uint32_t kb[4];
