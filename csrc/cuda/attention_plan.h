@@ -212,10 +212,10 @@ constexpr bool mma_plain(const AttentionParams& p) {
 }
 
 // The m16 row groups a warp of the mma kernel computes: 2 (32 query rows, as FlashAttention-2's warps) for
-// the plain instantiation of the 16-bit kernels up to bucket 64, where Q, S and O of both groups fit in
-// registers; each K and V fragment read from shared memory then feeds twice the mma, and the per-tile work
-// around them is shared by twice the scores. 1 elsewhere (at bucket 128 the second group's Q, S and O would
-// not fit; the general instantiation's mask reads are per row).
+// the plain instantiation of the 16-bit kernels up to bucket 64, where S and O of both groups fit in
+// registers (Q goes to shared memory); each K and V fragment read from shared memory then feeds twice the
+// mma, and the per-tile work around them is shared by twice the scores. 1 elsewhere (at bucket 128 the
+// second group's S and O would not fit; the general instantiation's mask reads are per row).
 constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
   return plain && element_bytes == 2 && bucket <= 64 ? 2 : 1;
 }
