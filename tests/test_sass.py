@@ -318,8 +318,8 @@ int main() {
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The built library: each tensor-core kernel of one arch has an HMMA loop with a plausible count (not the
-# budgets: they are the kernels' target, not their state).
+# The built library, both archs: each tensor-core kernel has an HMMA loop with a plausible count, and the
+# budgets hold (what `make sass` checks).
 
 
 @pytest.fixture(scope="module")
@@ -331,18 +331,19 @@ def built(sass):
     tools = {"cuobjdump": cuobjdump, "nvdisasm": sass.find_nvdisasm(cuobjdump)}
     if not all(tools.values()):
         pytest.skip("no cuobjdump or nvdisasm (CUDA toolkit, or triton's copies beside torch)")
-    rows = sass.analyse(libs[:1], arch="sm_90", tools=tools)  # one arch keeps this to seconds
+    rows = sass.analyse(libs[:1], arch=None, tools=tools)
     if not rows:
-        pytest.skip("the library has no sm_90 code")
+        pytest.skip("the library has no sm_80 or sm_90 code")
     return rows
 
 
 def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
-    found = {tuple(r["kernel"].split()[1:3]) for r in built}
-    assert found >= {(dtype, f"bucket{b}") for dtype in ("fp16", "bf16") for b in (32, 64, 128)} | {
-        ("fp32", "bucket32"), ("fp32", "bucket64")}, found
+    found = {(r["arch"], *r["kernel"].split()[1:3]) for r in built}
+    assert found >= {(arch, dtype, f"bucket{b}") for arch in ("sm_80", "sm_90") for dtype in ("fp16", "bf16")
+                     for b in (32, 64, 128)} | {
+        (arch, "fp32", f"bucket{b}") for arch in ("sm_80", "sm_90") for b in (32, 64)}, found
     for r in built:
-        assert r["kernel"].startswith("mma ") and r["arch"] == "sm_90", r["kernel"]
+        assert r["kernel"].startswith("mma "), r["kernel"]
         loop = r["loop"]
         assert loop is not None, f"{r['kernel']}: no loop holds HMMA"
         steady = loop["paths"]["steady"]
@@ -383,15 +384,19 @@ def test_the_anchor_figures_add_up(sass):
 
 
 def test_the_plain_loops_hold_only_the_tile_and_stay_near_flashattention(sass, built):
-    """The plain instantiation (no mask, no soft-cap) of the fp16/bf16 kernels: nothing the budgets forbid
-    anywhere in its tile loop (jump tables, global loads, 64-bit multiplies, soft-cap branches), no spills,
-    and its steady path within 1.25x FlashAttention-2's instructions per HMMA (measured 1.14 at bucket 64,
-    1.21 at 128)."""
+    """The plain instantiation (no mask, no soft-cap) of the fp16/bf16 kernels, sm_80 and sm_90: within the
+    instructions per HMMA of the budgets (5 at bucket 64, 4 at 128), nothing the budgets forbid anywhere in
+    its tile loop (jump tables, global loads, 64-bit multiplies, soft-cap branches), no spills, and its steady
+    path within 1.25x FlashAttention-2's instructions per HMMA (measured 1.06-1.08)."""
     plain = [r for r in built if re.fullmatch(r"mma (fp16|bf16) bucket(64|128) plain", r["kernel"])]
-    assert len(plain) == 4, [r["kernel"] for r in built]
+    assert len(plain) == 8, [(r["arch"], r["kernel"]) for r in built]
     for r in plain:
-        per_hmma_line = re.compile(r"instructions per HMMA on the steady path")
-        assert [p for p in sass.check_row(r) if not per_hmma_line.search(p)] == [], r["kernel"]
+        assert sass.check_row(r) == [], (r["arch"], r["kernel"])
         bucket = int(r["kernel"].split()[2][len("bucket"):])
         ratio = r["loop"]["paths"]["steady"].per_hmma() / sass.anchor_for(r)["per_hmma"]
         assert ratio <= 1.25, (r["kernel"], bucket, ratio)
+
+
+def test_the_build_meets_the_budgets(sass, built):
+    """`make sass`'s verdict on the built library: no kernel spills, and the budgeted ones meet theirs."""
+    assert [p for r in built for p in sass.check_row(r)] == []

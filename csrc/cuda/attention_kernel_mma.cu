@@ -9,19 +9,18 @@
 // query rows (mma_row_groups: two for the plain 16-bit kernels up to bucket 64, as FlashAttention-2's 32-row
 // warps), one block per (b, h, 64 or 128 rows). With one group a warp keeps its Q fragments (16 x bucket) in
 // registers, loaded once from global memory through q's strides; with two, Q is staged in shared memory.
-// Tiles of 64 keys are staged in shared memory in the input type, K and V row-major, in two stages:
-// cp.async copies tile i + 1 while tile i is computed (16-byte copies when the rows allow it, see
-// mma_vector_loads; element by element through the strides otherwise). Per tile: S = Q K^T
-// (8 n-tiles of 8 keys, K's B fragments by ldmatrix), scale and both masks read in place, the online softmax
-// of softmax.h per row in base 2 (one FFMA and one ex2 per score, the scale folded into the FFMA; a row's 64
-// scores sit in the 4 lanes of a quad: shuffles over xor 1 and 2), then
-// O += P V with P rounded to the input type (the C fragments of two adjacent S n-tiles are exactly the A
-// fragment of one k-step; V's B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel: the
-// loop runs over the keys the block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window,
-// per-batch key lengths), past tiles key_padding_mask removes entirely (found before the loop: one bit per
-// tile, in registers). Only tiles at the ends of a row's key interval test each score against it. Grouped KV
-// heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the denominator at
-// the end (softmax_finish).
+// Tiles of 64 keys are staged in shared memory in the input type, K and V row-major, in two stages: cp.async
+// copies tile i + 1 while tile i is computed (16-byte copies when the rows allow it, see mma_vector_loads;
+// element by element through the strides otherwise). Per tile: S = Q K^T (8 n-tiles of 8 keys, K's B
+// fragments by ldmatrix), scale and both masks read in place, the online softmax of softmax.h per row in base
+// 2 (one FFMA and one ex2 per score, the scale folded into the FFMA; a row's 64 scores sit in the 4 lanes of
+// a quad: the max by shuffles over xor 1 and 2, the sum per lane until the end), then O += P V with P rounded
+// to the input type (the C fragments of two adjacent S n-tiles are exactly the A fragment of one k-step; V's
+// B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel: the loop runs over the keys the
+// block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window, per-batch key lengths),
+// past tiles key_padding_mask removes entirely (found before the loop: one bit per tile, in registers). Only
+// tiles at the ends of a row's key interval test each score against it. Grouped KV heads index the kv head in
+// place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish).
 //
 // float32 takes the same scheme on mma.sync.m16n8k8.tf32 as 3xTF32 (common.cuh: float32 accuracy, as SDPA's
 // memory-efficient kernel): K and V are staged as floats; Q's fragments are split into big and small parts
@@ -168,20 +167,24 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   };
   if (!kPlain && p.key_padding_mask_kind != kMaskNone && kv_begin < kv_end) scan_window(kv_begin);
 
-  // Staging with cp.async (plan.vector_loads): consecutive threads fill consecutive 16-byte chunks of a row
-  // (coalesced reads, conflict-free stores); this thread copies chunk c_chunk of rows j_chunk + kCopyRows it.
-  // Its source addresses move by pointer increments: k_src is its first chunk of the next tile to stage, the
-  // others kCopyRows rows apart, and a tile kMmaTileKeys rows on (no 64-bit multiply per copy). A chunk past
-  // D (Dv) is zero-filled and reads nothing: its thread's address stays at k (v), a key stride of 0.
+  // Staging with cp.async (plan.vector_loads): the two threads of a row copy its 16-byte chunks alternately,
+  // this one chunks c_first + 2i of row j_copy of both K and V, so that its copies of a tile are at constant
+  // offsets from one source pointer for K and one for V (no address arithmetic per copy), and a tile's
+  // pointers are the last one's plus a constant. A quarter-warp's 8 lanes store one chunk of 8 consecutive
+  // rows (no bank conflict: a staged row is an odd number of chunks long) and a row's two lanes read
+  // adjacent chunks (whole 32-byte sectors). A chunk past D (Dv) is zero-filled and reads nothing.
   constexpr int kChunks = kBucket / kVec;  // 16-byte chunks per row
-  constexpr int kCopyRows = kThreads / kChunks;
-  constexpr int kCopies = kMmaTileKeys / kCopyRows;
-  static_assert(kThreads % kChunks == 0 && kMmaTileKeys % kCopyRows == 0, "every thread copies alike");
-  const int j_chunk = tid / kChunks, c_chunk = kVec * (tid % kChunks);
-  const bool k_chunk = c_chunk < D, v_chunk = c_chunk < Dv;
-  const int64_t k_key = k_chunk ? p.k_stride[2] : 0, v_key = v_chunk ? p.v_stride[2] : 0;
-  const scalar_t* const k_chunk0 = k + j_chunk * k_key + (k_chunk ? c_chunk : 0);  // key 0's chunk
-  const scalar_t* const v_chunk0 = v + j_chunk * v_key + (v_chunk ? c_chunk : 0);
+  constexpr int kRowThreads = 2;
+  constexpr int kCopies = kChunks / kRowThreads;  // chunks of a K (V) row this thread copies
+  static_assert(kThreads == kRowThreads * kMmaTileKeys && kChunks % kRowThreads == 0,
+                "two threads a row stage one tile");
+  const int j_copy = (kWarpSize / kRowThreads) * warp + lane % 8 + 8 * (lane / 16);
+  const int c_first = kVec * ((lane / 8) % 2);  // the first column this thread copies
+  // Columns past D read nothing: copy i is valid where c_first + 2 kVec i < D, i.e. 2 kVec i < k_cols.
+  const int k_cols = D - c_first, v_cols = Dv - c_first;
+  const int64_t k_key = p.k_stride[2], v_key = p.v_stride[2];
+  const scalar_t* const k_chunk0 = k + j_copy * k_key + c_first;  // key 0's first chunk
+  const scalar_t* const v_chunk0 = v + j_copy * v_key + c_first;
   const scalar_t* k_src = k_chunk0;
   const scalar_t* v_src = v_chunk0;
 
@@ -194,16 +197,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     scalar_t* const k_s = smem + 2 * stage * kTile;
     scalar_t* const v_s = k_s + kTile;
     if (kPlain || plan.vector_loads) {
-      const scalar_t* ks = k_src;
-      const scalar_t* vs = v_src;
+      const bool row_valid = j_copy < nk;
+      const int dst = j_copy * kLd + c_first;
 #pragma unroll
-      for (int it = 0; it < kCopies; ++it) {
-        const int j = j_chunk + kCopyRows * it;
-        const int dst = j * kLd + c_chunk;
-        cp_async_16(k_s + dst, ks, k_chunk && j < nk);
-        cp_async_16(v_s + dst, vs, v_chunk && j < nk);
-        ks += kCopyRows * k_key;
-        vs += kCopyRows * v_key;
+      for (int i = 0; i < kCopies; ++i) {
+        const int col = kRowThreads * kVec * i;
+        cp_async_16(k_s + dst + col, k_src + col, row_valid && col < k_cols);
+        cp_async_16(v_s + dst + col, v_src + col, row_valid && col < v_cols);
       }
     } else if constexpr (!kPlain) {
       for (int j = warp; j < kMmaTileKeys; j += kWarps) {
@@ -482,9 +482,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           sum += sg[j][i];
         }
       }
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
-      state[r].sum = state[r].sum * alpha[r] + sum;
+      state[r].sum = state[r].sum * alpha[r] + sum;  // this lane's share: the quad adds them up at the end
       state[r].max = m;
     }
 #pragma unroll
@@ -551,6 +549,15 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const float sink = p.has_sinks ? static_cast<const float*>(ptr.sinks)[h] : 0.0f;
   scalar_t* const out = static_cast<scalar_t*>(ptr.out) + b * p.out_stride[0] + h * p.out_stride[1];
   float* const lse = static_cast<float*>(ptr.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
+  // Each lane summed its own keys of the row (the max, taken across the quad each tile, is the same in all
+  // four): the row's sum is the quad's, added once here rather than once a tile.
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    state[r].sum += __shfl_xor_sync(kFullMask, state[r].sum, 1);
+    state[r].sum += __shfl_xor_sync(kFullMask, state[r].sum, 2);
+  }
+  // t again: recomputed rather than kept live through the loop (which spilled it on sm_80)
+  const int t_out = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (row(r) >= L) continue;
@@ -563,11 +570,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     for (int n = 0; n < kOTiles; ++n) {
 #pragma unroll
       for (int i = 2 * (r % 2); i < 2 * (r % 2) + 2; ++i) {
-        const int c = 8 * n + 2 * t + i % 2;
+        const int c = 8 * n + 2 * t_out + i % 2;
         if (c < Dv) dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? 0.0f : o[r / 2][n][i] * factor);
       }
     }
-    if (t == 0) lse[row(r) * p.lse_stride[2]] = result.lse;
+    if (t_out == 0) lse[row(r) * p.lse_stride[2]] = result.lse;
   }
 }
 
