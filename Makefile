@@ -108,6 +108,10 @@ wheel: build
 # CUDA torch 2.14.1 is .venv's own, with the model libraries, and the wheel is installed into a folder put
 # first on its path (WHEEL_TORCH empty), rather than a second copy of the same 6 GB.
 WHEEL_TESTS := -m "wheel and not emulated"
+# One thread a test, sleeping when it waits: the smoke tests are small, and .ci/run runs them beside `make
+# sanitize`'s two workers, where torch's default (a thread per core, spinning while it waits) took twice the
+# time. Tests of the kernels' multi-thread plans set their own thread count (test_threads.py).
+WHEEL_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 WHEEL_PY = $(if $(WHEEL_TORCH),venv/bin/python,env PYTHONPATH=site $(abspath $(PY)))
 WHEEL_VENVS := build/wheel-cpu/venv/.ready build/wheel-floor/venv/.ready
 
@@ -146,7 +150,7 @@ wheel-venv-test:
 	cd $(WHEEL_VENV) && $(WHEEL_PY) -c "import attnx, importlib.metadata as m, torch; print('attnx', \
 		m.version('attnx'), 'from', attnx.__file__, 'under torch', torch.__version__)"
 	cd $(WHEEL_VENV) && $(WHEEL_PY) -m attnx.info
-	cd $(WHEEL_VENV) && $(WHEEL_PY) -m pytest -q -p no:cacheprovider $(WHEEL_PYTEST_ARGS)
+	cd $(WHEEL_VENV) && $(WHEEL_ENV) $(WHEEL_PY) -m pytest -q -p no:cacheprovider $(WHEEL_PYTEST_ARGS)
 	rm -rf $(WHEEL_VENV)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer: a CPU-only build of a copy of the tree (build/sanitize) with
