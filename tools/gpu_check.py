@@ -695,9 +695,15 @@ def binary_report(lib, cuobjdump, arch=None, timeout=None, default=None):
     subprocess.TimeoutExpired."""
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
                            timeout=timeout, check=True).stdout
-    sass = subprocess.run([cuobjdump, "-sass", lib], capture_output=True, text=True, timeout=timeout,
-                          check=True).stdout
-    return kernel_report(parse_resource_usage(usage), count_local_accesses(sass), arch, default), usage
+    resources = parse_resource_usage(usage)
+    # Local memory is a kernel's stack frame (spill slots, local arrays): where no kernel has one, no LDL or
+    # STL can reach any, and the SASS (some 180 MB of it, half a minute of cuobjdump) is not read.
+    local_accesses = {}
+    if any(r["stack"] or r["local"] for r in resources.values()):
+        sass = subprocess.run([cuobjdump, "-sass", lib], capture_output=True, text=True, timeout=timeout,
+                              check=True).stdout
+        local_accesses = count_local_accesses(sass)
+    return kernel_report(resources, local_accesses, arch, default), usage
 
 
 def _nm_checks(lib):
