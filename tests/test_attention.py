@@ -173,6 +173,19 @@ def test_sliced_with_storage_offset(device, L):
     check(device, q, k, v)
 
 
+@pytest.mark.parametrize("q_offset", [0, 1], ids=["q_aligned", "q_off_16_bytes"])
+def test_query_aligned_apart_from_key_and_value(device, q_offset):
+    # float16 rows of 64 with K and V 16-byte aligned: the tensor-core kernel's lean instantiation, whose Q
+    # rows move by 16-byte copies when they are aligned too and element by element when Q starts off a
+    # 16-byte boundary; two query blocks, the second cut at L.
+    L, S, D = 150, 80, 64
+    _, k, v = make_qkv(1, 2, L, S, D, D, dtype=torch.float16)
+    q = torch.randn(2 * L * D + q_offset).to(torch.float16)[q_offset:].view(1, 2, L, D)
+    assert (q.data_ptr() % 16 == 0) == (q_offset == 0)
+    kernel_for(device, q, k, v)
+    check(device, q, k, v)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
 def test_custom_scale(device, dtype):
     q, k, v = make_qkv(1, 2, 20, 30, 16, 16, dtype=dtype)

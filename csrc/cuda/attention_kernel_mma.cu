@@ -245,12 +245,24 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   uint32_t qs[kTf32 ? kKSteps : 1][4];
   scalar_t* const q_s = smem + 4 * kTile + warp * kRowsPerWarp * kLd;  // this warp's rows (kQShared)
   if constexpr (kQShared) {
-    for (int e = lane; e < kRowsPerWarp * kBucket; e += kWarpSize) {
-      const int rr = e / kBucket, col = e % kBucket;
-      const int64_t qrow = warp_row0 + rr;
-      q_s[rr * kLd + col] = qrow < L && col < D ? q[qrow * p.q_stride[2] + col * p.q_stride[3]] : zero;
+    if (plan.q_vector) {
+      // 16-byte copies in a cp.async group of their own, after the first tile's: the loop's first wait
+      // (for that tile) waits for them too, and its barrier makes them visible to the warp's ldmatrix.
+      for (int e = lane; e < kRowsPerWarp * kChunks; e += kWarpSize) {
+        const int rr = e / kChunks, col = kVec * (e % kChunks);
+        const int64_t qrow = warp_row0 + rr;
+        const bool valid = qrow < L && col < D;
+        cp_async_16(q_s + rr * kLd + col, valid ? q + qrow * p.q_stride[2] + col : q, valid);
+      }
+      cp_async_commit();
+    } else {
+      for (int e = lane; e < kRowsPerWarp * kBucket; e += kWarpSize) {
+        const int rr = e / kBucket, col = e % kBucket;
+        const int64_t qrow = warp_row0 + rr;
+        q_s[rr * kLd + col] = qrow < L && col < D ? q[qrow * p.q_stride[2] + col * p.q_stride[3]] : zero;
+      }
+      __syncwarp();  // ldmatrix reads rows other lanes wrote
     }
-    __syncwarp();  // ldmatrix reads rows other lanes wrote
   }
   if constexpr (!kQShared) {
 #pragma unroll
@@ -558,23 +570,44 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
   // t again: recomputed rather than kept live through the loop (which spilled it on sm_80)
   const int t_out = static_cast<int>(threadIdx.x) % 4;
+  // The plain kernel with plan.out_vector stages the warp's output rows in shared memory (the stages, free
+  // since the loop's last barrier; no copy is left in flight there, nor Q's when the loop ran no tile) and
+  // writes them out in 16-byte stores; otherwise (and in the general kernel, whose bucket-128 instantiation
+  // has no register left for it) element by element through the strides.
+  const bool out_vector = kPlain && plan.out_vector;
+  cp_async_wait<0>();
+  scalar_t* const o_s = smem + warp * kRowsPerWarp * kLd;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    if (row(r) >= L) continue;
+    if (!out_vector && row(r) >= L) continue;
     state[r].max *= unit;
     const bool empty = softmax_row_empty(state[r]);
     const RowResult<float> result = softmax_finish(state[r], p.has_sinks != 0, sink);
     const float factor = result.factor;
+    const int rr = kMmaRowsPerWarp * (r / 2) + g + 8 * (r % 2);  // the row in the warp's rows
     scalar_t* dst = out + row(r) * p.out_stride[2];
 #pragma unroll
     for (int n = 0; n < kOTiles; ++n) {
 #pragma unroll
       for (int i = 2 * (r % 2); i < 2 * (r % 2) + 2; ++i) {
         const int c = 8 * n + 2 * t_out + i % 2;
-        if (c < Dv) dst[c * p.out_stride[3]] = from_acc<scalar_t>(empty ? 0.0f : o[r / 2][n][i] * factor);
+        const scalar_t x = from_acc<scalar_t>(empty ? 0.0f : o[r / 2][n][i] * factor);
+        if (out_vector) {
+          o_s[rr * kLd + c] = x;
+        } else if (c < Dv) {
+          dst[c * p.out_stride[3]] = x;
+        }
       }
     }
-    if (t_out == 0) lse[row(r) * p.lse_stride[2]] = result.lse;
+    if (t_out == 0 && row(r) < L) lse[row(r) * p.lse_stride[2]] = result.lse;
+  }
+  if (out_vector) {
+    __syncwarp();  // the rows other lanes wrote
+    for (int e = lane; e < kRowsPerWarp * kChunks; e += kWarpSize) {
+      const int rr = e / kChunks, col = kVec * (e % kChunks);
+      const int64_t orow = warp_row0 + rr;
+      if (orow < L && col < Dv) store_16(out + orow * p.out_stride[2] + col, o_s + rr * kLd + col);
+    }
   }
 }
 

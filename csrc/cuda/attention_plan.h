@@ -189,18 +189,20 @@ constexpr const char* dtype_name(DType dtype) {
                                      : "fp64";
 }
 
-// True when every K and V row of the launch can be read as 16-byte vectors: unit column stride, head dims
-// and every other stride a multiple of 16 bytes, 16-byte aligned base pointers. The mma kernel then stages
-// its tiles with cp.async, 16 bytes per copy; otherwise element by element through the strides.
+// True when every row of a (B, H, rows, dim) operand at `ptr` moves as 16-byte vectors: unit column stride,
+// dim and every other stride a multiple of 16 bytes, a 16-byte aligned base pointer.
+inline bool mma_rows_16(const void* ptr, const int64_t* stride, int64_t dim, int element_bytes) {
+  const int64_t vec = 16 / element_bytes;
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && stride[3] == 1 && dim % vec == 0 &&
+         stride[0] % vec == 0 && stride[1] % vec == 0 && stride[2] % vec == 0;
+}
+
+// True when every K and V row of the launch can be read as 16-byte vectors (mma_rows_16). The mma kernel then
+// stages its tiles with cp.async, 16 bytes per copy; otherwise element by element through the strides.
 inline bool mma_vector_loads(const AttentionParams& p, const void* key, const void* value,
                              int element_bytes) {
-  const int64_t vec = 16 / element_bytes;
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const auto rows_aligned = [vec](const int64_t* stride) {
-    return stride[3] == 1 && stride[0] % vec == 0 && stride[1] % vec == 0 && stride[2] % vec == 0;
-  };
-  return p.head_dim % vec == 0 && p.v_head_dim % vec == 0 && aligned(key) && aligned(value) &&
-         rows_aligned(p.k_stride) && rows_aligned(p.v_stride);
+  return mma_rows_16(key, p.k_stride, p.head_dim, element_bytes) &&
+         mma_rows_16(value, p.v_stride, p.v_head_dim, element_bytes);
 }
 
 // Whether a call's features let the mma kernel's plain instantiation run it: no mask, no soft-cap and a
@@ -229,6 +231,8 @@ struct AttentionMmaPlan {
   int64_t bh;
   int64_t blocks;     // grid.x
   bool vector_loads;  // mma_vector_loads(): K and V by cp.async
+  bool q_vector;      // Q's rows by cp.async (with two row groups, where Q is staged in shared memory)
+  bool out_vector;    // the output's rows by 16-byte stores, through shared memory
   size_t smem_bytes;
 };
 
@@ -242,6 +246,8 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   if (supported) {
     plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
     plan.vector_loads = mma_vector_loads(p, ptr.key, ptr.value, element_bytes);
+    plan.q_vector = mma_rows_16(ptr.query, p.q_stride, p.head_dim, element_bytes);
+    plan.out_vector = mma_rows_16(ptr.out, p.out_stride, p.v_head_dim, element_bytes);
     plan.plain = mma_plain(p) && plan.vector_loads;
   }
   plan.rows_per_block = kMmaRowsPerBlock * mma_row_groups(element_bytes, plan.bucket, plan.plain);

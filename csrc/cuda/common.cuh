@@ -472,6 +472,15 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool
 #endif
 }
 
+// One 16-byte store of shared memory to global memory, both addresses 16-byte aligned.
+__device__ __forceinline__ void store_16(void* global, const void* smem) {
+#if defined(ATTNX_CUDA_EMULATION)
+  ::attnx_emu::store_16(global, smem);
+#else
+  *static_cast<uint4*>(global) = *static_cast<const uint4*>(smem);
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(ATTNX_CUDA_EMULATION)
   ::attnx_emu::cp_async_commit();

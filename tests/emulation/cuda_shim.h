@@ -272,6 +272,17 @@ inline void cp_async_16(void* smem, const void* global, bool valid) {
   async_copies.queued.push_back({smem, global, valid});
 }
 
+// A 16-byte store from shared memory to global memory (a uint4 move on the GPU): both addresses aligned.
+inline void store_16(void* global, const void* smem) {
+  const unsigned char* const lo = dynamic_shared_memory();
+  const auto p = static_cast<const unsigned char*>(smem);
+  if (reinterpret_cast<uintptr_t>(smem) % 16 != 0 || reinterpret_cast<uintptr_t>(global) % 16 != 0 ||
+      p < lo || p + 16 > lo + tl.block->smem.size()) {
+    fail("store_16: a misaligned address or a source outside shared memory");
+  }
+  std::memcpy(global, smem, 16);
+}
+
 inline void cp_async_commit() {
   async_copies.group_ends.push_back(async_copies.queued.size());
 }
