@@ -61,36 +61,30 @@ def test_summary_format(gpu_check, tmp_path):
     assert gpu_check.card_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
 
 
-# Excerpts of `cuobjdump --dump-resource-usage` and `cuobjdump -sass` of a real build (names shortened to
-# what the parser reads).
+# Excerpts of `cuobjdump --dump-resource-usage` (written a block an architecture) and `cuobjdump -sass` of a
+# real build (names shortened to what the parser reads).
 SIMT = "_ZN5attnx4cuda8_GLOBAL_22attention_forward_simtIfLi128ELi4EEEvNS_15AttentionParamsE"
 SIMT16 = "_ZN5attnx4cuda8_GLOBAL_22attention_forward_simtI6__halfLi64ELi4EEEvNS_15AttentionParamsE"
 MMA = "_ZN5attnx4cuda8_GLOBAL_21attention_forward_mmaI13__nv_bfloat16Li128EEEvNS_15AttentionParamsE"
-USAGE = f"""
-Fatbin elf code:
-================
-arch = sm_80
-Resource usage:
- Common:
-  GLOBAL:0
- Function {SIMT}:
-  REG:138 STACK:0 SHARED:0 LOCAL:0 CONSTANT[2]:120 CONSTANT[0]:872 TEXTURE:0 SURFACE:0 SAMPLER:0
+SIMT_SM90 = "REG:128 STACK:24 SHARED:1024 LOCAL:0 CONSTANT[2]:120 CONSTANT[0]:1048"
 
-Fatbin elf code:
-================
-arch = sm_90
-Resource usage:
- Common:
-  GLOBAL:0
- Function {SIMT}:
-  REG:128 STACK:24 SHARED:1024 LOCAL:0 CONSTANT[2]:120 CONSTANT[0]:1048 TEXTURE:0 SURFACE:0 SAMPLER:0
- Function {SIMT16}:
-  REG:128 STACK:24 SHARED:1024 LOCAL:0 CONSTANT[2]:120 CONSTANT[0]:1048 TEXTURE:0 SURFACE:0 SAMPLER:0
- Function {MMA}:
-  REG:255 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[2]:1392 CONSTANT[0]:1000 TEXTURE:0 SURFACE:0 SAMPLER:0
- Function _ZN2at6native18elementwise_kernelILi128ELi2EEEviT1_:
-  REG:16 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:900 TEXTURE:0 SURFACE:0 SAMPLER:0
-"""
+
+def _usage_block(arch, functions):
+    """One architecture's block of `cuobjdump --dump-resource-usage`: {function name: its fields}."""
+    rows = "".join(f" Function {name}:\n  {fields} TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+                   for name, fields in functions.items())
+    return ("\nFatbin elf code:\n================\n"
+            f"arch = {arch}\nResource usage:\n Common:\n  GLOBAL:0\n{rows}")
+
+
+USAGE = _usage_block(
+    "sm_80", {SIMT: "REG:138 STACK:0 SHARED:0 LOCAL:0 CONSTANT[2]:120 CONSTANT[0]:872"},
+) + _usage_block("sm_90", {
+    SIMT: SIMT_SM90,
+    SIMT16: SIMT_SM90,
+    MMA: "REG:255 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[2]:1392 CONSTANT[0]:1000",
+    "_ZN2at6native18elementwise_kernelILi128ELi2EEEviT1_": "REG:16 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:900",
+})
 SASS = f"""
 arch = sm_90
 \t\tFunction : {SIMT}
