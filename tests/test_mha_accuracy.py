@@ -84,6 +84,7 @@ def _module_errors(seed, appended, batch_first, batch, masks, self_attention):
     return {n: (_max_error(got_attnx[n], w), _max_error(got_torch[n], w)) for n, w in want.items()}
 
 
+@pytest.mark.slow  # an accuracy statistic (20 seeds): the sanitizers see its kernels in test_mha_backward
 def test_mha_float32_gradients_as_accurate_as_torch(intra_op_threads):
     """The gradients that attention's backward feeds (in_proj_weight, in_proj_bias, bias_k, bias_v and the
     inputs) over appended keys (bias_kv, zero_attn, both), both layouts, batch 1 and 2, no / bool / float
