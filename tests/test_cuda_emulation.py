@@ -48,7 +48,7 @@ def test_no_data_races_under_thread_sanitizer():
     if not emulator.has_thread_sanitizer():
         pytest.skip("the C++ compiler cannot build -fsanitize=thread programs (no libtsan)")
     try:
-        exe = emulator.build(extra_flags=["-fsanitize=thread", "-g"], sources=emulator.RACE_CHECK_SOURCES,
+        exe = emulator.build(extra_flags=["-fsanitize=thread", "-g1"], sources=emulator.RACE_CHECK_SOURCES,
                              shared=False)
     except emulator.Unavailable as e:
         pytest.skip(f"CUDA emulation unavailable: {e}")

@@ -183,7 +183,7 @@ def test_no_data_races_under_thread_sanitizer():
         _unavailable("clang++ cannot build -fsanitize=thread programs (no clang++ or no libtsan)")
     try:
         # std::threads, not fibers: ThreadSanitizer sees each emulated thread as a thread.
-        exe = metal_emulator.build(extra_flags=["-fsanitize=thread", "-g", "-DATTNX_METAL_EMU_THREADS"],
+        exe = metal_emulator.build(extra_flags=["-fsanitize=thread", "-g1", "-DATTNX_METAL_EMU_THREADS"],
                                    sources=metal_emulator.RACE_CHECK_SOURCES, shared=False)
     except metal_emulator.Unavailable as e:
         _unavailable(f"Metal emulation unavailable: {e}")
@@ -204,7 +204,7 @@ def test_pipeline_cache_under_concurrent_first_use(tmp_path):
         _unavailable("clang++ cannot build -fsanitize=thread programs (no clang++ or no libtsan)")
     exe = tmp_path / "pipeline_cache_check"
     source = os.path.join(metal_emulator.HERE, "metal", "pipeline_cache_check.cpp")
-    cmd = [metal_emulator.compiler(), "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread",
+    cmd = [metal_emulator.compiler(), "-std=c++20", "-O1", "-g1", "-fsanitize=thread", "-pthread",
            "-I" + metal_emulator.CSRC, source, "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
