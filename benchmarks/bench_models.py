@@ -169,10 +169,18 @@ def _check_outputs(fns: dict, mask, atol: float, rtol: float) -> float:
     return worst
 
 
-def _memory(device: str, case: str, shape: dict, smoke: bool) -> dict:
-    jobs = [(FACTORY, False, dict(case=case, impl=i, shape=shape, warm=WARM, smoke=smoke)) for i in IMPLS]
+def _memory(device: str, shapes: dict, smoke: bool) -> dict:
+    """{case: {impl: peak extra bytes}} for the forward cases (``shapes``: {case: shape}), each measured in a
+    process of its own; one call, so that the measuring side imports torch and transformers once."""
+    keys = [(case, impl) for case in shapes for impl in IMPLS]
+    jobs = [(FACTORY, False, dict(case=case, impl=impl, shape=shapes[case], warm=WARM, smoke=smoke))
+            for case, impl in keys]
     # Each process builds its own model; several at a time only changes the wall time, not the figures.
-    return dict(zip(IMPLS, peak_extra_bytes_many(jobs, device, workers=3 if smoke else 2), strict=True))
+    peaks = peak_extra_bytes_many(jobs, device, workers=3 if smoke else 2)
+    out = {case: {} for case in shapes}
+    for (case, impl), peak in zip(keys, peaks, strict=True):
+        out[case][impl] = peak
+    return out
 
 
 def _forward_model(model):
@@ -180,7 +188,8 @@ def _forward_model(model):
     return getattr(model, "model", model)
 
 
-def _forward_case(device: str, case: str, shape: dict, reps: int, smoke: bool, time_target: float):
+def _forward_case(device: str, case: str, shape: dict, reps: int, smoke: bool, time_target: float,
+                  mem: dict):
     kind, config, side = _model_and_side(case, smoke)
     model = _forward_model(build(kind, config, device))
     vocab = model.config.vocab_size
@@ -191,8 +200,6 @@ def _forward_case(device: str, case: str, shape: dict, reps: int, smoke: bool, t
     max_diff = _check_outputs(fns, mask, atol, rtol)
     t = time_interleaved(fns, device, reps=reps, min_block_s=0)
     r_sdpa, r_eager = paired_ratio(t["attnx"], t["sdpa"]), paired_ratio(t["attnx"], t["eager"])
-    progress(f"{case}: peak memory, fresh process each")
-    mem = _memory(device, case, shape, smoke)
     met = r_sdpa.median <= time_target and mem["attnx"] <= mem["sdpa"]
     result = {
         "model": kind, "config": config, "shape": shape, "padding_side": side,
@@ -262,9 +269,12 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
     texts = [f"{device} {dtype}, {torch.get_num_threads()} threads, transformers {transformers.__version__}; "
              f"random weights (seed 0); each implementation switched in with set_attn_implementation"]
 
+    progress("prefill and encoder: peak memory, fresh process each")
+    mem = _memory(device, {case: shapes[case] for case in ("prefill", "encoder")}, smoke)
+
     s = shapes["prefill"]
     progress(f"prefill {s}")
-    results["prefill"], text = _forward_case(device, "prefill", s, reps, smoke, time_target=0.9)
+    results["prefill"], text = _forward_case(device, "prefill", s, reps, smoke, 0.9, mem["prefill"])
     llama = "smoke-sized" if smoke else "hidden 512, 4 layers, 8 heads / 2 kv heads, vocab 8192"
     texts.append(f"prefill: LlamaForCausalLM's decoder body ({llama}; no LM head), B={s['B']}, L={s['L']}, "
                  f"row i left-padded by "
@@ -278,7 +288,7 @@ def run(device: str = "cpu", quick: bool = False, smoke: bool = False) -> dict:
 
     s = shapes["encoder"]
     progress(f"encoder {s}")
-    results["encoder"], text = _forward_case(device, "encoder", s, reps, smoke, time_target=1.0)
+    results["encoder"], text = _forward_case(device, "encoder", s, reps, smoke, 1.0, mem["encoder"])
     bert = "smoke-sized" if smoke else "hidden 768, 12 heads, 4 layers"
     texts.append(f"encoder: BertModel ({bert}), B={s['B']}, L={s['L']}, row i keeps L - {s['pad']}*i "
                  f"tokens (right padding); median of {reps} interleaved reps\n{text}")
