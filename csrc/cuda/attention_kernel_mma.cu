@@ -20,7 +20,8 @@
 // block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window, per-batch key lengths),
 // past tiles key_padding_mask removes entirely (found before the loop: one bit per tile, in registers). Only
 // tiles at the ends of a row's key interval test each score against it. Grouped KV heads index the kv head in
-// place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish).
+// place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish);
+// dropout keeps each probability by its Philox draw, as every backend, before P V (apply_dropout).
 //
 // float32 takes the same scheme on mma.sync.m16n8k8.tf32 as 3xTF32 (common.cuh: float32 accuracy, as SDPA's
 // memory-efficient kernel): K and V are staged as floats; Q's fragments are split into big and small parts
@@ -31,6 +32,7 @@
 // Soft-capping is tanhf and the probabilities are not rounded. Q's two parts take bucket registers a thread
 // (16-bit types: bucket / 4), so the float32 kernel stops at bucket 64 (kMmaMaxHeadDimTf32): at 128, Q, O and
 // S alone would take 224 of the 255.
+#include "attnx/philox.h"
 #include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
 
@@ -98,6 +100,47 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   for (int r = 0; r < 2; ++r) held[r] = warp_row0 + g + 8 * r;
   const auto row = [&](int r) {
     return kGroups == 1 ? held[r % 2] : warp_row0 + kMmaRowsPerWarp * (r / 2) + g + 8 * (r % 2);
+  };
+
+  // Dropout (the general instantiation; the rows' sums stay those of the undropped probabilities, as in
+  // every backend): probability (l, key) of the tile at k0 is kept when its Philox draw is (attnx/philox.h:
+  // element e = ((b H + h) L + l) S + key of the stream every backend draws) and scaled by 1 / (1 - p), before
+  // P V. A lane's probabilities are its two rows' pairs of adjacent keys 8j + 2t, 8j + 2t + 1: each pair is
+  // decided by one Philox block, or two where it straddles blocks, in a loop that is not unrolled (the 10
+  // rounds' code once rather than once per pair), into a bit per probability, then applied in place. (Generic,
+  // so that the plain instantiation, which has no dropout, never compiles it.)
+  const auto apply_dropout = [&](auto& sg, int64_t k0) {
+    static_assert(kPlain || (kGroups == 1 && kRows * kSTiles * 2 <= 32), "a bit per probability of the lane");
+    const uint64_t S = static_cast<uint64_t>(p.kv_len);
+    const uint64_t bh_row0 = static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L);
+    const uint32_t threshold = p.dropout_threshold;
+    uint32_t kept = 0;
+#pragma unroll 1
+    for (int pair = 0; pair < kRows * kSTiles; ++pair) {
+      const int r = pair / kSTiles, j = pair % kSTiles;
+      const uint64_t e = (bh_row0 + static_cast<uint64_t>(r == 0 ? row(0) : row(1))) * S +
+                         static_cast<uint64_t>(k0 + 8 * j + 2 * t);
+      const uint32_t w = static_cast<uint32_t>(e & 3);
+      const Philox4x32 block = dropout_block(e >> 2, p.dropout_seed[0], p.dropout_seed[1],
+                                             p.dropout_offset[0], p.dropout_offset[1]);
+      const uint32_t second = w == 3 ? dropout_block((e >> 2) + 1, p.dropout_seed[0], p.dropout_seed[1],
+                                                     p.dropout_offset[0], p.dropout_offset[1]).x
+                                     : philox_word(block, w + 1);
+      kept |= static_cast<uint32_t>(philox_word(block, w) < threshold) << (2 * pair);
+      kept |= static_cast<uint32_t>(second < threshold) << (2 * pair + 1);
+    }
+    const float dropout_scale = split_value<float>(p.dropout_scale, p.dropout_scale_lo);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = sg[j][2 * r + e];
+          x = (kept >> (2 * (r * kSTiles + j) + e)) & 1u ? x * dropout_scale : 0.0f;
+        }
+      }
+    }
   };
 
   // The keys any row of the block sees: from its first row's first key to its last row's end.
@@ -504,6 +547,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[gi][n][i] *= alpha[2 * gi + i / 2];
       }
+    }
+    if constexpr (!kPlain) {
+      if (p.dropout) apply_dropout(s[0], k0);
     }
 
     // O += P V: k-step kk covers keys 16kk .. 16kk + 15 = S n-tiles 2kk and 2kk + 1;

@@ -137,13 +137,13 @@ constexpr int mma_tile_ld(int bucket, int element_bytes) {
 }
 
 // True when the mma kernel covers the problem: float16/bfloat16 with max(D, Dv) <= kMmaMaxHeadDim, float32
-// with max(D, Dv) <= kMmaMaxHeadDimTf32, and no dropout (the SIMT kernel applies dropout).
+// with max(D, Dv) <= kMmaMaxHeadDimTf32 (dropout included: its general instantiation applies it).
 constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   const int max_head_dim = dtype == DType::kFloat16 || dtype == DType::kBFloat16 ? kMmaMaxHeadDim
                            : dtype == DType::kFloat32                            ? kMmaMaxHeadDimTf32
                                                                                  : 0;
-  return p.dropout == 0 && bucket != 0 && bucket <= max_head_dim;
+  return bucket != 0 && bucket <= max_head_dim;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ struct Target {
 };
 
 enum class Kernel {
-  kSimt,       // cuda/attention_kernel.cu: every dtype and dropout, head dims up to kMaxHeadDim
+  kSimt,       // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
   kMma,        // cuda/attention_kernel_mma.cu: tensor cores on sm80+ (mma_supports)
   kComposite,  // above kMaxHeadDim: torch's ops (cuda/attention_composite.h), no dropout
 };
@@ -205,12 +205,12 @@ inline bool mma_vector_loads(const AttentionParams& p, const void* key, const vo
          mma_rows_16(value, p.v_stride, p.v_head_dim, element_bytes);
 }
 
-// Whether a call's features let the mma kernel's plain instantiation run it: no mask, no soft-cap and a
-// scale in [2^-100, 2^100] (positive, so that the row maxima can be taken on Q K^T before the scale, and far
-// enough from 0 and inf that scale log2(e) is a normal float). The plan also asks for vector loads.
+// Whether a call's features let the mma kernel's plain instantiation run it: no mask, no soft-cap, no dropout
+// and a scale in [2^-100, 2^100] (positive, so that the row maxima can be taken on Q K^T before the scale, and
+// far enough from 0 and inf that scale log2(e) is a normal float). The plan also asks for vector loads.
 constexpr bool mma_plain(const AttentionParams& p) {
   return p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone && !(p.softcap > 0.0f) &&
-         p.scale >= 0x1p-100f && p.scale <= 0x1p100f;
+         p.dropout == 0 && p.scale >= 0x1p-100f && p.scale <= 0x1p100f;
 }
 
 // The m16 row groups a warp of the mma kernel computes: 2 (32 query rows, as FlashAttention-2's warps) for
