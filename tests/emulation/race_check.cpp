@@ -4,8 +4,8 @@
 // that no __syncthreads/__syncwarp orders against another thread's write is reported as a data race, whether
 // or not the OS happened to interleave the threads badly. Values do not matter here (the pytest suite checks
 // them): each launch covers several key tiles, masks, causal skipping and partial tiles; some add grouped KV
-// heads, a window with per-batch key lengths (tile loops that start past key 0), soft-capping and sinks. The
-// backward's three launches run after forwards of their own.
+// heads, a window with per-batch key lengths (tile loops that start past key 0), soft-capping, sinks and
+// dropout. The backward's three launches run after forwards of their own.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -144,6 +144,12 @@ int main() {
   failures += run<double>(DType::kFloat64, Kernel::kSimt, 2, 2, 9, 100, 40, false, f);
   f.window_left = 70;
   failures += run<__half>(DType::kFloat16, Kernel::kMma, 2, 2, 70, 200, 64, false, f);
+  // Dropout on the tensor cores: rows whose tiles start on a Philox block (S = 200: draws shared between
+  // lanes) and rows whose do not (S = 141).
+  Features drop;
+  drop.dropout = true;
+  failures += run<__half>(DType::kFloat16, Kernel::kMma, 1, 2, 70, 200, 64, false, drop);
+  failures += run<__nv_bfloat16>(DType::kBFloat16, Kernel::kMma, 1, 1, 70, 141, 32, true, drop);
   // The backward: several query and key tiles, every tile size (32, 16 and 8), the mask's gradient.
   failures += run_backward<float>(DType::kFloat32, 2, 2, 40, 70, 24, true, false);
   failures += run_backward<float>(DType::kFloat32, 2, 2, 40, 50, 24, false, true);

@@ -27,6 +27,7 @@ struct Features {
   int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
   bool sinks = false;
+  bool dropout = false;  // p = 0.3
 };
 
 // The parameters of attention over contiguous (B, H, L, D) queries and out, (B, Hkv, S, D) keys and values,
@@ -46,6 +47,10 @@ inline AttentionParams params(int64_t B, int64_t H, int64_t L, int64_t S, int64_
   p.window_left = f.window_left, p.window_right = f.window_right;
   p.softcap = f.softcap;
   p.has_sinks = f.sinks;
+  if (f.dropout) {
+    p.dropout = 1, p.dropout_p = 0.3f, p.dropout_threshold = 3006477107u;  // floor(0.7 * 2^32)
+    p.dropout_scale = 1.0f / 0.7f, p.dropout_seed[0] = 17, p.dropout_seed[1] = 3;
+  }
   p.attn_mask_kind = kMaskBool, p.attn_mask_stride[2] = S, p.attn_mask_stride[3] = 1;
   p.key_padding_mask_kind = kMaskFloat32, p.key_padding_mask_stride[0] = S;
   p.key_padding_mask_stride[1] = 1;
