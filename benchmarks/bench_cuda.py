@@ -1,12 +1,15 @@
 """attnx on CUDA: attention throughput against every SDPA backend.
 
 TFLOP/s = 4 * B * H * L * S * D / time: ``attnx.attention`` against ``F.scaled_dot_product_attention`` under
-each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks and with a
-key_padding_mask + (L, S) attn_mask; fp32 at D = 64 (the float32 tensor-core kernel's range: 3xTF32, as
-SDPA's efficient backend, whose fp32 is 3xTF32 whatever ``allow_tf32`` says) and D = 128 (the SIMT kernel).
+each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks, with a
+key_padding_mask + (L, S) attn_mask, and with dropout (p = 0.1); fp32 at D = 64 (the float32 tensor-core
+kernel's range: 3xTF32, as SDPA's efficient backend, whose fp32 is 3xTF32 whatever ``allow_tf32`` says) and
+D = 128 (the SIMT kernel).
 SDPA takes masks in its own convention: one boolean mask, True = keep, merged here *before* timing into
 (B, 1, L, S); attnx takes the two masks as they are. Backends that reject a case (flash attention with a
-mask, flash and cuDNN in fp32) show "n/a". Each row names the kernel attnx ran, as the CUDA library names
+mask, flash and cuDNN in fp32) show "n/a". With dropout the implementations draw different masks (attnx's
+Philox stream is its own, the same on every backend), so their outputs are checked to be finite, not equal.
+Each row names the kernel attnx ran, as the CUDA library names
 it for that call (``torch.ops.attnx._attention_kernel``; ``ATTNX_CUDA_MMA=0`` selects the SIMT kernel). The
 upstream eval memory case runs on CUDA in the ``eval`` case (bench_mha).
 """
@@ -33,6 +36,11 @@ THROUGHPUT_B, THROUGHPUT_H = 4, 16
 SMOKE_LENGTHS, SMOKE_DIMS, SMOKE_DTYPES = [128], [64], [torch.float16, torch.float32]
 
 
+# The cases of each (dtype, L, D): no masks, both masks, dropout.
+KINDS = ("plain", "masks", "dropout")
+DROPOUT_P = 0.1
+
+
 def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
     """q, k, v (B, H, L, D); attnx's masks (True = masked out) and SDPA's merged mask (True = keep)."""
     B, H = THROUGHPUT_B, THROUGHPUT_H
@@ -48,30 +56,36 @@ def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
     return q, k, v, attn_mask, kpm, keep
 
 
-def throughput_case(L: int, D: int, dtype: torch.dtype, masked: bool, reps: int) -> tuple[str, dict]:
+def throughput_case(L: int, D: int, dtype: torch.dtype, kind: str, reps: int) -> tuple[str, dict]:
     """The kernel attnx runs, and {implementation: {"time", "tflops"} or None where the backend rejects the
-    case}, for one case."""
-    q, k, v, attn_mask, kpm, keep = throughput_inputs(L, D, dtype, masked)
+    case}, for one case of KINDS."""
+    q, k, v, attn_mask, kpm, keep = throughput_inputs(L, D, dtype, kind == "masks")
+    p = DROPOUT_P if kind == "dropout" else 0.0
     flops = 4 * THROUGHPUT_B * THROUGHPUT_H * L * L * D
-    fns = {"attnx": lambda: attnx.attention(q, k, v, attn_mask, kpm)[0]}
-    kernel = torch.ops.attnx._attention_kernel(q, k, v, attn_mask=attn_mask, key_padding_mask=kpm)
+    fns = {"attnx": lambda: attnx.attention(q, k, v, attn_mask, kpm, dropout_p=p)[0]}
+    seed = torch.zeros(2, dtype=torch.int64) if p else None  # naming the kernel draws nothing
+    kernel = torch.ops.attnx._attention_kernel(q, k, v, attn_mask=attn_mask, key_padding_mask=kpm,
+                                               dropout_p=p, dropout_seed=seed)
     for name, backend in SDPA_BACKENDS.items():
 
         def sdpa(backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
 
         fns[f"sdpa {name}"] = sdpa
     tol = {torch.bfloat16: 3e-2, torch.float16: 1e-2}.get(dtype, 1e-4)
     with torch.no_grad():
-        want = fns["sdpa math"]().float()
+        want = fns["sdpa math"]().float() if p == 0 else None
         supported = {}
         for name, fn in fns.items():  # check outputs before timing
             try:
                 got = fn().float()
             except RuntimeError:  # the backend does not take this case
                 continue
-            torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+            if want is None:
+                assert got.isfinite().all(), f"{name}: non-finite output with dropout"
+            else:
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
             supported[name] = fn
         del want
         timings = time_interleaved(supported, "cuda", reps=reps, min_block_s=0.05)
@@ -93,11 +107,11 @@ def run_throughput(quick: bool, smoke: bool) -> tuple:
     for dtype in dtypes:
         for L in lengths:
             for D in dims:
-                for masked in (False, True):
+                for kind in KINDS:
                     name = str(dtype).removeprefix("torch.")
-                    label = f"{name} L=S={L} D={D}" + (" masks" if masked else "")
+                    label = f"{name} L=S={L} D={D}" + ("" if kind == "plain" else f" {kind}")
                     progress(label)
-                    kernel, case = throughput_case(L, D, dtype, masked, reps)
+                    kernel, case = throughput_case(L, D, dtype, kind, reps)
                     torch.cuda.empty_cache()
                     results[label], kernels[label] = case, kernel
                     cells = [f"{c['tflops']:.1f}" if c else "n/a" for c in case.values()]
@@ -105,7 +119,8 @@ def run_throughput(quick: bool, smoke: bool) -> tuple:
     text = (
         f"(b) attention forward TFLOP/s (4*B*H*L*S*D / time), B={THROUGHPUT_B}, H={THROUGHPUT_H}; masks = "
         f"key_padding_mask (last 1/8 of keys) + 10% random (L, S) attn_mask; SDPA gets them merged "
-        f"beforehand into one (B, 1, L, S) keep-mask; the kernel attnx ran, as the CUDA library names it\n"
+        f"beforehand into one (B, 1, L, S) keep-mask; dropout = dropout_p {DROPOUT_P}; the kernel attnx ran, "
+        f"as the CUDA library names it\n"
         + table(["case", "attnx", *[f"sdpa {n}" for n in SDPA_BACKENDS], "attnx kernel"], rows)
     )
     return results, kernels, text
