@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const int64_t am_base = block.attn_mask_base, kpm_base = block.key_padding_mask_base;
   const float scale = split_value<float>(p.scale, p.scale_lo);
   const SoftCap<float> cap = soft_cap_of<float>(p);
+  const auto softcapped = [&] { return cap.cap > 0.0f; };  // tested where needed: a bool held would spill
   const scalar_t zero = from_acc<scalar_t>(0.0f);
   // The loop's scores x are `unit` times the logits (kPlain: Q K^T, unit = scale; otherwise the logits), and
   // exp(logit - max) = 2^(x c - max c) with c = unit log2(e).
@@ -453,24 +454,33 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) row_max[r] = kNegInf;
     const bool interior = static_cast<unsigned>(n_tile - n_lo) < static_cast<unsigned>(n_hi - n_lo);
-    const auto score = [&](float x) {
+    // `capped`: soft-capping compiled in (std::true_type) or out; the masked paths test it per score.
+    const auto score = [&](float x, auto capped) {
       if constexpr (!kPlain) {
         x *= scale;
-        if (cap.cap > 0.0f) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);
+        if constexpr (decltype(capped)::value) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);
       }
       return x;
     };
     if (interior && (kPlain || (p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone))) {
+      const auto unmasked_scores = [&](auto capped) {
 #pragma unroll
-      for (int gi = 0; gi < kGroups; ++gi) {
+        for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-        for (int j = 0; j < kSTiles; ++j) {
+          for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            s[gi][j][i] = score(s[gi][j][i]);
-            row_max[2 * gi + i / 2] = max_nan(row_max[2 * gi + i / 2], s[gi][j][i]);
+            for (int i = 0; i < 4; ++i) {
+              s[gi][j][i] = score(s[gi][j][i], capped);
+              row_max[2 * gi + i / 2] = max_nan(row_max[2 * gi + i / 2], s[gi][j][i]);
+            }
           }
         }
+      };
+      // The cap's test once a tile, not once a score: the uncapped loop is the common one.
+      if (kPlain || !softcapped()) {
+        unmasked_scores(std::false_type{});
+      } else if constexpr (!kPlain) {
+        unmasked_scores(std::true_type{});
       }
     } else {
       // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile.
@@ -514,7 +524,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
               const int jj = 8 * j + 2 * t + e;
               float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
               if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
-                x = score(sg[j][i]);
+                x = softcapped() ? score(sg[j][i], std::true_type{}) : score(sg[j][i], std::false_type{});
                 if constexpr (!kPlain) {
                   float bias = kpm[j][e];
                   if (p.attn_mask_kind != kMaskNone) {
