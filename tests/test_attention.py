@@ -359,6 +359,27 @@ def test_masks_every_dtype(device, dtype, mask_dtype):
 
 
 @pytest.mark.sanitize
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_key_padding_mask_alone(device, dtype, mask_dtype):
+    # key_padding_mask without attn_mask, over 3 query blocks and 4 key tiles of the tensor cores: tiles whose
+    # every term is 0 take its loop that reads no mask, the others read it. Batch 0: padding from key 150
+    # (tiles 0-63 and 64-127 kept, 128-191 in part); batch 1: one removed key (bool) or one finite nonzero
+    # term (float) at key 70, in tile 64-127 alone.
+    q, k, v = make_qkv(2, 2, 130, 200, 32, 32, dtype=dtype)
+    padding = torch.zeros(2, 200, dtype=torch.bool)
+    padding[0, 150:] = True
+    if mask_dtype == torch.bool:
+        padding[1, 70] = True
+        kpm = padding
+    else:
+        kpm = torch.zeros(2, 200, dtype=mask_dtype).masked_fill(padding, float("-inf"))
+        kpm[1, 70] = 1.5
+    kernel_for(device, q, k, v, key_padding_mask=kpm)
+    check(device, q, k, v, key_padding_mask=kpm)
+
+
+@pytest.mark.sanitize
 def test_padding_skips_whole_tiles(device):
     # Masks that remove whole key tiles (32 keys: SIMT, Metal; 64: tensor cores), which the kernels skip, next
     # to tiles they remove in part. Batch 0: padding removes keys 0-63 (whole tiles of both sizes) and part

@@ -193,20 +193,34 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // tiles. A window covers 64 Ki keys; a longer key range scans the next window when the loop reaches it.
   constexpr int kWindowTiles = kWarpSize * 32;
   constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
+  // The same scan finds the tiles whose every key's term is 0 (tiles_kept, the same layout): where there is
+  // no attn_mask, an interior one takes the loop that reads no mask, as without key_padding_mask. With the
+  // usual padding (a suffix of each batch's keys), that is every tile but the one the padding starts in.
   int64_t window_k0 = kv_begin;
-  uint32_t tiles_seen = 0;
+  uint32_t tiles_seen = 0, tiles_kept = 0;
   const auto scan_window = [&](int64_t w0) {
     window_k0 = w0;
     tiles_seen = 0;
+    tiles_kept = ~0u;
     const int64_t w_end = range_min(kv_end, w0 + kWindowKeys);
     for (int64_t c = w0; c < w_end; c += kWarpSize) {  // half a tile per step
       const int64_t key = c + lane;
-      const bool seen =
-          key < w_end && mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                           kpm_base + key * p.key_padding_mask_stride[1]) != kNegInf;
+      const float term = key < w_end ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                                         kpm_base + key * p.key_padding_mask_stride[1])
+                                     : 0.0f;
       const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
-      if (__ballot_sync(kFullMask, seen) != 0 && lane == tile / 32) tiles_seen |= 1u << (tile % 32);
+      const unsigned seen = __ballot_sync(kFullMask, key < w_end && term != kNegInf);
+      const unsigned zero = __ballot_sync(kFullMask, term == 0.0f);
+      if (lane == tile / 32) {
+        if (seen != 0) tiles_seen |= 1u << (tile % 32);
+        if (zero != kFullMask) tiles_kept &= ~(1u << (tile % 32));
+      }
     }
+  };
+  // Whether key_padding_mask's terms are all 0 on the tile at k0, of the window scanned last.
+  const auto tile_kept = [&](int64_t k0) {
+    const int tile = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
+    return ((__shfl_sync(kFullMask, tiles_kept, tile / 32) >> (tile % 32)) & 1u) != 0;
   };
   // The first tile at or after k0 (a tile start) that key_padding_mask does not remove entirely; kv_end when
   // none. Register work only, but for the scan of a new window.
@@ -378,6 +392,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 
   for (int stage = 0; k0 < kv_end; stage ^= 1) {
     const int nk = tile_keys(k0);
+    // Before next_tile, which may scan the next window.
+    bool kpm_reads = false;
+    if constexpr (!kPlain) kpm_reads = p.key_padding_mask_kind != kMaskNone && !tile_kept(k0);
     const int64_t k_next = next_tile(k0 + kMmaTileKeys);
     if (k_next < kv_end) {
       // The other stage was last read in the previous iteration, which ended with a barrier.
@@ -462,7 +479,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
       return x;
     };
-    if (interior && (kPlain || (p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone))) {
+    if (interior && (kPlain || (p.attn_mask_kind == kMaskNone && !kpm_reads))) {
       const auto unmasked_scores = [&](auto capped) {
 #pragma unroll
         for (int gi = 0; gi < kGroups; ++gi) {
@@ -483,14 +500,15 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         unmasked_scores(std::true_type{});
       }
     } else {
-      // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile.
+      // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile (not
+      // on a tile whose terms are all 0).
       float kpm[kSTiles][2];
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int jj = 8 * j + 2 * t + e;
-          kpm[j][e] = !kPlain && p.key_padding_mask_kind != kMaskNone && jj < nk
+          kpm[j][e] = !kPlain && kpm_reads && jj < nk
                           ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
                                               kpm_base + (k0 + jj) * p.key_padding_mask_stride[1])
                           : 0.0f;
