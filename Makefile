@@ -104,9 +104,9 @@ wheel: build
 # `make test`). The floor's also runs those marked `floor`: every source against torch 2.10's headers and the
 # kernels through CUDA 12's NVRTC. The CPU torch 2.13.0 and the floor get venvs of their own (`make
 # wheel-venvs`, which .ci/run starts first, beside .venv's own install: a pip install is one process), each
-# deleted once its tests passed (a CUDA torch with its libraries is 6-7 GB); the
-# CUDA torch 2.14.1 is .venv's own, with the model libraries, and the wheel is installed into a folder put
-# first on its path (WHEEL_TORCH empty), rather than a second copy of the same 6 GB.
+# deleted once its tests passed (a CUDA torch with its libraries is 6-7 GB); the CUDA torch 2.14.1 is .venv's
+# own, with the model libraries, and the wheel is installed into a folder put first on its path (WHEEL_TORCH
+# empty), rather than a second copy of the same 6 GB.
 WHEEL_TESTS := -m "wheel and not emulated"
 # One thread a test, sleeping when it waits: the smoke tests are small, and .ci/run runs them beside `make
 # sanitize`'s two workers, where torch's default (a thread per core, spinning while it waits) took twice the
