@@ -46,7 +46,8 @@ KERNELS = {
                                 for t in ("__half", "__nv_bfloat16") for b in (32, 64, 128)
                                 for plain in ("true", "false")]
     + [f"attnx::cuda::attention_forward_mma<float, {b}, {plain}>" for b in (32, 64)
-       for plain in ("true", "false")],
+       for plain in ("true", "false")]
+    + ["attnx::cuda::attention_mask_tiles"],
     "attention_backward_kernel.cu": [f"attnx::cuda::attention_backward_delta<{t}>"
                                      for t, _ in DTYPES.values()]
     + [f"attnx::cuda::attention_backward_{kind}<{t}, {b}>" for kind in ("keys", "queries")

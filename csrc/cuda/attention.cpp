@@ -10,8 +10,10 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
+#include "common/aten.h"
 #include "common/stable.h"
 #include "cuda/attention_composite.h"
 #include "cuda/attention_kernel.h"
@@ -39,7 +41,16 @@ void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stre
     attention_composite(pb);
     return;
   }
-  const cudaError_t err = launch_attention(pb.params, dtype, pb.ptr, stream, kernel);
+  // The tensor-core kernel's attn_mask tile classes, from the caching allocator on the call's stream (a few
+  // bytes per key tile and query tile of the mask); computed again by every call, in microseconds.
+  const size_t bytes = attention_workspace_bytes(pb.params, dtype, pb.ptr, kernel);
+  std::optional<Tensor> workspace;
+  if (bytes > 0) {
+    const int64_t words[1] = {static_cast<int64_t>(bytes / sizeof(int32_t))};
+    workspace = aten::empty(words, torch::headeronly::ScalarType::Int, pb.lse.device());
+  }
+  const cudaError_t err = launch_attention(pb.params, dtype, pb.ptr, stream, kernel,
+                                           workspace ? workspace->mutable_data_ptr() : nullptr);
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
               ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,
               ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ",

@@ -272,8 +272,8 @@ cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, 
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                             cudaStream_t stream, Kernel kernel) {
-  if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, stream);
+                             cudaStream_t stream, Kernel kernel, void* workspace) {
+  if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, workspace, stream);
   if (!params_consistent(p, ptr)) return cudaErrorInvalidValue;
   const AttentionPlan plan = plan_attention(p, dtype);
   if (plan.bucket == 0) return cudaErrorInvalidValue;

@@ -18,12 +18,22 @@ namespace attnx::cuda {
 // problem (plan_attention(p, dtype).bucket == 0: D or Dv above kMaxHeadDim; kComposite; for kMma,
 // !mma_supports(p, dtype)) or the params are inconsistent (!params_consistent(p, ptr)). The caller checks
 // that an sm80+ device runs kMma.
+// `workspace`: attention_workspace_bytes(p, dtype, ptr, kernel) bytes on the device, 4-byte aligned, or
+// nullptr when that is 0 (the launch is refused without one where it is not).
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                             cudaStream_t stream, Kernel kernel = Kernel::kSimt);
+                             cudaStream_t stream, Kernel kernel = Kernel::kSimt, void* workspace = nullptr);
+
+// The device memory a launch of `kernel` needs besides its operands: the mma kernel's attn_mask tile
+// classes (AttentionMmaPlan::workspace_bytes); 0 for the others.
+inline size_t attention_workspace_bytes(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
+                                        Kernel kernel) {
+  return kernel == Kernel::kMma && mma_supports(p, dtype) ? plan_attention_mma(p, dtype, ptr).workspace_bytes
+                                                          : 0;
+}
 
 // The tensor-core launcher (cuda/attention_kernel_mma.cu), called by launch_attention for Kernel::kMma.
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                                 cudaStream_t stream);
+                                 void* workspace, cudaStream_t stream);
 #endif
 
 }  // namespace attnx::cuda

@@ -18,8 +18,11 @@
 // to the input type (the C fragments of two adjacent S n-tiles are exactly the A fragment of one k-step; V's
 // B fragments by ldmatrix.trans). Tiles are skipped as in the SIMT kernel: the loop runs over the keys the
 // block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window, per-batch key lengths),
-// past tiles key_padding_mask removes entirely (found before the loop: one bit per tile, in registers). Only
-// tiles at the ends of a row's key interval test each score against it. Grouped KV heads index the kv head in
+// past tiles the masks remove entirely for every row of the block (EMPTY), and a tile on which both masks'
+// terms are 0 for a warp's rows (FULL) takes the loop that reads no mask: the classes are found before the
+// loop, one bit per tile in registers, key_padding_mask's by a scan of its row and attn_mask's from a
+// pre-pass (attention_mask_tiles) that classifies each 16 query rows x 64 keys of the mask once for every
+// head and batch that share it. Only tiles at the ends of a row's key interval test each score against it. Grouped KV heads index the kv head in
 // place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish);
 // dropout keeps each probability by its Philox draw, as every backend, before P V (apply_dropout).
 //
@@ -46,7 +49,8 @@ namespace {
 // log2(e) alone.
 template <typename scalar_t, int kBucket, bool kPlain>
 __global__ void __launch_bounds__(kWarps* kWarpSize)
-    attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan) {
+    attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan,
+                          const uint32_t* const mask_tiles) {
   constexpr bool kTf32 = std::is_same<scalar_t, float>::value;  // 3xTF32, m16n8k8
   constexpr int kThreads = kWarps * kWarpSize;
   // The warp's m16 row groups (mma_row_groups): each K and V fragment feeds the mma of every group.
@@ -172,8 +176,16 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   const auto tile_keys = [&](int64_t k0) {
     return kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
   };
+  // Where the masks are classified per tile (below), some tile may be skipped, and the loop reads the masks
+  // only on tiles whose terms are not all 0.
+  const bool masked = !kPlain && (p.key_padding_mask_kind != kMaskNone || p.attn_mask_kind != kMaskNone);
+  // The tiles start at tile0: kv_begin, or with attn_mask's tile classes the multiple of kMmaTileKeys at or
+  // below it, where the classes' tiles start (keys before kv_begin are then tested out like any key outside
+  // a row's interval).
+  const int64_t tile0 = !kPlain && p.attn_mask_kind != kMaskNone ? kv_begin / kMmaTileKeys * kMmaTileKeys
+                                                                 : kv_begin;
 
-  // Every tile starts at kv_begin + kMmaTileKeys n. The interior tiles of this warp, n_lo <= n < n_hi, hold
+  // Every tile starts at tile0 + kMmaTileKeys n. The interior tiles of this warp, n_lo <= n < n_hi, hold
   // 64 keys that every one of its rows (all below L) sees: they need no per-element key-range test. Found
   // once here, so that a tile's test is one unsigned compare of its 32-bit index (a key range of 2^37 keys
   // is beyond any tensor a GPU holds).
@@ -181,54 +193,91 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   if (warp_row0 + kRowsPerWarp <= L) {
     const int64_t in_lo = range_key_begin(warp_row0 + kRowsPerWarp - 1, L, Sb, p.window_left);
     const int64_t in_hi = range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
-    n_lo = static_cast<int>((range_max(in_lo - kv_begin, 0) + kMmaTileKeys - 1) / kMmaTileKeys);
-    n_hi = static_cast<int>(range_max(in_hi - kv_begin, 0) / kMmaTileKeys);
+    n_lo = static_cast<int>((range_max(in_lo - tile0, 0) + kMmaTileKeys - 1) / kMmaTileKeys);
+    n_hi = static_cast<int>(range_max(in_hi - tile0, 0) / kMmaTileKeys);
     n_hi = n_hi > n_lo ? n_hi : n_lo;
   }
 
-  // Tiles that key_padding_mask removes entirely, found before the tile loop rather than by a read at the top
-  // of every tile: a window of kWindowTiles tiles from window_k0 is scanned once (32 keys per warp-wide load
-  // and ballot), and lane i keeps bit w for tile 32 i + w of it (set: some key of the tile is not removed).
-  // Every warp reads the same elements, so every warp keeps the same bits and the whole block skips the same
-  // tiles. A window covers 64 Ki keys; a longer key range scans the next window when the loop reaches it.
+  // The masks' tiles are classified before the tile loop rather than by reads at the top of every tile, a
+  // window of kWindowTiles tiles from window_k0 at a time: lane i keeps bit w for tile 32 i + w of it in
+  // tiles_seen (set: some row of the block sees some key of the tile; clear: EMPTY, skipped) and in
+  // tiles_kept (set: every term of both masks is 0 on the warp's rows, FULL: an interior one takes the loop
+  // that reads no mask). key_padding_mask is scanned here, 32 keys per warp-wide load and ballot; every warp
+  // reads the same elements, so every warp keeps the same tiles_seen and the whole block skips the same
+  // tiles. With the usual padding (a suffix of each batch's keys), every tile is FULL or EMPTY but the one
+  // the padding starts in. attn_mask's classes come from the pre-pass (attention_mask_tiles), a word per
+  // lane: tiles_seen takes the OR of the block's warps' `seen` rows. A window covers 64 Ki keys; a longer
+  // key range is classified a window at a time as the loop reaches it, key_padding_mask alone: past the
+  // first window every tile reads attn_mask (the classes' reads in the loop cost the loop registers it does
+  // not have, and an (L, S) mask over more than 64 Ki keys is rare).
   constexpr int kWindowTiles = kWarpSize * 32;
   constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
-  // The same scan finds the tiles whose every key's term is 0 (tiles_kept, the same layout): where there is
-  // no attn_mask, an interior one takes the loop that reads no mask, as without key_padding_mask. With the
-  // usual padding (a suffix of each batch's keys), that is every tile but the one the padding starts in.
-  int64_t window_k0 = kv_begin;
+  int64_t window_k0 = tile0;
   uint32_t tiles_seen = 0, tiles_kept = 0;
-  const auto scan_window = [&](int64_t w0) {
+  // `first`: the first window (std::true_type), or one the loop reaches.
+  const auto scan_window = [&](int64_t w0, auto first) {
     window_k0 = w0;
-    tiles_seen = 0;
+    tiles_seen = ~0u;
     tiles_kept = ~0u;
-    const int64_t w_end = range_min(kv_end, w0 + kWindowKeys);
-    for (int64_t c = w0; c < w_end; c += kWarpSize) {  // half a tile per step
-      const int64_t key = c + lane;
-      const float term = key < w_end ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                                         kpm_base + key * p.key_padding_mask_stride[1])
-                                     : 0.0f;
-      const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
-      const unsigned seen = __ballot_sync(kFullMask, key < w_end && term != kNegInf);
-      const unsigned zero = __ballot_sync(kFullMask, term == 0.0f);
-      if (lane == tile / 32) {
-        if (seen != 0) tiles_seen |= 1u << (tile % 32);
-        if (zero != kFullMask) tiles_kept &= ~(1u << (tile % 32));
+    if (p.key_padding_mask_kind != kMaskNone) {
+      tiles_seen = 0;
+      const int64_t w_end = range_min(kv_end, w0 + kWindowKeys);
+      for (int64_t c = w0; c < w_end; c += kWarpSize) {  // half a tile per step
+        const int64_t key = c + lane;
+        const float term = key < w_end ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                                           kpm_base + key * p.key_padding_mask_stride[1])
+                                       : 0.0f;
+        const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
+        const unsigned seen = __ballot_sync(kFullMask, key < w_end && term != kNegInf);
+        const unsigned zero = __ballot_sync(kFullMask, term == 0.0f);
+        if (lane == tile / 32) {
+          if (seen != 0) tiles_seen |= 1u << (tile % 32);
+          if (zero != kFullMask) tiles_kept &= ~(1u << (tile % 32));
+        }
+      }
+    }
+    if (p.attn_mask_kind != kMaskNone) {
+      if constexpr (decltype(first)::value) {
+        // The bits of tiles g0 + 32 lane .. + 31 (tile n: keys 64 n .. + 63) of a bit row: w0 = tile0 is a
+        // multiple of kMmaTileKeys, not always of 32 tiles.
+        const MaskTiles& mt = plan.mask_tiles;
+        const int64_t g0 = w0 / kMmaTileKeys;
+        const int64_t word = g0 / 32 + lane;
+        const int shift = static_cast<int>(g0 % 32);
+        const auto bits = [&](const uint32_t* row) {
+          const uint32_t lo = word < mt.words ? row[word] : 0u;
+          const uint32_t hi = word + 1 < mt.words ? row[word + 1] : 0u;
+          return shift == 0 ? lo : lo >> shift | hi << (32 - shift);
+        };
+        // Query tile w of the block is warp w's rows (tiles past L have no bit set), or the one tile of a
+        // mask that broadcasts over L.
+        const bool per_row = mt.q_tiles > 1;
+        const int64_t step = per_row ? 2 * mt.words : 0;
+        const int64_t bm = p.attn_mask_stride[0] == 0 ? 0 : b, hm = p.attn_mask_stride[1] == 0 ? 0 : h;
+        const int64_t lt = per_row ? q0 / kMmaRowsPerWarp : 0;
+        const uint32_t* const rows = mask_tiles + mask_tile_row(mt, bm, hm, lt);
+        uint32_t seen = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) seen |= bits(rows + w * step);
+        tiles_seen &= seen;
+        tiles_kept &= bits(rows + warp * step + mt.words);
+      } else {
+        tiles_kept = 0;
       }
     }
   };
-  // Whether key_padding_mask's terms are all 0 on the tile at k0, of the window scanned last.
+  // Whether both masks' terms are all 0 on the warp's rows of the tile at k0, of the window classified last.
   const auto tile_kept = [&](int64_t k0) {
     const int tile = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
     return ((__shfl_sync(kFullMask, tiles_kept, tile / 32) >> (tile % 32)) & 1u) != 0;
   };
-  // The first tile at or after k0 (a tile start) that key_padding_mask does not remove entirely; kv_end when
-  // none. Register work only, but for the scan of a new window.
+  // The first tile at or after k0 (a tile start) that the masks do not remove entirely; kv_end when none.
+  // Register work only, but for the classification of a new window.
   const auto next_tile = [&](int64_t k0) {
     if constexpr (!kPlain) {
-      if (p.key_padding_mask_kind != kMaskNone) {
+      if (masked) {
         for (; k0 < kv_end; k0 = window_k0 + kWindowKeys) {
-          if (k0 >= window_k0 + kWindowKeys) scan_window(k0);
+          if (k0 >= window_k0 + kWindowKeys) scan_window(k0, std::false_type{});
           const int first = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
           const uint32_t mine = lane < first / 32    ? 0u
                                 : lane == first / 32 ? tiles_seen & (~0u << (first % 32))
@@ -245,7 +294,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
     return k0;
   };
-  if (!kPlain && p.key_padding_mask_kind != kMaskNone && kv_begin < kv_end) scan_window(kv_begin);
+  if (masked && kv_begin < kv_end) scan_window(tile0, std::true_type{});
 
   // Staging with cp.async (plan.vector_loads): the two threads of a row copy its 16-byte chunks alternately,
   // this one chunks c_first + 2i of row j_copy of both K and V, so that its copies of a tile are at constant
@@ -310,8 +359,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
   };
 
-  int64_t k0 = kv_begin < kv_end ? next_tile(kv_begin) : kv_end;
-  int n_tile = static_cast<int>((k0 - kv_begin) / kMmaTileKeys);  // k0 = kv_begin + kMmaTileKeys n_tile
+  int64_t k0 = kv_begin < kv_end ? next_tile(tile0) : kv_end;
+  int n_tile = static_cast<int>((k0 - tile0) / kMmaTileKeys);  // k0 = tile0 + kMmaTileKeys n_tile
   if (k0 < kv_end) {
     k_src = k_chunk0 + k0 * k_key;
     v_src = v_chunk0 + k0 * v_key;
@@ -392,9 +441,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 
   for (int stage = 0; k0 < kv_end; stage ^= 1) {
     const int nk = tile_keys(k0);
-    // Before next_tile, which may scan the next window.
-    bool kpm_reads = false;
-    if constexpr (!kPlain) kpm_reads = p.key_padding_mask_kind != kMaskNone && !tile_kept(k0);
+    // Before next_tile, which may classify the next window.
+    bool masks_read = false;
+    if constexpr (!kPlain) masks_read = masked && !tile_kept(k0);
     const int64_t k_next = next_tile(k0 + kMmaTileKeys);
     if (k_next < kv_end) {
       // The other stage was last read in the previous iteration, which ended with a barrier.
@@ -479,7 +528,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
       return x;
     };
-    if (interior && (kPlain || (p.attn_mask_kind == kMaskNone && !kpm_reads))) {
+    if (interior && (kPlain || !masks_read)) {
       const auto unmasked_scores = [&](auto capped) {
 #pragma unroll
         for (int gi = 0; gi < kGroups; ++gi) {
@@ -500,15 +549,15 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         unmasked_scores(std::true_type{});
       }
     } else {
-      // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile (not
-      // on a tile whose terms are all 0).
+      // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile (on a
+      // tile whose terms are not all 0).
       float kpm[kSTiles][2];
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int jj = 8 * j + 2 * t + e;
-          kpm[j][e] = !kPlain && kpm_reads && jj < nk
+          kpm[j][e] = !kPlain && masks_read && p.key_padding_mask_kind != kMaskNone && jj < nk
                           ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
                                               kpm_base + (k0 + jj) * p.key_padding_mask_stride[1])
                           : 0.0f;
@@ -648,7 +697,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
     n_tile = kPlain || k_next == k0 + kMmaTileKeys ? n_tile + 1
-                                                   : static_cast<int>((k_next - kv_begin) / kMmaTileKeys);
+                                                   : static_cast<int>((k_next - tile0) / kMmaTileKeys);
     k0 = k_next;
   }
 
@@ -707,15 +756,60 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 }
 
+// attn_mask's tile classes (MaskTiles, cuda/attention_plan.h), the pre-pass of the general instantiation:
+// one warp per word of the bit rows, that is per (mask slice, tile of kMmaRowsPerWarp query rows, 32 key
+// tiles). A warp reads a tile's terms a row at a time, a key per lane and two per row (64 keys), and takes
+// `seen` and `kept` by a vote over the warp. The terms are mask_value's, those the tile loop adds, so a kept
+// tile's unmasked scores are the masked path's bit for bit. Rows past L and keys past S are not read; the
+// bits of a query tile past L (up to the last query block's end, so that a block reads its 4 tiles without
+// a bound) are clear.
+__global__ void __launch_bounds__(kWarps* kWarpSize)
+    attention_mask_tiles(const AttentionParams p, const AttentionPointers ptr, const MaskTiles mt,
+                         uint32_t* const out) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t index = int64_t{blockIdx.x} * kWarps + warp;  // (bm, hm, lt, word), word fastest
+  if (index >= mt.slices_b * mt.slices_h * mt.q_tiles * mt.words) return;
+  const int64_t word = index % mt.words, lt = index / mt.words % mt.q_tiles;
+  const int64_t hm = index / (mt.words * mt.q_tiles) % mt.slices_h;
+  const int64_t bm = index / (mt.words * mt.q_tiles * mt.slices_h);
+  const int64_t* const st = p.attn_mask_stride;
+  const int64_t l0 = lt * kMmaRowsPerWarp;
+  // A mask that broadcasts over L is read on one row.
+  const int64_t rows = st[2] == 0 ? 1 : range_min(int64_t{kMmaRowsPerWarp}, p.q_len - l0);
+  uint32_t seen = 0, kept = 0;
+  for (int w = 0; w < 32; ++w) {
+    const int64_t k0 = (32 * word + w) * kMmaTileKeys;
+    if (k0 >= p.kv_len) break;  // uniform over the warp
+    bool any_seen = false, all_kept = rows > 0;  // a tile past L: neither
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = bm * st[0] + hm * st[1] + (l0 + r) * st[2];
+      for (int64_t key = k0 + lane; key < range_min(k0 + kMmaTileKeys, p.kv_len); key += kWarpSize) {
+        const float term = mask_value<float>(p.attn_mask_kind, ptr.attn_mask, row + key * st[3]);
+        any_seen = any_seen || term != -INFINITY;
+        all_kept = all_kept && term == 0.0f;
+      }
+    }
+    if (__any_sync(kFullMask, any_seen)) seen |= 1u << w;
+    if (__all_sync(kFullMask, all_kept)) kept |= 1u << w;
+  }
+  if (lane == 0) {
+    uint32_t* const row = out + mask_tile_row(mt, bm, hm, lt);
+    row[word] = seen;
+    row[mt.words + word] = kept;
+  }
+}
+
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
-                       cudaStream_t stream) {
+                       uint32_t* mask_tiles, cudaStream_t stream) {
   const auto launch = [&](auto bucket) {
     constexpr int kBucket = decltype(bucket)::value;
     return launch_plan(plan.plain ? &attention_forward_mma<scalar_t, kBucket, true>
                                   : &attention_forward_mma<scalar_t, kBucket, false>,
-                       plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan);
+                       plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan,
+                       static_cast<const uint32_t*>(mask_tiles));
   };
   if constexpr (std::is_same<scalar_t, float>::value) {
     return dispatch_bucket<32, 64>(plan.bucket, launch);  // up to kMmaMaxHeadDimTf32
@@ -729,17 +823,24 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                                 cudaStream_t stream) {
+                                 void* workspace, cudaStream_t stream) {
   if (!mma_supports(p, dtype) || !params_consistent(p, ptr)) return cudaErrorInvalidValue;
   const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr);
   if (plan.blocks == 0) return cudaSuccess;
-  if (plan.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  if (plan.blocks > kMaxBlocks || plan.mask_tiles.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  uint32_t* const mask_tiles = static_cast<uint32_t*>(workspace);
+  if (plan.mask_tiles.blocks > 0) {
+    const cudaError_t err = launch_plan(&attention_mask_tiles, plan.mask_tiles.blocks, kWarps * kWarpSize, 0,
+                                        stream, p, ptr, plan.mask_tiles, mask_tiles);
+    if (err != cudaSuccess) return err;
+  }
   return dispatch_dtype(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     if constexpr (std::is_same<scalar_t, double>::value) {
       return cudaErrorInvalidValue;  // no float64 tensor-core kernel (mma_supports refuses it too)
     } else {
-      return launch_mma<scalar_t>(p, ptr, plan, stream);
+      return launch_mma<scalar_t>(p, ptr, plan, mask_tiles, stream);
     }
   });
 }

@@ -222,6 +222,28 @@ constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
   return plain && element_bytes == 2 && bucket <= 64 ? 2 : 1;
 }
 
+// attn_mask's tile classes, for the general instantiation where there is an attn_mask: a pre-pass on the
+// device (attention_mask_tiles in cuda/attention_kernel_mma.cu) reads the mask once and writes, per slice of
+// the mask the call's heads share and per tile of kMmaRowsPerWarp query rows (a warp's rows), two bit rows
+// over the key tiles of kMmaTileKeys keys from key 0: `seen` (bit n: some term of tile n is not -inf) and
+// `kept` (every term of tile n is 0). The tile loop skips a tile that no row of its block sees (EMPTY, as it
+// skips the tiles key_padding_mask removes), runs the unmasked loop on a tile kept for the warp's rows (FULL)
+// and reads the mask on the others (PARTIAL). A dimension the mask broadcasts over (stride 0) is classified
+// once: an (L, S) mask once for every batch and head, a (B, 1, 1, S) one once per batch.
+struct MaskTiles {
+  int64_t slices_b, slices_h;  // 1 where the mask broadcasts over B (H); B (H) otherwise
+  int64_t q_tiles;             // tiles of kMmaRowsPerWarp rows up to the last query block's end: 1 where the
+                               // mask broadcasts over L
+  int64_t words;               // 32-bit words of a bit row: one bit per key tile
+  // The launch of the pre-pass: one warp per word of the bit rows (the 32 tiles of that word).
+  int64_t blocks;
+};
+
+// The word index of slice (bm, hm)'s bit rows for query tile lt: `seen` there, `kept` `words` after it.
+constexpr int64_t mask_tile_row(const MaskTiles& mt, int64_t bm, int64_t hm, int64_t lt) {
+  return ((bm * mt.slices_h + hm) * mt.q_tiles + lt) * 2 * mt.words;
+}
+
 struct AttentionMmaPlan {
   int bucket;  // head-dim bucket (32, 64 or 128; float32: 32 or 64); 0 when mma_supports() is false
   bool plain;  // mma_plain() and vector_loads: the kernel's instantiation without masks and soft-cap
@@ -234,6 +256,8 @@ struct AttentionMmaPlan {
   bool q_vector;      // Q's rows by cp.async (with two row groups, where Q is staged in shared memory)
   bool out_vector;    // the output's rows by 16-byte stores, through shared memory
   size_t smem_bytes;
+  MaskTiles mask_tiles;    // the general instantiation with an attn_mask; all 0 otherwise
+  size_t workspace_bytes;  // the mask tiles' bit rows, which the caller allocates (0: no workspace)
 };
 
 inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype,
@@ -258,6 +282,15 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   const int ld = mma_tile_ld(plan.bucket, element_bytes);
   const int q_rows = plan.rows_per_block > kMmaRowsPerBlock ? plan.rows_per_block : 0;
   plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
+  if (!plan.plain && p.attn_mask_kind != kMaskNone && plan.blocks > 0) {
+    MaskTiles& mt = plan.mask_tiles;
+    mt.slices_b = p.attn_mask_stride[0] == 0 ? 1 : p.batch;
+    mt.slices_h = p.attn_mask_stride[1] == 0 ? 1 : p.heads;
+    mt.q_tiles = p.attn_mask_stride[2] == 0 ? 1 : plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
+    mt.words = ((p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys + 31) / 32;
+    mt.blocks = (mt.slices_b * mt.slices_h * mt.q_tiles * mt.words + kWarps - 1) / kWarps;
+    plan.workspace_bytes = static_cast<size_t>(mask_tile_row(mt, mt.slices_b, 0, 0)) * sizeof(uint32_t);
+  }
   return plan;
 }
 

@@ -118,6 +118,22 @@ void inconsistent_params_are_refused(Kernel kernel) {
     p.kv_heads = kv_heads;
     check(launch(p, buf.pointers(), kernel) == invalid, "kv_heads that do not divide heads", kv_heads);
   }
+  if (kernel == Kernel::kMma) {
+    // attn_mask's tile classes live in a workspace the caller gives: refused without it.
+    std::vector<uint8_t> mask(3 * 5);
+    p = base;
+    p.attn_mask_kind = attnx::kMaskBool;
+    p.attn_mask_stride[2] = 5, p.attn_mask_stride[3] = 1;
+    AttentionPointers ptr = buf.pointers();
+    ptr.attn_mask = mask.data();
+    const size_t bytes = attnx::cuda::attention_workspace_bytes(p, DType::kFloat16, ptr, kernel);
+    check(bytes == 4 * 2 * 4, "an (L, S) mask of one key tile: two words for each query tile of the block",
+          bytes);
+    check(launch(p, ptr, kernel) == invalid, "attn_mask without the workspace");
+    std::vector<uint32_t> workspace(bytes / 4);
+    check(attnx::cuda::launch_attention(p, DType::kFloat16, ptr, nullptr, kernel, workspace.data()) == 0,
+          "attn_mask with the workspace");
+  }
   p = base;
   p.window_left = -2;
   check(launch(p, buf.pointers(), kernel) == invalid, "window_left below -1");

@@ -3,9 +3,10 @@
 // The emulation's barriers and warp exchanges are atomics that TSan understands, so a shared-memory access
 // that no __syncthreads/__syncwarp orders against another thread's write is reported as a data race, whether
 // or not the OS happened to interleave the threads badly. Values do not matter here (the pytest suite checks
-// them): each launch covers several key tiles, masks, causal skipping and partial tiles; some add grouped KV
-// heads, a window with per-batch key lengths (tile loops that start past key 0), soft-capping, sinks and
-// dropout. The backward's three launches run after forwards of their own.
+// them): each launch covers several key tiles, masks (on the tensor cores after attn_mask's pre-pass), causal
+// skipping and partial tiles; some add grouped KV heads, a window with per-batch key lengths (tile loops that
+// start past key 0), soft-capping, sinks and dropout. The backward's three launches run after forwards of
+// their own.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -70,7 +71,10 @@ int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, 
   ptr.lse = lse.data();
   ptr.key_lengths = f.key_lengths.empty() ? nullptr : f.key_lengths.data();
   ptr.sinks = f.sinks ? sinks.data() : nullptr;
-  const cudaError_t err = attnx::cuda::launch_attention(p, dtype, ptr, nullptr, kernel);
+  // The mma kernel's attn_mask tile classes: its pre-pass writes them, its blocks read them.
+  std::vector<uint32_t> workspace(attnx::cuda::attention_workspace_bytes(p, dtype, ptr, kernel) / 4);
+  const cudaError_t err = attnx::cuda::launch_attention(p, dtype, ptr, nullptr, kernel,
+                                                        workspace.empty() ? nullptr : workspace.data());
   if (err != cudaSuccess) std::fprintf(stderr, "launch failed: %d\n", static_cast<int>(err));
   return err == cudaSuccess ? 0 : 1;
 }
