@@ -444,6 +444,8 @@ def _tile_classes_case(case):
     if case == "per_head":  # every (b, h) a slice of its own
         slices = [additive, additive.flip(1), additive.flip(0), additive.roll(64, 1)]
         return {"attn_mask": torch.stack(slices).view(2, 2, 70, 200)}
+    if case == "strided":  # a bool mask whose keys are not contiguous (packed through its strides)
+        return {"attn_mask": removed.t().contiguous().t(), "key_padding_mask": kpm}
     if case == "broadcast_rows":  # (B, 1, 1, S): classified on one row, the same for every query tile
         rows = torch.zeros(2, 1, 1, 200, dtype=torch.bool)
         rows[0, ..., 150:] = True
@@ -458,12 +460,13 @@ def _tile_classes_case(case):
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["bool", "float", "per_batch", "per_head", "broadcast_rows", "window",
-                                  "padding_causal", "softcap_sinks"])
+@pytest.mark.parametrize("case", ["bool", "float", "per_batch", "per_head", "strided", "broadcast_rows",
+                                  "window", "padding_causal", "softcap_sinks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_attn_mask_tile_classes(device, dtype, case):
     # attn_mask whose tiles are removed whole, in part or not at all, over 2 query blocks and 4 key tiles of
-    # the tensor cores, which classify them before their tile loop (skipped, read, or the unmasked loop).
+    # the tensor cores, which classify them before their tile loop (skipped, read, or the unmasked loop) and
+    # read a bool mask's partly removed tiles from its packed bits.
     q, k, v = make_qkv(2, 2, 70, 200, 32, 32, dtype=dtype)
     options = _tile_classes_case(case)
     kernel_for(device, q, k, v, **options)

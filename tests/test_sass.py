@@ -152,8 +152,55 @@ def test_the_budgets_flag_what_the_loop_holds(sass, nested):
     assert "1 LDG (global loads)" in problems and "1 64-bit multiplies" in problems
     assert "1 soft-cap branches" in problems and "BRX" not in problems and "spills" not in problems
     assert sass.check_row(dict(row, kernel="mma fp16 bucket64 general", ldl_stl=2)) == [
-        "sm_90 mma fp16 bucket64 general: spills (2 LDL/STL, local 0 B)"]  # no budget but spills
+        "sm_90 mma fp16 bucket64 general: spills (2 LDL/STL, local 0 B)",  # not the plain budgets:
+        "sm_90 mma fp16 bucket64 general: no path reads a bool mask's packed bits"]  # its own
     assert len(sass.check_row(dict(row, kernel="mma bf16 bucket128 plain"))) == 4
+
+
+# A loop whose tiles read a bool mask's packed bits where a kernel parameter says so (a block the steady path
+# skips); {src}'s line 2 is that load, or (`plain`) a line that does not name the packed row.
+PACKED = """
+        .type           kern,@function
+kern:
+	//## File "{src}", line 1
+        /*0000*/                   ISETP.NE.AND P1, PT, RZ, c[0x0][0x170], PT ;
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R20], desc[UR4][R10.64] ;
+        /*0030*/              @!P1 BRA `(.L_x_2) ;
+	//## File "{src}", line 2
+        /*0040*/                   LDG.E.64 R12, desc[UR4][R14.64] ;
+	//## File "{src}", line 1
+        /*0050*/                   SHF.R.U64 R12, R12, R2, R13 ;
+        /*0060*/                   FSEL R8, R8, -INF , !P3 ;
+.L_x_2:
+        /*0070*/                   FMNMX R9, R9, R8, !PT ;
+        /*0080*/                   ISETP.NE.AND P0, PT, R3, R18, PT ;
+        /*0090*/               @P0 BRA `(.L_x_0) ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["packed_load", "other_load"])
+def test_the_path_through_a_bool_masks_packed_bits(sass, tmp_path, named):
+    src = tmp_path / "kernel.cu"
+    load = "const uint2 w = *reinterpret_cast<const uint2*>(packed_words + (r % 2) * packed_step);"
+    src.write_text("x = s;\n" + (load if named else "bias = mask_value(kind, mask, offset);") + "\n")
+    _, loop = kernel(sass, PACKED.format(src=src))
+    paths = loop["paths"]
+    assert paths["steady"].instrs == 6  # the parameter's cheaper side: no mask read
+    row = {"arch": "sm_90", "kernel": "mma fp16 bucket64 general", "ldl_stl": 0, "local": 0, "loop": loop}
+    where = "sm_90 mma fp16 bucket64 general"
+    if not named:
+        assert "bits" not in paths
+        assert sass.check_row(row) == [f"{where}: no path reads a bool mask's packed bits"]
+        return
+    assert paths["bits"].instrs == 9 and paths["bits"].classes["LDG"] == 1
+    assert sass.check_row(row) == [
+        f"{where}: a PARTIAL bool tile takes 9 instructions > 1.3 x the steady path's 6"]
+    assert sass.check_row(dict(row, kernel="mma fp16 bucket64 plain"))[0].endswith("on the steady path > 5.0")
+    assert "bits" in sass.format_table([dict(row, registers=128, stack=0, shared=0, dynamic_shared=0,
+                                             occupancy={"blocks": 1, "warps": 4, "limit": "registers"})])
 
 
 # A jump table in the loop: nvdisasm names its targets.

@@ -25,7 +25,7 @@ loop into copies), the one with the leanest steady path is reported and their nu
 One iteration is a path from the loop's header to a latch (a block with an edge back to the header) through
 its body with every back edge removed, so an inner loop is walked once and each entry into one is counted.
 Each instruction of the path counts once, predicated or not (a predicated-off instruction is issued all the
-same, as Nsight Compute's inst_executed counts it). Four paths are reported:
+same, as Nsight Compute's inst_executed counts it). Five paths are reported:
 
     steady  the common case's iteration (a full, interior tile that is not the last; no mask, no soft-cap),
             the one the budgets apply to. Chosen, in order, for: the most HMMA; the most LDGSTS (the next
@@ -41,6 +41,9 @@ same, as Nsight Compute's inst_executed counts it). Four paths are reported:
             reach a latch without leaving the loop
     min     the fewest instructions from header to latch (may skip the next tile's copies: the last tile)
     max     the most (the masked, boundary-tile, soft-capped iteration)
+    bits    in the general instantiation, the path through the load of a bool attn_mask's packed bits
+            (PACKED_SOURCE) with the fewest other global loads (no key_padding_mask), then the steady rules:
+            an interior tile that a bool attn_mask alone removes in part (a PARTIAL tile)
 
 The choice is a static guess at the common case; it can be wrong where a feature switch guards LDGSTS (a
 kernel copying a mask tile too would have those copies on its steady path). Per HMMA is the steady path's
@@ -123,6 +126,14 @@ MAX_SPILL_ACCESSES = 0
 
 # A conditional branch whose source line (nvdisasm -g) matches this is a soft-cap test.
 SOFTCAP_SOURCE = re.compile(r"soft_?cap", re.IGNORECASE)
+# A global load whose source line matches this reads a bool attn_mask's packed bits (the general
+# instantiation's interior PARTIAL tiles): the "bits" path is the steady rules' path through it.
+PACKED_SOURCE = re.compile(r"\bpacked_words\b")
+# That path within this factor of the same kernel's steady path (a FULL tile: the loop without masks), in the
+# general instantiation of the fp16/bf16 kernels at the budgets' head dims (bucket 32, whose tile has a
+# quarter of bucket 128's HMMA for the same work per score, is reported, not budgeted).
+MAX_BITS_RATIO = 1.3
+BITS_BUDGETED = re.compile(r"^mma (fp16|bf16) bucket(64|128) general$")
 
 # ------------------------------------------------------------------------------------------------------------
 # Occupancy: the rules of the CUDA occupancy calculator, cuda_occupancy.h of CUDA 13.0
@@ -735,36 +746,48 @@ def loop_paths(cfg: Cfg, loop: Loop, loops: list) -> dict:
     edges, order = _dag(cfg, loop, loops)
     latches = set(loop.latches)
     skips = _skips(cfg, loop, edges, order)
+    # The blocks that load a bool mask's packed bits (PACKED_SOURCE), for the "bits" path.
+    packed = {b for b in loop.body if any(i.base == "LDG" and PACKED_SOURCE.search(_source_line(i.source))
+                                          for i in cfg.blocks[b].instrs)}
 
     def cost(b, kind, edge=None, entry=0):
         blk = cfg.blocks[b]
         n = len(blk.instrs)
-        if kind == "steady":
+        if kind in ("steady", "bits"):
             calls = sum(i.addr in cfg.calls for i in blk.instrs)
-            return (-blk.count("HMMA"), -blk.count("LDGSTS"), entry, calls, int(edge in skips), n)
+            steady = (-blk.count("HMMA"), -blk.count("LDGSTS"), entry, calls, int(edge in skips), n)
+            # bits: first, no other global load (a mask element read: the bool mask alone, packed)
+            return steady if kind == "steady" else (blk.count("LDG") - int(b in packed), *steady)
         return (n if kind == "min" else -n,)
 
     def add(a, b):
         return tuple(x + y for x, y in zip(a, b, strict=True))
 
     paths = {}
-    for kind in ("steady", "min", "max"):
-        best = {loop.header: (cost(loop.header, kind), None, 0)}
+    for kind in ("steady", "min", "max", "bits"):
+        if kind == "bits" and not packed:
+            continue
+        # bits: a node is (block, whether the path has been through the packed load)
+        through = (lambda b, f: f or b in packed) if kind == "bits" else (lambda b, f: True)
+        start = (loop.header, through(loop.header, False))
+        best = {start: (cost(loop.header, kind), None, 0)}
         for b in order:
-            if b not in best:
-                continue
-            for s, _, entry in edges[b]:
-                cand = add(best[b][0], cost(s, kind, (b, s), entry))
-                if s not in best or cand < best[s][0]:
-                    best[s] = (cand, b, best[b][2] + entry)
-        ends = [b for b in latches if b in best]
+            for f in (False, True):
+                if (b, f) not in best:
+                    continue
+                for s, _, entry in edges[b]:
+                    node = (s, through(s, f))
+                    cand = add(best[(b, f)][0], cost(s, kind, (b, s), entry))
+                    if node not in best or cand < best[node][0]:
+                        best[node] = (cand, (b, f), best[(b, f)][2] + entry)
+        ends = [(b, True) for b in latches if (b, True) in best]
         if not ends:
             continue
-        end = min(ends, key=lambda b: best[b][0])
-        blocks, b = [], end
-        while b is not None:
-            blocks.append(b)
-            b = best[b][1]
+        end = min(ends, key=lambda n: best[n][0])
+        blocks, n = [], end
+        while n is not None:
+            blocks.append(n[0])
+            n = best[n][1]
         paths[kind] = _make_path(kind, cfg, blocks[::-1], best[end][2])
     # fall: the side not taken where it can still reach a latch
     reach = set(latches)
@@ -1113,6 +1136,13 @@ def check_row(row: dict) -> list:
     problems = []
     if row["ldl_stl"] > MAX_SPILL_ACCESSES or row["local"] > 0:
         problems.append(f"{where}: spills ({row['ldl_stl']} LDL/STL, local {row['local']} B)")
+    if BITS_BUDGETED.match(row["kernel"]):
+        paths = row["loop"]["paths"] if row["loop"] else {}
+        if "bits" not in paths or "steady" not in paths:
+            problems.append(f"{where}: no path reads a bool mask's packed bits")
+        elif paths["bits"].instrs > MAX_BITS_RATIO * paths["steady"].instrs:
+            problems.append(f"{where}: a PARTIAL bool tile takes {paths['bits'].instrs} instructions > "
+                            f"{MAX_BITS_RATIO} x the steady path's {paths['steady'].instrs}")
     m = BUDGETED.match(row["kernel"])
     if not m:
         return problems
@@ -1153,12 +1183,13 @@ def format_table(rows: list) -> str:
     lines = ["The tile loop: static SASS instructions in one iteration of one warp, on each path",
              "(tools/sass.py says what each path takes). reg: registers a thread; stack: bytes a thread;",
              "LDL: local loads and stores (spills) in the kernel; smem: static + dynamic shared memory a",
-             "block, bytes; blk/SM, warps: blocks and warps an SM holds (the limit in the notes); HMMA and",
-             "/HMMA: on the steady path; xFA2: /HMMA over FlashAttention-2's (same arch and head dim).",
+             "block, bytes; blk/SM, warps: blocks and warps an SM holds (the limit in the notes); bits: a",
+             "PARTIAL tile of a bool mask (its packed bits read); HMMA and /HMMA: on the steady path; xFA2:",
+             "/HMMA over FlashAttention-2's (same arch and head dim).",
              ""]
     head = (f"{'arch':6} {'kernel':{width}} {'reg':>4} {'stack':>5} {'LDL':>4} {'smem':>6} {'blk/SM':>6} "
-            f"{'warps':>5} {'steady':>6} {'fall':>5} {'min':>5} {'max':>5} {'HMMA':>4} {'/HMMA':>6} "
-            f"{'xFA2':>5}  notes")
+            f"{'warps':>5} {'steady':>6} {'fall':>5} {'min':>5} {'max':>5} {'bits':>5} {'HMMA':>4} "
+            f"{'/HMMA':>6} {'xFA2':>5}  notes")
     lines += [head, "-" * len(head)]
     for r in rows:
         loop, occ = r["loop"], r["occupancy"]
@@ -1183,11 +1214,12 @@ def format_table(rows: list) -> str:
         else:
             notes.append("no HMMA loop")
 
-        counts = {k: _fmt(paths[k].instrs if k in paths else None) for k in ("steady", "fall", "min", "max")}
+        counts = {k: _fmt(paths[k].instrs if k in paths else None)
+                  for k in ("steady", "fall", "min", "max", "bits")}
         lines.append(
             f"{r['arch']:6} {r['kernel']:{width}} {r['registers']:>4} {r['stack']:>5} {r['ldl_stl']:>4} "
             f"{_fmt(smem):>6} {_fmt(occ['blocks']):>6} {_fmt(occ['warps']):>5} {counts['steady']:>6} "
-            f"{counts['fall']:>5} {counts['min']:>5} {counts['max']:>5} "
+            f"{counts['fall']:>5} {counts['min']:>5} {counts['max']:>5} {counts['bits']:>5} "
             f"{_fmt(s and s.classes.get('HMMA', 0)):>4} {_fmt(s and s.per_hmma()):>6} {_fmt(ratio):>5}  "
             + ", ".join(notes))
     steady = [(r, r["loop"]["paths"]["steady"]) for r in rows if r["loop"] and "steady" in r["loop"]["paths"]]

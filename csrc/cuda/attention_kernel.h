@@ -18,7 +18,7 @@ namespace attnx::cuda {
 // problem (plan_attention(p, dtype).bucket == 0: D or Dv above kMaxHeadDim; kComposite; for kMma,
 // !mma_supports(p, dtype)) or the params are inconsistent (!params_consistent(p, ptr)). The caller checks
 // that an sm80+ device runs kMma.
-// `workspace`: attention_workspace_bytes(p, dtype, ptr, kernel) bytes on the device, 4-byte aligned, or
+// `workspace`: attention_workspace_bytes(p, dtype, ptr, kernel) bytes on the device, 8-byte aligned, or
 // nullptr when that is 0 (the launch is refused without one where it is not).
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel = Kernel::kSimt, void* workspace = nullptr);

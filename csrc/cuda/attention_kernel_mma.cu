@@ -22,9 +22,11 @@
 // terms are 0 for a warp's rows (FULL) takes the loop that reads no mask: the classes are found before the
 // loop, one bit per tile in registers, key_padding_mask's by a scan of its row and attn_mask's from a
 // pre-pass (attention_mask_tiles) that classifies each 16 query rows x 64 keys of the mask once for every
-// head and batch that share it. Only tiles at the ends of a row's key interval test each score against it. Grouped KV heads index the kv head in
-// place; soft-capping is one fast_tanh per score; sinks join the denominator at the end (softmax_finish);
-// dropout keeps each probability by its Philox draw, as every backend, before P V (apply_dropout).
+// head and batch that share it and packs a bool mask a bit per element (read on interior PARTIAL tiles a
+// row's 64 terms at a time). Only tiles at the ends of a row's key interval test each score against it.
+// Grouped KV heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the
+// denominator at the end (softmax_finish); dropout keeps each probability by its Philox draw, as every
+// backend, before P V (apply_dropout).
 //
 // float32 takes the same scheme on mma.sync.m16n8k8.tf32 as 3xTF32 (common.cuh: float32 accuracy, as SDPA's
 // memory-efficient kernel): K and V are staged as floats; Q's fragments are split into big and small parts
@@ -47,6 +49,10 @@ namespace {
 // folded into the one FFMA that subtracts the maximum before ex2, and the loop holds no code for masks or the
 // cap. The general instantiation scales each score, caps it and adds the masks; its exponent's factor is
 // log2(e) alone.
+// The masked score paths' soft-cap test once a score (a tag beside std::true_type and std::false_type, which
+// compile the cap in or out of a path whose caller tested it once a tile).
+struct CapPerScore {};
+
 template <typename scalar_t, int kBucket, bool kPlain>
 __global__ void __launch_bounds__(kWarps* kWarpSize)
     attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan,
@@ -555,17 +561,38 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int jj = 8 * j + 2 * t + e;
-          kpm[j][e] = !kPlain && masks_read && p.key_padding_mask_kind != kMaskNone && jj < nk
-                          ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                              kpm_base + (k0 + jj) * p.key_padding_mask_stride[1])
-                          : 0.0f;
+        for (int e = 0; e < 2; ++e) kpm[j][e] = 0.0f;
+      }
+      if (!kPlain && p.key_padding_mask_kind != kMaskNone) {
+        if (masks_read) {
+#pragma unroll
+          for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int jj = 8 * j + 2 * t + e;
+              if (jj < nk) {
+                kpm[j][e] = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                              kpm_base + (k0 + jj) * p.key_padding_mask_stride[1]);
+              }
+            }
+          }
         }
       }
       // The scores with the masks; `ranged`: a boundary tile, each element tested against its row's
-      // interval (compiled twice, so that interior tiles carry no test).
-      const auto masked_scores = [&](auto ranged) {
+      // interval (compiled twice, so that interior tiles carry no test); `packed`: a bool attn_mask, read
+      // from its packed bits, a row's 64 terms in one load (compiled twice, so that the bits' path carries
+      // no switch over the mask's dtype).
+      const auto masked_scores = [&](auto ranged, auto packed, auto capped) {
+        static_assert(!decltype(ranged)::value || !decltype(packed)::value, "packed bits on interior tiles");
+        // packed: the words of the lane's first row's terms in this tile (row(1) = row(0) + 8, one row group)
+        [[maybe_unused]] const uint32_t* packed_words = nullptr;
+        [[maybe_unused]] int64_t packed_step = 0;
+        if constexpr (decltype(packed)::value) {
+          const MaskTiles& mt = plan.mask_tiles;
+          const int64_t bm = p.attn_mask_stride[0] == 0 ? 0 : b, hm = p.attn_mask_stride[1] == 0 ? 0 : h;
+          packed_words = mask_tiles + mask_packed_row(mt, bm, hm, mt.q_rows > 1 ? row(0) : 0) + k0 / 32;
+          packed_step = mt.q_rows > 1 ? 8 * mt.key_words : 0;
+        }
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           float (&sg)[kSTiles][4] = s[r / 2];
@@ -583,6 +610,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           }
           [[maybe_unused]] const int64_t am_row =
               am_base + row(r) * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
+          // packed: bit i is key k0 + 2t + i of the row (set: removed), one 8-byte load (an interior tile's
+          // rows are all below L).
+          [[maybe_unused]] uint64_t removed = 0;
+          if constexpr (decltype(packed)::value) {
+            const uint2 w = *reinterpret_cast<const uint2*>(packed_words + (r % 2) * packed_step);
+            removed = (uint64_t{w.y} << 32 | w.x) >> (2 * t);
+          }
 #pragma unroll
           for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -591,15 +625,24 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
               const int jj = 8 * j + 2 * t + e;
               float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
               if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
-                x = softcapped() ? score(sg[j][i], std::true_type{}) : score(sg[j][i], std::false_type{});
+                if constexpr (std::is_same<decltype(capped), CapPerScore>::value) {
+                  x = softcapped() ? score(sg[j][i], std::true_type{}) : score(sg[j][i], std::false_type{});
+                } else {
+                  x = score(sg[j][i], capped);
+                }
                 if constexpr (!kPlain) {
                   float bias = kpm[j][e];
-                  if (p.attn_mask_kind != kMaskNone) {
-                    bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
-                                             am_row + (8 * j + e) * p.attn_mask_stride[3]) +
-                           bias;
+                  if constexpr (!decltype(packed)::value) {
+                    if (p.attn_mask_kind != kMaskNone) {
+                      bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
+                                               am_row + (8 * j + e) * p.attn_mask_stride[3]) +
+                             bias;
+                    }
                   }
                   x += bias;
+                  // A removed key is -inf whatever key_padding_mask adds there (NaN or +inf included: an
+                  // unseen position, the spec's unread answer).
+                  if constexpr (decltype(packed)::value) x = (removed >> (8 * j + e)) & 1u ? kNegInf : x;
                 }
               }
               sg[j][i] = x;
@@ -608,10 +651,21 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
           }
         }
       };
-      if (interior) {
-        masked_scores(std::false_type{});
+      // Interior tiles of a bool attn_mask read its packed bits and test the cap once a tile (the common
+      // PARTIAL tile: two copies); boundary tiles and float masks read the masks' elements and test the cap
+      // once a score.
+      if (!interior) {
+        masked_scores(std::true_type{}, std::false_type{}, CapPerScore{});
+      } else if (!kPlain && plan.mask_tiles.key_words > 0) {
+        if constexpr (!kPlain) {
+          if (softcapped()) {
+            masked_scores(std::false_type{}, std::true_type{}, std::true_type{});
+          } else {
+            masked_scores(std::false_type{}, std::true_type{}, std::false_type{});
+          }
+        }
       } else {
-        masked_scores(std::true_type{});
+        masked_scores(std::false_type{}, std::false_type{}, CapPerScore{});
       }
     }
 
@@ -756,24 +810,42 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 }
 
-// attn_mask's tile classes (MaskTiles, cuda/attention_plan.h), the pre-pass of the general instantiation:
-// one warp per word of the bit rows, that is per (mask slice, tile of kMmaRowsPerWarp query rows, 32 key
-// tiles). A warp reads a tile's terms a row at a time, a key per lane and two per row (64 keys), and takes
-// `seen` and `kept` by a vote over the warp. The terms are mask_value's, those the tile loop adds, so a kept
-// tile's unmasked scores are the masked path's bit for bit. Rows past L and keys past S are not read; the
-// bits of a query tile past L (up to the last query block's end, so that a block reads its 4 tiles without
-// a bound) are clear.
+// attn_mask's tile classes and a bool mask's packed bits (MaskTiles, cuda/attention_plan.h), the pre-pass of
+// the general instantiation. Classes: one warp per word of the bit rows, that is per (mask slice, tile of
+// kMmaRowsPerWarp query rows, 32 key tiles). A warp reads a tile's terms a row at a time, a key per lane and
+// two per row (64 keys), and takes `seen` and `kept` by a vote over the warp. The terms are mask_value's,
+// those the tile loop adds, so a kept tile's unmasked scores are the masked path's bit for bit. Rows past L
+// and keys past S are not read; the bits of a query tile past L (up to the last query block's end, so that a
+// block reads its 4 tiles without a bound) are clear.
 __global__ void __launch_bounds__(kWarps* kWarpSize)
     attention_mask_tiles(const AttentionParams p, const AttentionPointers ptr, const MaskTiles mt,
                          uint32_t* const out) {
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t index = int64_t{blockIdx.x} * kWarps + warp;  // (bm, hm, lt, word), word fastest
-  if (index >= mt.slices_b * mt.slices_h * mt.q_tiles * mt.words) return;
-  const int64_t word = index % mt.words, lt = index / mt.words % mt.q_tiles;
+  const int64_t index = int64_t{blockIdx.x} * kWarps + warp;
+  const int64_t* const st = p.attn_mask_stride;
+  if (index >= mt.class_warps) {
+    // The packed mask: this warp's 32 words (1024 keys) of one row, a ballot a word, a word a lane.
+    const int64_t groups = (mt.key_words + 31) / 32;  // (bm, hm, l, group), group fastest
+    const int64_t rest = index - mt.class_warps;
+    if (rest >= mt.slices_b * mt.slices_h * mt.q_rows * groups) return;
+    const int64_t group = rest % groups, l = rest / groups % mt.q_rows;
+    const int64_t hm = rest / (groups * mt.q_rows) % mt.slices_h;
+    const int64_t bm = rest / (groups * mt.q_rows * mt.slices_h);
+    const bool* const mask = static_cast<const bool*>(ptr.attn_mask) + bm * st[0] + hm * st[1] + l * st[2];
+    uint32_t mine = 0;
+    for (int w = 0; w < 32; ++w) {
+      const int64_t key = (32 * group + w) * 32 + lane;
+      const uint32_t word = __ballot_sync(kFullMask, key < p.kv_len && mask[key * st[3]]);
+      if (lane == w) mine = word;
+    }
+    const int64_t word = 32 * group + lane;
+    if (word < mt.key_words) out[mask_packed_row(mt, bm, hm, l) + word] = mine;
+    return;
+  }
+  const int64_t word = index % mt.words, lt = index / mt.words % mt.q_tiles;  // (bm, hm, lt, word)
   const int64_t hm = index / (mt.words * mt.q_tiles) % mt.slices_h;
   const int64_t bm = index / (mt.words * mt.q_tiles * mt.slices_h);
-  const int64_t* const st = p.attn_mask_stride;
   const int64_t l0 = lt * kMmaRowsPerWarp;
   // A mask that broadcasts over L is read on one row.
   const int64_t rows = st[2] == 0 ? 1 : range_min(int64_t{kMmaRowsPerWarp}, p.q_len - l0);

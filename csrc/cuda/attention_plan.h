@@ -229,19 +229,32 @@ constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
 // `kept` (every term of tile n is 0). The tile loop skips a tile that no row of its block sees (EMPTY, as it
 // skips the tiles key_padding_mask removes), runs the unmasked loop on a tile kept for the warp's rows (FULL)
 // and reads the mask on the others (PARTIAL). A dimension the mask broadcasts over (stride 0) is classified
-// once: an (L, S) mask once for every batch and head, a (B, 1, 1, S) one once per batch.
+// once: an (L, S) mask once for every batch and head, a (B, 1, 1, S) one once per batch. A bool mask is also
+// packed, a bit per element (set: removed), so that a PARTIAL tile reads a row's 64 terms as one 8-byte load
+// instead of 64 bytes through the strides: bit rows of `key_words` words (a multiple of 2, so that a tile's
+// two words are one aligned load) per slice and query row (one row where the mask broadcasts over L), after
+// the classes.
 struct MaskTiles {
   int64_t slices_b, slices_h;  // 1 where the mask broadcasts over B (H); B (H) otherwise
   int64_t q_tiles;             // tiles of kMmaRowsPerWarp rows up to the last query block's end: 1 where the
                                // mask broadcasts over L
   int64_t words;               // 32-bit words of a bit row: one bit per key tile
-  // The launch of the pre-pass: one warp per word of the bit rows (the 32 tiles of that word).
-  int64_t blocks;
+  int64_t q_rows;              // the packed mask's rows per slice: L, or 1 where it broadcasts over L
+  int64_t key_words;           // words of a packed row, 2 per key tile; 0 for a float mask (not packed)
+  int64_t packed;              // where the packed mask starts: the classes' words
+  // The launch of the pre-pass: a warp per word of the classes' bit rows (the 32 tiles of that word), then
+  // a warp per 32 words of a packed row.
+  int64_t class_warps, blocks;
 };
 
 // The word index of slice (bm, hm)'s bit rows for query tile lt: `seen` there, `kept` `words` after it.
 constexpr int64_t mask_tile_row(const MaskTiles& mt, int64_t bm, int64_t hm, int64_t lt) {
   return ((bm * mt.slices_h + hm) * mt.q_tiles + lt) * 2 * mt.words;
+}
+
+// The word index of slice (bm, hm)'s packed row for query row l (0 where the mask broadcasts over L).
+constexpr int64_t mask_packed_row(const MaskTiles& mt, int64_t bm, int64_t hm, int64_t l) {
+  return mt.packed + ((bm * mt.slices_h + hm) * mt.q_rows + l) * mt.key_words;
 }
 
 struct AttentionMmaPlan {
@@ -287,9 +300,16 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
     mt.slices_b = p.attn_mask_stride[0] == 0 ? 1 : p.batch;
     mt.slices_h = p.attn_mask_stride[1] == 0 ? 1 : p.heads;
     mt.q_tiles = p.attn_mask_stride[2] == 0 ? 1 : plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
-    mt.words = ((p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys + 31) / 32;
-    mt.blocks = (mt.slices_b * mt.slices_h * mt.q_tiles * mt.words + kWarps - 1) / kWarps;
-    plan.workspace_bytes = static_cast<size_t>(mask_tile_row(mt, mt.slices_b, 0, 0)) * sizeof(uint32_t);
+    const int64_t key_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
+    mt.words = (key_tiles + 31) / 32;
+    mt.q_rows = p.attn_mask_stride[2] == 0 ? 1 : p.q_len;
+    mt.packed = mask_tile_row(mt, mt.slices_b, 0, 0);
+    const int64_t rows = mt.slices_b * mt.slices_h * mt.q_rows;
+    mt.key_words = p.attn_mask_kind == kMaskBool ? 2 * key_tiles : 0;
+    mt.class_warps = mt.slices_b * mt.slices_h * mt.q_tiles * mt.words;
+    const int64_t packed_warps = rows * ((mt.key_words + 31) / 32);
+    mt.blocks = (mt.class_warps + packed_warps + kWarps - 1) / kWarps;
+    plan.workspace_bytes = static_cast<size_t>(mt.packed + rows * mt.key_words) * sizeof(uint32_t);
   }
   return plan;
 }

@@ -127,8 +127,9 @@ void inconsistent_params_are_refused(Kernel kernel) {
     AttentionPointers ptr = buf.pointers();
     ptr.attn_mask = mask.data();
     const size_t bytes = attnx::cuda::attention_workspace_bytes(p, DType::kFloat16, ptr, kernel);
-    check(bytes == 4 * 2 * 4, "an (L, S) mask of one key tile: two words for each query tile of the block",
-          bytes);
+    // One key tile: the classes' two words for each of the block's 4 query tiles, and (bool) the mask packed,
+    // two words a row.
+    check(bytes == (4 * 2 + 3 * 2) * 4, "an (L, S) bool mask's classes and packed rows", bytes);
     check(launch(p, ptr, kernel) == invalid, "attn_mask without the workspace");
     std::vector<uint32_t> workspace(bytes / 4);
     check(attnx::cuda::launch_attention(p, DType::kFloat16, ptr, nullptr, kernel, workspace.data()) == 0,
