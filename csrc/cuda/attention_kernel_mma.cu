@@ -579,9 +579,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         }
       }
       // The scores with the masks; `ranged`: a boundary tile, each element tested against its row's
-      // interval (compiled twice, so that interior tiles carry no test); `packed`: a bool attn_mask, read
-      // from its packed bits, a row's 64 terms in one load (compiled twice, so that the bits' path carries
-      // no switch over the mask's dtype).
+      // interval (so that interior tiles carry no test); `packed`: a bool attn_mask read from its packed
+      // bits, a row's 64 terms in one load (so that this path carries no switch over the mask's dtype);
+      // `capped`: the soft-cap compiled in or out by a caller that tested it once a tile, or CapPerScore.
       const auto masked_scores = [&](auto ranged, auto packed, auto capped) {
         static_assert(!decltype(ranged)::value || !decltype(packed)::value, "packed bits on interior tiles");
         // packed: the words of the lane's first row's terms in this tile (row(1) = row(0) + 8, one row group)
