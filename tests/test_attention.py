@@ -473,21 +473,44 @@ def test_attn_mask_tile_classes(device, dtype, case):
     check(device, q, k, v, **options)
 
 
-def test_attn_mask_empty_tiles_are_not_read(device):
+@pytest.mark.sanitize
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=str)
+def test_attn_mask_empty_tiles_are_not_read(device, mask_dtype):
     # The tensor cores never read a key tile that attn_mask removes for every row of a query block: NaN in
     # those keys and values reaches no output (the spec's unread answer; a kernel that reads them may give
-    # NaN there, as a partly removed tile does).
+    # NaN there, as a partly removed tile does). The other tiles are of every class (the pre-pass and, for
+    # the bool mask, its packed bits: under the sanitizers too).
     q, k, v = make_qkv(2, 2, 70, 200, 32, 32, dtype=torch.float16)
     k[:, :, 64:128] = float("nan")
     v[:, :, 64:128] = float("nan")
     removed = _tile_classes_mask()
     removed[:, 64:128] = True
-    kernel = kernel_for(device, q, k, v, attn_mask=removed)
+    mask = removed if mask_dtype == torch.bool else torch.zeros(70, 200).masked_fill(removed, float("-inf"))
+    kernel = kernel_for(device, q, k, v, attn_mask=mask)
     if not kernel.startswith("cuda mma"):
         pytest.skip(f"{kernel}: this checks the tensor-core kernel's tile classes")
-    out, lse = run(device, q, k, v, attn_mask=removed)
+    out, lse = run(device, q, k, v, attn_mask=mask)
     assert not out.isnan().any() and not lse.isnan().any()
-    assert_matches_reference(out, lse, q, k, v, attn_mask=removed, read_unseen=False)
+    assert_matches_reference(out, lse, q, k, v, attn_mask=mask, read_unseen=False)
+
+
+@pytest.mark.sanitize
+def test_padding_empty_tiles_are_not_read(device):
+    # Nor a key tile that key_padding_mask removes for the batch (batch 1: keys 64-127, NaN there), beside
+    # tiles it keeps whole and in part, over both query blocks.
+    q, k, v = make_qkv(2, 2, 70, 200, 32, 32, dtype=torch.float16)
+    k[1, :, 64:128] = float("nan")
+    v[1, :, 64:128] = float("nan")
+    kpm = torch.zeros(2, 200, dtype=torch.bool)
+    kpm[1, 64:128] = True
+    kpm[1, 150] = True
+    kpm[0, 190:] = True
+    kernel = kernel_for(device, q, k, v, key_padding_mask=kpm)
+    if not kernel.startswith("cuda mma"):
+        pytest.skip(f"{kernel}: this checks the tensor-core kernel's tile classes")
+    out, lse = run(device, q, k, v, key_padding_mask=kpm)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert_matches_reference(out, lse, q, k, v, key_padding_mask=kpm, read_unseen=False)
 
 
 @pytest.mark.slow

@@ -20,9 +20,9 @@
 // block's rows see at all (attnx/key_range.h: is_causal, the bottom-right window, per-batch key lengths),
 // past tiles the masks remove entirely for every row of the block (EMPTY), and a tile on which both masks'
 // terms are 0 for a warp's rows (FULL) takes the loop that reads no mask: the classes are found before the
-// loop, one bit per tile in registers, key_padding_mask's by a scan of its row and attn_mask's from a
-// pre-pass (attention_mask_tiles) that classifies each 16 query rows x 64 keys of the mask once for every
-// head and batch that share it and packs a bool mask a bit per element (read on interior PARTIAL tiles a
+// loop, one bit per tile in registers, from a pre-pass (attention_mask_tiles) that classifies each 16 query
+// rows x 64 keys of attn_mask, and each batch's 64-key tiles of key_padding_mask, once for every head (and
+// batch) that shares them, and packs a bool attn_mask a bit per element (read on interior PARTIAL tiles a
 // row's 64 terms at a time). Only tiles at the ends of a row's key interval test each score against it.
 // Grouped KV heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the
 // denominator at the end (softmax_finish); dropout keeps each probability by its Philox draw, as every
@@ -185,11 +185,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // Where the masks are classified per tile (below), some tile may be skipped, and the loop reads the masks
   // only on tiles whose terms are not all 0.
   const bool masked = !kPlain && (p.key_padding_mask_kind != kMaskNone || p.attn_mask_kind != kMaskNone);
-  // The tiles start at tile0: kv_begin, or with attn_mask's tile classes the multiple of kMmaTileKeys at or
+  // The tiles start at tile0: kv_begin, or with the masks' tile classes the multiple of kMmaTileKeys at or
   // below it, where the classes' tiles start (keys before kv_begin are then tested out like any key outside
   // a row's interval).
-  const int64_t tile0 = !kPlain && p.attn_mask_kind != kMaskNone ? kv_begin / kMmaTileKeys * kMmaTileKeys
-                                                                 : kv_begin;
+  const int64_t tile0 = masked ? kv_begin / kMmaTileKeys * kMmaTileKeys : kv_begin;
 
   // Every tile starts at tile0 + kMmaTileKeys n. The interior tiles of this warp, n_lo <= n < n_hi, hold
   // 64 keys that every one of its rows (all below L) sees: they need no per-element key-range test. Found
@@ -208,14 +207,13 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // window of kWindowTiles tiles from window_k0 at a time: lane i keeps bit w for tile 32 i + w of it in
   // tiles_seen (set: some row of the block sees some key of the tile; clear: EMPTY, skipped) and in
   // tiles_kept (set: every term of both masks is 0 on the warp's rows, FULL: an interior one takes the loop
-  // that reads no mask). key_padding_mask is scanned here, 32 keys per warp-wide load and ballot; every warp
-  // reads the same elements, so every warp keeps the same tiles_seen and the whole block skips the same
-  // tiles. With the usual padding (a suffix of each batch's keys), every tile is FULL or EMPTY but the one
-  // the padding starts in. attn_mask's classes come from the pre-pass (attention_mask_tiles), a word per
-  // lane: tiles_seen takes the OR of the block's warps' `seen` rows. A window covers 64 Ki keys; a longer
-  // key range is classified a window at a time as the loop reaches it, key_padding_mask alone: past the
-  // first window every tile reads attn_mask (the classes' reads in the loop cost the loop registers it does
-  // not have, and an (L, S) mask over more than 64 Ki keys is rare).
+  // that reads no mask). The first window's come from the pre-pass (attention_mask_tiles), a word per lane
+  // and mask: tiles_seen takes the OR of the block's warps' attn_mask `seen` rows, so that every warp keeps
+  // the same tiles_seen and the whole block skips the same tiles. With the usual padding (a suffix of each
+  // batch's keys), every tile is FULL or EMPTY but the one the padding starts in. A window covers 64 Ki keys;
+  // a longer key range is classified a window at a time as the loop reaches it, by a scan of
+  // key_padding_mask alone: past the first window every tile reads attn_mask (the classes' reads in the
+  // loop cost the loop registers it does not have, and an (L, S) mask over more than 64 Ki keys is rare).
   constexpr int kWindowTiles = kWarpSize * 32;
   constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
   int64_t window_k0 = tile0;
@@ -225,51 +223,58 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     window_k0 = w0;
     tiles_seen = ~0u;
     tiles_kept = ~0u;
-    if (p.key_padding_mask_kind != kMaskNone) {
-      tiles_seen = 0;
-      const int64_t w_end = range_min(kv_end, w0 + kWindowKeys);
-      for (int64_t c = w0; c < w_end; c += kWarpSize) {  // half a tile per step
-        const int64_t key = c + lane;
-        const float term = key < w_end ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                                           kpm_base + key * p.key_padding_mask_stride[1])
-                                       : 0.0f;
-        const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
-        const unsigned seen = __ballot_sync(kFullMask, key < w_end && term != kNegInf);
-        const unsigned zero = __ballot_sync(kFullMask, term == 0.0f);
-        if (lane == tile / 32) {
-          if (seen != 0) tiles_seen |= 1u << (tile % 32);
-          if (zero != kFullMask) tiles_kept &= ~(1u << (tile % 32));
-        }
-      }
-    }
-    if (p.attn_mask_kind != kMaskNone) {
-      if constexpr (decltype(first)::value) {
-        // The bits of tiles g0 + 32 lane .. + 31 (tile n: keys 64 n .. + 63) of a bit row: w0 = tile0 is a
-        // multiple of kMmaTileKeys, not always of 32 tiles.
-        const MaskTiles& mt = plan.mask_tiles;
-        const int64_t g0 = w0 / kMmaTileKeys;
+    if constexpr (decltype(first)::value) {
+      // The pre-pass's bits of tiles g0 + 32 lane .. + 31 (tile n: keys 64 n .. + 63) of a bit row: w0 =
+      // tile0 is a multiple of kMmaTileKeys, not always of 32 tiles.
+      const int64_t g0 = w0 / kMmaTileKeys;
+      const int shift = static_cast<int>(g0 % 32);
+      const auto bits = [&](const MaskTiles& mt, int64_t row) {
         const int64_t word = g0 / 32 + lane;
-        const int shift = static_cast<int>(g0 % 32);
-        const auto bits = [&](const uint32_t* row) {
-          const uint32_t lo = word < mt.words ? row[word] : 0u;
-          const uint32_t hi = word + 1 < mt.words ? row[word + 1] : 0u;
-          return shift == 0 ? lo : lo >> shift | hi << (32 - shift);
-        };
+        const uint32_t lo = word < mt.words ? mask_tiles[row + word] : 0u;
+        const uint32_t hi = word + 1 < mt.words ? mask_tiles[row + word + 1] : 0u;
+        return shift == 0 ? lo : lo >> shift | hi << (32 - shift);
+      };
+      if (p.attn_mask_kind != kMaskNone) {
         // Query tile w of the block is warp w's rows (tiles past L have no bit set), or the one tile of a
         // mask that broadcasts over L.
+        const MaskTiles& mt = plan.mask_tiles;
         const bool per_row = mt.q_tiles > 1;
         const int64_t step = per_row ? 2 * mt.words : 0;
-        const int64_t bm = p.attn_mask_stride[0] == 0 ? 0 : b, hm = p.attn_mask_stride[1] == 0 ? 0 : h;
-        const int64_t lt = per_row ? q0 / kMmaRowsPerWarp : 0;
-        const uint32_t* const rows = mask_tiles + mask_tile_row(mt, bm, hm, lt);
+        const int64_t bm = mt.stride[0] == 0 ? 0 : b, hm = mt.stride[1] == 0 ? 0 : h;
+        const int64_t rows = mask_tile_row(mt, bm, hm, per_row ? q0 / kMmaRowsPerWarp : 0);
         uint32_t seen = 0;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) seen |= bits(rows + w * step);
-        tiles_seen &= seen;
-        tiles_kept &= bits(rows + warp * step + mt.words);
-      } else {
-        tiles_kept = 0;
+        for (int w = 0; w < kWarps; ++w) seen |= bits(mt, rows + w * step);
+        tiles_seen = seen;
+        tiles_kept = bits(mt, rows + warp * step + mt.words);
       }
+      if (p.key_padding_mask_kind != kMaskNone) {  // the batch's row
+        const MaskTiles& mt = plan.padding_tiles;
+        const int64_t row = mask_tile_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0);
+        tiles_seen &= bits(mt, row);
+        tiles_kept &= bits(mt, row + mt.words);
+      }
+    } else {
+      // Further windows: key_padding_mask scanned here, 32 keys per warp-wide load and ballot (every warp
+      // reads the same elements, so every warp keeps the same tiles_seen); attn_mask read on every tile.
+      if (p.key_padding_mask_kind != kMaskNone) {
+        tiles_seen = 0;
+        const int64_t w_end = range_min(kv_end, w0 + kWindowKeys);
+        for (int64_t c = w0; c < w_end; c += kWarpSize) {  // half a tile per step
+          const int64_t key = c + lane;
+          const float term = key < w_end ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                                             kpm_base + key * p.key_padding_mask_stride[1])
+                                         : 0.0f;
+          const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
+          const unsigned seen = __ballot_sync(kFullMask, key < w_end && term != kNegInf);
+          const unsigned zero = __ballot_sync(kFullMask, term == 0.0f);
+          if (lane == tile / 32) {
+            if (seen != 0) tiles_seen |= 1u << (tile % 32);
+            if (zero != kFullMask) tiles_kept &= ~(1u << (tile % 32));
+          }
+        }
+      }
+      if (p.attn_mask_kind != kMaskNone) tiles_kept = 0;
     }
   };
   // Whether both masks' terms are all 0 on the warp's rows of the tile at k0, of the window classified last.
@@ -810,33 +815,28 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 }
 
-// attn_mask's tile classes and a bool mask's packed bits (MaskTiles, cuda/attention_plan.h), the pre-pass of
-// the general instantiation. Classes: one warp per word of the bit rows, that is per (mask slice, tile of
-// kMmaRowsPerWarp query rows, 32 key tiles). A warp reads a tile's terms a row at a time, a key per lane and
-// two per row (64 keys), and takes `seen` and `kept` by a vote over the warp. The terms are mask_value's,
-// those the tile loop adds, so a kept tile's unmasked scores are the masked path's bit for bit. Rows past L
-// and keys past S are not read; the bits of a query tile past L (up to the last query block's end, so that a
-// block reads its 4 tiles without a bound) are clear.
-__global__ void __launch_bounds__(kWarps* kWarpSize)
-    attention_mask_tiles(const AttentionParams p, const AttentionPointers ptr, const MaskTiles mt,
-                         uint32_t* const out) {
-  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t index = int64_t{blockIdx.x} * kWarps + warp;
-  const int64_t* const st = p.attn_mask_stride;
+// The masks' tile classes and a bool attn_mask's packed bits (MaskTiles, cuda/attention_plan.h): warp
+// `index` of one mask's share of the pre-pass. Classes: one warp per word of the bit rows, that is per (mask
+// slice, tile of kMmaRowsPerWarp query rows, 32 key tiles). A warp reads a tile's terms a row at a time, a
+// key per lane and two per row (64 keys), and takes `seen` and `kept` by a vote over the warp. The terms are
+// mask_value's, those the tile loop adds, so a kept tile's unmasked scores are the masked path's bit for bit.
+// Rows past L and keys past S are not read; the bits of a query tile past L (up to the last query block's
+// end, so that a block reads its 4 tiles without a bound) are clear.
+__device__ __forceinline__ void classify_mask(const AttentionParams& p, const MaskTiles& mt, const void* mask,
+                                              int64_t index, int lane, uint32_t* out) {
+  const int64_t* const st = mt.stride;
   if (index >= mt.class_warps) {
     // The packed mask: this warp's 32 words (1024 keys) of one row, a ballot a word, a word a lane.
     const int64_t groups = (mt.key_words + 31) / 32;  // (bm, hm, l, group), group fastest
     const int64_t rest = index - mt.class_warps;
-    if (rest >= mt.slices_b * mt.slices_h * mt.q_rows * groups) return;
     const int64_t group = rest % groups, l = rest / groups % mt.q_rows;
     const int64_t hm = rest / (groups * mt.q_rows) % mt.slices_h;
     const int64_t bm = rest / (groups * mt.q_rows * mt.slices_h);
-    const bool* const mask = static_cast<const bool*>(ptr.attn_mask) + bm * st[0] + hm * st[1] + l * st[2];
+    const bool* const row = static_cast<const bool*>(mask) + bm * st[0] + hm * st[1] + l * st[2];
     uint32_t mine = 0;
     for (int w = 0; w < 32; ++w) {
       const int64_t key = (32 * group + w) * 32 + lane;
-      const uint32_t word = __ballot_sync(kFullMask, key < p.kv_len && mask[key * st[3]]);
+      const uint32_t word = __ballot_sync(kFullMask, key < p.kv_len && row[key * st[3]]);
       if (lane == w) mine = word;
     }
     const int64_t word = 32 * group + lane;
@@ -857,7 +857,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = bm * st[0] + hm * st[1] + (l0 + r) * st[2];
       for (int64_t key = k0 + lane; key < range_min(k0 + kMmaTileKeys, p.kv_len); key += kWarpSize) {
-        const float term = mask_value<float>(p.attn_mask_kind, ptr.attn_mask, row + key * st[3]);
+        const float term = mask_value<float>(mt.kind, mask, row + key * st[3]);
         any_seen = any_seen || term != -INFINITY;
         all_kept = all_kept && term == 0.0f;
       }
@@ -869,6 +869,20 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
     uint32_t* const row = out + mask_tile_row(mt, bm, hm, lt);
     row[word] = seen;
     row[mt.words + word] = kept;
+  }
+}
+
+// The pre-pass of the general instantiation: attn_mask's warps, then key_padding_mask's (one launch).
+__global__ void __launch_bounds__(kWarps* kWarpSize)
+    attention_mask_tiles(const AttentionParams p, const AttentionPointers ptr, const MaskTiles attn,
+                         const MaskTiles padding, uint32_t* const out) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t index = int64_t{blockIdx.x} * kWarps + warp;
+  if (index < attn.warps) {
+    classify_mask(p, attn, ptr.attn_mask, index, lane, out);
+  } else if (index - attn.warps < padding.warps) {
+    classify_mask(p, padding, ptr.key_padding_mask, index - attn.warps, lane, out);
   }
 }
 
@@ -899,12 +913,12 @@ cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const At
   if (!mma_supports(p, dtype) || !params_consistent(p, ptr)) return cudaErrorInvalidValue;
   const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr);
   if (plan.blocks == 0) return cudaSuccess;
-  if (plan.blocks > kMaxBlocks || plan.mask_tiles.blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  if (plan.blocks > kMaxBlocks || plan.mask_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   uint32_t* const mask_tiles = static_cast<uint32_t*>(workspace);
-  if (plan.mask_tiles.blocks > 0) {
-    const cudaError_t err = launch_plan(&attention_mask_tiles, plan.mask_tiles.blocks, kWarps * kWarpSize, 0,
-                                        stream, p, ptr, plan.mask_tiles, mask_tiles);
+  if (plan.mask_blocks > 0) {
+    const cudaError_t err = launch_plan(&attention_mask_tiles, plan.mask_blocks, kWarps * kWarpSize, 0,
+                                        stream, p, ptr, plan.mask_tiles, plan.padding_tiles, mask_tiles);
     if (err != cudaSuccess) return err;
   }
   return dispatch_dtype(dtype, [&](auto tag) {

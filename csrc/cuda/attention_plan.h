@@ -222,39 +222,70 @@ constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
   return plain && element_bytes == 2 && bucket <= 64 ? 2 : 1;
 }
 
-// attn_mask's tile classes, for the general instantiation where there is an attn_mask: a pre-pass on the
-// device (attention_mask_tiles in cuda/attention_kernel_mma.cu) reads the mask once and writes, per slice of
-// the mask the call's heads share and per tile of kMmaRowsPerWarp query rows (a warp's rows), two bit rows
-// over the key tiles of kMmaTileKeys keys from key 0: `seen` (bit n: some term of tile n is not -inf) and
-// `kept` (every term of tile n is 0). The tile loop skips a tile that no row of its block sees (EMPTY, as it
-// skips the tiles key_padding_mask removes), runs the unmasked loop on a tile kept for the warp's rows (FULL)
-// and reads the mask on the others (PARTIAL). A dimension the mask broadcasts over (stride 0) is classified
-// once: an (L, S) mask once for every batch and head, a (B, 1, 1, S) one once per batch. A bool mask is also
-// packed, a bit per element (set: removed), so that a PARTIAL tile reads a row's 64 terms as one 8-byte load
-// instead of 64 bytes through the strides: bit rows of `key_words` words (a multiple of 2, so that a tile's
-// two words are one aligned load) per slice and query row (one row where the mask broadcasts over L), after
-// the classes.
+// The masks' tile classes, for the general instantiation: a pre-pass on the device (attention_mask_tiles in
+// cuda/attention_kernel_mma.cu) reads each mask once and writes, per slice of the mask that the call's heads
+// share and per tile of kMmaRowsPerWarp query rows (a warp's rows), two bit rows over the key tiles of
+// kMmaTileKeys keys from key 0: `seen` (bit n: some term of tile n is not -inf) and `kept` (every term of
+// tile n is 0). The tile loop skips a tile that no row of its block sees (EMPTY), runs the unmasked loop on
+// a tile both masks keep for the warp's rows (FULL) and reads the masks on the others (PARTIAL). A dimension
+// a mask broadcasts over (stride 0) is classified once: an (L, S) attn_mask once for every batch and head, a
+// key_padding_mask once per batch (a slice per batch, one query tile). A bool attn_mask is also packed, a
+// bit per element (set: removed), so that a PARTIAL tile reads a row's 64 terms as one 8-byte load instead
+// of 64 bytes through the strides: bit rows of `key_words` words (a multiple of 2, so that a tile's two
+// words are one aligned load) per slice and query row (one row where the mask broadcasts over L), after the
+// classes.
 struct MaskTiles {
+  int32_t kind;                // the mask's MaskKind; kMaskNone: no mask, nothing to classify
+  bool padding;                // key_padding_mask (ptr.key_padding_mask), or attn_mask
+  int64_t stride[4];           // the mask's strides as (B, H, L, S), 0 on broadcast dims
+  int64_t base;                // where its words start in the workspace
   int64_t slices_b, slices_h;  // 1 where the mask broadcasts over B (H); B (H) otherwise
   int64_t q_tiles;             // tiles of kMmaRowsPerWarp rows up to the last query block's end: 1 where the
                                // mask broadcasts over L
   int64_t words;               // 32-bit words of a bit row: one bit per key tile
   int64_t q_rows;              // the packed mask's rows per slice: L, or 1 where it broadcasts over L
-  int64_t key_words;           // words of a packed row, 2 per key tile; 0 for a float mask (not packed)
-  int64_t packed;              // where the packed mask starts: the classes' words
-  // The launch of the pre-pass: a warp per word of the classes' bit rows (the 32 tiles of that word), then
-  // a warp per 32 words of a packed row.
-  int64_t class_warps, blocks;
+  int64_t key_words;           // words of a packed row, 2 per key tile; 0 where the mask is not packed
+  int64_t packed;              // where the packed mask starts: after the classes' words
+  // The pre-pass's warps: one per word of the classes' bit rows (the 32 tiles of that word), then one per
+  // 32 words of a packed row.
+  int64_t class_warps, warps;
+  int64_t end;  // the word after this mask's
 };
 
 // The word index of slice (bm, hm)'s bit rows for query tile lt: `seen` there, `kept` `words` after it.
 constexpr int64_t mask_tile_row(const MaskTiles& mt, int64_t bm, int64_t hm, int64_t lt) {
-  return ((bm * mt.slices_h + hm) * mt.q_tiles + lt) * 2 * mt.words;
+  return mt.base + ((bm * mt.slices_h + hm) * mt.q_tiles + lt) * 2 * mt.words;
 }
 
 // The word index of slice (bm, hm)'s packed row for query row l (0 where the mask broadcasts over L).
 constexpr int64_t mask_packed_row(const MaskTiles& mt, int64_t bm, int64_t hm, int64_t l) {
   return mt.packed + ((bm * mt.slices_h + hm) * mt.q_rows + l) * mt.key_words;
+}
+
+// The classes (and for a bool attn_mask the packed bits) of a mask of `kind` with (B, H, L, S) strides
+// `stride`, from word `base` of the workspace; q_tiles: the query tiles of the launch.
+inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, bool padding, const int64_t* stride,
+                                 int64_t q_tiles, int64_t base) {
+  MaskTiles mt{};
+  mt.kind = kind;
+  mt.padding = padding;
+  for (int d = 0; d < 4; ++d) mt.stride[d] = stride[d];
+  mt.base = base;
+  mt.end = base;
+  if (kind == kMaskNone) return mt;
+  mt.slices_b = stride[0] == 0 ? 1 : p.batch;
+  mt.slices_h = stride[1] == 0 ? 1 : p.heads;
+  mt.q_tiles = stride[2] == 0 ? 1 : q_tiles;
+  const int64_t key_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
+  mt.words = (key_tiles + 31) / 32;
+  mt.q_rows = stride[2] == 0 ? 1 : p.q_len;
+  mt.packed = mask_tile_row(mt, mt.slices_b, 0, 0);
+  const int64_t rows = mt.slices_b * mt.slices_h * mt.q_rows;
+  mt.key_words = kind == kMaskBool && !padding ? 2 * key_tiles : 0;
+  mt.class_warps = mt.slices_b * mt.slices_h * mt.q_tiles * mt.words;
+  mt.warps = mt.class_warps + rows * ((mt.key_words + 31) / 32);
+  mt.end = mt.packed + rows * mt.key_words;
+  return mt;
 }
 
 struct AttentionMmaPlan {
@@ -269,8 +300,11 @@ struct AttentionMmaPlan {
   bool q_vector;      // Q's rows by cp.async (with two row groups, where Q is staged in shared memory)
   bool out_vector;    // the output's rows by 16-byte stores, through shared memory
   size_t smem_bytes;
-  MaskTiles mask_tiles;    // the general instantiation with an attn_mask; all 0 otherwise
-  size_t workspace_bytes;  // the mask tiles' bit rows, which the caller allocates (0: no workspace)
+  // The general instantiation's mask classes (kind kMaskNone where the mask is absent or the instantiation
+  // the plain one), then the pre-pass's launch: a block per kWarps warps of both masks' (0: no pre-pass).
+  MaskTiles mask_tiles, padding_tiles;
+  int64_t mask_blocks;
+  size_t workspace_bytes;  // the masks' bit rows, which the caller allocates (0: no workspace)
 };
 
 inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype,
@@ -295,21 +329,15 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   const int ld = mma_tile_ld(plan.bucket, element_bytes);
   const int q_rows = plan.rows_per_block > kMmaRowsPerBlock ? plan.rows_per_block : 0;
   plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
-  if (!plan.plain && p.attn_mask_kind != kMaskNone && plan.blocks > 0) {
-    MaskTiles& mt = plan.mask_tiles;
-    mt.slices_b = p.attn_mask_stride[0] == 0 ? 1 : p.batch;
-    mt.slices_h = p.attn_mask_stride[1] == 0 ? 1 : p.heads;
-    mt.q_tiles = p.attn_mask_stride[2] == 0 ? 1 : plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
-    const int64_t key_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
-    mt.words = (key_tiles + 31) / 32;
-    mt.q_rows = p.attn_mask_stride[2] == 0 ? 1 : p.q_len;
-    mt.packed = mask_tile_row(mt, mt.slices_b, 0, 0);
-    const int64_t rows = mt.slices_b * mt.slices_h * mt.q_rows;
-    mt.key_words = p.attn_mask_kind == kMaskBool ? 2 * key_tiles : 0;
-    mt.class_warps = mt.slices_b * mt.slices_h * mt.q_tiles * mt.words;
-    const int64_t packed_warps = rows * ((mt.key_words + 31) / 32);
-    mt.blocks = (mt.class_warps + packed_warps + kWarps - 1) / kWarps;
-    plan.workspace_bytes = static_cast<size_t>(mt.packed + rows * mt.key_words) * sizeof(uint32_t);
+  if (!plan.plain && plan.blocks > 0) {
+    const int64_t q_tiles = plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
+    plan.mask_tiles = plan_mask_tiles(p, p.attn_mask_kind, false, p.attn_mask_stride, q_tiles, 0);
+    const int64_t* const kpm = p.key_padding_mask_stride;
+    const int64_t padding_stride[4] = {kpm[0], 0, 0, kpm[1]};
+    plan.padding_tiles = plan_mask_tiles(p, p.key_padding_mask_kind, true, padding_stride, 1,
+                                         plan.mask_tiles.end);
+    plan.mask_blocks = (plan.mask_tiles.warps + plan.padding_tiles.warps + kWarps - 1) / kWarps;
+    plan.workspace_bytes = static_cast<size_t>(plan.padding_tiles.end) * sizeof(uint32_t);
   }
   return plan;
 }
