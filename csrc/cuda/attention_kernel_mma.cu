@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       if (p.attn_mask_kind != kMaskNone) {
         // Query tile w of the block is warp w's rows (tiles past L have no bit set), or the one tile of a
         // mask that broadcasts over L.
-        const MaskTiles& mt = plan.mask_tiles;
+        const MaskTiles& mt = plan.attn_tiles;
         const bool per_row = mt.q_tiles > 1;
         const int64_t step = per_row ? 2 * mt.words : 0;
         const int64_t bm = mt.stride[0] == 0 ? 0 : b, hm = mt.stride[1] == 0 ? 0 : h;
@@ -593,7 +593,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         [[maybe_unused]] const uint32_t* packed_words = nullptr;
         [[maybe_unused]] int64_t packed_step = 0;
         if constexpr (decltype(packed)::value) {
-          const MaskTiles& mt = plan.mask_tiles;
+          const MaskTiles& mt = plan.attn_tiles;
           const int64_t bm = p.attn_mask_stride[0] == 0 ? 0 : b, hm = p.attn_mask_stride[1] == 0 ? 0 : h;
           packed_words = mask_tiles + mask_packed_row(mt, bm, hm, mt.q_rows > 1 ? row(0) : 0) + k0 / 32;
           packed_step = mt.q_rows > 1 ? 8 * mt.key_words : 0;
@@ -661,7 +661,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       // once a score.
       if (!interior) {
         masked_scores(std::true_type{}, std::false_type{}, CapPerScore{});
-      } else if (!kPlain && plan.mask_tiles.key_words > 0) {
+      } else if (!kPlain && plan.attn_tiles.key_words > 0) {
         if constexpr (!kPlain) {
           if (softcapped()) {
             masked_scores(std::false_type{}, std::true_type{}, std::true_type{});
@@ -918,7 +918,7 @@ cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const At
   uint32_t* const mask_tiles = static_cast<uint32_t*>(workspace);
   if (plan.mask_blocks > 0) {
     const cudaError_t err = launch_plan(&attention_mask_tiles, plan.mask_blocks, kWarps * kWarpSize, 0,
-                                        stream, p, ptr, plan.mask_tiles, plan.padding_tiles, mask_tiles);
+                                        stream, p, ptr, plan.attn_tiles, plan.padding_tiles, mask_tiles);
     if (err != cudaSuccess) return err;
   }
   return dispatch_dtype(dtype, [&](auto tag) {

@@ -302,7 +302,7 @@ struct AttentionMmaPlan {
   size_t smem_bytes;
   // The general instantiation's mask classes (kind kMaskNone where the mask is absent or the instantiation
   // the plain one), then the pre-pass's launch: a block per kWarps warps of both masks' (0: no pre-pass).
-  MaskTiles mask_tiles, padding_tiles;
+  MaskTiles attn_tiles, padding_tiles;
   int64_t mask_blocks;
   size_t workspace_bytes;  // the masks' bit rows, which the caller allocates (0: no workspace)
 };
@@ -331,12 +331,12 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
   if (!plan.plain && plan.blocks > 0) {
     const int64_t q_tiles = plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
-    plan.mask_tiles = plan_mask_tiles(p, p.attn_mask_kind, false, p.attn_mask_stride, q_tiles, 0);
+    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, false, p.attn_mask_stride, q_tiles, 0);
     const int64_t* const kpm = p.key_padding_mask_stride;
     const int64_t padding_stride[4] = {kpm[0], 0, 0, kpm[1]};
     plan.padding_tiles = plan_mask_tiles(p, p.key_padding_mask_kind, true, padding_stride, 1,
-                                         plan.mask_tiles.end);
-    plan.mask_blocks = (plan.mask_tiles.warps + plan.padding_tiles.warps + kWarps - 1) / kWarps;
+                                         plan.attn_tiles.end);
+    plan.mask_blocks = (plan.attn_tiles.warps + plan.padding_tiles.warps + kWarps - 1) / kWarps;
     plan.workspace_bytes = static_cast<size_t>(plan.padding_tiles.end) * sizeof(uint32_t);
   }
   return plan;
