@@ -2,7 +2,9 @@
 
 TFLOP/s = 4 * B * H * L * S * D / time: ``attnx.attention`` against ``F.scaled_dot_product_attention`` under
 each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks, with a
-key_padding_mask + (L, S) attn_mask, and with dropout (p = 0.1); fp32 at D = 64 (the float32 tensor-core
+key_padding_mask + a random (L, S) attn_mask (every tile partly masked), with a key_padding_mask + a causal
+(L, S) bool attn_mask (the masks transformers' models pass: whole tiles removed or kept, which attnx's
+tensor cores skip or run unmasked), and with dropout (p = 0.1); fp32 at D = 64 (the float32 tensor-core
 kernel's range: 3xTF32, as SDPA's efficient backend, whose fp32 is 3xTF32 whatever ``allow_tf32`` says) and
 D = 128 (the SIMT kernel).
 SDPA takes masks in its own convention: one boolean mask, True = keep, merged here *before* timing into
@@ -36,22 +38,26 @@ THROUGHPUT_B, THROUGHPUT_H = 4, 16
 SMOKE_LENGTHS, SMOKE_DIMS, SMOKE_DTYPES = [128], [64], [torch.float16, torch.float32]
 
 
-# The cases of each (dtype, L, D): no masks, both masks, dropout.
-KINDS = ("plain", "masks", "dropout")
+# The cases of each (dtype, L, D): no masks, both masks (a random attn_mask, a causal one), dropout.
+KINDS = ("plain", "masks", "causal_masks", "dropout")
 DROPOUT_P = 0.1
 
 
-def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
-    """q, k, v (B, H, L, D); attnx's masks (True = masked out) and SDPA's merged mask (True = keep)."""
+def throughput_inputs(L: int, D: int, dtype: torch.dtype, kind: str):
+    """q, k, v (B, H, L, D); attnx's masks (True = masked out) and SDPA's merged mask (True = keep), for a
+    case of KINDS."""
     B, H = THROUGHPUT_B, THROUGHPUT_H
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-    if not masked:
+    if kind not in ("masks", "causal_masks"):
         return q, k, v, None, None, None
     kpm = torch.zeros(B, L, dtype=torch.bool, device="cuda")
     kpm[:, L - L // 8 :] = True  # right padding: the last 1/8 of the keys
-    attn_mask = torch.rand(L, L, device="cuda", generator=g) < 0.1
-    attn_mask.fill_diagonal_(False)  # no fully masked row
+    if kind == "masks":
+        attn_mask = torch.rand(L, L, device="cuda", generator=g) < 0.1
+        attn_mask.fill_diagonal_(False)  # no fully masked row
+    else:
+        attn_mask = torch.ones(L, L, dtype=torch.bool, device="cuda").triu_(1)  # above the diagonal
     keep = ~(attn_mask[None, None] | kpm[:, None, None, :])  # (B, 1, L, S)
     return q, k, v, attn_mask, kpm, keep
 
@@ -59,7 +65,7 @@ def throughput_inputs(L: int, D: int, dtype: torch.dtype, masked: bool):
 def throughput_case(L: int, D: int, dtype: torch.dtype, kind: str, reps: int) -> tuple[str, dict]:
     """The kernel attnx runs, and {implementation: {"time", "tflops"} or None where the backend rejects the
     case}, for one case of KINDS."""
-    q, k, v, attn_mask, kpm, keep = throughput_inputs(L, D, dtype, kind == "masks")
+    q, k, v, attn_mask, kpm, keep = throughput_inputs(L, D, dtype, kind)
     p = DROPOUT_P if kind == "dropout" else 0.0
     flops = 4 * THROUGHPUT_B * THROUGHPUT_H * L * L * D
     fns = {"attnx": lambda: attnx.attention(q, k, v, attn_mask, kpm, dropout_p=p)[0]}
@@ -117,10 +123,11 @@ def run_throughput(quick: bool, smoke: bool) -> tuple:
                     cells = [f"{c['tflops']:.1f}" if c else "n/a" for c in case.values()]
                     rows.append([label, *cells, kernel.removeprefix("cuda ")])
     text = (
-        f"(b) attention forward TFLOP/s (4*B*H*L*S*D / time), B={THROUGHPUT_B}, H={THROUGHPUT_H}; masks = "
-        f"key_padding_mask (last 1/8 of keys) + 10% random (L, S) attn_mask; SDPA gets them merged "
-        f"beforehand into one (B, 1, L, S) keep-mask; dropout = dropout_p {DROPOUT_P}; the kernel attnx ran, "
-        f"as the CUDA library names it\n"
+        f"(b) attention forward TFLOP/s (4*B*H*L*S*D / time, the full L x S even where a mask removes "
+        f"half), B={THROUGHPUT_B}, H={THROUGHPUT_H}; masks = key_padding_mask (last 1/8 of keys) + 10% "
+        f"random (L, S) attn_mask; causal_masks = the same key_padding_mask + a causal (L, S) bool "
+        f"attn_mask; SDPA gets them merged beforehand into one (B, 1, L, S) keep-mask; dropout = dropout_p "
+        f"{DROPOUT_P}; the kernel attnx ran, as the CUDA library names it\n"
         + table(["case", "attnx", *[f"sdpa {n}" for n in SDPA_BACKENDS], "attnx kernel"], rows)
     )
     return results, kernels, text
