@@ -1,7 +1,8 @@
 """Launches for compute-sanitizer (memcheck, racecheck, synccheck), run by tools/gpu_check.py.
 
 A small set that still reaches every code path of the CUDA backend: both forward kernels (float16, bfloat16
-and float32, vector and element tile staging, partial tiles, dropout), every feature (both masks, causal,
+and float32, vector and element tile staging, partial tiles, dropout, the tensor cores' mask pre-pass and
+the tiles it classifies), every feature (both masks, causal,
 grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256 composite; and the fused
 backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it), every tile size, every feature,
 dropout and a float mask's gradient. Each launch is synchronised and printed with the kernel it takes, as the
@@ -71,6 +72,15 @@ def cases():
                                                                              dtype=F32, layout="blhd"), {
         "attn_mask": bool_mask(37, 50), "key_padding_mask": bool_mask(2, 50), "is_causal": True,
         **features(2, 4, 50)}
+    # the tensor cores' tile classes: a causal bool mask and right padding (tiles skipped, run unmasked and
+    # read from the packed mask), then with a window that starts the tiles past key 0
+    causal = torch.ones(130, 200, dtype=torch.bool).triu_(71)
+    padding = torch.zeros(2, 200, dtype=torch.bool)
+    padding[1, 150:] = True
+    masks = {"attn_mask": to_device(causal, DEV), "key_padding_mask": to_device(padding, DEV)}
+    yield "fp16 D=64 causal bool mask + padding: tile classes", qkv(2, 2, 130, 200, 64, 64), masks
+    yield "bf16 D=128 the same, windowed", qkv(2, 2, 130, 200, 128, 128, dtype=BF), {
+        **masks, "window_left": 90, "window_right": 10}
     kpm = torch.zeros(2, 9, dtype=torch.bool)
     kpm[1] = True  # batch 1 sees no key
     yield "fp16 fully masked rows", qkv(2, 2, 6, 9, 8, 8), {"key_padding_mask": to_device(kpm, DEV)}
