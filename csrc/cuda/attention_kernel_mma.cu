@@ -570,14 +570,28 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
       }
       if (!kPlain && p.key_padding_mask_kind != kMaskNone) {
         if (masks_read) {
+          const MaskTiles& mt = plan.padding_tiles;
+          if (mt.key_words > 0) {
+            // A bool mask, packed: the tile's 64 terms in one 8-byte load, bit i key k0 + 2t + i (keys past
+            // the tile's end are outside every row's interval, whatever their bit).
+            const int64_t row = mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0);
+            const uint2 w = *reinterpret_cast<const uint2*>(mask_tiles + row + k0 / 32);
+            const uint64_t removed = (uint64_t{w.y} << 32 | w.x) >> (2 * t);
 #pragma unroll
-          for (int j = 0; j < kSTiles; ++j) {
+            for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int jj = 8 * j + 2 * t + e;
-              if (jj < nk) {
-                kpm[j][e] = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                              kpm_base + (k0 + jj) * p.key_padding_mask_stride[1]);
+              for (int e = 0; e < 2; ++e) kpm[j][e] = (removed >> (8 * j + e)) & 1u ? kNegInf : 0.0f;
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int jj = 8 * j + 2 * t + e;
+                if (jj < nk) {
+                  kpm[j][e] = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                                kpm_base + (k0 + jj) * p.key_padding_mask_stride[1]);
+                }
               }
             }
           }

@@ -229,14 +229,12 @@ constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
 // tile n is 0). The tile loop skips a tile that no row of its block sees (EMPTY), runs the unmasked loop on
 // a tile both masks keep for the warp's rows (FULL) and reads the masks on the others (PARTIAL). A dimension
 // a mask broadcasts over (stride 0) is classified once: an (L, S) attn_mask once for every batch and head, a
-// key_padding_mask once per batch (a slice per batch, one query tile). A bool attn_mask is also packed, a
-// bit per element (set: removed), so that a PARTIAL tile reads a row's 64 terms as one 8-byte load instead
-// of 64 bytes through the strides: bit rows of `key_words` words (a multiple of 2, so that a tile's two
-// words are one aligned load) per slice and query row (one row where the mask broadcasts over L), after the
-// classes.
+// key_padding_mask once per batch (a slice per batch, one query tile). A bool mask is also packed, a bit per
+// element (set: removed), so that a PARTIAL tile reads a row's 64 terms as one 8-byte load instead of 64
+// bytes through the strides: bit rows of `key_words` words (a multiple of 2, so that a tile's two words are
+// one aligned load) per slice and query row (one row where the mask broadcasts over L), after the classes.
 struct MaskTiles {
   int32_t kind;                // the mask's MaskKind; kMaskNone: no mask, nothing to classify
-  bool padding;                // key_padding_mask (ptr.key_padding_mask), or attn_mask
   int64_t stride[4];           // the mask's strides as (B, H, L, S), 0 on broadcast dims
   int64_t base;                // where its words start in the workspace
   int64_t slices_b, slices_h;  // 1 where the mask broadcasts over B (H); B (H) otherwise
@@ -262,13 +260,12 @@ constexpr int64_t mask_packed_row(const MaskTiles& mt, int64_t bm, int64_t hm, i
   return mt.packed + ((bm * mt.slices_h + hm) * mt.q_rows + l) * mt.key_words;
 }
 
-// The classes (and for a bool attn_mask the packed bits) of a mask of `kind` with (B, H, L, S) strides
-// `stride`, from word `base` of the workspace; q_tiles: the query tiles of the launch.
-inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, bool padding, const int64_t* stride,
+// The classes (and for a bool mask the packed bits) of a mask of `kind` with (B, H, L, S) strides `stride`,
+// from word `base` of the workspace; q_tiles: the query tiles of the launch.
+inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, const int64_t* stride,
                                  int64_t q_tiles, int64_t base) {
   MaskTiles mt{};
   mt.kind = kind;
-  mt.padding = padding;
   for (int d = 0; d < 4; ++d) mt.stride[d] = stride[d];
   mt.base = base;
   mt.end = base;
@@ -281,7 +278,7 @@ inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, bool pa
   mt.q_rows = stride[2] == 0 ? 1 : p.q_len;
   mt.packed = mask_tile_row(mt, mt.slices_b, 0, 0);
   const int64_t rows = mt.slices_b * mt.slices_h * mt.q_rows;
-  mt.key_words = kind == kMaskBool && !padding ? 2 * key_tiles : 0;
+  mt.key_words = kind == kMaskBool ? 2 * key_tiles : 0;
   mt.class_warps = mt.slices_b * mt.slices_h * mt.q_tiles * mt.words;
   mt.warps = mt.class_warps + rows * ((mt.key_words + 31) / 32);
   mt.end = mt.packed + rows * mt.key_words;
@@ -331,11 +328,10 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
   if (!plan.plain && plan.blocks > 0) {
     const int64_t q_tiles = plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
-    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, false, p.attn_mask_stride, q_tiles, 0);
+    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, p.attn_mask_stride, q_tiles, 0);
     const int64_t* const kpm = p.key_padding_mask_stride;
     const int64_t padding_stride[4] = {kpm[0], 0, 0, kpm[1]};
-    plan.padding_tiles = plan_mask_tiles(p, p.key_padding_mask_kind, true, padding_stride, 1,
-                                         plan.attn_tiles.end);
+    plan.padding_tiles = plan_mask_tiles(p, p.key_padding_mask_kind, padding_stride, 1, plan.attn_tiles.end);
     plan.mask_blocks = (plan.attn_tiles.warps + plan.padding_tiles.warps + kWarps - 1) / kWarps;
     plan.workspace_bytes = static_cast<size_t>(plan.padding_tiles.end) * sizeof(uint32_t);
   }

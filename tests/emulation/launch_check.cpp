@@ -134,14 +134,15 @@ void inconsistent_params_are_refused(Kernel kernel) {
     std::vector<uint32_t> workspace(bytes / 4);
     check(attnx::cuda::launch_attention(p, DType::kFloat16, ptr, nullptr, kernel, workspace.data()) == 0,
           "attn_mask with the workspace");
-    // key_padding_mask alone: its batch's two rows of classes.
+    // key_padding_mask alone: its batch's two rows of classes and (bool) its packed row.
     p = base;
     p.key_padding_mask_kind = attnx::kMaskBool;
     p.key_padding_mask_stride[0] = 5, p.key_padding_mask_stride[1] = 1;
     ptr = buf.pointers();
     ptr.key_padding_mask = mask.data();
     const size_t padding_bytes = attnx::cuda::attention_workspace_bytes(p, DType::kFloat16, ptr, kernel);
-    check(padding_bytes == 2 * 4, "a key_padding_mask's classes: two words for its one batch", padding_bytes);
+    check(padding_bytes == (2 + 2) * 4, "a bool key_padding_mask's classes and packed row for its one batch",
+          padding_bytes);
     check(launch(p, ptr, kernel) == invalid, "key_padding_mask without the workspace");
     check(attnx::cuda::launch_attention(p, DType::kFloat16, ptr, nullptr, kernel, workspace.data()) == 0,
           "key_padding_mask with the workspace");
