@@ -41,8 +41,9 @@ void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stre
     attention_composite(pb);
     return;
   }
-  // The tensor-core kernel's attn_mask tile classes, from the caching allocator on the call's stream (a few
-  // bytes per key tile and query tile of the mask); computed again by every call, in microseconds.
+  // The tensor-core kernel's mask tile classes and packed bool masks (MaskTiles: a few bytes per key tile
+  // and query tile, and an eighth of a bool mask's elements), from the caching allocator on the call's
+  // stream; computed again by every call, by the pre-pass the launcher runs first.
   const size_t bytes = attention_workspace_bytes(pb.params, dtype, pb.ptr, kernel);
   std::optional<Tensor> workspace;
   if (bytes > 0) {

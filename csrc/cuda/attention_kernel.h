@@ -23,8 +23,8 @@ namespace attnx::cuda {
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel = Kernel::kSimt, void* workspace = nullptr);
 
-// The device memory a launch of `kernel` needs besides its operands: the mma kernel's attn_mask tile
-// classes (AttentionMmaPlan::workspace_bytes); 0 for the others.
+// The device memory a launch of `kernel` needs besides its operands: the mma kernel's mask tile classes and
+// packed bool masks (AttentionMmaPlan::workspace_bytes); 0 for the others.
 inline size_t attention_workspace_bytes(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                         Kernel kernel) {
   return kernel == Kernel::kMma && mma_supports(p, dtype) ? plan_attention_mma(p, dtype, ptr).workspace_bytes
