@@ -165,5 +165,10 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // "default" (cpu/attention_kernel.h, cpu_capability()). Asked of the library rather than recomputed in
   // Python, so that `python -m attnx.info` reports the level the kernels were picked for, build included.
   m.def("_cpu_capability() -> str");
+  // Whether attention's CUDA calls that torch's own flash kernel computes exactly as attnx does (unmasked
+  // float16/bfloat16, cuda/attention_plan.h: torch_flash_supports) run on it in this process: on unless
+  // ATTNX_CUDA_TORCH_FLASH=0, or after torch refused such a call. `on` sets it, for the benchmarks that time
+  // attnx's own kernel beside torch's. CUDA builds only.
+  m.def("_cuda_torch_flash(bool? on=None) -> bool");
 }
 // clang-format on

@@ -363,7 +363,7 @@ def test_attention_kernel_dispatch(device):
     # reached the tensor-core kernel. The kernel the profiler sees launched is the one that
     # attnx::_attention_kernel names for the call (the composite launches neither kernel).
     launched = {"cuda mma": {"attention_forward_mma"}, "cuda simt": {"attention_forward_simt"},
-                "cuda composite": set()}
+                "cuda composite": set(), "torch flash": set()}
     cases = [((torch.float16, 64, 64), {}), ((torch.bfloat16, 128, 128), {"is_causal": True}),
              ((torch.float16, 128, 96), {"sinks": make_sinks(4, torch.float16, device)}),
              ((torch.float32, 64, 64), {}), ((torch.float32, 32, 24), {"is_causal": True}),
@@ -388,8 +388,9 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from attention_helpers import check_forward, make_qkv
 from layouts import to_device
+assert not torch.ops.attnx._cuda_torch_flash()
 for dtype in (torch.float16, torch.bfloat16, torch.float32):
-    q, k, v = to_device(make_qkv(2, 3, 37, 53, 64, 64, dtype=dtype, layout="blhd"), "cuda")
+    q, k, v = to_device(make_qkv(2, 3, 53, 53, 64, 64, dtype=dtype, layout="blhd"), "cuda")
     kernel = torch.ops.attnx._attention_kernel(q, k, v, is_causal=True)
     assert kernel.startswith("cuda simt"), kernel
     check_forward(q, k, v, is_causal=True)
@@ -397,11 +398,41 @@ print("ok")
 """
 
 
-def test_tensor_cores_off():
-    # ATTNX_CUDA_MMA=0 (read once per process: a fresh interpreter) turns the tensor-core kernel off: the
-    # calls it would take name the SIMT kernel, and run it right.
+def test_tensor_cores_and_torch_flash_off():
+    # ATTNX_CUDA_MMA=0 and ATTNX_CUDA_TORCH_FLASH=0 (read once per process: a fresh interpreter) turn the
+    # tensor-core kernel and torch's flash kernel off: the calls they would take name the SIMT kernel, and
+    # run it right.
     script = _TENSOR_CORES_OFF.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    assert run_python(script, env={**os.environ, "ATTNX_CUDA_MMA": "0"}).strip().endswith("ok")
+    env = {**os.environ, "ATTNX_CUDA_MMA": "0", "ATTNX_CUDA_TORCH_FLASH": "0"}
+    assert run_python(script, env=env).strip().endswith("ok")
+
+
+def test_torch_flash_runs_the_calls_it_computes_as_attnx_does(device):
+    # The calls choose_kernel sends to torch's flash kernel (torch_flash_supports) give SDPA's flash results
+    # bit for bit, in attention's layout, and the reference's; with the route off (attnx::_cuda_torch_flash)
+    # attnx's own kernel runs them. tests/test_cuda_emulation.py checks the choice and the windows.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cases = [(torch.float16, 4, False, "blhd"), (torch.bfloat16, 4, True, "contiguous"),
+             (torch.float16, 2, True, "blhd")]  # grouped KV heads: against the reference only
+    for dtype, Hkv, causal, layout in cases:
+        q, k, v = gqa(device, 2, 4, Hkv, 200, 200, 64, 64, dtype=dtype, layout=layout)
+        assert torch.ops.attnx._attention_kernel(q, k, v, is_causal=causal).startswith("torch flash")
+        out, lse = attnx.attention(q, k, v, is_causal=causal)
+        B, H, L, Dv = out.shape
+        assert out.stride() == (L * H * Dv, Dv, H * Dv, 1)
+        assert_matches_reference(out, lse, q, k, v, is_causal=causal)
+        if Hkv == 4:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+        assert torch.ops.attnx._cuda_torch_flash()
+        torch.ops.attnx._cuda_torch_flash(False)
+        try:
+            assert torch.ops.attnx._attention_kernel(q, k, v, is_causal=causal).startswith("cuda mma")
+            check_forward(q, k, v, is_causal=causal)
+        finally:
+            torch.ops.attnx._cuda_torch_flash(True)
 
 
 def test_dropout_seed_must_be_on_the_cpu(device):

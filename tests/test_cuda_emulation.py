@@ -13,7 +13,9 @@ import os
 import subprocess
 
 import pytest
+import torch
 
+import attnx
 from emulation import emulator
 
 pytestmark = pytest.mark.kernel
@@ -60,3 +62,87 @@ def test_no_data_races_under_thread_sanitizer():
         pytest.skip(f"ThreadSanitizer cannot run here: {result.stderr.strip().splitlines()[0]}")
     assert "WARNING: ThreadSanitizer" not in result.stderr, result.stderr[-8000:]
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+
+
+# torch's flash kernel (choose_kernel's kTorchFlash) on the emulated sm_90 device: which calls it takes, and
+# its stand-in (cuda/attention.cpp: attnx's tensor-core kernel given FlashAttention-2's arguments and writing
+# its results) checked against the reference, so that the window each call is given and the adoption or copy
+# of the results are tested here; tests/test_cuda.py calls the real one on a GPU.
+
+
+@pytest.fixture
+def flash_emulation():
+    from emulation import backends
+
+    try:
+        backends.load("cuda-emu-flash")
+    except backends.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    with backends.enabled("cuda-emu-flash"):
+        yield
+
+
+def _flash_qkv(dtype, B=2, H=4, Hkv=4, L=40, S=40, D=64, Dv=None, layout="contiguous", seed=0):
+    from attention_helpers import make_in_layout
+
+    gen = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
+    return (make_in_layout((B, H, L, D), layout, dtype, gen, which="q"),
+            make_in_layout((B, Hkv, S, D), layout, dtype, gen, which="k"),
+            make_in_layout((B, Hkv, S, Dv), layout, dtype, gen, which="v"))
+
+
+# (dtype, shape, layout, options): calls torch's flash kernel computes as attnx does.
+FLASH_CASES = [
+    (torch.float16, {}, "contiguous", {}),
+    (torch.bfloat16, {}, "blhd", {"is_causal": True}),
+    (torch.float16, {"L": 56, "S": 24}, "blhd", {"is_causal": True}),  # top-left: right edge at L - S
+    (torch.float16, {"L": 24, "S": 56}, "contiguous", {"window_left": 8, "window_right": 0}),
+    (torch.float16, {"L": 48, "S": 32}, "packed", {"is_causal": True, "window_left": 5, "window_right": 30}),
+    (torch.bfloat16, {"H": 8, "Hkv": 2, "D": 128}, "blhd", {"scale": 0.3}),
+    (torch.float16, {"L": 1, "S": 70, "H": 6, "Hkv": 3, "D": 256}, "contiguous", {}),  # decoding
+]
+
+
+@pytest.mark.parametrize("dtype,shape,layout,options", FLASH_CASES)
+def test_torch_flash_takes_calls_it_computes_as_attnx_does(flash_emulation, dtype, shape, layout, options):
+    from attention_helpers import assert_matches_reference
+
+    q, k, v = _flash_qkv(dtype, layout=layout, **shape)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert torch.ops.attnx._attention_kernel(q, k, v, **options) == f"torch flash {name}"
+    out, lse = attnx.attention(q, k, v, **options)
+    assert_matches_reference(out, lse, q, k, v, **options)
+    # attention's layout either way: adopted where FlashAttention-2 wrote it so, copied otherwise.
+    B, H, L, Dv = out.shape
+    assert out.stride() == (L * H * Dv, Dv, H * Dv, 1) and lse.is_contiguous()
+
+
+# Calls it does not take, each for one reason (torch_flash_supports), with what takes them instead.
+def _misaligned(dtype):
+    q, k, v = _flash_qkv(dtype)
+    buffer = torch.randn(q.numel() + 4).to(dtype)
+    return buffer[4:].view(q.shape), k, v  # an 8-byte offset: FlashAttention-2 reads rows as 16-byte vectors
+
+
+NOT_FLASH_CASES = {
+    "float32": (lambda: _flash_qkv(torch.float32), {}),
+    "head dim 36": (lambda: _flash_qkv(torch.float16, D=36), {}),
+    "D != Dv": (lambda: _flash_qkv(torch.float16, D=64, Dv=32), {}),
+    "causal with L < S": (lambda: _flash_qkv(torch.float16, L=24, S=40), {"is_causal": True}),
+    "key padding mask": (lambda: _flash_qkv(torch.float16), {"key_padding_mask": torch.rand(2, 40) < 0.2}),
+    "attn_mask": (lambda: _flash_qkv(torch.float16), {"attn_mask": torch.rand(40, 40) < 0.2}),
+    "key lengths": (lambda: _flash_qkv(torch.float16), {"key_lengths": torch.tensor([40, 30])}),
+    "soft-cap": (lambda: _flash_qkv(torch.float16), {"softcap": 20.0}),
+    "sinks": (lambda: _flash_qkv(torch.float16), {"sinks": torch.zeros(4)}),
+    "dropout": (lambda: _flash_qkv(torch.float16), {"dropout_p": 0.1, "dropout_seed": torch.tensor([1, 2])}),
+    "negative scale": (lambda: _flash_qkv(torch.float16), {"scale": -0.125}),
+    "misaligned rows": (lambda: _misaligned(torch.float16), {}),
+}
+
+
+@pytest.mark.parametrize("case", NOT_FLASH_CASES)
+def test_torch_flash_leaves_other_calls_to_attnx(flash_emulation, case):
+    make, options = NOT_FLASH_CASES[case]
+    q, k, v = make()
+    assert not torch.ops.attnx._attention_kernel(q, k, v, **options).startswith("torch flash")

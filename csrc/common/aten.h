@@ -21,6 +21,8 @@
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -256,6 +258,29 @@ inline Tensor logsumexp(const Tensor& t, std::vector<int64_t> dims, bool keepdim
 }
 inline Tensor logaddexp(const Tensor& a, const Tensor& b) {
   return call("aten::logaddexp", "", a, b);
+}
+// torch's FlashAttention-2 forward (aten::_flash_attention_forward; CUDA builds of torch) on (B, L, H, D)
+// query, key and value (grouped KV heads allowed), no dropout: out (B, L, H, D) as empty_like(query) and lse
+// (B, H, L) float32. The window is FlashAttention-2's (nullopt: unbounded). torch's schema has grown at its
+// end (torch 2.10 ends at alibi_slopes, later ones add block_table and num_splits): every argument of the
+// newest is passed, and the entries after them read as None to a torch that has more. (The public
+// _scaled_dot_product_flash_attention returns SymInts between tensors, which the stable dispatcher of
+// torch 2.10 to 2.14 converts with the wrong types: "Expected Tensor but got Int".)
+inline std::array<Tensor, 2> flash_attention_forward(const Tensor& query, const Tensor& key, const Tensor& value,
+                                                     double scale, std::optional<int64_t> window_left,
+                                                     std::optional<int64_t> window_right) {
+  using stable::detail::box;
+  std::array<StableIValue, 24> stack;
+  stack.fill(torch::stable::detail::from(std::nullopt));
+  const StableIValue args[] = {box(query), box(key), box(value), box(OptTensor()), box(OptTensor()),
+                               box(query.size(1)), box(key.size(1)), box(0.0), box(false), box(false),
+                               box(std::optional<double>(scale)), box(window_left), box(window_right)};
+  std::copy(std::begin(args), std::end(args), stack.begin());
+  stable::dispatch("aten::_flash_attention_forward", "", stack.data());
+  // (output, softmax_logsumexp, rng_state, unused, debug_attn_mask): the last three released here.
+  std::array<Tensor, 5> out;
+  for (size_t i = 0; i < out.size(); ++i) out[i] = torch::stable::detail::to<Tensor>(stack[i]);
+  return {out[0], out[1]};
 }
 inline Tensor softmax(const Tensor& t, int64_t dim) {
   return call("aten::softmax", "int", t, dim, std::optional<ScalarType>());

@@ -384,6 +384,7 @@ AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, Atten
 
   // (B, L, H, Dv) memory: the multi-head caller views out as (B, L, H*Dv) for its output projection.
   const Device device = query.device();
+  const bool outputs_given = outputs.has_value();
   if (!outputs) {
     outputs.emplace(empty_bnhe(p.batch, p.heads, p.q_len, p.v_head_dim, dtype, device),
                     aten::empty({p.batch, p.heads, p.q_len}, attention_acc_dtype(dtype), device));
@@ -395,7 +396,7 @@ AttentionProblem prepare_attention(Tensor query, Tensor key, Tensor value, Atten
   ptr.lse = lse.mutable_data_ptr();
   return AttentionProblem{
       std::move(query),     std::move(key), std::move(value), std::move(options), p, ptr, dtype,
-      std::move(sinks_acc), std::move(out), std::move(lse)};
+      std::move(sinks_acc), std::move(out), std::move(lse), outputs_given};
 }
 
 AttentionBackwardProblem prepare_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value,

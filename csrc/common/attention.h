@@ -62,6 +62,8 @@ struct AttentionProblem {
   std::optional<Tensor> sinks_acc;  // what ptr.sinks points into: sinks as (H,) in the accumulator dtype
   Tensor out;                       // (B, H, L, Dv) in query's dtype, memory order (B, L, H, Dv)
   Tensor lse;                       // (B, H, L), float32 (float64 for float64 inputs), contiguous
+  bool outputs_given = false;       // out and lse are the caller's (prepare_attention's `outputs`): a
+                                    // backend writes into them and never replaces them
 
   // attention_op's two ends: attnx::attention's stack unboxed and prepared (prepare_attention), and (out,
   // lse) onto it.

@@ -1,6 +1,7 @@
 // attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernels are
-// cuda/attention_kernel.cu and attention_kernel_mma.cu (torch-free), chosen by choose_kernel
-// (cuda/attention_plan.h) and launched on the current stream of the inputs' device. On the LibTorch stable
+// cuda/attention_kernel.cu and attention_kernel_mma.cu (torch-free), or torch's own flash kernel for the calls
+// it computes exactly as attnx does, chosen by choose_kernel (cuda/attention_plan.h) and run on the current
+// stream of the inputs' device. On the LibTorch stable
 // ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C shim, and nothing
 // here needs libc10_cuda.
 #include "cuda/attention.h"
@@ -9,12 +10,16 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
 
 #include "common/aten.h"
 #include "common/stable.h"
+#include "common/views.h"
 #include "cuda/attention_composite.h"
 #include "cuda/attention_kernel.h"
 #include "cuda/device.h"
@@ -25,18 +30,83 @@ namespace {
 
 // The forward's kernel for pb, with the error the call raises where no kernel takes it.
 Kernel forward_kernel(const AttentionProblem& pb, DType dtype, const Target& target) {
-  const Kernel kernel = choose_kernel(pb.params, dtype, target);
+  const Kernel kernel = choose_kernel(pb.params, dtype, pb.ptr, target);
   ATTNX_CHECK(kernel != Kernel::kComposite || !pb.params.dropout, "attnx::attention: expected head dims up to ",
               kMaxHeadDim, " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
               pb.params.head_dim, ", Dv=", pb.params.v_head_dim);
   return kernel;
 }
 
+// torch's flash kernel's results for pb (torch_flash_supports): out (B, L, H, Dv) and lse (B, H, L).
+std::array<Tensor, 2> torch_flash(const AttentionProblem& pb) {
+  const AttentionParams& p = pb.params;
+  const TorchFlashWindow window = torch_flash_window(p);
+  const auto bound = [](int64_t w) { return w < 0 ? std::nullopt : std::optional<int64_t>(w); };
+  const Tensor q = views::transpose(pb.query, 1, 2), k = views::transpose(pb.key, 1, 2),
+               v = views::transpose(pb.value, 1, 2);
+#if !defined(ATTNX_CUDA_EMULATION)
+  return aten::flash_attention_forward(q, k, v, static_cast<double>(p.scale) + p.scale_lo, bound(window.left),
+                                       bound(window.right));
+#else
+  // The emulated device has no torch to call: the stand-in is attnx's tensor-core kernel given what
+  // FlashAttention-2 is given (no is_causal, the window) and writing what it returns (out as empty_like of
+  // the (B, L, H, D) query, lse (B, H, L)), so that the window and the results' adoption are what is tested.
+  static_cast<void>(bound);
+  Tensor out = aten::empty_like(q);
+  Tensor lse = aten::empty({p.batch, p.heads, p.q_len}, ScalarType::Float, pb.query.device());
+  AttentionParams fp = p;
+  fp.is_causal = 0;
+  fp.window_left = window.left;
+  fp.window_right = window.right;
+  const int64_t o[4] = {out.stride(0), out.stride(2), out.stride(1), out.stride(3)};
+  std::copy(std::begin(o), std::end(o), fp.out_stride);
+  const int64_t l[3] = {lse.stride(0), lse.stride(1), lse.stride(2)};
+  std::copy(std::begin(l), std::end(l), fp.lse_stride);
+  AttentionPointers ptr = pb.ptr;
+  ptr.out = out.mutable_data_ptr();
+  ptr.lse = lse.mutable_data_ptr();
+  const cudaError_t err = launch_attention(fp, kernel_dtype(pb.dtype, "attnx::attention"), ptr, nullptr,
+                                           Kernel::kMma);
+  ATTNX_CHECK(err == cudaSuccess, "attnx::attention: the emulated flash kernel failed: ", cudaGetErrorString(err));
+  return {out, lse};
+#endif
+}
+
+// Runs pb on torch's flash kernel; false where torch refused it (see torch_flash_refused). Its out is adopted
+// where it is in attention's layout ((B, L, H, Dv) memory, as FlashAttention-2 writes it for queries in that
+// memory order) and the outputs are attention's own, copied otherwise.
+bool run_torch_flash(AttentionProblem& pb) {
+  std::array<Tensor, 2> result;
+  try {
+    result = torch_flash(pb);
+  } catch (const std::exception&) {
+    torch_flash_refused() = true;
+    return false;
+  }
+  const Tensor out = views::transpose(result[0], 1, 2);
+  const AttentionParams& p = pb.params;
+  const int64_t Dv = p.v_head_dim;
+  const bool layout = out.stride(3) == 1 && out.stride(1) == Dv && out.stride(2) == p.heads * Dv &&
+                      out.stride(0) == p.q_len * p.heads * Dv;
+  if (layout && !pb.outputs_given) {
+    pb.out = out;
+    pb.lse = result[1];
+  } else {
+    aten::copy_(pb.out, out);
+    aten::copy_(pb.lse, result[1]);
+  }
+  return true;
+}
+
 }  // namespace
 
 void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stream) {
   const DType dtype = kernel_dtype(pb.dtype, "attnx::attention");
-  const Kernel kernel = forward_kernel(pb, dtype, target);
+  Kernel kernel = forward_kernel(pb, dtype, target);
+  if (kernel == Kernel::kTorchFlash) {
+    if (run_torch_flash(pb)) return;
+    kernel = forward_kernel(pb, dtype, Target{target.capability, target.mma, target.fused_backward, false});
+  }
   if (kernel == Kernel::kComposite) {
     attention_composite(pb);
     return;
@@ -77,6 +147,9 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
     case Kernel::kComposite:
       pb.kernel = "cuda composite";
       break;
+    case Kernel::kTorchFlash:
+      pb.kernel = stable::str("torch flash ", dtype_name(dtype));
+      break;
   }
 }
 
@@ -98,11 +171,23 @@ void attention_kernel_cuda(AttentionKernelProblem& pb) {
   cuda::attention_kernel(pb, cuda::target(pb.call.query.get_device_index()));
 }
 
+// attnx::_cuda_torch_flash: sets (`on`) and returns whether torch's flash kernel takes the calls it computes
+// as attnx does (false once it refused one).
+bool cuda_torch_flash(std::optional<bool> on) {
+  if (on) cuda::torch_flash_enabled() = *on;
+  return cuda::torch_flash_enabled() && !cuda::torch_flash_refused();
+}
+
 }  // namespace attnx
 
 STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
   m.impl("_attention", &attnx::attention_op<attnx::run_attention_cuda>);
   m.impl("_attention_autograd", &attnx::attention_op<attnx::run_attention_cuda>);
   m.impl("_attention_kernel", &attnx::attention_op<attnx::attention_kernel_cuda>);
+}
+
+// Without tensor arguments: the CompositeExplicitAutograd kernel is the one a call reaches.
+STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
+  m.impl("_cuda_torch_flash", TORCH_BOX(&attnx::cuda_torch_flash));
 }
 #endif

@@ -15,7 +15,8 @@ namespace attnx::cuda {
 // Runs attention on `stream` with `kernel` (kSimt or kMma: choose_kernel) and the launch of its plan
 // (plan_attention / plan_attention_mma). Returns the launch's error (cudaGetLastError right after it),
 // cudaSuccess when there is nothing to compute, and cudaErrorInvalidValue when the kernel does not cover the
-// problem (plan_attention(p, dtype).bucket == 0: D or Dv above kMaxHeadDim; kComposite; for kMma,
+// problem (plan_attention(p, dtype).bucket == 0: D or Dv above kMaxHeadDim; kComposite or kTorchFlash, which
+// are not launches of attnx's; for kMma,
 // !mma_supports(p, dtype)) or the params are inconsistent (!params_consistent(p, ptr)). The caller checks
 // that an sm80+ device runs kMma.
 // `workspace`: attention_workspace_bytes(p, dtype, ptr, kernel) bytes on the device, 8-byte aligned, or

@@ -146,29 +146,78 @@ constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
   return bucket != 0 && bucket <= max_head_dim;
 }
 
+// True when every row of a (B, H, rows, dim) operand at `ptr` moves as 16-byte vectors: unit column stride,
+// dim and every other stride a multiple of 16 bytes, a 16-byte aligned base pointer.
+inline bool mma_rows_16(const void* ptr, const int64_t* stride, int64_t dim, int element_bytes) {
+  const int64_t vec = 16 / element_bytes;
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && stride[3] == 1 && dim % vec == 0 &&
+         stride[0] % vec == 0 && stride[1] % vec == 0 && stride[2] % vec == 0;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The kernel choice: the one place that decides which CUDA kernel runs a call. The glue (cuda/attention.cpp,
 // cuda/attention_backward.cpp) runs what it says, attnx::_attention_kernel names it, and the emulated
 // backend (tests/emulation/) takes the same decisions for its own Target.
 
 // What the choice depends on beyond the call: the device's compute capability and what the process asked for
-// (ATTNX_CUDA_MMA=0 turns the tensor cores off, ATTNX_CUDA_FUSED_BACKWARD=1 turns the fused backward on;
-// cuda/stream.h reads them once per process).
+// (ATTNX_CUDA_MMA=0 turns the tensor cores off, ATTNX_CUDA_FUSED_BACKWARD=1 turns the fused backward on,
+// ATTNX_CUDA_TORCH_FLASH=0 keeps every call on attnx's kernels; cuda/device.h reads them once per process).
 struct Target {
   int capability;  // major * 10 + minor: 80 for sm_80
   bool mma;
   bool fused_backward;
+  bool torch_flash;  // torch's flash kernel may run the calls it computes as attnx does (torch_flash_supports)
 };
 
 enum class Kernel {
-  kSimt,       // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
-  kMma,        // cuda/attention_kernel_mma.cu: tensor cores on sm80+ (mma_supports)
-  kComposite,  // above kMaxHeadDim: torch's ops (cuda/attention_composite.h), no dropout
+  kSimt,        // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
+  kMma,         // cuda/attention_kernel_mma.cu: tensor cores on sm80+ (mma_supports)
+  kComposite,   // above kMaxHeadDim: torch's ops (cuda/attention_composite.h), no dropout
+  kTorchFlash,  // torch's own FlashAttention-2 (aten::_flash_attention_forward), torch_flash_supports
 };
 
-// attention's kernel: tensor cores where they cover the problem on sm80+ and the process has not turned them
-// off, the SIMT kernel for the rest up to kMaxHeadDim, the composite above.
-constexpr Kernel choose_kernel(const AttentionParams& p, DType dtype, const Target& target) {
+// The window FlashAttention-2 is given for a call it runs: its local attention keeps for query row l the keys
+// [l + S - L - left, l + S - L + right] (bottom-right aligned, -1: unbounded), which is attnx's window
+// (attnx/key_range.h); SDPA's top-left is_causal is the right edge L - S, so it maps where L >= S.
+struct TorchFlashWindow {
+  int64_t left, right;
+};
+constexpr TorchFlashWindow torch_flash_window(const AttentionParams& p) {
+  const int64_t causal = p.q_len - p.kv_len;
+  int64_t right = p.window_right;
+  if (p.is_causal != 0) right = right < 0 || right > causal ? causal : right;
+  return {p.window_left, right};
+}
+
+// True when torch's flash kernel computes exactly what attnx's would, bit layout of the results included:
+// float16/bfloat16 with D = Dv, a multiple of 8 up to 256; no mask, key lengths, soft-cap, sinks or dropout
+// (its dropout draws other numbers); is_causal only where L >= S (torch_flash_window); a scale in [2^-100,
+// 2^100] (as mma_plain: its row maxima are taken before the scale); not variable-length or paged (attention's own layout only); rows
+// it reads as 16-byte vectors (mma_rows_16: it assumes them and does not check); B and H within its grid.
+// Rows that see no key are out 0, lse +inf in both. Where any input is NaN the outputs are NaN in both, but
+// such a row's lse is +inf there and NaN here.
+inline bool torch_flash_supports(const AttentionParams& p, DType dtype, const AttentionPointers& ptr) {
+  const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+  return half && p.head_dim == p.v_head_dim && p.head_dim % 8 == 0 && p.head_dim <= 256 &&
+         p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
+         p.key_lengths_kind == kKeyLengthsNone && !(p.softcap > 0.0f) && p.has_sinks == 0 && p.dropout == 0 &&
+         (p.is_causal == 0 || p.q_len >= p.kv_len) && p.scale >= 0x1p-100f && p.scale <= 0x1p100f &&
+         p.varlen == 0 && p.page_size == 0 &&
+         p.q_len > 0 && p.kv_len > 0 && p.batch <= 65535 && p.heads <= 65535 &&
+         mma_rows_16(ptr.query, p.q_stride, p.head_dim, 2) && mma_rows_16(ptr.key, p.k_stride, p.head_dim, 2) &&
+         mma_rows_16(ptr.value, p.v_stride, p.v_head_dim, 2);
+}
+
+// attention's kernel: torch's flash kernel where it computes the call exactly as attnx would and the process
+// has not turned it off (on the H100 it ran every unmasked 16-bit shape 2-3x faster than attnx's tensor-core
+// kernel: benchmarks/results/gpu-check-2026-11-26-h100-07450b2.md; attnx's takes such calls back once
+// `make gpu-check` measures it at least as fast); then tensor cores where they cover the problem on sm80+ and
+// the process has not turned them off, the SIMT kernel for the rest up to kMaxHeadDim, the composite above.
+inline Kernel choose_kernel(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
+                            const Target& target) {
+  if (target.torch_flash && target.capability >= 80 && torch_flash_supports(p, dtype, ptr)) {
+    return Kernel::kTorchFlash;
+  }
   if (head_dim_bucket(p.head_dim, p.v_head_dim) == 0) return Kernel::kComposite;
   if (target.mma && target.capability >= 80 && mma_supports(p, dtype)) return Kernel::kMma;
   return Kernel::kSimt;
@@ -187,14 +236,6 @@ constexpr const char* dtype_name(DType dtype) {
          : dtype == DType::kBFloat16 ? "bf16"
          : dtype == DType::kFloat32  ? "fp32"
                                      : "fp64";
-}
-
-// True when every row of a (B, H, rows, dim) operand at `ptr` moves as 16-byte vectors: unit column stride,
-// dim and every other stride a multiple of 16 bytes, a 16-byte aligned base pointer.
-inline bool mma_rows_16(const void* ptr, const int64_t* stride, int64_t dim, int element_bytes) {
-  const int64_t vec = 16 / element_bytes;
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && stride[3] == 1 && dim % vec == 0 &&
-         stride[0] % vec == 0 && stride[1] % vec == 0 && stride[2] % vec == 0;
 }
 
 // True when every K and V row of the launch can be read as 16-byte vectors (mma_rows_16). The mma kernel then

@@ -7,6 +7,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -45,9 +46,28 @@ inline cudaStream_t current_stream(int32_t device) {
   return static_cast<cudaStream_t>(stream);
 }
 
+// Whether the process lets torch's flash kernel take the calls it computes as attnx does: ATTNX_CUDA_TORCH_FLASH
+// (0: no) when first asked, then what attnx::_cuda_torch_flash last set (benchmarks time attnx's own kernel
+// beside it).
+inline std::atomic<bool>& torch_flash_enabled() {
+  static std::atomic<bool> enabled{[] {
+    const char* flag = std::getenv("ATTNX_CUDA_TORCH_FLASH");
+    return flag == nullptr || std::strcmp(flag, "0") != 0;
+  }()};
+  return enabled;
+}
+
+// Set when torch's flash kernel refused a call it was chosen for (a torch built without it, a device it does
+// not run on, a schema this attnx does not know): from then on the process's calls take attnx's kernels.
+inline std::atomic<bool>& torch_flash_refused() {
+  static std::atomic<bool> refused{false};
+  return refused;
+}
+
 // The Target of `device` (cuda/attention_plan.h): its compute capability, and the process's ATTNX_CUDA_MMA
 // (any value but 0 leaves the tensor cores on) and ATTNX_CUDA_FUSED_BACKWARD (1 turns the fused backward on),
-// read once per process.
+// read once per process, and whether torch's flash kernel may take calls (torch_flash_enabled, unless it
+// refused one).
 inline Target target(int32_t device) {
   static const bool mma = [] {
     const char* flag = std::getenv("ATTNX_CUDA_MMA");
@@ -62,7 +82,7 @@ inline Target target(int32_t device) {
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: cannot read the compute capability of device ", device,
               ": ", cudaGetErrorString(err));
-  return Target{major * 10 + minor, mma, fused_backward};
+  return Target{major * 10 + minor, mma, fused_backward, torch_flash_enabled() && !torch_flash_refused()};
 }
 
 }  // namespace attnx::cuda

@@ -10,7 +10,9 @@ chooses, ``torch.ops.attnx._attention_kernel`` names it, and mha, the module, au
 it as they reach a GPU's.
 
 Backends (``BACKENDS``): ``cuda-emu`` (an sm_90 device: tensor cores where they cover the call, the fused
-backward), ``cuda-emu-sm75`` (a Turing device: the SIMT kernel for every call) and ``metal-emu``.
+backward), ``cuda-emu-sm75`` (a Turing device: the SIMT kernel for every call) and ``metal-emu``; and,
+outside the matrix, ``cuda-emu-flash`` (sm_90 with the calls torch's flash kernel computes as attnx does
+routed to it).
 """
 
 import contextlib
@@ -32,6 +34,8 @@ _METAL_GLUE = ["common/attention.cpp", "common/attention_math.cpp", "common/line
 BACKENDS = {
     "cuda-emu": ("cuda", {"capability": 90, "mma": True, "fused_backward": True}),
     "cuda-emu-sm75": ("cuda", {"capability": 75, "mma": True, "fused_backward": True}),
+    # sm_90 with torch's flash kernel on: its stand-in runs the calls it takes (tests/test_cuda_emulation.py)
+    "cuda-emu-flash": ("cuda", {"capability": 90, "mma": True, "fused_backward": True, "torch_flash": True}),
     "metal-emu": ("metal", {}),
 }
 

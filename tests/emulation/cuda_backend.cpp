@@ -18,8 +18,10 @@ using attnx::AttentionBackwardProblem;
 using attnx::AttentionKernelProblem;
 using attnx::AttentionProblem;
 
-// The device the tests emulate: sm_90 with the tensor cores and the fused backward on, unless told otherwise.
-attnx::cuda::Target target{90, true, true};
+// The device the tests emulate: sm_90 with the tensor cores and the fused backward on, and torch's flash
+// kernel off (its stand-in, in cuda/attention.cpp, would take the calls the tensor cores should be tested on),
+// unless told otherwise.
+attnx::cuda::Target target{90, true, true, false};
 attnx_emu::Library* library = nullptr;
 
 void run_attention(AttentionProblem& pb) {
@@ -35,9 +37,10 @@ void attention_kernel(AttentionKernelProblem& pb) {
 }
 
 // attnx_emu_cuda::enable: the emulated CUDA backend on (for a device of compute `capability`, with the
-// process's ATTNX_CUDA_MMA and ATTNX_CUDA_FUSED_BACKWARD as `mma` and `fused_backward`) or off.
-bool enable(bool on, int64_t capability, bool mma, bool fused_backward) {
-  if (on) target = {static_cast<int>(capability), mma, fused_backward};
+// process's ATTNX_CUDA_MMA, ATTNX_CUDA_FUSED_BACKWARD and ATTNX_CUDA_TORCH_FLASH as `mma`, `fused_backward`
+// and `torch_flash`) or off.
+bool enable(bool on, int64_t capability, bool mma, bool fused_backward, bool torch_flash) {
+  if (on) target = {static_cast<int>(capability), mma, fused_backward, torch_flash};
   return attnx_emu::override_cpu_kernels(library, on, [](attnx_emu::Library& m) {
     m.impl("_attention", &attnx::attention_op<run_attention>);
     m.impl("_attention_autograd", &attnx::attention_op<run_attention>);
@@ -49,7 +52,8 @@ bool enable(bool on, int64_t capability, bool mma, bool fused_backward) {
 }  // namespace
 
 STABLE_TORCH_LIBRARY(attnx_emu_cuda, m) {
-  m.def("enable(bool on, int capability=90, bool mma=True, bool fused_backward=True) -> bool");
+  m.def("enable(bool on, int capability=90, bool mma=True, bool fused_backward=True, bool torch_flash=False) "
+        "-> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(attnx_emu_cuda, CompositeExplicitAutograd, m) {
