@@ -159,13 +159,20 @@ def test_junit_sanitizer_and_benchmark_parsers(gpu_check, tmp_path):
     results = {"cases": {
         "cuda": {"results": {"attention_throughput": {"float16 L=S=1024 D=64": {
             "attnx": {"tflops": 50.0}, "sdpa flash": {"tflops": 200.0}, "sdpa cudnn": {"tflops": 250.0},
-            "sdpa math": None}}, "attnx_kernels": {"float16 L=S=1024 D=64": "cuda mma fp16 bucket 64"}}},
+            "sdpa math": None}, "bfloat16 L=S=1024 D=64": {
+            "attnx": {"tflops": 200.0}, "attnx own": {"tflops": 80.0}, "sdpa flash": {"tflops": 200.0}}},
+            "attnx_kernels": {"float16 L=S=1024 D=64": "cuda mma fp16 bucket 64",
+                              "bfloat16 L=S=1024 D=64": "torch flash bf16 (own: mma bf16 bucket 64)"}}},
         "eval": {"results": {"unavoidable_bytes": 100, "attnx": {"peak_extra_bytes": 150,
                                                                   "time_over_fast_path": 2.0}}}}}
     assert gpu_check.benchmark_ratios(results) == {
         "cuda float16 L=S=1024 D=64": {"attnx_kernel": "cuda mma fp16 bucket 64", "attnx_tflops": 50.0,
                                        "best_sdpa": "sdpa cudnn",
                                        "best_sdpa_tflops": 250.0, "ratio": 0.2},
+        "cuda bfloat16 L=S=1024 D=64": {"attnx_kernel": "torch flash bf16 (own: mma bf16 bucket 64)",
+                                        "attnx_tflops": 200.0, "best_sdpa": "sdpa flash",
+                                        "best_sdpa_tflops": 200.0, "ratio": 1.0, "attnx_own_tflops": 80.0,
+                                        "own_ratio": 0.4},
         "eval attnx": {"time_over_fast_path": 2.0, "peak_over_unavoidable": 1.5}}
 
 

@@ -171,11 +171,14 @@ _NAMED_KINDS = {"simt": ("simt",), "mma": ("mma",), "fused": ("backward_keys", "
 
 # Run on the GPU (the env step's Python): the kernel attention and its backward take, for every dtype at each
 # head-dim bucket, as the CUDA library names them (attnx::_attention_kernel): the default dispatch of this
-# process (no ATTNX_CUDA_MMA=0, no ATTNX_CUDA_FUSED_BACKWARD=1 unless the caller set them).
+# process (no ATTNX_CUDA_MMA=0, no ATTNX_CUDA_FUSED_BACKWARD=1 unless the caller set them), asked once more
+# with torch's flash kernel off: the unmasked calls it takes reach attnx's own kernels as soon as they carry
+# a mask, so those are on the default path too.
 ASK_DEFAULT_KERNELS = (
-    "import json, torch; from attnx import info; print(json.dumps(["
+    "import json, torch; from attnx import info; names = lambda: ["
     "info.attention_kernel('cuda', d, h, backward=b) for d in info.CUDA_DTYPES "
-    "for h in (32, 64, 128, 256) for b in (False, True)]))"
+    "for h in (32, 64, 128, 256) for b in (False, True)]; first = names(); "
+    "torch.ops.attnx._cuda_torch_flash(False); print(json.dumps(first + names()))"
 )
 
 
@@ -294,11 +297,15 @@ def benchmark_ratios(results: dict) -> dict:
     throughput, kernels = cuda.get("attention_throughput", {}), cuda.get("attnx_kernels", {})
     for label, row in throughput.items():
         attnx = (row.get("attnx") or {}).get("tflops")
-        sdpa = {n: c["tflops"] for n, c in row.items() if n != "attnx" and c and c.get("tflops")}
+        own = (row.get("attnx own") or {}).get("tflops")  # attnx's kernel, where torch's flash ran the call
+        sdpa = {n: c["tflops"] for n, c in row.items() if n.startswith("sdpa") and c and c.get("tflops")}
         best = max(sdpa, key=sdpa.get) if sdpa else None
         out[f"cuda {label}"] = {"attnx_kernel": kernels.get(label), "attnx_tflops": _round(attnx),
                                 "best_sdpa": best, "best_sdpa_tflops": _round(sdpa.get(best)),
                                 "ratio": _round(attnx / sdpa[best]) if attnx and best else None}
+        if own:
+            out[f"cuda {label}"].update(attnx_own_tflops=_round(own),
+                                        own_ratio=_round(own / sdpa[best]) if best else None)
     ev = cases.get("eval", {}).get("results", {})
     if "attnx" in ev:
         unavoidable = ev.get("unavoidable_bytes")
