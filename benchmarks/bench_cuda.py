@@ -6,7 +6,8 @@ key_padding_mask + a random (L, S) attn_mask (every tile partly masked), with a 
 (L, S) bool attn_mask (the masks transformers' models pass: whole tiles removed or kept, which attnx's
 tensor cores skip or run unmasked), and with dropout (p = 0.1); fp32 at D = 64 (the float32 tensor-core
 kernel's range: 3xTF32, as SDPA's efficient backend, whose fp32 is 3xTF32 whatever ``allow_tf32`` says) and
-D = 128 (the SIMT kernel).
+D = 128 (the same kernel with Q staged in shared memory on sm_90, the SIMT kernel on devices with less shared
+memory).
 SDPA takes masks in its own convention: one boolean mask, True = keep, merged here *before* timing into
 (B, 1, L, S); attnx takes the two masks as they are. Backends that reject a case (flash attention with a
 mask, flash and cuDNN in fp32) show "n/a". With dropout the implementations draw different masks (attnx's

@@ -146,3 +146,22 @@ def test_torch_flash_leaves_other_calls_to_attnx(flash_emulation, case):
     make, options = NOT_FLASH_CASES[case]
     q, k, v = make()
     assert not torch.ops.attnx._attention_kernel(q, k, v, **options).startswith("torch flash")
+
+
+@pytest.mark.parametrize("capability,kernel", [(90, "cuda mma fp32 bucket 128"),
+                                               (80, "cuda simt fp32 bucket 128"),
+                                               (89, "cuda simt fp32 bucket 128")])
+def test_the_kernel_choice_fits_the_device_shared_memory(capability, kernel):
+    # float32 at bucket 128 stages Q beside two K and V stages: 165 KiB a block, which sm_90 has (227 KiB)
+    # and sm_80 (163 KiB) and sm_89 (99 KiB) do not; the others run it on the SIMT kernel. Bucket 64 fits all.
+    from attention_helpers import make_qkv
+    from emulation import backends
+
+    try:
+        backends.load("cuda-emu")
+    except backends.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    q, k, v = make_qkv(1, 2, 20, 30, 128, 128)
+    with backends.enabled("cuda-emu", capability=capability):
+        assert torch.ops.attnx._attention_kernel(q, k, v) == kernel
+        assert torch.ops.attnx._attention_kernel(q[..., :64], k[..., :64], v[..., :64]).startswith("cuda mma")

@@ -156,7 +156,7 @@ def test_kernel_lines_name_what_the_backend_runs(device):
         for d in info.KERNEL_HEAD_DIMS:
             assert f"D={d}: {info.attention_kernel(device, dtype, d)};" in line
     if device.backend == "cuda-emu":
-        assert "D=64: cuda mma fp32 bucket 64; D=128: cuda simt fp32 bucket 128;" in lines[2]
+        assert "D=64: cuda mma fp32 bucket 64; D=128: cuda mma fp32 bucket 128;" in lines[2]
         assert "D=512: cuda composite;" in lines[0]
         assert "with dropout: cuda mma fp16 bucket 64 general" in lines[0]
         assert "backward at D=64: cuda fused fp16 bucket 64" in lines[0]

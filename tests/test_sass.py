@@ -358,7 +358,7 @@ int main() {
                     os.path.join(ROOT, "csrc", "include"), str(src), "-o", str(exe)], check=True, timeout=120)
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
     plans = [line.split() for line in lines if line]
-    assert len(plans) == 16  # fp16, bf16 up to 128; fp32 up to 64; each plain and general
+    assert len(plans) == 18  # fp16, bf16, fp32 up to bucket 128; each plain and general
     for dtype, bucket, variant, smem in plans:
         short = f"mma {dtype} bucket{bucket} {variant}"
         assert sass.dynamic_smem(short, "") == int(smem), short
@@ -388,7 +388,7 @@ def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
     found = {(r["arch"], *r["kernel"].split()[1:3]) for r in built}
     assert found >= {(arch, dtype, f"bucket{b}") for arch in ("sm_80", "sm_90") for dtype in ("fp16", "bf16")
                      for b in (32, 64, 128)} | {
-        (arch, "fp32", f"bucket{b}") for arch in ("sm_80", "sm_90") for b in (32, 64)}, found
+        (arch, "fp32", f"bucket{b}") for arch in ("sm_80", "sm_90") for b in (32, 64, 128)}, found
     for r in built:
         assert r["kernel"].startswith("mma "), r["kernel"]
         loop = r["loop"]
@@ -400,7 +400,11 @@ def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
         assert steady.classes.get("LDSM", 0) > 0 and steady.classes.get("LDGSTS", 0) > 0, r["kernel"]
         assert 2 <= steady.per_hmma() <= 40, (r["kernel"], steady.per_hmma())
         assert steady.instrs <= loop["paths"]["max"].instrs and steady.instrs >= loop["paths"]["min"].instrs
-        assert r["registers"] > 0 and r["threads"] % 32 == 0 and r["occupancy"]["blocks"] >= 1
+        assert r["registers"] > 0 and r["threads"] % 32 == 0
+        # float32 at bucket 128 takes 165 KiB of shared memory: more than an sm_80 block may opt into (the
+        # kernel choice sends such calls to the SIMT kernel there); every other kernel fits an SM
+        no_room = r["arch"] == "sm_80" and r["kernel"].startswith("mma fp32 bucket128")
+        assert (r["occupancy"]["blocks"] == 0) == no_room, (r["kernel"], r["occupancy"])
     text = sass.format_table(built)
     assert "mma fp16 bucket64" in text and "The steady path by instruction class" in text
     json_rows = [sass.row_json(r) for r in built]

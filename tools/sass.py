@@ -945,15 +945,17 @@ def threads_from_name(demangled: str) -> int | None:
 def dynamic_smem(short: str, demangled: str) -> int | None:
     """The dynamic shared memory a kernel is launched with, where known: attnx's mma kernel, per
     plan_attention_mma (csrc/cuda/attention_plan.h: kMmaStages = 2 stages of a K and a V tile of
-    kMmaTileKeys = 64 rows of mma_tile_ld = bucket + one 16-byte unit, and the block's 128 Q rows for the
-    plain 16-bit kernels up to bucket 64, whose warps have two row groups); FA2's, per its
+    kMmaTileKeys = 64 rows of mma_tile_ld = bucket + one 16-byte unit, and the block's Q rows where the kernel
+    stages them, mma_q_shared: 128 for the plain 16-bit kernels up to bucket 64, whose warps have two row
+    groups, 64 for float32 at bucket 128); FA2's, per its
     Kernel_traits::kSmemSize (Q tile + 2 x (K or V tile), in 16-bit elements, when Q and K do not share).
     tests/test_sass.py checks the attnx formula against attention_plan.h."""
     m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)", short)
     if m:
         element = 4 if m.group(1) == "fp32" else 2
         bucket = int(m.group(2))
-        q_rows = 128 if short.endswith(" plain") and element == 2 and bucket <= 64 else 0
+        q_rows = (128 if short.endswith(" plain") and element == 2 and bucket <= 64
+                  else 64 if element == 4 and bucket > 64 else 0)
         return (2 * 2 * 64 + q_rows) * (bucket + 16 // element) * element
     m = re.search(r"Flash_fwd_kernel_traits<\s*(\d+),\s*(\d+),\s*(\d+),\s*\d+,\s*(\w+),\s*(\w+)", demangled)
     if m:

@@ -35,8 +35,9 @@
 // P stays in float: the C fragment of an S n-tile is the A fragment of one k-step once the k index is
 // permuted (logical k = t, t + 4 read keys 2t, 2t + 1, and V's B fragment is read in the same order).
 // Soft-capping is tanhf and the probabilities are not rounded. Q's two parts take bucket registers a thread
-// (16-bit types: bucket / 4), so the float32 kernel stops at bucket 64 (kMmaMaxHeadDimTf32): at 128, Q, O and
-// S alone would take 224 of the 255.
+// (16-bit types: bucket / 4): up to bucket 64 they stay in registers, at 128 (where Q, O and S alone would
+// take 224 of the 255) Q is staged in shared memory and each k-step's fragments read and split there, once
+// for all of the tile's n-tiles (mma_q_shared).
 #include "attnx/philox.h"
 #include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
@@ -53,8 +54,14 @@ namespace {
 // compile the cap in or out of a path whose caller tested it once a tile).
 struct CapPerScore {};
 
+// The blocks an SM must hold, for ptxas's register budget: 1 for float32 at bucket 128, whose 165 KiB of
+// shared memory leave room for one (ptxas would otherwise aim at more and spill); 0, no bound, elsewhere.
+constexpr int mma_min_blocks(int element_bytes, int bucket) {
+  return element_bytes == 4 && bucket > kMmaTf32QRegs ? 1 : 0;
+}
+
 template <typename scalar_t, int kBucket, bool kPlain>
-__global__ void __launch_bounds__(kWarps* kWarpSize)
+__global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<int>(sizeof(scalar_t)), kBucket))
     attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan,
                           const uint32_t* const mask_tiles) {
   constexpr bool kTf32 = std::is_same<scalar_t, float>::value;  // 3xTF32, m16n8k8
@@ -76,10 +83,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two k-steps / two n-tiles");
   static_assert(!kTf32 || kGroups == 1, "the float32 kernel computes one row group a warp");
-  // With two row groups Q's fragments would take 32 more registers than the loop has: Q is staged in shared
-  // memory once (after the K and V stages) and its fragments read by ldmatrix a k-step pair at a time, as
-  // FlashAttention-2 does where registers are short.
-  constexpr bool kQShared = kGroups > 1;
+  // With two row groups Q's fragments would take 32 more registers than the loop has, and float32's at bucket
+  // 128 128 more: Q is staged in shared memory once (after the K and V stages) and its fragments read a
+  // k-step pair at a time (16-bit: by ldmatrix; float32: a word each, then split), as FlashAttention-2 does
+  // where registers are short.
+  constexpr bool kQShared = mma_q_shared(static_cast<int>(sizeof(scalar_t)), kBucket, kGroups);
 
   // Stage s: K at smem + 2 s kTile, V right after; zero past D (Dv) and past the tile's last key.
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
@@ -382,7 +390,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   // 16 ks + 2t (+ 8 for i >= 2), two elements each; float32: column 8 ks + t (+ 4 for i >= 2), its big part
   // in qa and its small part in qs. Loaded while the first tile's copies are in flight.
   uint32_t qa[kQShared ? 1 : kGroups][kQShared ? 1 : kKSteps][4];
-  uint32_t qs[kTf32 ? kKSteps : 1][4];
+  uint32_t qs[kTf32 && !kQShared ? kKSteps : 1][4];
   scalar_t* const q_s = smem + 4 * kTile + warp * kRowsPerWarp * kLd;  // this warp's rows (kQShared)
   if constexpr (kQShared) {
     if (plan.q_vector) {
@@ -478,7 +486,31 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
         for (int i = 0; i < 4; ++i) s[gi][j][i] = 0.0f;
       }
     }
-    if constexpr (kQShared) {
+    if constexpr (kQShared && kTf32) {
+      // k-step pairs outermost: Q's fragments of a pair (register i: row g (i even) or g + 8, column 8 ks + t
+      // (+ 4 for i >= 2), as the register-held fragments below; conflict-free: the quad's 8 rows are 4 banks
+      // apart) split once and serve every n-tile.
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        uint32_t qb[2][4], ql[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const Tf32Split x = split_tf32(q_s[(g + 8 * (i % 2)) * kLd + 8 * (ks + h) + t + (i >= 2 ? 4 : 0)]);
+            qb[h][i] = x.big;
+            ql[h][i] = x.small;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+          uint32_t kb[4];
+          ldmatrix_x4<false>(kb, k_s + k_lane + 8 * j * kLd + kK * ks);
+          mma_m16n8k8_3xtf32(s[0][j], qb[0], ql[0], {kb[0], kb[1]});
+          mma_m16n8k8_3xtf32(s[0][j], qb[1], ql[1], {kb[2], kb[3]});
+        }
+      }
+    } else if constexpr (kQShared) {
       // k-step pairs outermost: Q's fragments of a pair (ldmatrix, A's layout: matrices rows 0-7 / 8-15 x
       // columns 0-7 / 8-15, the lane addresses V's .trans reads use) serve every n-tile.
 #pragma unroll
@@ -912,7 +944,7 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
                        static_cast<const uint32_t*>(mask_tiles));
   };
   if constexpr (std::is_same<scalar_t, float>::value) {
-    return dispatch_bucket<32, 64>(plan.bucket, launch);  // up to kMmaMaxHeadDimTf32
+    return dispatch_bucket<32, 64, 128>(plan.bucket, launch);  // up to kMmaMaxHeadDimTf32
   } else {
     return dispatch_bucket<32, 64, 128>(plan.bucket, launch);
   }

@@ -123,8 +123,9 @@ constexpr int kMmaRowsPerWarp = 16;  // one m16 row group
 constexpr int kMmaRowsPerBlock = kWarps * kMmaRowsPerWarp;
 constexpr int kMmaTileKeys = 64;
 constexpr int kMmaStages = 2;
-constexpr int kMmaMaxHeadDim = 128;     // its Q, S and O fragments stay in registers up to here
-constexpr int kMmaMaxHeadDimTf32 = 64;  // float32 holds Q twice (big and small parts)
+constexpr int kMmaMaxHeadDim = 128;      // its Q, S and O fragments stay in registers up to here
+constexpr int kMmaMaxHeadDimTf32 = 128;  // float32: Q's two parts (big and small) from shared memory above
+constexpr int kMmaTf32QRegs = 64;        // this bucket (mma_q_shared), in registers up to it
 
 // Bytes of one element of the mma kernel's inputs: 4 for float32, 2 for float16/bfloat16.
 constexpr int mma_element_bytes(DType dtype) {
@@ -137,7 +138,8 @@ constexpr int mma_tile_ld(int bucket, int element_bytes) {
 }
 
 // True when the mma kernel covers the problem: float16/bfloat16 with max(D, Dv) <= kMmaMaxHeadDim, float32
-// with max(D, Dv) <= kMmaMaxHeadDimTf32 (dropout included: its general instantiation applies it).
+// with max(D, Dv) <= kMmaMaxHeadDimTf32 (dropout included: its general instantiation applies it). Whether a
+// device has the shared memory its block takes is the kernel choice's question (choose_kernel).
 constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   const int max_head_dim = dtype == DType::kFloat16 || dtype == DType::kBFloat16 ? kMmaMaxHeadDim
@@ -152,90 +154,6 @@ inline bool mma_rows_16(const void* ptr, const int64_t* stride, int64_t dim, int
   const int64_t vec = 16 / element_bytes;
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && stride[3] == 1 && dim % vec == 0 &&
          stride[0] % vec == 0 && stride[1] % vec == 0 && stride[2] % vec == 0;
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// The kernel choice: the one place that decides which CUDA kernel runs a call. The glue (cuda/attention.cpp,
-// cuda/attention_backward.cpp) runs what it says, attnx::_attention_kernel names it, and the emulated
-// backend (tests/emulation/) takes the same decisions for its own Target.
-
-// What the choice depends on beyond the call: the device's compute capability and what the process asked for
-// (ATTNX_CUDA_MMA=0 turns the tensor cores off, ATTNX_CUDA_FUSED_BACKWARD=1 turns the fused backward on,
-// ATTNX_CUDA_TORCH_FLASH=0 keeps every call on attnx's kernels; cuda/device.h reads them once per process).
-struct Target {
-  int capability;  // major * 10 + minor: 80 for sm_80
-  bool mma;
-  bool fused_backward;
-  bool torch_flash;  // torch's flash kernel may run the calls it computes as attnx does (torch_flash_supports)
-};
-
-enum class Kernel {
-  kSimt,        // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
-  kMma,         // cuda/attention_kernel_mma.cu: tensor cores on sm80+ (mma_supports)
-  kComposite,   // above kMaxHeadDim: torch's ops (cuda/attention_composite.h), no dropout
-  kTorchFlash,  // torch's own FlashAttention-2 (aten::_flash_attention_forward), torch_flash_supports
-};
-
-// The window FlashAttention-2 is given for a call it runs: its local attention keeps for query row l the keys
-// [l + S - L - left, l + S - L + right] (bottom-right aligned, -1: unbounded), which is attnx's window
-// (attnx/key_range.h); SDPA's top-left is_causal is the right edge L - S, so it maps where L >= S.
-struct TorchFlashWindow {
-  int64_t left, right;
-};
-constexpr TorchFlashWindow torch_flash_window(const AttentionParams& p) {
-  const int64_t causal = p.q_len - p.kv_len;
-  int64_t right = p.window_right;
-  if (p.is_causal != 0) right = right < 0 || right > causal ? causal : right;
-  return {p.window_left, right};
-}
-
-// True when torch's flash kernel computes exactly what attnx's would, bit layout of the results included:
-// float16/bfloat16 with D = Dv, a multiple of 8 up to 256; no mask, key lengths, soft-cap, sinks or dropout
-// (its dropout draws other numbers); is_causal only where L >= S (torch_flash_window); a scale in [2^-100,
-// 2^100] (as mma_plain: its row maxima are taken before the scale); not variable-length or paged (attention's own layout only); rows
-// it reads as 16-byte vectors (mma_rows_16: it assumes them and does not check); B and H within its grid.
-// Rows that see no key are out 0, lse +inf in both. Where any input is NaN the outputs are NaN in both, but
-// such a row's lse is +inf there and NaN here.
-inline bool torch_flash_supports(const AttentionParams& p, DType dtype, const AttentionPointers& ptr) {
-  const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
-  return half && p.head_dim == p.v_head_dim && p.head_dim % 8 == 0 && p.head_dim <= 256 &&
-         p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
-         p.key_lengths_kind == kKeyLengthsNone && !(p.softcap > 0.0f) && p.has_sinks == 0 && p.dropout == 0 &&
-         (p.is_causal == 0 || p.q_len >= p.kv_len) && p.scale >= 0x1p-100f && p.scale <= 0x1p100f &&
-         p.varlen == 0 && p.page_size == 0 &&
-         p.q_len > 0 && p.kv_len > 0 && p.batch <= 65535 && p.heads <= 65535 &&
-         mma_rows_16(ptr.query, p.q_stride, p.head_dim, 2) && mma_rows_16(ptr.key, p.k_stride, p.head_dim, 2) &&
-         mma_rows_16(ptr.value, p.v_stride, p.v_head_dim, 2);
-}
-
-// attention's kernel: torch's flash kernel where it computes the call exactly as attnx would and the process
-// has not turned it off (on the H100 it ran every unmasked 16-bit shape 2-3x faster than attnx's tensor-core
-// kernel: benchmarks/results/gpu-check-2026-11-26-h100-07450b2.md; attnx's takes such calls back once
-// `make gpu-check` measures it at least as fast); then tensor cores where they cover the problem on sm80+ and
-// the process has not turned them off, the SIMT kernel for the rest up to kMaxHeadDim, the composite above.
-inline Kernel choose_kernel(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                            const Target& target) {
-  if (target.torch_flash && target.capability >= 80 && torch_flash_supports(p, dtype, ptr)) {
-    return Kernel::kTorchFlash;
-  }
-  if (head_dim_bucket(p.head_dim, p.v_head_dim) == 0) return Kernel::kComposite;
-  if (target.mma && target.capability >= 80 && mma_supports(p, dtype)) return Kernel::kMma;
-  return Kernel::kSimt;
-}
-
-// attention_backward's: the fused kernels (cuda/attention_backward_kernel.cu) when the process asked for
-// them and the head dims are within kMaxHeadDim, the whole-tensor math (common/attention_math.cpp) otherwise.
-// They are opt-in until they have run on a GPU.
-constexpr bool choose_fused_backward(const AttentionParams& p, const Target& target) {
-  return target.fused_backward && head_dim_bucket(p.head_dim, p.v_head_dim) != 0;
-}
-
-// The dtype as the kernel names spell it: "fp16", "bf16", "fp32", "fp64".
-constexpr const char* dtype_name(DType dtype) {
-  return dtype == DType::kFloat16    ? "fp16"
-         : dtype == DType::kBFloat16 ? "bf16"
-         : dtype == DType::kFloat32  ? "fp32"
-                                     : "fp64";
 }
 
 // True when every K and V row of the launch can be read as 16-byte vectors (mma_rows_16). The mma kernel then
@@ -261,6 +179,14 @@ constexpr bool mma_plain(const AttentionParams& p) {
 // second group's S and O would not fit; the general instantiation's mask reads are per row).
 constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
   return plain && element_bytes == 2 && bucket <= 64 ? 2 : 1;
+}
+
+// Whether the mma kernel stages Q in shared memory (after the K and V stages) and reads its fragments from
+// there a k-step at a time, as FlashAttention-2 does where registers are short: with two row groups a warp
+// (the 16-bit plain kernels up to bucket 64), and for float32 above kMmaTf32QRegs (Q's big and small parts
+// would take 2 bucket registers a thread: at 128, Q, O and S alone would take 224 of the 255).
+constexpr bool mma_q_shared(int element_bytes, int bucket, int row_groups) {
+  return row_groups > 1 || (element_bytes == 4 && bucket > kMmaTf32QRegs);
 }
 
 // The masks' tile classes, for the general instantiation: a pre-pass on the device (attention_mask_tiles in
@@ -363,9 +289,10 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   plan.q_blocks = (p.q_len + plan.rows_per_block - 1) / plan.rows_per_block;
   plan.blocks = plan.q_blocks * plan.bh;
   if (!supported) return plan;
-  // kMmaStages * (K tile + V tile), and Q's rows where a warp has two row groups (the kernel's kQShared)
+  // kMmaStages * (K tile + V tile), and Q's rows where the kernel stages them (mma_q_shared: its kQShared)
   const int ld = mma_tile_ld(plan.bucket, element_bytes);
-  const int q_rows = plan.rows_per_block > kMmaRowsPerBlock ? plan.rows_per_block : 0;
+  const int groups = plan.rows_per_block / kMmaRowsPerBlock;
+  const int q_rows = mma_q_shared(element_bytes, plan.bucket, groups) ? plan.rows_per_block : 0;
   plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
   if (!plan.plain && plan.blocks > 0) {
     const int64_t q_tiles = plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
@@ -377,6 +304,96 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
     plan.workspace_bytes = static_cast<size_t>(plan.padding_tiles.end) * sizeof(uint32_t);
   }
   return plan;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The kernel choice: the one place that decides which CUDA kernel runs a call. The glue (cuda/attention.cpp,
+// cuda/attention_backward.cpp) runs what it says, attnx::_attention_kernel names it, and the emulated
+// backend (tests/emulation/) takes the same decisions for its own Target.
+
+// What the choice depends on beyond the call: the device's compute capability and what the process asked for
+// (ATTNX_CUDA_MMA=0 turns the tensor cores off, ATTNX_CUDA_FUSED_BACKWARD=1 turns the fused backward on,
+// ATTNX_CUDA_TORCH_FLASH=0 keeps every call on attnx's kernels; cuda/device.h reads them once per process).
+struct Target {
+  int capability;  // major * 10 + minor: 80 for sm_80
+  bool mma;
+  bool fused_backward;
+  bool torch_flash;  // torch's flash kernel may run the calls it computes as attnx does (torch_flash_supports)
+  int64_t max_smem;  // the shared memory a block may opt into, bytes (227 KiB on sm_90, 99 KiB on sm_89)
+};
+
+enum class Kernel {
+  kSimt,        // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
+  kMma,         // cuda/attention_kernel_mma.cu: tensor cores on sm80+ (mma_supports)
+  kComposite,   // above kMaxHeadDim: torch's ops (cuda/attention_composite.h), no dropout
+  kTorchFlash,  // torch's own FlashAttention-2 (aten::_flash_attention_forward), torch_flash_supports
+};
+
+// The window FlashAttention-2 is given for a call it runs: its local attention keeps for query row l the keys
+// [l + S - L - left, l + S - L + right] (bottom-right aligned, -1: unbounded), which is attnx's window
+// (attnx/key_range.h); SDPA's top-left is_causal is the right edge L - S, so it maps where L >= S.
+struct TorchFlashWindow {
+  int64_t left, right;
+};
+constexpr TorchFlashWindow torch_flash_window(const AttentionParams& p) {
+  const int64_t causal = p.q_len - p.kv_len;
+  int64_t right = p.window_right;
+  if (p.is_causal != 0) right = right < 0 || right > causal ? causal : right;
+  return {p.window_left, right};
+}
+
+// True when torch's flash kernel computes exactly what attnx's would, bit layout of the results included:
+// float16/bfloat16 with D = Dv, a multiple of 8 up to 256; no mask, key lengths, soft-cap, sinks or dropout
+// (its dropout draws other numbers); is_causal only where L >= S (torch_flash_window); a scale in [2^-100,
+// 2^100] (as mma_plain: its row maxima are taken before the scale); not variable-length or paged (attention's own layout only); rows
+// it reads as 16-byte vectors (mma_rows_16: it assumes them and does not check); B and H within its grid.
+// Rows that see no key are out 0, lse +inf in both. Where any input is NaN the outputs are NaN in both, but
+// such a row's lse is +inf there and NaN here.
+inline bool torch_flash_supports(const AttentionParams& p, DType dtype, const AttentionPointers& ptr) {
+  const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+  return half && p.head_dim == p.v_head_dim && p.head_dim % 8 == 0 && p.head_dim <= 256 &&
+         p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
+         p.key_lengths_kind == kKeyLengthsNone && !(p.softcap > 0.0f) && p.has_sinks == 0 && p.dropout == 0 &&
+         (p.is_causal == 0 || p.q_len >= p.kv_len) && p.scale >= 0x1p-100f && p.scale <= 0x1p100f &&
+         p.varlen == 0 && p.page_size == 0 &&
+         p.q_len > 0 && p.kv_len > 0 && p.batch <= 65535 && p.heads <= 65535 &&
+         mma_rows_16(ptr.query, p.q_stride, p.head_dim, 2) && mma_rows_16(ptr.key, p.k_stride, p.head_dim, 2) &&
+         mma_rows_16(ptr.value, p.v_stride, p.v_head_dim, 2);
+}
+
+// attention's kernel: torch's flash kernel where it computes the call exactly as attnx would and the process
+// has not turned it off (on the H100 it ran every unmasked 16-bit shape 2-3x faster than attnx's tensor-core
+// kernel: benchmarks/results/gpu-check-2026-11-26-h100-07450b2.md; attnx's takes such calls back once
+// `make gpu-check` measures it at least as fast); then tensor cores where they cover the problem on sm80+ and
+// the process has not turned them off and the device has the shared memory their block takes (float32 at
+// bucket 128 takes 165 KiB: sm_90 and sm_100, not sm_80's 163 KiB or sm_86/89/120's 99 KiB), the SIMT kernel
+// for the rest up to kMaxHeadDim, the composite above.
+inline Kernel choose_kernel(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
+                            const Target& target) {
+  if (target.torch_flash && target.capability >= 80 && torch_flash_supports(p, dtype, ptr)) {
+    return Kernel::kTorchFlash;
+  }
+  if (head_dim_bucket(p.head_dim, p.v_head_dim) == 0) return Kernel::kComposite;
+  if (target.mma && target.capability >= 80 && mma_supports(p, dtype) &&
+      static_cast<int64_t>(plan_attention_mma(p, dtype, ptr).smem_bytes) <= target.max_smem) {
+    return Kernel::kMma;
+  }
+  return Kernel::kSimt;
+}
+
+// attention_backward's: the fused kernels (cuda/attention_backward_kernel.cu) when the process asked for
+// them and the head dims are within kMaxHeadDim, the whole-tensor math (common/attention_math.cpp) otherwise.
+// They are opt-in until they have run on a GPU.
+constexpr bool choose_fused_backward(const AttentionParams& p, const Target& target) {
+  return target.fused_backward && head_dim_bucket(p.head_dim, p.v_head_dim) != 0;
+}
+
+// The dtype as the kernel names spell it: "fp16", "bf16", "fp32", "fp64".
+constexpr const char* dtype_name(DType dtype) {
+  return dtype == DType::kFloat16    ? "fp16"
+         : dtype == DType::kBFloat16 ? "bf16"
+         : dtype == DType::kFloat32  ? "fp32"
+                                     : "fp64";
 }
 
 }  // namespace attnx::cuda

@@ -64,7 +64,8 @@ inline std::atomic<bool>& torch_flash_refused() {
   return refused;
 }
 
-// The Target of `device` (cuda/attention_plan.h): its compute capability, and the process's ATTNX_CUDA_MMA
+// The Target of `device` (cuda/attention_plan.h): its compute capability and the shared memory a block may
+// opt into, and the process's ATTNX_CUDA_MMA
 // (any value but 0 leaves the tensor cores on) and ATTNX_CUDA_FUSED_BACKWARD (1 turns the fused backward on),
 // read once per process, and whether torch's flash kernel may take calls (torch_flash_enabled, unless it
 // refused one).
@@ -77,12 +78,13 @@ inline Target target(int32_t device) {
     const char* flag = std::getenv("ATTNX_CUDA_FUSED_BACKWARD");
     return flag != nullptr && std::strcmp(flag, "1") == 0;
   }();
-  int major = 0, minor = 0;
+  int major = 0, minor = 0, smem = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: cannot read the compute capability of device ", device,
               ": ", cudaGetErrorString(err));
-  return Target{major * 10 + minor, mma, fused_backward, torch_flash_enabled() && !torch_flash_refused()};
+  return Target{major * 10 + minor, mma, fused_backward, torch_flash_enabled() && !torch_flash_refused(), smem};
 }
 
 }  // namespace attnx::cuda

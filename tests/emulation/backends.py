@@ -111,10 +111,11 @@ def load(backend):
 
 
 @contextlib.contextmanager
-def enabled(backend):
-    """Within the block, attnx's CPU kernels of the ops ``backend`` has are its kernels."""
+def enabled(backend, **device):
+    """Within the block, attnx's CPU kernels of the ops ``backend`` has are its kernels; ``device`` overrides
+    its enable op's arguments (``capability=80``: an sm_80 device)."""
     ops = load(backend)
-    kwargs = BACKENDS[backend][1]
+    kwargs = {**BACKENDS[backend][1], **device}
     with warnings.catch_warnings():  # PyTorch warns once per process that a kernel is being overridden
         warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
         ops.enable(True, **kwargs)

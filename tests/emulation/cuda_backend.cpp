@@ -21,7 +21,7 @@ using attnx::AttentionProblem;
 // The device the tests emulate: sm_90 with the tensor cores and the fused backward on, and torch's flash
 // kernel off (its stand-in, in cuda/attention.cpp, would take the calls the tensor cores should be tested on),
 // unless told otherwise.
-attnx::cuda::Target target{90, true, true, false};
+attnx::cuda::Target target{90, true, true, false, 227 * 1024};
 attnx_emu::Library* library = nullptr;
 
 void run_attention(AttentionProblem& pb) {
@@ -39,8 +39,16 @@ void attention_kernel(AttentionKernelProblem& pb) {
 // attnx_emu_cuda::enable: the emulated CUDA backend on (for a device of compute `capability`, with the
 // process's ATTNX_CUDA_MMA, ATTNX_CUDA_FUSED_BACKWARD and ATTNX_CUDA_TORCH_FLASH as `mma`, `fused_backward`
 // and `torch_flash`) or off.
+// The shared memory a block of a device of `capability` may opt into (the CUDA programming guide's table).
+int64_t max_smem(int64_t capability) {
+  if (capability >= 90 && capability != 120) return 227 * 1024;
+  if (capability == 80 || capability == 87) return 163 * 1024;
+  if (capability >= 80) return 99 * 1024;
+  return 64 * 1024;
+}
+
 bool enable(bool on, int64_t capability, bool mma, bool fused_backward, bool torch_flash) {
-  if (on) target = {static_cast<int>(capability), mma, fused_backward, torch_flash};
+  if (on) target = {static_cast<int>(capability), mma, fused_backward, torch_flash, max_smem(capability)};
   return attnx_emu::override_cpu_kernels(library, on, [](attnx_emu::Library& m) {
     m.impl("_attention", &attnx::attention_op<run_attention>);
     m.impl("_attention_autograd", &attnx::attention_op<run_attention>);
