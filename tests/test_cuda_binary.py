@@ -23,8 +23,7 @@ pytestmark = requires_tool
 # pass as "no kernel spills".
 SIMT = {("simt", dtype, bucket) for dtype in ("fp32", "fp64", "fp16", "bf16")
         for bucket in (32, 64, 128, 256)}
-MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16") for bucket in (32, 64, 128)} | {
-    ("mma", "fp32", bucket) for bucket in (32, 64)}
+MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16", "fp32") for bucket in (32, 64, 128)}
 BACKWARD = {(kind, dtype, bucket) for kind in ("backward_keys", "backward_queries")
             for dtype in ("fp32", "fp64", "fp16", "bf16") for bucket in (32, 64, 128, 256)}
 
