@@ -65,6 +65,7 @@ def cases():
         "attn_mask": to_device(torch.randn(70, 90, generator=GEN), DEV)}
     yield "fp32 D=96 GQA, both masks, every feature", gqa(2, 4, 2, 45, 70, 96, 80, dtype=F32), {
         "attn_mask": bool_mask(45, 70), "key_padding_mask": bool_mask(2, 70), **features(2, 4, 70)}
+    yield "fp32 D=128 (sm_90: Q staged in shared memory)", qkv(2, 3, 70, 90, 128, 128, dtype=F32), {}
     yield "fp32 D=256", qkv(1, 1, 20, 30, 256, 256, dtype=F32), {"is_causal": True}
     yield "fp16 dropout, every feature", gqa(2, 4, 2, 37, 53, 24, 24), {
         "dropout_p": 0.3, "dropout_seed": torch.tensor([17, 3]), **features(2, 4, 53)}
