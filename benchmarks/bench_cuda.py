@@ -1,10 +1,11 @@
 """attnx on CUDA: attention throughput against every SDPA backend.
 
 TFLOP/s = 4 * B * H * L * S * D / time: ``attnx.attention`` against ``F.scaled_dot_product_attention`` under
-each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks, with a
-key_padding_mask + a random (L, S) attn_mask (every tile partly masked), with a key_padding_mask + a causal
-(L, S) bool attn_mask (the masks transformers' models pass: whole tiles removed or kept, which attnx's
-tensor cores skip or run unmasked), and with dropout (p = 0.1); fp32 at D = 64 (the float32 tensor-core
+each ``sdpa_kernel`` backend, fp16/bf16, L = S in {1024, 4096}, D in {64, 128}, without masks, with
+is_causal, with a key_padding_mask + a random (L, S) attn_mask (every tile partly masked), with a
+key_padding_mask + a causal (L, S) bool attn_mask (the masks transformers' models pass: whole tiles removed or
+kept, which attnx's tensor cores skip or run unmasked), with a float (L, S) bias (every tile read), and with
+dropout (p = 0.1); fp32 at D = 64 (the float32 tensor-core
 kernel's range: 3xTF32, as SDPA's efficient backend, whose fp32 is 3xTF32 whatever ``allow_tf32`` says) and
 D = 128 (the same kernel with Q staged in shared memory on sm_90, the SIMT kernel on devices with less shared
 memory).
@@ -45,17 +46,22 @@ SMOKE_LENGTHS, SMOKE_DIMS, SMOKE_DTYPES = [128], [64], [torch.float16, torch.flo
 # sends the call to torch's flash kernel ("-" elsewhere), each SDPA backend ("n/a" where it rejects the case).
 COLUMNS = ("attnx", "attnx own", *(f"sdpa {n}" for n in SDPA_BACKENDS))
 
-# The cases of each (dtype, L, D): no masks, both masks (a random attn_mask, a causal one), dropout.
-KINDS = ("plain", "masks", "causal_masks", "dropout")
+# The cases of each (dtype, L, D): no masks, is_causal, both masks (a random attn_mask, a causal one), a float
+# (L, S) bias (ALiBi's shape: every tile read), dropout.
+KINDS = ("plain", "causal", "masks", "causal_masks", "bias", "dropout")
 DROPOUT_P = 0.1
 
 
 def throughput_inputs(L: int, D: int, dtype: torch.dtype, kind: str):
-    """q, k, v (B, H, L, D); attnx's masks (True = masked out) and SDPA's merged mask (True = keep), for a
-    case of KINDS."""
+    """q, k, v (B, H, L, D); attnx's masks (True = masked out, or a float bias) and SDPA's mask (the bool
+    masks merged, True = keep; the bias as it is), for a case of KINDS."""
     B, H = THROUGHPUT_B, THROUGHPUT_H
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    if kind == "bias":
+        pos = torch.arange(L, device="cuda", dtype=torch.float32)
+        bias = (-0.05 * (pos[:, None] - pos[None, :]).abs()).to(dtype)  # (L, S), a distance penalty
+        return q, k, v, bias, None, bias
     if kind not in ("masks", "causal_masks"):
         return q, k, v, None, None, None
     kpm = torch.zeros(B, L, dtype=torch.bool, device="cuda")
@@ -74,13 +80,14 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, kind: str, reps: int) ->
     case}, for one case of KINDS."""
     q, k, v, attn_mask, kpm, keep = throughput_inputs(L, D, dtype, kind)
     p = DROPOUT_P if kind == "dropout" else 0.0
-    flops = 4 * THROUGHPUT_B * THROUGHPUT_H * L * L * D
-    fns = {"attnx": lambda: attnx.attention(q, k, v, attn_mask, kpm, dropout_p=p)[0]}
+    causal = kind == "causal"
+    flops = 4 * THROUGHPUT_B * THROUGHPUT_H * L * L * D  # the full L x S, causal too
+    fns = {"attnx": lambda: attnx.attention(q, k, v, attn_mask, kpm, is_causal=causal, dropout_p=p)[0]}
     seed = torch.zeros(2, dtype=torch.int64) if p else None  # naming the kernel draws nothing
 
     def name_kernel():
         return torch.ops.attnx._attention_kernel(q, k, v, attn_mask=attn_mask, key_padding_mask=kpm,
-                                                 dropout_p=p, dropout_seed=seed)
+                                                 is_causal=causal, dropout_p=p, dropout_seed=seed)
 
     kernel = name_kernel()
     if kernel.startswith("torch flash"):
@@ -90,7 +97,7 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, kind: str, reps: int) ->
         def own():
             torch.ops.attnx._cuda_torch_flash(False)
             try:
-                return attnx.attention(q, k, v)[0]
+                return attnx.attention(q, k, v, is_causal=causal)[0]
             finally:
                 torch.ops.attnx._cuda_torch_flash(True)
 
@@ -102,7 +109,7 @@ def throughput_case(L: int, D: int, dtype: torch.dtype, kind: str, reps: int) ->
 
         def sdpa(backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, is_causal=causal)
 
         fns[f"sdpa {name}"] = sdpa
     tol = {torch.bfloat16: 3e-2, torch.float16: 1e-2}.get(dtype, 1e-4)
@@ -151,9 +158,10 @@ def run_throughput(quick: bool, smoke: bool) -> tuple:
                     rows.append([label, *cells, kernel.removeprefix("cuda ")])
     text = (
         f"(b) attention forward TFLOP/s (4*B*H*L*S*D / time, the full L x S even where a mask removes "
-        f"half), B={THROUGHPUT_B}, H={THROUGHPUT_H}; masks = key_padding_mask (last 1/8 of keys) + 10% "
-        f"random (L, S) attn_mask; causal_masks = the same key_padding_mask + a causal (L, S) bool "
-        f"attn_mask; SDPA gets them merged beforehand into one (B, 1, L, S) keep-mask; dropout = dropout_p "
+        f"half), B={THROUGHPUT_B}, H={THROUGHPUT_H}; causal = is_causal; masks = key_padding_mask (last 1/8 "
+        f"of keys) + 10% random (L, S) attn_mask; causal_masks = the same key_padding_mask + a causal (L, S) "
+        f"bool attn_mask; SDPA gets them merged beforehand into one (B, 1, L, S) keep-mask; bias = a float "
+        f"(L, S) attn_mask (-0.05 |l - s|), given to SDPA as it is; dropout = dropout_p "
         f"{DROPOUT_P}; the kernel attnx ran, as the CUDA library names it\n"
         + table(["case", *COLUMNS, "attnx kernel"], rows)
     )
