@@ -345,10 +345,10 @@ constexpr TorchFlashWindow torch_flash_window(const AttentionParams& p) {
 // True when torch's flash kernel computes exactly what attnx's would, bit layout of the results included:
 // float16/bfloat16 with D = Dv, a multiple of 8 up to 256; no mask, key lengths, soft-cap, sinks or dropout
 // (its dropout draws other numbers); is_causal only where L >= S (torch_flash_window); a scale in [2^-100,
-// 2^100] (as mma_plain: its row maxima are taken before the scale); not variable-length or paged (attention's own layout only); rows
-// it reads as 16-byte vectors (mma_rows_16: it assumes them and does not check); B and H within its grid.
-// Rows that see no key are out 0, lse +inf in both. Where any input is NaN the outputs are NaN in both, but
-// such a row's lse is +inf there and NaN here.
+// 2^100] (as mma_plain: its row maxima are taken before the scale); not variable-length or paged
+// (attention's own layout only); rows it reads as 16-byte vectors (mma_rows_16: it assumes them and does not
+// check); B and H within its grid. Rows that see no key are out 0, lse +inf in both. Where any input is NaN
+// the outputs are NaN in both, but such a row's lse is +inf there and NaN here.
 inline bool torch_flash_supports(const AttentionParams& p, DType dtype, const AttentionPointers& ptr) {
   const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   return half && p.head_dim == p.v_head_dim && p.head_dim % 8 == 0 && p.head_dim <= 256 &&

@@ -38,8 +38,9 @@ const char* name(DType dtype) {
 
 // Shared memory within the 163 KiB an sm80 block may opt into, for every dtype and head-dim bucket of the
 // SIMT kernel, and within sm90's 227 KiB for the tensor-core kernel, whose float32 bucket 128 takes 165 KiB
-// (choose_kernel leaves it to the SIMT kernel on a device with less) (the launchers opt in above 48 KiB; the
-// emulated runtime refuses a launch that did not, as the real one does). B * H past grid.y's 65535: the grid is 1-D, one block per (query block, b, h).
+// (choose_kernel leaves it to the SIMT kernel on a device with less). The launchers opt in above 48 KiB; the
+// emulated runtime refuses a launch that did not, as the real one does. B * H past grid.y's 65535: the grid
+// is 1-D, one block per (query block, b, h).
 void plan_limits() {
   for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
     for (int d : {32, 64, 128, 256}) {
