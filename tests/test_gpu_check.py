@@ -131,6 +131,9 @@ def test_kernel_report_flags_default_path_spills(gpu_check):
     keys = ("_ZN5attnx4cuda61_GLOBAL__N__66b1aed9_28_attention_backward_kernel_cu_d88abaac23"
             "attention_backward_keysI6__halfLi128EEEvNS_23AttentionBackwardParamsE")
     assert gpu_check.kernel_label(keys) == ("backward_keys", "fp16", 128, None)
+    # the mma kernel's third template argument is its instantiation, not rows per warp
+    bits = "_ZN5attnx4cuda8_GLOBAL_21attention_forward_mmaI6__halfLi64ELi1EEEvNS_15AttentionParamsE"
+    assert gpu_check.kernel_label(bits) == ("mma", "fp16", 64, None)
 
 
 def test_default_kernels_are_asked_of_the_library(gpu_check, device):

@@ -151,9 +151,10 @@ def test_the_budgets_flag_what_the_loop_holds(sass, nested):
     assert "14.0 instructions per HMMA on the steady path > 5.0" in problems
     assert "1 LDG (global loads)" in problems and "1 64-bit multiplies" in problems
     assert "1 soft-cap branches" in problems and "BRX" not in problems and "spills" not in problems
-    assert sass.check_row(dict(row, kernel="mma fp16 bucket64 general", ldl_stl=2)) == [
-        "sm_90 mma fp16 bucket64 general: spills (2 LDL/STL, local 0 B)",  # not the plain budgets:
-        "sm_90 mma fp16 bucket64 general: no path reads a bool mask's packed bits"]  # its own
+    assert sass.check_row(dict(row, kernel="mma fp16 bucket64 bits", ldl_stl=2)) == [
+        "sm_90 mma fp16 bucket64 bits: spills (2 LDL/STL, local 0 B)",  # not the plain budgets:
+        "sm_90 mma fp16 bucket64 bits: no path reads a bool mask's packed bits"]  # its own
+    assert sass.check_row(dict(row, kernel="mma fp16 bucket64 general")) == []  # reported, not budgeted
     assert len(sass.check_row(dict(row, kernel="mma bf16 bucket128 plain"))) == 4
 
 
@@ -189,8 +190,8 @@ def test_the_path_through_a_bool_masks_packed_bits(sass, tmp_path, named):
     _, loop = kernel(sass, PACKED.format(src=src))
     paths = loop["paths"]
     assert paths["steady"].instrs == 6  # the parameter's cheaper side: no mask read
-    row = {"arch": "sm_90", "kernel": "mma fp16 bucket64 general", "ldl_stl": 0, "local": 0, "loop": loop}
-    where = "sm_90 mma fp16 bucket64 general"
+    row = {"arch": "sm_90", "kernel": "mma fp16 bucket64 bits", "ldl_stl": 0, "local": 0, "loop": loop}
+    where = "sm_90 mma fp16 bucket64 bits"
     if not named:
         assert "bits" not in paths
         assert sass.check_row(row) == [f"{where}: no path reads a bool mask's packed bits"]
@@ -310,8 +311,10 @@ def test_names(sass):
     assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_forward_mma<__half, 64>("
                            "attnx::AttentionParams, attnx::AttentionPointers, attnx::cuda::AttentionMmaPlan)"
                            ) == "mma fp16 bucket64"
-    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_forward_mma<__nv_bfloat16, "
-                           "128, true>(attnx::AttentionParams)") == "mma bf16 bucket128 plain"
+    for variant, name in enumerate(("plain", "bits", "general")):  # kVariant: MmaVariant's values
+        demangled = ("void attnx::cuda::(anonymous namespace)::attention_forward_mma<__nv_bfloat16, "
+                     f"128, {variant}>(attnx::AttentionParams)")
+        assert sass.short_name(demangled) == f"mma bf16 bucket128 {name}"
     assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_forward_simt<float, 128, 4>("
                            "attnx::AttentionParams)") == "simt fp32 bucket128 rows4"
     fa2 = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
@@ -340,7 +343,7 @@ int main() {
   const char* names[] = {"fp16", "bf16", "fp32"};
   for (int d = 0; d < 3; ++d)
     for (int bucket = 32; bucket <= 128; bucket *= 2)
-      for (float scale : {0.0f, 1.0f}) {  // the general instantiation (a scale of 0), the plain one
+      for (float scale : {0.0f, 1.0f}) {  // the bits instantiation (a scale of 0, no mask), the plain one
         AttentionParams p{};
         p.batch = p.heads = p.kv_heads = p.q_len = 1;
         p.head_dim = p.v_head_dim = bucket;
@@ -348,7 +351,7 @@ int main() {
         AttentionPointers ptr{};
         const AttentionMmaPlan plan = plan_attention_mma(p, dtypes[d], ptr);
         if (plan.bucket) {
-          std::printf("%s %d %s %zu\\n", names[d], bucket, plan.plain ? "plain" : "general", plan.smem_bytes);
+          std::printf("%s %d %s %zu\\n", names[d], bucket, plan.plain ? "plain" : "bits", plan.smem_bytes);
         }
       }
 }

@@ -161,7 +161,8 @@ def kernel_label(mangled: str):
     m = _KERNEL.search(mangled)
     if not m:
         return None
-    rows_per_warp = int(m.group(5)) if m.group(5) else None
+    # the SIMT kernel's third template argument; the mma kernel's is its instantiation (MmaVariant)
+    rows_per_warp = int(m.group(5)) if m.group(5) and m.group(1) == "simt" else None
     return m.group(1) or m.group(2), _DTYPES[m.group(3)], int(m.group(4)), rows_per_warp
 
 

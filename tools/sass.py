@@ -41,7 +41,7 @@ same, as Nsight Compute's inst_executed counts it). Five paths are reported:
             reach a latch without leaving the loop
     min     the fewest instructions from header to latch (may skip the next tile's copies: the last tile)
     max     the most (the masked, boundary-tile, soft-capped iteration)
-    bits    in the general instantiation, the path through the load of a bool attn_mask's packed bits
+    bits    in the bits instantiation, the path through the load of a bool attn_mask's packed bits
             (PACKED_SOURCE) with the fewest other global loads (no key_padding_mask), then the steady rules:
             an interior tile that a bool attn_mask alone removes in part (a PARTIAL tile)
 
@@ -126,14 +126,17 @@ MAX_SPILL_ACCESSES = 0
 
 # A conditional branch whose source line (nvdisasm -g) matches this is a soft-cap test.
 SOFTCAP_SOURCE = re.compile(r"soft_?cap", re.IGNORECASE)
-# A global load whose source line matches this reads a bool attn_mask's packed bits (the general
-# instantiation's interior PARTIAL tiles): the "bits" path is the steady rules' path through it.
+# A global load whose source line matches this reads a bool attn_mask's packed bits (the bits
+# instantiation's PARTIAL tiles): the "bits" path is the steady rules' path through it.
 PACKED_SOURCE = re.compile(r"\bpacked_words\b")
 # That path within this factor of the same kernel's steady path (a FULL tile: the loop without masks), in the
-# general instantiation of the fp16/bf16 kernels at the budgets' head dims (bucket 32, whose tile has a
+# bits instantiation of the fp16/bf16 kernels at the budgets' head dims (bucket 32, whose tile has a
 # quarter of bucket 128's HMMA for the same work per score, is reported, not budgeted).
 MAX_BITS_RATIO = 1.3
-BITS_BUDGETED = re.compile(r"^mma (fp16|bf16) bucket(64|128) general$")
+BITS_BUDGETED = re.compile(r"^mma (fp16|bf16) bucket(64|128) bits$")
+# Kernels with no jump table anywhere in the tile loop: the plain and bits instantiations (the general one
+# reads a float mask's elements through mask_value's switch).
+NO_BRX = re.compile(r"^mma (fp16|bf16|fp32) bucket\d+ (plain|bits)$")
 
 # ------------------------------------------------------------------------------------------------------------
 # Occupancy: the rules of the CUDA occupancy calculator, cuda_occupancy.h of CUDA 13.0
@@ -861,11 +864,13 @@ _DTYPE_NAMES = {"__half": "fp16", "half": "fp16", "cutlass::half_t": "fp16", "__
                 "cutlass::bfloat16_t": "bf16", "float": "fp32", "double": "fp64"}
 # attnx's kernels: base name -> (short name, names of the template arguments after the dtype and bucket: a
 # number is written after its name, a flag as its name when true; a pair names (true, false)).
-_ATTNX = {"attention_forward_mma": ("mma", [("plain", "general")]),
+_ATTNX = {"attention_forward_mma": ("mma", [{"0": "plain", "1": "bits", "2": "general"}]),
           "attention_forward_simt": ("simt", ["rows"])}
 
 
 def _named(name, value: str) -> str:
+    if isinstance(name, dict):  # an enumeration's values by name
+        return name.get(value, f"variant={value}")
     if isinstance(name, tuple):
         return name[0] if value == "true" else name[1] if value == "false" else f"{name[0]}={value}"
     return f"{name}{value}"
@@ -910,9 +915,9 @@ def _template_args(text: str, start: int) -> tuple[list, int]:
 
 def short_name(demangled: str) -> str:
     """A kernel's name for the table: "mma fp16 bucket64" (attnx's attention_forward_mma<__half, 64>; with a
-    third, bool argument kPlain: "mma fp16 bucket64 plain" / "... general"), "simt fp32 bucket128 rows4",
-    "fa2 fp16 hdim64 128x128 4w even_MN even_K" (FA2's flash_fwd_kernel: head dim, tile, warps, the flags
-    that are true); any other kernel: its unqualified name and template arguments."""
+    third argument kVariant: "mma fp16 bucket64 plain" / "... bits" / "... general"), "simt fp32 bucket128
+    rows4", "fa2 fp16 hdim64 128x128 4w even_MN even_K" (FA2's flash_fwd_kernel: head dim, tile, warps, the
+    flags that are true); any other kernel: its unqualified name and template arguments."""
     m = re.search(r"(\w+)<", demangled)
     if not m:
         return re.sub(r"\(.*", "", demangled).split("::")[-1]
@@ -1145,10 +1150,12 @@ def check_row(row: dict) -> list:
         elif paths["bits"].instrs > MAX_BITS_RATIO * paths["steady"].instrs:
             problems.append(f"{where}: a PARTIAL bool tile takes {paths['bits'].instrs} instructions > "
                             f"{MAX_BITS_RATIO} x the steady path's {paths['steady'].instrs}")
+    loop = row["loop"]
     m = BUDGETED.match(row["kernel"])
     if not m:
+        if NO_BRX.match(row["kernel"]) and loop is not None and loop["body"]["brx"] > MAX_BRX:
+            problems.append(f"{where}: {loop['body']['brx']} BRX (jump tables) in the tile loop > {MAX_BRX}")
         return problems
-    loop = row["loop"]
     if loop is None or "steady" not in loop["paths"]:
         return problems + [f"{where}: no tile loop (no loop holds HMMA)"]
     bucket = int(m.group(2))

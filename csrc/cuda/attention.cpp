@@ -139,7 +139,17 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   }
   switch (forward_kernel(pb.call, dtype, target)) {
     case Kernel::kMma:
-      pb.kernel = "cuda mma " + bucket + (plan_attention_mma(p, dtype, pb.call.ptr).plain ? "" : " general");
+      // the instantiation: plain (no suffix), " bits" (bool masks or none) or " general" (a float mask)
+      switch (plan_attention_mma(p, dtype, pb.call.ptr).variant) {
+        case kMmaPlain:
+          pb.kernel = "cuda mma " + bucket;
+          break;
+        case kMmaBits:
+          pb.kernel = "cuda mma " + bucket + " bits";
+          break;
+        default:
+          pb.kernel = "cuda mma " + bucket + " general";
+      }
       break;
     case Kernel::kSimt:
       pb.kernel = "cuda simt " + bucket;

@@ -54,17 +54,24 @@ namespace {
 // compile the cap in or out of a path whose caller tested it once a tile).
 struct CapPerScore {};
 
-// The blocks an SM must hold, for ptxas's register budget: 1 for float32 at bucket 128, whose 165 KiB of
-// shared memory leave room for one (ptxas would otherwise aim at more and spill); 0, no bound, elsewhere.
-constexpr int mma_min_blocks(int element_bytes, int bucket) {
-  return element_bytes == 4 && bucket > kMmaTf32QRegs ? 1 : 0;
+// The blocks an SM must hold, for ptxas's register budget where its own aim would spill: 1 for float32 at
+// bucket 128, whose 165 KiB of shared memory leave room for one; 2 for the 16-bit bits instantiation at
+// bucket 32 (aiming at 3, ptxas spills it at 168 registers on sm_80); 0, no bound, elsewhere.
+constexpr int mma_min_blocks(int element_bytes, int bucket, int variant) {
+  return element_bytes == 4 && bucket > kMmaTf32QRegs           ? 1
+         : element_bytes == 2 && bucket == 32 && variant == kMmaBits ? 2
+                                                                     : 0;
 }
 
-template <typename scalar_t, int kBucket, bool kPlain>
-__global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<int>(sizeof(scalar_t)), kBucket))
+template <typename scalar_t, int kBucket, int kVariant>
+__global__ void __launch_bounds__(kWarps* kWarpSize,
+                                  mma_min_blocks(static_cast<int>(sizeof(scalar_t)), kBucket, kVariant))
     attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan,
                           const uint32_t* const mask_tiles) {
   constexpr bool kTf32 = std::is_same<scalar_t, float>::value;  // 3xTF32, m16n8k8
+  constexpr bool kPlain = kVariant == kMmaPlain;
+  // kMmaBits: both masks bool or absent, read from the pre-pass's bits only (no mask_value in this loop).
+  constexpr bool kBits = kVariant == kMmaBits;
   constexpr int kThreads = kWarps * kWarpSize;
   // The warp's m16 row groups (mma_row_groups): each K and V fragment feeds the mma of every group.
   constexpr int kGroups = mma_row_groups(static_cast<int>(sizeof(scalar_t)), kBucket, kPlain);
@@ -270,9 +277,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<
         const int64_t w_end = range_min(kv_end, w0 + kWindowKeys);
         for (int64_t c = w0; c < w_end; c += kWarpSize) {  // half a tile per step
           const int64_t key = c + lane;
-          const float term = key < w_end ? mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                                             kpm_base + key * p.key_padding_mask_stride[1])
-                                         : 0.0f;
+          float term = 0.0f;
+          if (key < w_end) {
+            if constexpr (kBits) {  // the packed row's bit (set: removed)
+              const MaskTiles& mt = plan.padding_tiles;
+              const uint32_t word = mask_tiles[mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0) + key / 32];
+              term = (word >> (key % 32)) & 1u ? kNegInf : 0.0f;
+            } else {
+              term = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                       kpm_base + key * p.key_padding_mask_stride[1]);
+            }
+          }
           const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
           const unsigned seen = __ballot_sync(kFullMask, key < w_end && term != kNegInf);
           const unsigned zero = __ballot_sync(kFullMask, term == 0.0f);
@@ -603,7 +618,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<
       if (!kPlain && p.key_padding_mask_kind != kMaskNone) {
         if (masks_read) {
           const MaskTiles& mt = plan.padding_tiles;
-          if (mt.key_words > 0) {
+          if (kBits || mt.key_words > 0) {
             // A bool mask, packed: the tile's 64 terms in one 8-byte load, bit i key k0 + 2t + i (keys past
             // the tile's end are outside every row's interval, whatever their bit).
             const int64_t row = mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0);
@@ -614,7 +629,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<
 #pragma unroll
               for (int e = 0; e < 2; ++e) kpm[j][e] = (removed >> (8 * j + e)) & 1u ? kNegInf : 0.0f;
             }
-          } else {
+          } else if constexpr (!kBits) {
 #pragma unroll
             for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -634,15 +649,19 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<
       // bits, a row's 64 terms in one load (so that this path carries no switch over the mask's dtype);
       // `capped`: the soft-cap compiled in or out by a caller that tested it once a tile, or CapPerScore.
       const auto masked_scores = [&](auto ranged, auto packed, auto capped) {
-        static_assert(!decltype(ranged)::value || !decltype(packed)::value, "packed bits on interior tiles");
-        // packed: the words of the lane's first row's terms in this tile (row(1) = row(0) + 8, one row group)
+        static_assert(kBits || !decltype(ranged)::value || !decltype(packed)::value,
+                      "the general instantiation reads packed bits on interior tiles only");
+        // packed: the words of the lane's first row's terms in this tile (row(1) = row(0) + 8, one row group);
+        // on a boundary tile (kBits), each row's own, the last row's for a row past L (whose scores are not
+        // seen).
         [[maybe_unused]] const uint32_t* packed_words = nullptr;
         [[maybe_unused]] int64_t packed_step = 0;
-        if constexpr (decltype(packed)::value) {
-          const MaskTiles& mt = plan.attn_tiles;
-          const int64_t bm = p.attn_mask_stride[0] == 0 ? 0 : b, hm = p.attn_mask_stride[1] == 0 ? 0 : h;
-          packed_words = mask_tiles + mask_packed_row(mt, bm, hm, mt.q_rows > 1 ? row(0) : 0) + k0 / 32;
-          packed_step = mt.q_rows > 1 ? 8 * mt.key_words : 0;
+        [[maybe_unused]] const MaskTiles& amt = plan.attn_tiles;
+        [[maybe_unused]] const int64_t bm = p.attn_mask_stride[0] == 0 ? 0 : b;
+        [[maybe_unused]] const int64_t hm = p.attn_mask_stride[1] == 0 ? 0 : h;
+        if constexpr (decltype(packed)::value && !decltype(ranged)::value) {
+          packed_words = mask_tiles + mask_packed_row(amt, bm, hm, amt.q_rows > 1 ? row(0) : 0) + k0 / 32;
+          packed_step = amt.q_rows > 1 ? 8 * amt.key_words : 0;
         }
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
@@ -665,6 +684,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<
           // rows are all below L).
           [[maybe_unused]] uint64_t removed = 0;
           if constexpr (decltype(packed)::value) {
+            if constexpr (decltype(ranged)::value) {  // packed_step is 0 here
+              const int64_t l = amt.q_rows > 1 ? range_min(row(r), L - 1) : 0;
+              packed_words = mask_tiles + mask_packed_row(amt, bm, hm, l) + k0 / 32;
+            }
             const uint2 w = *reinterpret_cast<const uint2*>(packed_words + (r % 2) * packed_step);
             removed = (uint64_t{w.y} << 32 | w.x) >> (2 * t);
           }
@@ -683,7 +706,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<
                 }
                 if constexpr (!kPlain) {
                   float bias = kpm[j][e];
-                  if constexpr (!decltype(packed)::value) {
+                  if constexpr (!decltype(packed)::value && !kBits) {
                     if (p.attn_mask_kind != kMaskNone) {
                       bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
                                                am_row + (8 * j + e) * p.attn_mask_stride[3]) +
@@ -705,7 +728,29 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, mma_min_blocks(static_cast<
       // Interior tiles of a bool attn_mask read its packed bits and test the cap once a tile (the common
       // PARTIAL tile: two copies); boundary tiles and float masks read the masks' elements and test the cap
       // once a score.
-      if (!interior) {
+      if constexpr (kBits) {
+        // Every tile's path compiled per boundary or interior tile, bool attn_mask or none and soft-cap,
+        // and chosen here: no test of any of them per score.
+        const auto by_cap = [&](auto ranged, auto packed) {
+          if (softcapped()) {
+            masked_scores(ranged, packed, std::true_type{});
+          } else {
+            masked_scores(ranged, packed, std::false_type{});
+          }
+        };
+        const auto by_mask = [&](auto ranged) {
+          if (p.attn_mask_kind == kMaskBool) {
+            by_cap(ranged, std::true_type{});
+          } else {
+            by_cap(ranged, std::false_type{});
+          }
+        };
+        if (interior) {
+          by_mask(std::false_type{});
+        } else {
+          by_mask(std::true_type{});
+        }
+      } else if (!interior) {
         masked_scores(std::true_type{}, std::false_type{}, CapPerScore{});
       } else if (!kPlain && plan.attn_tiles.key_words > 0) {
         if constexpr (!kPlain) {
@@ -938,16 +983,13 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
                        uint32_t* mask_tiles, cudaStream_t stream) {
   const auto launch = [&](auto bucket) {
     constexpr int kBucket = decltype(bucket)::value;
-    return launch_plan(plan.plain ? &attention_forward_mma<scalar_t, kBucket, true>
-                                  : &attention_forward_mma<scalar_t, kBucket, false>,
+    return launch_plan(plan.variant == kMmaPlain  ? &attention_forward_mma<scalar_t, kBucket, kMmaPlain>
+                       : plan.variant == kMmaBits ? &attention_forward_mma<scalar_t, kBucket, kMmaBits>
+                                                  : &attention_forward_mma<scalar_t, kBucket, kMmaGeneral>,
                        plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan,
                        static_cast<const uint32_t*>(mask_tiles));
   };
-  if constexpr (std::is_same<scalar_t, float>::value) {
-    return dispatch_bucket<32, 64, 128>(plan.bucket, launch);  // up to kMmaMaxHeadDimTf32
-  } else {
-    return dispatch_bucket<32, 64, 128>(plan.bucket, launch);
-  }
+  return dispatch_bucket<32, 64, 128>(plan.bucket, launch);  // kMmaMaxHeadDim and kMmaMaxHeadDimTf32
 }
 
 #endif

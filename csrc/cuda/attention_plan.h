@@ -252,9 +252,15 @@ inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, const i
   return mt;
 }
 
+// The mma kernel's instantiations: plain (mma_plain and vector loads: no mask, no soft-cap, no dropout), bits
+// (the others where each mask is bool or absent: the masks are read from the pre-pass's packed bits alone,
+// never element by element, so this loop holds no code for a float mask) and general (a float mask).
+enum MmaVariant : int { kMmaPlain = 0, kMmaBits = 1, kMmaGeneral = 2 };
+
 struct AttentionMmaPlan {
-  int bucket;  // head-dim bucket (32, 64 or 128; float32: 32 or 64); 0 when mma_supports() is false
+  int bucket;  // head-dim bucket (32, 64 or 128); 0 when mma_supports() is false
   bool plain;  // mma_plain() and vector_loads: the kernel's instantiation without masks and soft-cap
+  int variant;  // MmaVariant: kMmaPlain where `plain`
   int threads;
   int rows_per_block;  // kWarps * kMmaRowsPerWarp * mma_row_groups()
   int64_t q_blocks;    // ceil(L / rows_per_block)
@@ -284,6 +290,10 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
     plan.q_vector = mma_rows_16(ptr.query, p.q_stride, p.head_dim, element_bytes);
     plan.out_vector = mma_rows_16(ptr.out, p.out_stride, p.v_head_dim, element_bytes);
     plan.plain = mma_plain(p) && plan.vector_loads;
+    const auto bits = [](int32_t kind) { return kind == kMaskNone || kind == kMaskBool; };
+    plan.variant = plan.plain                                                       ? kMmaPlain
+                   : bits(p.attn_mask_kind) && bits(p.key_padding_mask_kind) ? kMmaBits
+                                                                                 : kMmaGeneral;
   }
   plan.rows_per_block = kMmaRowsPerBlock * mma_row_groups(element_bytes, plan.bucket, plan.plain);
   plan.q_blocks = (p.q_len + plan.rows_per_block - 1) / plan.rows_per_block;
