@@ -1,9 +1,8 @@
 // attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernels are
 // cuda/attention_kernel.cu and attention_kernel_mma.cu (torch-free), or torch's own flash kernel for the calls
 // it computes exactly as attnx does, chosen by choose_kernel (cuda/attention_plan.h) and run on the current
-// stream of the inputs' device. On the LibTorch stable
-// ABI: the device guard is the shim's accelerator-generic one, the stream comes from the C shim, and nothing
-// here needs libc10_cuda.
+// stream of the inputs' device. On the LibTorch stable ABI: the device guard is the shim's
+// accelerator-generic one, the stream comes from the C shim, and nothing here needs libc10_cuda.
 #include "cuda/attention.h"
 
 #include <torch/csrc/stable/accelerator.h>
@@ -105,7 +104,9 @@ void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stre
   Kernel kernel = forward_kernel(pb, dtype, target);
   if (kernel == Kernel::kTorchFlash) {
     if (run_torch_flash(pb)) return;
-    kernel = forward_kernel(pb, dtype, Target{target.capability, target.mma, target.fused_backward, false});
+    Target own = target;  // refused: attnx's kernel for this call (and, by the refusal, every later one)
+    own.torch_flash = false;
+    kernel = forward_kernel(pb, dtype, own);
   }
   if (kernel == Kernel::kComposite) {
     attention_composite(pb);
