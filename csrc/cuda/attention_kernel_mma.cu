@@ -22,8 +22,8 @@
 // terms are 0 for a warp's rows (FULL) takes the loop that reads no mask: the classes are found before the
 // loop, one bit per tile in registers, from a pre-pass (attention_mask_tiles) that classifies each 16 query
 // rows x 64 keys of attn_mask, and each batch's 64-key tiles of key_padding_mask, once for every head (and
-// batch) that shares them, and packs a bool attn_mask a bit per element (read on interior PARTIAL tiles a
-// row's 64 terms at a time). Only tiles at the ends of a row's key interval test each score against it.
+// batch) that shares them, and packs bool masks a bit per element (read on PARTIAL tiles a row's 64 terms at a
+// time). Only tiles at the ends of a row's key interval test each score against it.
 // Grouped KV heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the
 // denominator at the end (softmax_finish); dropout keeps each probability by its Philox draw, as every
 // backend, before P V (apply_dropout).
@@ -45,11 +45,14 @@
 namespace attnx::cuda {
 namespace {
 
-// kPlain (AttentionMmaPlan::plain: no mask, no soft-cap, a positive scale, vector loads) keeps the scores
-// unscaled through the tile loop: the row maxima are taken on Q K^T itself and the scale, with log2(e), is
-// folded into the one FFMA that subtracts the maximum before ex2, and the loop holds no code for masks or the
-// cap. The general instantiation scales each score, caps it and adds the masks; its exponent's factor is
-// log2(e) alone.
+// Three instantiations (MmaVariant, chosen by plan_attention_mma). kPlain (no mask, no soft-cap, no dropout,
+// a scale in range, vector loads) keeps the scores unscaled through the tile loop: the row maxima are taken
+// on Q K^T itself and the scale, with log2(e), is folded into the one FFMA that subtracts the maximum before
+// ex2, and the loop holds no code for masks or the cap. The others scale each score, cap it and add the
+// masks; their exponent's factor is log2(e) alone. kMmaBits (each mask bool or absent) reads the masks from
+// the pre-pass's packed bits alone, on every tile, with each tile's path compiled per boundary or interior
+// tile, mask and cap: its loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) reads elements
+// through mask_value where a mask is not packed.
 // The masked score paths' soft-cap test once a score (a tag beside std::true_type and std::false_type, which
 // compile the cap in or out of a path whose caller tested it once a tile).
 struct CapPerScore {};
@@ -725,9 +728,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
           }
         }
       };
-      // Interior tiles of a bool attn_mask read its packed bits and test the cap once a tile (the common
-      // PARTIAL tile: two copies); boundary tiles and float masks read the masks' elements and test the cap
-      // once a score.
+      // kMmaBits: every tile's path compiled per boundary or interior tile, attn_mask and cap. kMmaGeneral:
+      // interior tiles of a bool attn_mask read its packed bits and test the cap once a tile; boundary tiles
+      // and float masks read the masks' elements and test the cap once a score.
       if constexpr (kBits) {
         // Every tile's path compiled per boundary or interior tile, bool attn_mask or none and soft-cap,
         // and chosen here: no test of any of them per score.
