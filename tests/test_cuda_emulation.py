@@ -138,6 +138,7 @@ NOT_FLASH_CASES = {
     "dropout": (lambda: _flash_qkv(torch.float16), {"dropout_p": 0.1, "dropout_seed": torch.tensor([1, 2])}),
     "negative scale": (lambda: _flash_qkv(torch.float16), {"scale": -0.125}),
     "misaligned rows": (lambda: _misaligned(torch.float16), {}),
+    "no batch": (lambda: _flash_qkv(torch.float16, B=0), {}),  # nothing to compute, nothing to refuse
 }
 
 

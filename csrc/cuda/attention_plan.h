@@ -328,7 +328,7 @@ struct Target {
   int capability;  // major * 10 + minor: 80 for sm_80
   bool mma;
   bool fused_backward;
-  bool torch_flash;  // torch's flash kernel may run the calls it computes as attnx does (torch_flash_supports)
+  bool torch_flash;  // torch's flash kernel may take the calls it computes as attnx does (see below)
   int64_t max_smem;  // the shared memory a block may opt into, bytes (227 KiB on sm_90, 99 KiB on sm_89)
 };
 
@@ -357,17 +357,17 @@ constexpr TorchFlashWindow torch_flash_window(const AttentionParams& p) {
 // (its dropout draws other numbers); is_causal only where L >= S (torch_flash_window); a scale in [2^-100,
 // 2^100] (as mma_plain: its row maxima are taken before the scale); not variable-length or paged
 // (attention's own layout only); rows it reads as 16-byte vectors (mma_rows_16: it assumes them and does not
-// check); B and H within its grid. Rows that see no key are out 0, lse +inf in both. Where any input is NaN
-// the outputs are NaN in both, but such a row's lse is +inf there and NaN here.
+// check); B and H from 1 to its grid's 65535. Rows that see no key are out 0, lse +inf in both. Where any
+// input is NaN the outputs are NaN in both, but such a row's lse is +inf there and NaN here.
 inline bool torch_flash_supports(const AttentionParams& p, DType dtype, const AttentionPointers& ptr) {
   const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   return half && p.head_dim == p.v_head_dim && p.head_dim % 8 == 0 && p.head_dim <= 256 &&
          p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
          p.key_lengths_kind == kKeyLengthsNone && !(p.softcap > 0.0f) && p.has_sinks == 0 && p.dropout == 0 &&
          (p.is_causal == 0 || p.q_len >= p.kv_len) && p.scale >= 0x1p-100f && p.scale <= 0x1p100f &&
-         p.varlen == 0 && p.page_size == 0 &&
-         p.q_len > 0 && p.kv_len > 0 && p.batch <= 65535 && p.heads <= 65535 &&
-         mma_rows_16(ptr.query, p.q_stride, p.head_dim, 2) && mma_rows_16(ptr.key, p.k_stride, p.head_dim, 2) &&
+         p.varlen == 0 && p.page_size == 0 && p.q_len > 0 && p.kv_len > 0 && p.batch > 0 && p.heads > 0 &&
+         p.batch <= 65535 && p.heads <= 65535 && mma_rows_16(ptr.query, p.q_stride, p.head_dim, 2) &&
+         mma_rows_16(ptr.key, p.k_stride, p.head_dim, 2) &&
          mma_rows_16(ptr.value, p.v_stride, p.v_head_dim, 2);
 }
 
