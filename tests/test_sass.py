@@ -343,16 +343,18 @@ int main() {
   const char* names[] = {"fp16", "bf16", "fp32"};
   for (int d = 0; d < 3; ++d)
     for (int bucket = 32; bucket <= 128; bucket *= 2)
-      for (float scale : {0.0f, 1.0f}) {  // the bits instantiation (a scale of 0, no mask), the plain one
+      for (int variant = 0; variant < 3; ++variant) {  // plain, bits, general: a scale of 1, of 0, a mask
         AttentionParams p{};
-        p.batch = p.heads = p.kv_heads = p.q_len = 1;
+        p.batch = p.heads = p.kv_heads = p.q_len = p.kv_len = 1;
         p.head_dim = p.v_head_dim = bucket;
-        p.scale = scale;
+        p.scale = variant == 0 ? 1.0f : 0.0f;
+        p.attn_mask_kind = variant == 2 ? kMaskFloat32 : kMaskNone;
+        p.q_stride[3] = p.k_stride[3] = p.v_stride[3] = p.out_stride[3] = 1;  // rows by 16-byte vectors
         AttentionPointers ptr{};
         const AttentionMmaPlan plan = plan_attention_mma(p, dtypes[d], ptr);
-        if (plan.bucket) {
-          std::printf("%s %d %s %zu\\n", names[d], bucket, plan.plain ? "plain" : "bits", plan.smem_bytes);
-        }
+        const char* name = plan.variant == kMmaPlain ? "plain"
+                           : plan.variant == kMmaBits ? "bits" : "general";
+        if (plan.bucket) std::printf("%s %d %s %zu\\n", names[d], bucket, name, plan.smem_bytes);
       }
 }
 """)
@@ -361,7 +363,8 @@ int main() {
                     os.path.join(ROOT, "csrc", "include"), str(src), "-o", str(exe)], check=True, timeout=120)
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
     plans = [line.split() for line in lines if line]
-    assert len(plans) == 18  # fp16, bf16, fp32 up to bucket 128; each plain and general
+    assert len(plans) == 27  # fp16, bf16, fp32 up to bucket 128; each plain, bits and general
+    assert {variant for _, _, variant, _ in plans} == {"plain", "bits", "general"}
     for dtype, bucket, variant, smem in plans:
         short = f"mma {dtype} bucket{bucket} {variant}"
         assert sass.dynamic_smem(short, "") == int(smem), short

@@ -952,7 +952,8 @@ def dynamic_smem(short: str, demangled: str) -> int | None:
     plan_attention_mma (csrc/cuda/attention_plan.h: kMmaStages = 2 stages of a K and a V tile of
     kMmaTileKeys = 64 rows of mma_tile_ld = bucket + one 16-byte unit, and the block's Q rows where the kernel
     stages them, mma_q_shared: 128 for the plain 16-bit kernels up to bucket 64, whose warps have two row
-    groups, 64 for float32 at bucket 128); FA2's, per its
+    groups, 64 for float32 at bucket 128), and the general instantiation's mask tile (64 rows of kMmaBiasLd =
+    72 floats); FA2's, per its
     Kernel_traits::kSmemSize (Q tile + 2 x (K or V tile), in 16-bit elements, when Q and K do not share).
     tests/test_sass.py checks the attnx formula against attention_plan.h."""
     m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)", short)
@@ -961,7 +962,8 @@ def dynamic_smem(short: str, demangled: str) -> int | None:
         bucket = int(m.group(2))
         q_rows = (128 if short.endswith(" plain") and element == 2 and bucket <= 64
                   else 64 if element == 4 and bucket > 64 else 0)
-        return (2 * 2 * 64 + q_rows) * (bucket + 16 // element) * element
+        mask_tile = 64 * (64 + 8) * 4 if short.endswith(" general") else 0  # kMmaBiasLd floats a row
+        return (2 * 2 * 64 + q_rows) * (bucket + 16 // element) * element + mask_tile
     m = re.search(r"Flash_fwd_kernel_traits<\s*(\d+),\s*(\d+),\s*(\d+),\s*\d+,\s*(\w+),\s*(\w+)", demangled)
     if m:
         d, bm, bn, share = int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(5) == "true"

@@ -266,8 +266,9 @@ inline Tensor logaddexp(const Tensor& a, const Tensor& b) {
 // newest is passed, and the entries after them read as None to a torch that has more. (The public
 // _scaled_dot_product_flash_attention returns SymInts between tensors, which the stable dispatcher of
 // torch 2.10 to 2.14 converts with the wrong types: "Expected Tensor but got Int".)
-inline std::array<Tensor, 2> flash_attention_forward(const Tensor& query, const Tensor& key, const Tensor& value,
-                                                     double scale, std::optional<int64_t> window_left,
+inline std::array<Tensor, 2> flash_attention_forward(const Tensor& query, const Tensor& key,
+                                                     const Tensor& value, double scale,
+                                                     std::optional<int64_t> window_left,
                                                      std::optional<int64_t> window_right) {
   using stable::detail::box;
   std::array<StableIValue, 24> stack;

@@ -1,7 +1,7 @@
 // attnx: attnx::attention on CUDA. The checks and layouts are common/attention.cpp; the kernels are
-// cuda/attention_kernel.cu and attention_kernel_mma.cu (torch-free), or torch's own flash kernel for the calls
-// it computes exactly as attnx does, chosen by choose_kernel (cuda/attention_plan.h) and run on the current
-// stream of the inputs' device. On the LibTorch stable ABI: the device guard is the shim's
+// cuda/attention_kernel.cu and attention_kernel_mma.cu (torch-free), or torch's own flash kernel for the
+// calls it computes exactly as attnx does, chosen by choose_kernel (cuda/attention_plan.h) and run on the
+// current stream of the inputs' device. On the LibTorch stable ABI: the device guard is the shim's
 // accelerator-generic one, the stream comes from the C shim, and nothing here needs libc10_cuda.
 #include "cuda/attention.h"
 
@@ -66,7 +66,8 @@ std::array<Tensor, 2> torch_flash(const AttentionProblem& pb) {
   ptr.lse = lse.mutable_data_ptr();
   const cudaError_t err = launch_attention(fp, kernel_dtype(pb.dtype, "attnx::attention"), ptr, nullptr,
                                            Kernel::kMma);
-  ATTNX_CHECK(err == cudaSuccess, "attnx::attention: the emulated flash kernel failed: ", cudaGetErrorString(err));
+  ATTNX_CHECK(err == cudaSuccess, "attnx::attention: the emulated flash kernel failed: ",
+              cudaGetErrorString(err));
   return {out, lse};
 #endif
 }

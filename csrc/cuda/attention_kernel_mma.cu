@@ -22,8 +22,8 @@
 // terms are 0 for a warp's rows (FULL) takes the loop that reads no mask: the classes are found before the
 // loop, one bit per tile in registers, from a pre-pass (attention_mask_tiles) that classifies each 16 query
 // rows x 64 keys of attn_mask, and each batch's 64-key tiles of key_padding_mask, once for every head (and
-// batch) that shares them, and packs bool masks a bit per element (read on PARTIAL tiles a row's 64 terms at a
-// time). Only tiles at the ends of a row's key interval test each score against it.
+// batch) that shares them, and packs bool masks a bit per element (read on PARTIAL tiles a row's 64 terms at
+// a time). Only tiles at the ends of a row's key interval test each score against it.
 // Grouped KV heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the
 // denominator at the end (softmax_finish); dropout keeps each probability by its Philox draw, as every
 // backend, before P V (apply_dropout).
@@ -53,16 +53,55 @@ namespace {
 // the pre-pass's packed bits alone, on every tile, with each tile's path compiled per boundary or interior
 // tile, mask and cap: its loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) reads elements
 // through mask_value where a mask is not packed.
-// The masked score paths' soft-cap test once a score (a tag beside std::true_type and std::false_type, which
-// compile the cap in or out of a path whose caller tested it once a tile).
-struct CapPerScore {};
+// How the general instantiation's mask tile reads attn_mask (beside MaskElements<T>, common.cuh).
+struct NoAttnMask {};
+struct BoolAttnMask {};
+
+// The general instantiation's mask tile, a lane's own part: the terms of its scores (its rows r = 0, 1 from
+// attn_mask's elements at[r], key_padding_mask's from kpm_at; keys 8 j + 2 t + e of the tile), attn_mask's
+// plus key_padding_mask's (mask_value's, in mask_value's order), at tile[8 r kMmaBiasLd + 8 j + e]. A key
+// a bool attn_mask removes is -inf whatever key_padding_mask adds; rows past L and keys from `nk` on are 0
+// (their scores are not seen). The lane reads back only what it wrote: no synchronisation, and a loop that
+// is not unrolled, so that the elements' addresses and values never hold many registers.
+template <typename Attn>
+__device__ __forceinline__ void fill_mask_tile(Attn attn, const AttentionParams& p,
+                                               const AttentionPointers& ptr, const int64_t (&at)[2],
+                                               const bool (&row_in)[2], int64_t kpm_at, int nk, int t,
+                                               float* tile) {
+  const int64_t st3 = p.attn_mask_stride[3], kst = p.key_padding_mask_stride[1];
+#pragma unroll 1
+  for (int j = 0; j < kMmaTileKeys / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = 8 * j + 2 * t + e;
+      float kpm = 0.0f;
+      if (p.key_padding_mask_kind != kMaskNone && key < nk) {
+        kpm = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask, kpm_at + key * kst);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float term = 0.0f;
+        if (row_in[r] && key < nk) {
+          if constexpr (std::is_same<Attn, NoAttnMask>::value) {
+            term = kpm;
+          } else if constexpr (std::is_same<Attn, BoolAttnMask>::value) {
+            term = static_cast<const bool*>(ptr.attn_mask)[at[r] + key * st3] ? -INFINITY : kpm;
+          } else {
+            term = mask_term(attn, ptr.attn_mask, at[r] + key * st3) + kpm;
+          }
+        }
+        tile[8 * r * kMmaBiasLd + 8 * j + e] = term;
+      }
+    }
+  }
+}
 
 // The blocks an SM must hold, for ptxas's register budget where its own aim would spill: 1 for float32 at
-// bucket 128, whose 165 KiB of shared memory leave room for one; 2 for the 16-bit bits instantiation at
-// bucket 32 (aiming at 3, ptxas spills it at 168 registers on sm_80); 0, no bound, elsewhere.
+// bucket 128, whose 165 KiB of shared memory leave room for one; 2 for the 16-bit masked instantiations at
+// bucket 32 (aiming at 3, ptxas spills them at 168 registers on sm_80); 0, no bound, elsewhere.
 constexpr int mma_min_blocks(int element_bytes, int bucket, int variant) {
   return element_bytes == 4 && bucket > kMmaTf32QRegs           ? 1
-         : element_bytes == 2 && bucket == 32 && variant == kMmaBits ? 2
+         : element_bytes == 2 && bucket == 32 && variant != kMmaPlain ? 2
                                                                      : 0;
 }
 
@@ -75,6 +114,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   constexpr bool kPlain = kVariant == kMmaPlain;
   // kMmaBits: both masks bool or absent, read from the pre-pass's bits only (no mask_value in this loop).
   constexpr bool kBits = kVariant == kMmaBits;
+  // kMmaGeneral: a float mask; both masks' terms of a tile that reads them staged by each lane for its own
+  // scores (fill_mask_tile).
+  constexpr bool kGeneral = kVariant == kMmaGeneral;
   constexpr int kThreads = kWarps * kWarpSize;
   // The warp's m16 row groups (mma_row_groups): each K and V fragment feeds the mma of every group.
   constexpr int kGroups = mma_row_groups(static_cast<int>(sizeof(scalar_t)), kBucket, kPlain);
@@ -284,7 +326,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
           if (key < w_end) {
             if constexpr (kBits) {  // the packed row's bit (set: removed)
               const MaskTiles& mt = plan.padding_tiles;
-              const uint32_t word = mask_tiles[mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0) + key / 32];
+              const int64_t row = mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0);
+              const uint32_t word = mask_tiles[row + key / 32];
               term = (word >> (key % 32)) & 1u ? kNegInf : 0.0f;
             } else {
               term = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
@@ -410,6 +453,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   uint32_t qa[kQShared ? 1 : kGroups][kQShared ? 1 : kKSteps][4];
   uint32_t qs[kTf32 && !kQShared ? kKSteps : 1][4];
   scalar_t* const q_s = smem + 4 * kTile + warp * kRowsPerWarp * kLd;  // this warp's rows (kQShared)
+  // kGeneral: this warp's rows of the mask tile, after the stages and Q's rows.
+  [[maybe_unused]] float* const mask_s =
+      reinterpret_cast<float*>(smem + 4 * kTile + (kQShared ? kRowsPerBlock * kLd : 0)) +
+      warp * kRowsPerWarp * kMmaBiasLd;
   if constexpr (kQShared) {
     if (plan.q_vector) {
       // 16-byte copies in a cp.async group of their own, after the first tile's: the loop's first wait
@@ -515,7 +562,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const Tf32Split x = split_tf32(q_s[(g + 8 * (i % 2)) * kLd + 8 * (ks + h) + t + (i >= 2 ? 4 : 0)]);
+            const int at = (g + 8 * (i % 2)) * kLd + 8 * (ks + h) + t + (i >= 2 ? 4 : 0);
+            const Tf32Split x = split_tf32(q_s[at]);
             qb[h][i] = x.big;
             ql[h][i] = x.small;
           }
@@ -618,7 +666,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
 #pragma unroll
         for (int e = 0; e < 2; ++e) kpm[j][e] = 0.0f;
       }
-      if (!kPlain && p.key_padding_mask_kind != kMaskNone) {
+      if (!kPlain && !kGeneral && p.key_padding_mask_kind != kMaskNone) {
         if (masks_read) {
           const MaskTiles& mt = plan.padding_tiles;
           if (kBits || mt.key_words > 0) {
@@ -647,16 +695,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
           }
         }
       }
-      // The scores with the masks; `ranged`: a boundary tile, each element tested against its row's
-      // interval (so that interior tiles carry no test); `packed`: a bool attn_mask read from its packed
-      // bits, a row's 64 terms in one load (so that this path carries no switch over the mask's dtype);
-      // `capped`: the soft-cap compiled in or out by a caller that tested it once a tile, or CapPerScore.
-      const auto masked_scores = [&](auto ranged, auto packed, auto capped) {
-        static_assert(kBits || !decltype(ranged)::value || !decltype(packed)::value,
-                      "the general instantiation reads packed bits on interior tiles only");
-        // packed: the words of the lane's first row's terms in this tile (row(1) = row(0) + 8, one row group);
-        // on a boundary tile (kBits), each row's own, the last row's for a row past L (whose scores are not
-        // seen).
+      // The scores with the masks. `ranged`: a boundary tile, each element tested against its row's interval
+      // (so that interior tiles carry no test); `packed`: a bool attn_mask read from its packed bits, a row's
+      // 64 terms in one load, and key_padding_mask's terms from kpm; `tiled`: both masks' terms from the
+      // warp's mask tile (mask_s); neither: key_padding_mask's alone; `capped`: the soft-cap compiled in or
+      // out by a caller that tested it once a tile.
+      const auto masked_scores = [&](auto ranged, auto packed, auto capped, auto tiled) {
+        static_assert(kBits || !decltype(packed)::value, "packed bits are the bits instantiation's");
+        static_assert(kGeneral || !decltype(tiled)::value, "the mask tile is the general instantiation's");
+        // packed: the words of the lane's first row's terms in this tile (row(1) = row(0) + 8, one row
+        // group); on a boundary tile (kBits), each row's own, the last row's for a row past L (whose scores
+        // are not seen).
         [[maybe_unused]] const uint32_t* packed_words = nullptr;
         [[maybe_unused]] int64_t packed_step = 0;
         [[maybe_unused]] const MaskTiles& amt = plan.attn_tiles;
@@ -681,8 +730,6 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
             hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
             row_reads = row(r) < L && lo < hi;
           }
-          [[maybe_unused]] const int64_t am_row =
-              am_base + row(r) * p.attn_mask_stride[2] + (k0 + 2 * t) * p.attn_mask_stride[3];
           // packed: bit i is key k0 + 2t + i of the row (set: removed), one 8-byte load (an interior tile's
           // rows are all below L).
           [[maybe_unused]] uint64_t removed = 0;
@@ -702,21 +749,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
               const int jj = 8 * j + 2 * t + e;
               float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
               if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
-                if constexpr (std::is_same<decltype(capped), CapPerScore>::value) {
-                  x = softcapped() ? score(sg[j][i], std::true_type{}) : score(sg[j][i], std::false_type{});
-                } else {
-                  x = score(sg[j][i], capped);
-                }
-                if constexpr (!kPlain) {
-                  float bias = kpm[j][e];
-                  if constexpr (!decltype(packed)::value && !kBits) {
-                    if (p.attn_mask_kind != kMaskNone) {
-                      bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
-                                               am_row + (8 * j + e) * p.attn_mask_stride[3]) +
-                             bias;
-                    }
-                  }
-                  x += bias;
+                x = score(sg[j][i], capped);
+                if constexpr (decltype(tiled)::value) {
+                  x += mask_s[(g + 8 * (r % 2)) * kMmaBiasLd + 2 * t + 8 * j + e];
+                } else if constexpr (!kPlain) {
+                  x += kpm[j][e];
                   // A removed key is -inf whatever key_padding_mask adds there (NaN or +inf included: an
                   // unseen position, the spec's unread answer).
                   if constexpr (decltype(packed)::value) x = (removed >> (8 * j + e)) & 1u ? kNegInf : x;
@@ -728,43 +765,57 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
           }
         }
       };
-      // kMmaBits: every tile's path compiled per boundary or interior tile, attn_mask and cap. kMmaGeneral:
-      // interior tiles of a bool attn_mask read its packed bits and test the cap once a tile; boundary tiles
-      // and float masks read the masks' elements and test the cap once a score.
-      if constexpr (kBits) {
-        // Every tile's path compiled per boundary or interior tile, bool attn_mask or none and soft-cap,
-        // and chosen here: no test of any of them per score.
-        const auto by_cap = [&](auto ranged, auto packed) {
-          if (softcapped()) {
-            masked_scores(ranged, packed, std::true_type{});
-          } else {
-            masked_scores(ranged, packed, std::false_type{});
-          }
-        };
-        const auto by_mask = [&](auto ranged) {
-          if (p.attn_mask_kind == kMaskBool) {
-            by_cap(ranged, std::true_type{});
-          } else {
-            by_cap(ranged, std::false_type{});
-          }
-        };
-        if (interior) {
-          by_mask(std::false_type{});
+      // Every tile's path compiled per boundary or interior tile, how the masks are read and soft-cap, and
+      // chosen here once a tile: no test of any of them per score. kMmaBits: a bool attn_mask's packed bits
+      // or none; kMmaGeneral: the warp's mask tile, staged first where the tile reads the masks (a boundary
+      // tile both masks keep for the warp's rows reads none); plain: the range test alone.
+      const std::false_type no;
+      const auto by_cap = [&](auto ranged, auto packed, auto tiled) {
+        if constexpr (kPlain) {
+          masked_scores(ranged, packed, no, tiled);
+        } else if (softcapped()) {
+          masked_scores(ranged, packed, std::true_type{}, tiled);
         } else {
-          by_mask(std::true_type{});
+          masked_scores(ranged, packed, no, tiled);
         }
-      } else if (!interior) {
-        masked_scores(std::true_type{}, std::false_type{}, CapPerScore{});
-      } else if (!kPlain && plan.attn_tiles.key_words > 0) {
-        if constexpr (!kPlain) {
-          if (softcapped()) {
-            masked_scores(std::false_type{}, std::true_type{}, std::true_type{});
+      };
+      const auto by_masks = [&](auto ranged) {
+        if constexpr (kBits) {
+          if (p.attn_mask_kind == kMaskBool) {
+            by_cap(ranged, std::true_type{}, no);
           } else {
-            masked_scores(std::false_type{}, std::true_type{}, std::false_type{});
+            by_cap(ranged, no, no);
           }
+        } else if constexpr (kGeneral) {
+          if (masks_read) {
+            // The terms of the lane's scores, its element type's code chosen here.
+            const int64_t at[2] = {am_base + row(0) * p.attn_mask_stride[2] + k0 * p.attn_mask_stride[3],
+                                   am_base + row(1) * p.attn_mask_stride[2] + k0 * p.attn_mask_stride[3]};
+            const bool row_in[2] = {row(0) < L, row(1) < L};
+            const int64_t kpm_at = kpm_base + k0 * p.key_padding_mask_stride[1];
+            float* const tile = mask_s + g * kMmaBiasLd + 2 * t;
+            const auto fill = [&](auto attn) {
+              fill_mask_tile(attn, p, ptr, at, row_in, kpm_at, nk, t, tile);
+            };
+            if (p.attn_mask_kind == kMaskNone) {
+              fill(NoAttnMask{});
+            } else if (p.attn_mask_kind == kMaskBool) {
+              fill(BoolAttnMask{});
+            } else {
+              with_float_mask(p.attn_mask_kind, fill);
+            }
+            by_cap(ranged, no, std::true_type{});
+          } else {
+            by_cap(ranged, no, no);
+          }
+        } else {
+          by_cap(ranged, no, no);
         }
+      };
+      if (kPlain || !interior) {  // the plain instantiation's interior tiles took the unmasked path
+        by_masks(std::true_type{});
       } else {
-        masked_scores(std::false_type{}, std::false_type{}, CapPerScore{});
+        by_masks(no);
       }
     }
 

@@ -126,6 +126,9 @@ constexpr int kMmaStages = 2;
 constexpr int kMmaMaxHeadDim = 128;      // its Q, S and O fragments stay in registers up to here
 constexpr int kMmaMaxHeadDimTf32 = 128;  // float32: Q's two parts (big and small) from shared memory above
 constexpr int kMmaTf32QRegs = 64;        // this bucket (mma_q_shared), in registers up to it
+// The general instantiation's mask tile: both masks' terms of a tile as floats, a row per query row of the
+// block, rows of kMmaTileKeys + 8 floats (a half-warp's 8-byte reads then fall on distinct banks).
+constexpr int kMmaBiasLd = kMmaTileKeys + 8;
 
 // Bytes of one element of the mma kernel's inputs: 4 for float32, 2 for float16/bfloat16.
 constexpr int mma_element_bytes(DType dtype) {
@@ -227,10 +230,10 @@ constexpr int64_t mask_packed_row(const MaskTiles& mt, int64_t bm, int64_t hm, i
   return mt.packed + ((bm * mt.slices_h + hm) * mt.q_rows + l) * mt.key_words;
 }
 
-// The classes (and for a bool mask the packed bits) of a mask of `kind` with (B, H, L, S) strides `stride`,
-// from word `base` of the workspace; q_tiles: the query tiles of the launch.
+// The classes (and with `pack`, for a bool mask, the packed bits) of a mask of `kind` with (B, H, L, S)
+// strides `stride`, from word `base` of the workspace; q_tiles: the query tiles of the launch.
 inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, const int64_t* stride,
-                                 int64_t q_tiles, int64_t base) {
+                                 int64_t q_tiles, int64_t base, bool pack) {
   MaskTiles mt{};
   mt.kind = kind;
   for (int d = 0; d < 4; ++d) mt.stride[d] = stride[d];
@@ -245,7 +248,7 @@ inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, const i
   mt.q_rows = stride[2] == 0 ? 1 : p.q_len;
   mt.packed = mask_tile_row(mt, mt.slices_b, 0, 0);
   const int64_t rows = mt.slices_b * mt.slices_h * mt.q_rows;
-  mt.key_words = kind == kMaskBool ? 2 * key_tiles : 0;
+  mt.key_words = pack && kind == kMaskBool ? 2 * key_tiles : 0;
   mt.class_warps = mt.slices_b * mt.slices_h * mt.q_tiles * mt.words;
   mt.warps = mt.class_warps + rows * ((mt.key_words + 31) / 32);
   mt.end = mt.packed + rows * mt.key_words;
@@ -254,7 +257,8 @@ inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, const i
 
 // The mma kernel's instantiations: plain (mma_plain and vector loads: no mask, no soft-cap, no dropout), bits
 // (the others where each mask is bool or absent: the masks are read from the pre-pass's packed bits alone,
-// never element by element, so this loop holds no code for a float mask) and general (a float mask).
+// never element by element, so this loop holds no code for a float mask) and general (a float mask: each
+// lane stages both masks' terms of its scores of a tile that reads them as floats in shared memory).
 enum MmaVariant : int { kMmaPlain = 0, kMmaBits = 1, kMmaGeneral = 2 };
 
 struct AttentionMmaPlan {
@@ -304,12 +308,17 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   const int groups = plan.rows_per_block / kMmaRowsPerBlock;
   const int q_rows = mma_q_shared(element_bytes, plan.bucket, groups) ? plan.rows_per_block : 0;
   plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
+  if (plan.variant == kMmaGeneral) {  // its mask tile, after the stages and Q's rows
+    plan.smem_bytes += static_cast<size_t>(plan.rows_per_block) * kMmaBiasLd * sizeof(float);
+  }
   if (!plan.plain && plan.blocks > 0) {
     const int64_t q_tiles = plan.q_blocks * (plan.rows_per_block / kMmaRowsPerWarp);
-    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, p.attn_mask_stride, q_tiles, 0);
+    const bool pack = plan.variant == kMmaBits;  // the general instantiation reads its mask tile instead
+    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, p.attn_mask_stride, q_tiles, 0, pack);
     const int64_t* const kpm = p.key_padding_mask_stride;
     const int64_t padding_stride[4] = {kpm[0], 0, 0, kpm[1]};
-    plan.padding_tiles = plan_mask_tiles(p, p.key_padding_mask_kind, padding_stride, 1, plan.attn_tiles.end);
+    plan.padding_tiles =
+        plan_mask_tiles(p, p.key_padding_mask_kind, padding_stride, 1, plan.attn_tiles.end, pack);
     plan.mask_blocks = (plan.attn_tiles.warps + plan.padding_tiles.warps + kWarps - 1) / kWarps;
     plan.workspace_bytes = static_cast<size_t>(plan.padding_tiles.end) * sizeof(uint32_t);
   }

@@ -139,6 +139,32 @@ __device__ __forceinline__ T from_acc(A x) {
   return FromAcc<T>::cast(x);
 }
 
+// A float mask's element type as a tag, for code compiled once per type (the tensor-core kernel's mask tile),
+// where mask_value's runtime switch would be taken per element.
+template <typename T>
+struct MaskElements {};
+
+// Calls f(MaskElements<T>{}) for a float mask's `kind` (float16, bfloat16, float32 or float64): compares,
+// not a jump table, taken once where a loop over elements follows.
+template <typename F>
+__device__ __forceinline__ void with_float_mask(int32_t kind, F&& f) {
+  if (kind == kMaskFloat16) {
+    f(MaskElements<__half>{});
+  } else if (kind == kMaskBFloat16) {
+    f(MaskElements<__nv_bfloat16>{});
+  } else if (kind == kMaskFloat32) {
+    f(MaskElements<float>{});
+  } else {
+    f(MaskElements<double>{});
+  }
+}
+
+// Element `offset` of a float mask of element type T as the float term it stands for (mask_value<float>'s).
+template <typename T>
+__device__ __forceinline__ float mask_term(MaskElements<T> /*type*/, const void* mask, int64_t offset) {
+  return static_cast<float>(to_acc(static_cast<const T*>(mask)[offset]));
+}
+
 // One element of a mask, as the additive term it stands for: bool true = masked out (-inf), a float is added
 // as it is, converted to the accumulator type like the reference's mask.to(acc). `kind` is the same for every
 // thread of a launch, so the switch never diverges.

@@ -46,9 +46,9 @@ inline cudaStream_t current_stream(int32_t device) {
   return static_cast<cudaStream_t>(stream);
 }
 
-// Whether the process lets torch's flash kernel take the calls it computes as attnx does: ATTNX_CUDA_TORCH_FLASH
-// (0: no) when first asked, then what attnx::_cuda_torch_flash last set (benchmarks time attnx's own kernel
-// beside it).
+// Whether the process lets torch's flash kernel take the calls it computes as attnx does:
+// ATTNX_CUDA_TORCH_FLASH (0: no) when first asked, then what attnx::_cuda_torch_flash last set (benchmarks
+// time attnx's own kernel beside it).
 inline std::atomic<bool>& torch_flash_enabled() {
   static std::atomic<bool> enabled{[] {
     const char* flag = std::getenv("ATTNX_CUDA_TORCH_FLASH");
@@ -81,10 +81,13 @@ inline Target target(int32_t device) {
   int major = 0, minor = 0, smem = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: cannot read the compute capability of device ", device,
               ": ", cudaGetErrorString(err));
-  return Target{major * 10 + minor, mma, fused_backward, torch_flash_enabled() && !torch_flash_refused(), smem};
+  const bool torch_flash = torch_flash_enabled() && !torch_flash_refused();
+  return Target{major * 10 + minor, mma, fused_backward, torch_flash, smem};
 }
 
 }  // namespace attnx::cuda

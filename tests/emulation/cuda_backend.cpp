@@ -19,8 +19,8 @@ using attnx::AttentionKernelProblem;
 using attnx::AttentionProblem;
 
 // The device the tests emulate: sm_90 with the tensor cores and the fused backward on, and torch's flash
-// kernel off (its stand-in, in cuda/attention.cpp, would take the calls the tensor cores should be tested on),
-// unless told otherwise.
+// kernel off (its stand-in, in cuda/attention.cpp, would take the calls the tensor cores should be tested
+// on), unless told otherwise.
 attnx::cuda::Target target{90, true, true, false, 227 * 1024};
 attnx_emu::Library* library = nullptr;
 
