@@ -107,6 +107,9 @@ def test_kernel_report_flags_default_path_spills(gpu_check):
     assert default == {("mma", "fp32", 64), ("simt", "fp32", 128), ("mma", "bf16", 128)}
     assert gpu_check.default_kernels(["cuda fused fp16 bucket 128"]) == {
         ("backward_keys", "fp16", 128), ("backward_queries", "fp16", 128)}
+    # the mma kernel's instantiations are one kernel of the report; torch's flash kernel is none of attnx's
+    assert gpu_check.default_kernels(["cuda mma fp16 bucket 64 bits", "cuda mma bf16 bucket 32 general",
+                                      "torch flash fp16"]) == {("mma", "fp16", 64), ("mma", "bf16", 32)}
     rows = gpu_check.kernel_report(gpu_check.parse_resource_usage(USAGE),
                                    gpu_check.count_local_accesses(SASS), "sm_90", default)
     assert [(r["kernel"], r["dtype"], r["head_dim"]) for r in rows] == [

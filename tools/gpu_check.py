@@ -167,7 +167,7 @@ def kernel_label(mangled: str):
 
 
 # The kernels attnx::_attention_kernel names (attnx.info's attention_kernel) -> kernel_label's kinds.
-_NAMED = re.compile(r"cuda (simt|mma|fused) (fp16|bf16|fp32|fp64) bucket (\d+)")
+_NAMED = re.compile(r"cuda (simt|mma|fused) (fp16|bf16|fp32|fp64) bucket (\d+)(?: bits| general)?")
 _NAMED_KINDS = {"simt": ("simt",), "mma": ("mma",), "fused": ("backward_keys", "backward_queries")}
 
 # Run on the GPU (the env step's Python): the kernel attention and its backward take, for every dtype at each
