@@ -53,41 +53,63 @@ namespace {
 // the pre-pass's packed bits alone, on every tile, with each tile's path compiled per boundary or interior
 // tile, mask and cap: its loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) reads elements
 // through mask_value where a mask is not packed.
-// How the general instantiation's mask tile reads attn_mask (beside MaskElements<T>, common.cuh).
-struct NoAttnMask {};
-struct BoolAttnMask {};
+// How the general instantiation's mask tile reads a mask (beside MaskElements<T>, common.cuh).
+struct NoMask {};
+struct BoolMask {};
 
-// The general instantiation's mask tile, a lane's own part: the terms of its scores (its rows r = 0, 1 from
-// attn_mask's elements at[r], key_padding_mask's from kpm_at; keys 8 j + 2 t + e of the tile), attn_mask's
-// plus key_padding_mask's (mask_value's, in mask_value's order), at tile[8 r kMmaBiasLd + 8 j + e]. A key
-// a bool attn_mask removes is -inf whatever key_padding_mask adds; rows past L and keys from `nk` on are 0
-// (their scores are not seen). The lane reads back only what it wrote: no synchronisation, and a loop that
-// is not unrolled, so that the elements' addresses and values never hold many registers.
-template <typename Attn>
-__device__ __forceinline__ void fill_mask_tile(Attn attn, const AttentionParams& p,
-                                               const AttentionPointers& ptr, const int64_t (&at)[2],
-                                               const bool (&row_in)[2], int64_t kpm_at, int nk, int t,
-                                               float* tile) {
-  const int64_t st3 = p.attn_mask_stride[3], kst = p.key_padding_mask_stride[1];
+// A mask's term as the float the tile loop adds: -inf for a removed key of a bool mask, a float mask's
+// element as mask_value<float> converts it.
+template <typename Kind>
+__device__ __forceinline__ float staged_term(Kind kind, const void* mask, int64_t offset) {
+  if constexpr (std::is_same<Kind, BoolMask>::value) {
+    return static_cast<const bool*>(mask)[offset] ? -INFINITY : 0.0f;
+  } else {
+    return mask_term(kind, mask, offset);
+  }
+}
+
+// The general instantiation's mask tile, a lane's own part: the terms of its scores (its rows r = 0, 1; keys
+// 8 j + 2 t + e of the tile) at tile[8 r kMmaBiasLd + 8 j + e], in two passes whose element types' code the
+// caller chose once a tile. The lane reads back only what it wrote: no synchronisation, and loops that are
+// not unrolled, so that the elements' addresses and values never hold many registers. Keys from `nk` on are
+// 0 (their scores are not seen).
+// First key_padding_mask's terms, from kpm_at, kst apart, into row 0's slots (what both rows add).
+template <typename Kpm>
+__device__ __forceinline__ void stage_kpm_terms(Kpm kpm, const void* mask, int64_t kpm_at, int64_t kst, int nk,
+                                                int t, float* tile) {
 #pragma unroll 1
   for (int j = 0; j < kMmaTileKeys / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int key = 8 * j + 2 * t + e;
-      float kpm = 0.0f;
-      if (p.key_padding_mask_kind != kMaskNone && key < nk) {
-        kpm = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask, kpm_at + key * kst);
-      }
+      tile[8 * j + e] = key < nk ? staged_term(kpm, mask, kpm_at + key * kst) : 0.0f;
+    }
+  }
+}
+
+// Then each row's terms, from attn_mask's elements at[r], st3 apart: attn_mask's plus key_padding_mask's (as
+// staged, where `kpm`), in mask_value's order; a key a bool attn_mask removes is -inf whatever
+// key_padding_mask adds; rows past L (!row_in) are 0.
+template <typename Attn>
+__device__ __forceinline__ void stage_mask_terms(Attn attn, const void* mask, const int64_t (&at)[2],
+                                                 int64_t st3, const bool (&row_in)[2], bool kpm, int nk,
+                                                 int t, float* tile) {
+#pragma unroll 1
+  for (int j = 0; j < kMmaTileKeys / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = 8 * j + 2 * t + e;
+      const float k = kpm ? tile[8 * j + e] : 0.0f;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float term = 0.0f;
         if (row_in[r] && key < nk) {
-          if constexpr (std::is_same<Attn, NoAttnMask>::value) {
-            term = kpm;
-          } else if constexpr (std::is_same<Attn, BoolAttnMask>::value) {
-            term = static_cast<const bool*>(ptr.attn_mask)[at[r] + key * st3] ? -INFINITY : kpm;
+          if constexpr (std::is_same<Attn, NoMask>::value) {
+            term = k;
+          } else if constexpr (std::is_same<Attn, BoolMask>::value) {
+            term = static_cast<const bool*>(mask)[at[r] + key * st3] ? -INFINITY : k;
           } else {
-            term = mask_term(attn, ptr.attn_mask, at[r] + key * st3) + kpm;
+            term = mask_term(attn, mask, at[r] + key * st3) + k;
           }
         }
         tile[8 * r * kMmaBiasLd + 8 * j + e] = term;
@@ -115,7 +137,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // kMmaBits: both masks bool or absent, read from the pre-pass's bits only (no mask_value in this loop).
   constexpr bool kBits = kVariant == kMmaBits;
   // kMmaGeneral: a float mask; both masks' terms of a tile that reads them staged by each lane for its own
-  // scores (fill_mask_tile).
+  // scores (stage_kpm_terms, stage_mask_terms).
   constexpr bool kGeneral = kVariant == kMmaGeneral;
   constexpr int kThreads = kWarps * kWarpSize;
   // The warp's m16 row groups (mma_row_groups): each K and V fragment feeds the mma of every group.
@@ -788,19 +810,28 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
           }
         } else if constexpr (kGeneral) {
           if (masks_read) {
-            // The terms of the lane's scores, its element type's code chosen here.
+            // The terms of the lane's scores, each mask's element type's code chosen here.
             const int64_t at[2] = {am_base + row(0) * p.attn_mask_stride[2] + k0 * p.attn_mask_stride[3],
                                    am_base + row(1) * p.attn_mask_stride[2] + k0 * p.attn_mask_stride[3]};
             const bool row_in[2] = {row(0) < L, row(1) < L};
             const int64_t kpm_at = kpm_base + k0 * p.key_padding_mask_stride[1];
             float* const tile = mask_s + g * kMmaBiasLd + 2 * t;
+            const bool kpm = p.key_padding_mask_kind != kMaskNone;
+            if (p.key_padding_mask_kind == kMaskBool) {
+              stage_kpm_terms(BoolMask{}, ptr.key_padding_mask, kpm_at, p.key_padding_mask_stride[1], nk, t,
+                              tile);
+            } else if (kpm) {
+              with_float_mask(p.key_padding_mask_kind, [&](auto type) {
+                stage_kpm_terms(type, ptr.key_padding_mask, kpm_at, p.key_padding_mask_stride[1], nk, t, tile);
+              });
+            }
             const auto fill = [&](auto attn) {
-              fill_mask_tile(attn, p, ptr, at, row_in, kpm_at, nk, t, tile);
+              stage_mask_terms(attn, ptr.attn_mask, at, p.attn_mask_stride[3], row_in, kpm, nk, t, tile);
             };
             if (p.attn_mask_kind == kMaskNone) {
-              fill(NoAttnMask{});
+              fill(NoMask{});
             } else if (p.attn_mask_kind == kMaskBool) {
-              fill(BoolAttnMask{});
+              fill(BoolMask{});
             } else {
               with_float_mask(p.attn_mask_kind, fill);
             }
