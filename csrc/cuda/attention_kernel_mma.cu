@@ -75,8 +75,8 @@ __device__ __forceinline__ float staged_term(Kind kind, const void* mask, int64_
 // 0 (their scores are not seen).
 // First key_padding_mask's terms, from kpm_at, kst apart, into row 0's slots (what both rows add).
 template <typename Kpm>
-__device__ __forceinline__ void stage_kpm_terms(Kpm kpm, const void* mask, int64_t kpm_at, int64_t kst, int nk,
-                                                int t, float* tile) {
+__device__ __forceinline__ void stage_kpm_terms(Kpm kpm, const void* mask, int64_t kpm_at, int64_t kst,
+                                                int nk, int t, float* tile) {
 #pragma unroll 1
   for (int j = 0; j < kMmaTileKeys / 8; ++j) {
 #pragma unroll
@@ -822,7 +822,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
                               tile);
             } else if (kpm) {
               with_float_mask(p.key_padding_mask_kind, [&](auto type) {
-                stage_kpm_terms(type, ptr.key_padding_mask, kpm_at, p.key_padding_mask_stride[1], nk, t, tile);
+                stage_kpm_terms(type, ptr.key_padding_mask, kpm_at, p.key_padding_mask_stride[1], nk, t,
+                                tile);
               });
             }
             const auto fill = [&](auto attn) {
