@@ -51,8 +51,9 @@ namespace {
 // ex2, and the loop holds no code for masks or the cap. The others scale each score, cap it and add the
 // masks; their exponent's factor is log2(e) alone. kMmaBits (each mask bool or absent) reads the masks from
 // the pre-pass's packed bits alone, on every tile, with each tile's path compiled per boundary or interior
-// tile, mask and cap: its loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) reads elements
-// through mask_value where a mask is not packed.
+// tile, mask and cap: its loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) stages the
+// masks' terms of each lane's scores in shared memory, each mask's element type chosen once a tile.
+
 // How the general instantiation's mask tile reads a mask (beside MaskElements<T>, common.cuh).
 struct NoMask {};
 struct BoolMask {};
@@ -680,47 +681,33 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         unmasked_scores(std::true_type{});
       }
     } else {
-      // The key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per tile (on a
-      // tile whose terms are not all 0).
+      // kMmaBits: the key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per
+      // tile (on a tile whose terms are not all 0) from the packed mask, the tile's 64 terms in one 8-byte
+      // load, bit i key k0 + 2t + i (keys past the tile's end are outside every row's interval, whatever
+      // their bit). The general instantiation stages its terms with attn_mask's (stage_kpm_terms).
       float kpm[kSTiles][2];
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) kpm[j][e] = 0.0f;
       }
-      if (!kPlain && !kGeneral && p.key_padding_mask_kind != kMaskNone) {
-        if (masks_read) {
+      if constexpr (kBits) {
+        if (p.key_padding_mask_kind != kMaskNone && masks_read) {
           const MaskTiles& mt = plan.padding_tiles;
-          if (kBits || mt.key_words > 0) {
-            // A bool mask, packed: the tile's 64 terms in one 8-byte load, bit i key k0 + 2t + i (keys past
-            // the tile's end are outside every row's interval, whatever their bit).
-            const int64_t row = mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0);
-            const uint2 w = *reinterpret_cast<const uint2*>(mask_tiles + row + k0 / 32);
-            const uint64_t removed = (uint64_t{w.y} << 32 | w.x) >> (2 * t);
+          const int64_t row = mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0);
+          const uint2 w = *reinterpret_cast<const uint2*>(mask_tiles + row + k0 / 32);
+          const uint64_t removed = (uint64_t{w.y} << 32 | w.x) >> (2 * t);
 #pragma unroll
-            for (int j = 0; j < kSTiles; ++j) {
+          for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-              for (int e = 0; e < 2; ++e) kpm[j][e] = (removed >> (8 * j + e)) & 1u ? kNegInf : 0.0f;
-            }
-          } else if constexpr (!kBits) {
-#pragma unroll
-            for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int jj = 8 * j + 2 * t + e;
-                if (jj < nk) {
-                  kpm[j][e] = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                                kpm_base + (k0 + jj) * p.key_padding_mask_stride[1]);
-                }
-              }
-            }
+            for (int e = 0; e < 2; ++e) kpm[j][e] = (removed >> (8 * j + e)) & 1u ? kNegInf : 0.0f;
           }
         }
       }
       // The scores with the masks. `ranged`: a boundary tile, each element tested against its row's interval
       // (so that interior tiles carry no test); `packed`: a bool attn_mask read from its packed bits, a row's
-      // 64 terms in one load, and key_padding_mask's terms from kpm; `tiled`: both masks' terms from the
-      // warp's mask tile (mask_s); neither: key_padding_mask's alone; `capped`: the soft-cap compiled in or
+      // 64 terms in one load, and key_padding_mask's terms from kpm; `tiled`: both masks' terms as the lane
+      // staged them (mask_s); neither: key_padding_mask's from kpm alone; `capped`: the soft-cap compiled in or
       // out by a caller that tested it once a tile.
       const auto masked_scores = [&](auto ranged, auto packed, auto capped, auto tiled) {
         static_assert(kBits || !decltype(packed)::value, "packed bits are the bits instantiation's");
@@ -789,7 +776,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       };
       // Every tile's path compiled per boundary or interior tile, how the masks are read and soft-cap, and
       // chosen here once a tile: no test of any of them per score. kMmaBits: a bool attn_mask's packed bits
-      // or none; kMmaGeneral: the warp's mask tile, staged first where the tile reads the masks (a boundary
+      // or none; kMmaGeneral: the terms each lane stages first where the tile reads the masks (a boundary
       // tile both masks keep for the warp's rows reads none); plain: the range test alone.
       const std::false_type no;
       const auto by_cap = [&](auto ranged, auto packed, auto tiled) {

@@ -141,7 +141,7 @@ constexpr int mma_tile_ld(int bucket, int element_bytes) {
 }
 
 // True when the mma kernel covers the problem: float16/bfloat16 with max(D, Dv) <= kMmaMaxHeadDim, float32
-// with max(D, Dv) <= kMmaMaxHeadDimTf32 (dropout included: its general instantiation applies it). Whether a
+// with max(D, Dv) <= kMmaMaxHeadDimTf32 (dropout included: its masked instantiations apply it). Whether a
 // device has the shared memory its block takes is the kernel choice's question (choose_kernel).
 constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);

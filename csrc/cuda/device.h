@@ -65,10 +65,9 @@ inline std::atomic<bool>& torch_flash_refused() {
 }
 
 // The Target of `device` (cuda/attention_plan.h): its compute capability and the shared memory a block may
-// opt into, and the process's ATTNX_CUDA_MMA
-// (any value but 0 leaves the tensor cores on) and ATTNX_CUDA_FUSED_BACKWARD (1 turns the fused backward on),
-// read once per process, and whether torch's flash kernel may take calls (torch_flash_enabled, unless it
-// refused one).
+// opt into; the process's ATTNX_CUDA_MMA (any value but 0 leaves the tensor cores on) and
+// ATTNX_CUDA_FUSED_BACKWARD (1 turns the fused backward on), read once per process; and whether torch's flash
+// kernel may take calls (torch_flash_enabled, unless it refused one).
 inline Target target(int32_t device) {
   static const bool mma = [] {
     const char* flag = std::getenv("ATTNX_CUDA_MMA");
