@@ -155,8 +155,8 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // The kernel attention (backward = False) or attention_backward (True) runs for these arguments on query's
   // device: the backend's own answer, from the same plan its run function takes (cpu/attention.cpp,
   // cuda/attention_plan.h, mps/metal_plan.h), e.g. "cpu avx2", "cuda mma fp16 bucket 64", "cuda simt fp32
-  // bucket 128", "cuda composite", "cuda fused fp16 bucket 64", "metal tiled float16 bucket 64", "math" (the
-  // whole-tensor backward of common/attention_math.cpp).
+  // bucket 128", "cuda composite", "cuda fused mma fp16 bucket 64", "metal tiled float16 bucket 64",
+  // "math" (the whole-tensor backward of common/attention_math.cpp).
   // Where the backend refuses the call, the same error the call would raise. python -m attnx.info, the
   // tests' skips, tools/ and the benchmarks' labels ask it rather than restate a rule.
   m.def("_attention_kernel(Tensor query, Tensor key, Tensor value, " ATTNX_ATTENTION_OPTIONS

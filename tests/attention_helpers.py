@@ -392,16 +392,17 @@ def kernel_or_skip(device, q, k, v, backward=False, **kwargs):
     backend names it (attnx::_attention_kernel). The test is skipped, saying why, where the backend refuses
     the call (a backward needs its forward: Metal's whole-tensor backward takes float64, its forward does
     not), and where another emulated device runs the same kernel: ``cuda-emu`` (sm_90) leaves the SIMT
-    kernel's forward to ``cuda-emu-sm75``, which runs it for every call, and ``cuda-emu-sm75`` leaves the
-    backward and the composite, which do not depend on the device, to ``cuda-emu``."""
+    kernels (forward and backward) to ``cuda-emu-sm75``, which runs them for every call, and
+    ``cuda-emu-sm75`` leaves the composite and the whole-tensor backward, which do not depend on the device,
+    to ``cuda-emu``."""
     try:
         forward = torch.ops.attnx._attention_kernel(q, k, v, **kwargs)
         kernel = torch.ops.attnx._attention_kernel(q, k, v, backward=True, **kwargs) if backward else forward
     except RuntimeError as e:
         pytest.skip(f"{device.backend} does not take this call: {str(e).splitlines()[0]}")
-    if device.backend == "cuda-emu" and not backward and forward.startswith("cuda simt"):
+    if device.backend == "cuda-emu" and kernel.startswith(("cuda simt", "cuda fused simt")):
         pytest.skip(f"{kernel}: cuda-emu-sm75 runs it")
-    if device.backend == "cuda-emu-sm75" and (backward or forward == "cuda composite"):
+    if device.backend == "cuda-emu-sm75" and kernel in ("cuda composite", "math"):
         pytest.skip(f"{kernel}: cuda-emu runs the same")
     return kernel
 

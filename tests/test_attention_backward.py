@@ -431,6 +431,18 @@ def test_windows_and_key_lengths(device, window, dtype, lengths):
         assert (dk[2, :, L * 2 // 3:] == 0).all()  # keys past key_lengths get no gradient
 
 
+@pytest.mark.parametrize("window", [(-1, 0), (40, 0), (10, 70), (70, -1)], ids=str)
+def test_key_ranges_across_64_row_tiles(device, window):
+    # The tensor-core kernels' 64 x 64 tiles (CUDA's fused backward in float16 and bfloat16): three query
+    # and three key tiles, partial last ones; tiles that all 16 rows of a warp see whole (no per-score test)
+    # beside tiles that a window's edge or the key lengths cut, from either side.
+    L, S = 150, 140
+    q, k, v = make_gqa(2, 2, 1, L, S, 16, 16, dtype=torch.float16)
+    kwargs = {"window_left": window[0], "window_right": window[1], "is_causal": window == (-1, 0),
+              "key_lengths": _key_lengths([S, 100], torch.int64)}
+    check_grads(device, (q, k, v), **kwargs)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_softcap_and_sinks(device, dtype):
     # The soft-cap's derivative (1 - tanh^2) in dS, and the sinks' gradient (-sum over the row of P dP).

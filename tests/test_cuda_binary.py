@@ -19,13 +19,16 @@ from gpu_check_helpers import requires_tool
 pytestmark = requires_tool
 
 # The instantiations each arch must hold (attention_kernel.cu's launch_simt, attention_kernel_mma.cu's
-# launch_mma, attention_backward_kernel.cu's launch_backward): a renamed or missing kernel must fail here, not
+# launch_mma, attention_backward_kernel.cu's launch_backward, attention_backward_kernel_mma.cu's
+# launch_passes): a renamed or missing kernel must fail here, not
 # pass as "no kernel spills".
 SIMT = {("simt", dtype, bucket) for dtype in ("fp32", "fp64", "fp16", "bf16")
         for bucket in (32, 64, 128, 256)}
 MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16", "fp32") for bucket in (32, 64, 128)}
 BACKWARD = {(kind, dtype, bucket) for kind in ("backward_keys", "backward_queries")
             for dtype in ("fp32", "fp64", "fp16", "bf16") for bucket in (32, 64, 128, 256)}
+BACKWARD_MMA = {(kind, dtype, bucket) for kind in ("backward_mma_keys", "backward_mma_queries")
+                for dtype in ("fp16", "bf16") for bucket in (32, 64, 128)}
 
 
 def _cuda_library():
@@ -63,7 +66,8 @@ def test_every_arch_has_every_kernel(kernels):
     assert archs, "cuobjdump found no attnx attention kernel in the library"
     for arch in archs:
         found = {(r["kernel"], r["dtype"], r["head_dim"]) for r in kernels if r["arch"] == arch}
-        assert found == SIMT | MMA | BACKWARD, (arch, sorted(found ^ (SIMT | MMA | BACKWARD)))
+        expected = SIMT | MMA | BACKWARD | BACKWARD_MMA
+        assert found == expected, (arch, sorted(found ^ expected))
 
 
 def test_no_kernel_spills(kernels):

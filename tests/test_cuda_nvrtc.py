@@ -42,16 +42,19 @@ def _rows_per_warp(acc_bytes, bucket):  # attention_plan.h's rows_per_warp
 KERNELS = {
     "attention_kernel.cu": [f"attnx::cuda::attention_forward_simt<{t}, {b}, {_rows_per_warp(a, b)}>"
                             for t, a in DTYPES.values() for b in BUCKETS],
-    "attention_kernel_mma.cu": [f"attnx::cuda::attention_forward_mma<{t}, {b}, {plain}>"
-                                for t in ("__half", "__nv_bfloat16") for b in (32, 64, 128)
-                                for plain in ("true", "false")]
-    + [f"attnx::cuda::attention_forward_mma<float, {b}, {plain}>" for b in (32, 64)
-       for plain in ("true", "false")]
+    # the instantiations plain, bits and general (MmaVariant, attention_plan.h)
+    "attention_kernel_mma.cu": [f"attnx::cuda::attention_forward_mma<{t}, {b}, {variant}>"
+                                for t in ("__half", "__nv_bfloat16", "float") for b in (32, 64, 128)
+                                for variant in (0, 1, 2)]
     + ["attnx::cuda::attention_mask_tiles"],
     "attention_backward_kernel.cu": [f"attnx::cuda::attention_backward_delta<{t}>"
                                      for t, _ in DTYPES.values()]
     + [f"attnx::cuda::attention_backward_{kind}<{t}, {b}>" for kind in ("keys", "queries")
        for t, _ in DTYPES.values() for b in BUCKETS],
+    "attention_backward_kernel_mma.cu": [f"attnx::cuda::attention_backward_mma_{kind}<{t}, {b}, {plain}>"
+                                         for kind in ("queries", "keys")
+                                         for t in ("__half", "__nv_bfloat16") for b in (32, 64, 128)
+                                         for plain in ("true", "false")],
 }
 
 

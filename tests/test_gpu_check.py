@@ -105,8 +105,10 @@ def test_kernel_report_flags_default_path_spills(gpu_check):
     default = gpu_check.default_kernels(["cuda mma fp32 bucket 64", "cuda simt fp32 bucket 128",
                                          "cuda mma bf16 bucket 128", "math", "cuda composite"])
     assert default == {("mma", "fp32", 64), ("simt", "fp32", 128), ("mma", "bf16", 128)}
-    assert gpu_check.default_kernels(["cuda fused fp16 bucket 128"]) == {
+    assert gpu_check.default_kernels(["cuda fused simt fp16 bucket 128"]) == {
         ("backward_keys", "fp16", 128), ("backward_queries", "fp16", 128)}
+    assert gpu_check.default_kernels(["cuda fused mma bf16 bucket 64"]) == {
+        ("backward_mma_keys", "bf16", 64), ("backward_mma_queries", "bf16", 64)}
     # the mma kernel's instantiations are one kernel of the report; torch's flash kernel is none of attnx's
     assert gpu_check.default_kernels(["cuda mma fp16 bucket 64 bits", "cuda mma bf16 bucket 32 general",
                                       "torch flash fp16"]) == {("mma", "fp16", 64), ("mma", "bf16", 32)}

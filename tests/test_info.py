@@ -159,7 +159,7 @@ def test_kernel_lines_name_what_the_backend_runs(device):
         assert "D=64: cuda mma fp32 bucket 64; D=128: cuda mma fp32 bucket 128;" in lines[2]
         assert "D=512: cuda composite;" in lines[0]
         assert "with dropout: cuda mma fp16 bucket 64 bits" in lines[0]
-        assert "backward at D=64: cuda fused fp16 bucket 64" in lines[0]
+        assert "backward at D=64: cuda fused mma fp16 bucket 64" in lines[0]
         assert "D=64: cuda simt fp64 bucket 64" in lines[3]
     if device.backend == "cuda-emu-sm75":
         assert all("mma" not in line for line in lines)

@@ -149,9 +149,11 @@ def outcome(name, rc, seconds, limit, log, detail=""):
 # ------------------------------------------------------------------------------------------------------------
 # Parsers (no GPU needed; tests/test_gpu_check.py checks them on samples).
 
-# attention_forward_{simt,mma} and the fused backward's attention_backward_{keys,queries} (kinds "simt",
-# "mma", "backward_keys", "backward_queries"); the backward's delta pre-pass has no bucket or shared memory.
-_KERNEL = re.compile(r"attention_(?:forward_(simt|mma)|(backward_keys|backward_queries))"
+# attention_forward_{simt,mma} and the fused backwards' attention_backward_{keys,queries} (SIMT) and
+# attention_backward_mma_{keys,queries} (kinds "simt", "mma", "backward_keys", ...); the SIMT backward's
+# delta pre-pass has no bucket or shared memory.
+_KERNEL = re.compile(r"attention_(?:forward_(simt|mma)|(backward_keys|backward_queries|backward_mma_keys"
+                     r"|backward_mma_queries))"
                      r"I(13__nv_bfloat16|6__half|f|d)Li(\d+)E(?:Li(\d+)E)?")
 _DTYPES = {"13__nv_bfloat16": "bf16", "6__half": "fp16", "f": "fp32", "d": "fp64"}
 
@@ -167,8 +169,10 @@ def kernel_label(mangled: str):
 
 
 # The kernels attnx::_attention_kernel names (attnx.info's attention_kernel) -> kernel_label's kinds.
-_NAMED = re.compile(r"cuda (simt|mma|fused) (fp16|bf16|fp32|fp64) bucket (\d+)(?: bits| general)?")
-_NAMED_KINDS = {"simt": ("simt",), "mma": ("mma",), "fused": ("backward_keys", "backward_queries")}
+_NAMED = re.compile(r"cuda (simt|mma|fused simt|fused mma) (fp16|bf16|fp32|fp64) bucket (\d+)"
+                    r"(?: bits| general)?")
+_NAMED_KINDS = {"simt": ("simt",), "mma": ("mma",), "fused simt": ("backward_keys", "backward_queries"),
+                "fused mma": ("backward_mma_keys", "backward_mma_queries")}
 
 # Run on the GPU (the env step's Python): the kernel attention and its backward take, for every dtype at each
 # head-dim bucket, as the CUDA library names them (attnx::_attention_kernel): the default dispatch of this

@@ -136,7 +136,17 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   const DType dtype = kernel_dtype(pb.call.dtype, op);
   const std::string bucket = stable::str(dtype_name(dtype), " bucket ", head_dim_bucket(p.head_dim, p.v_head_dim));
   if (pb.backward) {
-    pb.kernel = choose_fused_backward(p, target) ? "cuda fused " + bucket : "math";
+    // attn_mask's gradient is taken as not asked for (the SIMT kernels compute it where it is).
+    switch (choose_backward(p, dtype, target, /*mask_grad=*/false)) {
+      case BackwardKernel::kMma:
+        pb.kernel = "cuda fused mma " + bucket;
+        break;
+      case BackwardKernel::kSimt:
+        pb.kernel = "cuda fused simt " + bucket;
+        break;
+      case BackwardKernel::kMath:
+        pb.kernel = "math";
+    }
     return;
   }
   switch (forward_kernel(pb.call, dtype, target)) {

@@ -14,7 +14,7 @@ namespace attnx::cuda {
 // Writes pb.out and pb.lse with the kernel choose_kernel picks for `target`, on `stream`.
 void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stream);
 
-// Writes the gradients with the fused kernels where choose_fused_backward says so, else the whole-tensor math.
+// Writes the gradients with the kernel choose_backward picks for `target`, on `stream`.
 void run_attention_backward(AttentionBackwardProblem& pb, const Target& target, cudaStream_t stream);
 
 // attnx::_attention_kernel: what run_attention (run_attention_backward with pb.backward) would run for

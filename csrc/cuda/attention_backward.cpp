@@ -1,10 +1,12 @@
 // attnx: attnx::attention_backward on CUDA. The checks and layouts are common/attention.cpp; the kernels are
 // cuda/attention_backward_kernel.cu (torch-free), launched here on the current stream of the inputs' device.
 //
-// The fused kernels run when ATTNX_CUDA_FUSED_BACKWARD=1 (choose_fused_backward, cuda/attention_plan.h):
-// they have passed the CPU emulation and ThreadSanitizer, not yet a GPU, so until they have, the default stays
-// the whole-tensor math backward (common/attention_math.cpp), which has. The math backward also takes what
-// the kernels do not: head dims above cuda::kMaxHeadDim.
+// The fused kernels run when ATTNX_CUDA_FUSED_BACKWARD=1 (choose_backward, cuda/attention_plan.h): the
+// tensor-core ones (cuda/attention_backward_kernel_mma.cu) where they cover the call, the SIMT ones
+// (cuda/attention_backward_kernel.cu) elsewhere. They have passed the CPU emulation and ThreadSanitizer, not
+// yet a GPU, so until they have, the default stays the whole-tensor math backward
+// (common/attention_math.cpp), which has. The math backward also takes what the kernels do not: head dims
+// above cuda::kMaxHeadDim.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
@@ -23,8 +25,23 @@ namespace attnx::cuda {
 
 void run_attention_backward(AttentionBackwardProblem& pb, const Target& target, cudaStream_t stream) {
   const DType dtype = kernel_dtype(pb.dtype, "attnx::attention_backward");
-  if (!choose_fused_backward(pb.params.fwd, target)) {
+  const BackwardKernel kernel = choose_backward(pb.params.fwd, dtype, target, pb.grad_attn_mask);
+  if (kernel == BackwardKernel::kMath) {
     run_attention_backward_math(pb);
+    return;
+  }
+  const AttentionParams& p = pb.params.fwd;
+  const auto check = [&](cudaError_t err) {
+    ATTNX_CHECK(err == cudaSuccess, "attnx::attention_backward: CUDA kernel launch failed (B=", p.batch,
+                ", H=", p.heads, ", Hkv=", p.kv_heads, ", L=", p.q_len, ", S=", p.kv_len, ", D=", p.head_dim,
+                ", Dv=", p.v_head_dim, ", ", pb.dtype, "): ", cudaGetErrorString(err));
+  };
+  if (kernel == BackwardKernel::kMma) {
+    // delta, one float per query row, which the query pass writes and the key pass reads.
+    const AttentionBackwardMmaPlan plan = plan_attention_backward_mma(pb.params, dtype, pb.ptr);
+    const int64_t rows[1] = {static_cast<int64_t>(plan.workspace_bytes / sizeof(float))};
+    const Tensor workspace = aten::new_empty(pb.lse, rows);
+    check(launch_attention_backward_mma(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream));
     return;
   }
   const AttentionBackwardPlan plan = plan_attention_backward(pb.params, dtype, pb.grad_attn_mask);
@@ -37,12 +54,7 @@ void run_attention_backward(AttentionBackwardProblem& pb, const Target& target, 
     mask_grad = aten::new_zeros(pb.lse, pb.params.grad_attn_mask_size);
     pb.ptr.grad_attn_mask = mask_grad->mutable_data_ptr();
   }
-  const cudaError_t err =
-      launch_attention_backward(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream);
-  const AttentionParams& p = pb.params.fwd;
-  ATTNX_CHECK(err == cudaSuccess, "attnx::attention_backward: CUDA kernel launch failed (B=", p.batch,
-              ", H=", p.heads, ", Hkv=", p.kv_heads, ", L=", p.q_len, ", S=", p.kv_len, ", D=", p.head_dim,
-              ", Dv=", p.v_head_dim, ", ", pb.dtype, "): ", cudaGetErrorString(err));
+  check(launch_attention_backward(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream));
   if (mask_grad) pb.grad_attn_mask_out = mask_grad_from_buffer(*mask_grad, *pb.options.attn_mask);
 }
 

@@ -80,7 +80,53 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
   return plan;
 }
 
+// The tensor-core kernels (cuda/attention_backward_kernel_mma.cu), two launches on one stream, 128 threads a
+// block, mma_backward_smem_bytes of shared memory:
+//   queries one block per (b, h, 64 query rows): delta = rowsum(dO * O) of its rows into the workspace, then
+//           dQ of its rows over the key tiles they see.
+//   keys    one block per (b, kv head, 64 keys): dK and dV of its keys, summed over the group's query heads
+//           and the query tiles that see them (reading the queries' delta).
+struct AttentionBackwardMmaPlan {
+  int bucket;   // head-dim bucket (32, 64 or 128); 0 where mma_backward_supports() is false
+  bool plain;   // no mask, soft-cap or dropout, a scale in [2^-100, 2^100] and vector loads (mma_plain)
+  bool vector;  // every row of q, k, v and grad_out moves as 16-byte vectors (cp.async)
+  int threads;
+  int64_t q_tiles, k_tiles;
+  int64_t query_blocks;  // B * H * q_tiles
+  int64_t key_blocks;    // B * Hkv * k_tiles
+  size_t smem_bytes;
+  size_t workspace_bytes;  // delta: B * H * L floats
+};
+
+inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
+                                                            const AttentionBackwardPointers& ptr) {
+  const AttentionParams& p = bp.fwd;
+  AttentionBackwardMmaPlan plan{};
+  if (!mma_backward_supports(p, dtype, ptr.grad_attn_mask != nullptr)) return plan;
+  plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  plan.vector = mma_rows_16(ptr.fwd.query, p.q_stride, p.head_dim, 2) &&
+                mma_vector_loads(p, ptr.fwd.key, ptr.fwd.value, 2) &&
+                mma_rows_16(ptr.grad_out, bp.grad_out_stride, p.v_head_dim, 2);
+  plan.plain = mma_plain(p) && plan.vector;
+  plan.threads = kWarps * kWarpSize;
+  plan.q_tiles = (p.q_len + kMmaTileKeys - 1) / kMmaTileKeys;
+  plan.k_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
+  plan.query_blocks = p.batch * p.heads * plan.q_tiles;
+  plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
+  plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket));
+  plan.workspace_bytes = static_cast<size_t>(p.batch * p.heads * p.q_len) * sizeof(float);
+  return plan;
+}
+
 #if !defined(__CUDACC_RTC__)
+// Runs attention_backward on `stream` with the tensor-core kernels: grad_query, grad_key and grad_value
+// (every element written). `workspace`: plan.workspace_bytes, 16-byte aligned, any content. Returns the first
+// launch error, cudaSuccess when there is nothing to compute, and cudaErrorInvalidValue when the kernels do
+// not cover the problem (mma_backward_supports, inconsistent params).
+cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
+                                          const AttentionBackwardPointers& ptr, void* workspace,
+                                          cudaStream_t stream);
+
 // Runs attention_backward on `stream`: grad_query, grad_key and grad_value (every element written), and adds
 // attn_mask's gradient into ptr.grad_attn_mask when it is not null (a zeroed buffer of
 // bp.grad_attn_mask_size in the accumulator type). `workspace`: plan.workspace_bytes, 16-byte aligned, any

@@ -400,11 +400,48 @@ inline Kernel choose_kernel(const AttentionParams& p, DType dtype, const Attenti
   return Kernel::kSimt;
 }
 
-// attention_backward's: the fused kernels (cuda/attention_backward_kernel.cu) when the process asked for
-// them and the head dims are within kMaxHeadDim, the whole-tensor math (common/attention_math.cpp) otherwise.
-// They are opt-in until they have run on a GPU.
-constexpr bool choose_fused_backward(const AttentionParams& p, const Target& target) {
-  return target.fused_backward && head_dim_bucket(p.head_dim, p.v_head_dim) != 0;
+// The tensor-core backward (cuda/attention_backward_kernel_mma.cu): float16/bfloat16 up to bucket 128 on
+// sm80+, in two passes over tiles of 64 query rows x 64 keys, a warp 16 rows of its pass's own (queries, or
+// keys), and the other operand's 64 rows in chunks of kMmaBackwardChunk.
+constexpr int kMmaBackwardMaxHeadDim = 128;
+
+// Rows of the other operand a warp's S and dP take at a time (of the tile's 64): 32. With 64, S and dP take
+// 64 registers of a thread, and the key pass (which also holds dK and dV, 16 x bucket floats each) spills
+// from bucket 64 on.
+constexpr int kMmaBackwardChunk = 32;
+
+// Shared memory of a block of either pass: six staged 64-row tiles in the input type (rows of
+// mma_tile_ld), and the key pass's lse and delta rows (two stages of 64 floats each).
+constexpr int64_t mma_backward_smem_bytes(int bucket) {
+  return int64_t{6} * kMmaTileKeys * mma_tile_ld(bucket, 2) * 2 + 2 * 2 * kMmaTileKeys * 4;
+}
+
+// True when the tensor-core backward covers the call: float16/bfloat16, max(D, Dv) <= kMmaBackwardMaxHeadDim,
+// not packed sequences, and attn_mask's gradient not asked for (`mask_grad`; the SIMT kernels compute it).
+constexpr bool mma_backward_supports(const AttentionParams& p, DType dtype, bool mask_grad) {
+  const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  return (dtype == DType::kFloat16 || dtype == DType::kBFloat16) && bucket != 0 &&
+         bucket <= kMmaBackwardMaxHeadDim && p.varlen == 0 && !mask_grad;
+}
+
+enum class BackwardKernel {
+  kMath,  // the whole-tensor math (common/attention_math.cpp): above kMaxHeadDim, or the fused kernels off
+  kSimt,  // cuda/attention_backward_kernel.cu: every dtype up to kMaxHeadDim
+  kMma,   // cuda/attention_backward_kernel_mma.cu: tensor cores on sm80+ (mma_backward_supports)
+};
+
+// attention_backward's kernel: the fused kernels when the process asked for them (they are opt-in until they
+// have run on a GPU) and the head dims are within kMaxHeadDim: the tensor-core ones where they cover the call
+// (`mask_grad`: attn_mask's gradient is asked for), the tensor cores are on and the device has their shared
+// memory, the SIMT ones otherwise; the whole-tensor math for the rest.
+constexpr BackwardKernel choose_backward(const AttentionParams& p, DType dtype, const Target& target,
+                                         bool mask_grad) {
+  if (!target.fused_backward || head_dim_bucket(p.head_dim, p.v_head_dim) == 0) return BackwardKernel::kMath;
+  if (target.mma && target.capability >= 80 && mma_backward_supports(p, dtype, mask_grad) &&
+      mma_backward_smem_bytes(head_dim_bucket(p.head_dim, p.v_head_dim)) <= target.max_smem) {
+    return BackwardKernel::kMma;
+  }
+  return BackwardKernel::kSimt;
 }
 
 // The dtype as the kernel names spell it: "fp16", "bf16", "fp32", "fp64".

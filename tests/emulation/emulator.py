@@ -22,6 +22,7 @@ CSRC = os.path.join(ROOT, "csrc")
 KERNELS_AND_SHIM = [os.path.join(CSRC, "cuda", "attention_kernel.cu"),
                     os.path.join(CSRC, "cuda", "attention_kernel_mma.cu"),
                     os.path.join(CSRC, "cuda", "attention_backward_kernel.cu"),
+                    os.path.join(CSRC, "cuda", "attention_backward_kernel_mma.cu"),
                     os.path.join(HERE, "cuda_shim.cpp")]
 RACE_CHECK_SOURCES = [*KERNELS_AND_SHIM, os.path.join(HERE, "race_check.cpp")]  # the TSan executable
 # torch compiles .cu files with these; so does the emulation, so that the same conversions are exercised.

@@ -5,8 +5,8 @@
 // or not the OS happened to interleave the threads badly. Values do not matter here (the pytest suite checks
 // them): each launch covers several key tiles, masks (on the tensor cores after attn_mask's pre-pass), causal
 // skipping and partial tiles; some add grouped KV heads, a window with per-batch key lengths (tile loops that
-// start past key 0), soft-capping, sinks and dropout. The backward's three launches run after forwards of
-// their own.
+// start past key 0), soft-capping, sinks and dropout. The backwards' launches (three SIMT, two on the tensor
+// cores) run after forwards of their own.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -79,11 +79,12 @@ int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, 
   return err == cudaSuccess ? 0 : 1;
 }
 
-// The forward (SIMT) then the backward (attention_backward_kernel.cu) of one problem, with a float (L, S)
-// attn_mask and its gradient (summed over B and H: one block loops over both) when `mask_grad`.
+// The forward (SIMT) then the backward of one problem: the SIMT kernels (attention_backward_kernel.cu), with
+// a float (L, S) attn_mask and its gradient (summed over B and H: one block loops over both) when
+// `mask_grad`, or with `mma` the tensor-core ones (attention_backward_kernel_mma.cu).
 template <typename T>
 int run_backward(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
-                 bool mask_grad, const Features& f = {}) {
+                 bool mask_grad, const Features& f = {}, bool mma = false) {
   using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
   std::mt19937 gen(1);
   attnx::AttentionBackwardParams bp{};
@@ -124,8 +125,11 @@ int run_backward(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_
   ptr.grad_value = grad_value.data();
   ptr.grad_attn_mask = mask_grad ? grad_mask.data() : nullptr;
   const attnx::cuda::AttentionBackwardPlan plan = attnx::cuda::plan_attention_backward(bp, dtype, mask_grad);
-  std::vector<double> workspace(plan.workspace_bytes / sizeof(double) + 1);
-  if (err == cudaSuccess) err = attnx::cuda::launch_attention_backward(bp, dtype, ptr, workspace.data(), nullptr);
+  std::vector<double> workspace(plan.workspace_bytes / sizeof(double) + 1);  // both kernels' delta
+  if (err == cudaSuccess) {
+    err = mma ? attnx::cuda::launch_attention_backward_mma(bp, dtype, ptr, workspace.data(), nullptr)
+              : attnx::cuda::launch_attention_backward(bp, dtype, ptr, workspace.data(), nullptr);
+  }
   if (err != cudaSuccess) std::fprintf(stderr, "backward launch failed: %d\n", static_cast<int>(err));
   return err == cudaSuccess ? 0 : 1;
 }
@@ -161,6 +165,9 @@ int main() {
   failures += run_backward<double>(DType::kFloat64, 1, 1, 20, 30, 200, true, true);
   f.window_left = 30;
   failures += run_backward<__nv_bfloat16>(DType::kBFloat16, 2, 2, 40, 100, 40, false, true, f);
+  // The tensor-core backward: several 64-row query and key tiles, both stages of either pass, partial tiles.
+  failures += run_backward<__half>(DType::kFloat16, 1, 2, 150, 200, 64, true, false, {}, /*mma=*/true);
+  failures += run_backward<__nv_bfloat16>(DType::kBFloat16, 2, 2, 70, 100, 40, false, false, f, /*mma=*/true);
   std::printf("%d failed launches\n", failures);
   return failures;
 }

@@ -1,0 +1,615 @@
+// attnx: attnx::attention_backward's tensor-core kernels for float16 and bfloat16 (sm80+): FlashAttention-2's
+// backward on mma.sync.m16n8k16 with fp32 accumulators, deterministic (no atomics), nothing of size
+// (B, H, L, S) stored.
+//
+// Torch-free (raw pointers, AttentionBackwardParams, cudaStream_t): the glue is cuda/attention_backward.cpp,
+// the launches cuda/attention_backward_kernel.h. The CPU emulation runs this source in CI against the float64
+// reference (tests/emulation/), with mma.sync, ldmatrix and cp.async replaced by their PTX definitions.
+//
+// The math is the SIMT kernels' (cuda/attention_backward_kernel.cu): P recomputed from the forward's lse,
+// dS = P (Z dP - delta), dV = (Z P)^T dO, dK = scale (dS y')^T Q, dQ = scale (dS y') K. Here each of the five
+// products (the scores S = Q K^T and dP = dO V^T in both passes, dV and dK in the key pass, dQ in the query
+// pass) is an mma over tiles staged in shared memory in the input type, and P is one FFMA and one ex2 a
+// score: P = 2^(x scale log2(e) - lse log2(e)), with lse log2(e) read once a row. Z P and dS y' are rounded to
+// the input type for their products, as FlashAttention-2 rounds them (and the forward P).
+//
+// Two passes, so that every output element is written by one thread of one block, in a fixed order:
+//   queries  block = (b, h, 64 query rows), a warp 16 rows. Q and dO are staged once; delta = rowsum(dO * O)
+//            of the rows is computed from them and written to the workspace. Then over the key tiles the rows
+//            see (attnx/key_range.h), K and V in two stages of cp.async: S = Q K^T and dP = dO V^T (B
+//            fragments by ldmatrix from K's and V's rows), dS, and dQ += dS K (K's B fragments by
+//            ldmatrix.trans). The C fragments of two adjacent n-tiles of dS are the A fragment of one k-step.
+//   keys     block = (b, kv head, 64 keys), a warp 16 keys; launched after the query pass, whose delta it
+//            reads. K and V are staged once; then over the group's query heads and the query tiles that see
+//            the keys, Q and dO (and the tile's lse and delta) in two stages: the transposed products
+//            S^T = K Q^T and dP^T = V dO^T, then dV += (Z P)^T dO and dK += (dS y')^T Q, K's and V's A fragments
+//            by ldmatrix from their rows, Q's and dO's B fragments by ldmatrix (.trans for dV and dK).
+// Grouped KV heads are summed in the key pass's registers, K and V read in place. A tile where every row of
+// a warp sees every key of it (interior) tests no key range; elsewhere each score is tested against its
+// row's interval. The general instantiation reads both masks per score (mask_value), soft-caps with fast_tanh
+// and applies its derivative, and regenerates dropout's keep decision per score from the forward's Philox
+// stream (attnx/philox.h); the plain one (mma_plain, vector loads) holds none of that code.
+#include "attnx/philox.h"
+#include "cuda/attention_backward_kernel.h"
+#include "cuda/common.cuh"
+
+namespace attnx::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kBwdThreads = kWarps * kWarpSize;
+constexpr int kBwdRows = kMmaTileKeys;  // a tile's rows in both passes: 64 queries, 64 keys
+
+template <int kBucket>
+struct BwdShape {
+  static constexpr int kLd = mma_tile_ld(kBucket, 2);  // a staged row: bucket + one 16-byte unit
+  static constexpr int kTile = kBwdRows * kLd;         // elements of one staged tile
+  static constexpr int kKSteps = kBucket / 16;         // k-steps of S and dP over the head dim
+  static constexpr int kOTiles = kBucket / 8;          // n-tiles of a gradient row
+  static constexpr int kChunk = kMmaBackwardChunk;
+  static constexpr int kN = kChunk / 8;  // n-tiles of S and dP per chunk
+  static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0 && kN % 2 == 0, "ldmatrix.x4 serves two steps");
+};
+
+// What the element-wise step of either pass reads of the call.
+struct BwdConsts {
+  float scale;          // the softmax scale
+  float c;              // the plain exponent's factor: scale log2(e)
+  float dropout_scale;  // 1 / (1 - p)
+  SoftCap<float> cap;
+};
+
+__device__ __forceinline__ BwdConsts bwd_consts_of(const AttentionParams& p) {
+  const float scale = split_value<float>(p.scale, p.scale_lo);
+  return {scale, scale * kLog2e, split_value<float>(p.dropout_scale, p.dropout_scale_lo), soft_cap_of<float>(p)};
+}
+
+// Rows [0, 64) of a 16-bit operand at `src` (row stride rs, column stride cs, in elements) into `dst` (64,
+// kLd), zero at and past row `valid` and column `cols`. With 16-byte rows (kVector, or `vector` at run time:
+// mma_rows_16 holds for the operand) by cp.async in the caller's open group, a thread the 16-byte chunks of
+// one column kRowStep rows apart, from one pointer advanced by a constant (no multiply per copy); otherwise
+// element by element (visible after the caller's barrier). A zero-filled row reads nothing, so a tile may end
+// past the tensor's last row. The plain instantiations always have 16-byte rows (kVector): their copies
+// compile without the element-wise path.
+template <typename scalar_t, int kBucket, bool kVector>
+__device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* src, int64_t rs, int64_t cs,
+                                               int64_t valid, int cols, bool vector) {
+  constexpr int kLd = BwdShape<kBucket>::kLd, kVec = 8, kChunks = kBucket / kVec;
+  constexpr int kRowStep = kBwdThreads / kChunks, kCopies = kBwdRows / kRowStep;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (kVector || vector) {
+    const int r0 = tid / kChunks, c = kVec * (tid % kChunks);
+    const int64_t step = kRowStep * rs;
+    const scalar_t* at = src + r0 * rs + c;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i, at += step) {
+      const int r = r0 + kRowStep * i;
+      const bool ok = r < valid && c < cols;
+      cp_async_16(dst + r * kLd + c, ok ? at : src, ok);
+    }
+  } else if constexpr (!kVector) {
+    const scalar_t zero = from_acc<scalar_t>(0.0f);
+    for (int e = tid; e < kBwdRows * kBucket; e += kBwdThreads) {
+      const int r = e / kBucket, c = e % kBucket;
+      dst[r * kLd + c] = r < valid && c < cols ? src[r * rs + c * cs] : zero;
+    }
+  }
+}
+
+// A key range relative to a tile's first row or key: [lo, hi) clamped into [0, 64], so that the element-wise
+// test is two 32-bit compares.
+struct TileRange {
+  int lo, hi;
+};
+__device__ __forceinline__ TileRange tile_range(int64_t lo, int64_t hi, int64_t at) {
+  return {static_cast<int>(range_min(range_max(lo - at, 0), kBwdRows)),
+          static_cast<int>(range_min(range_max(hi - at, 0), kBwdRows))};
+}
+
+// Z P and dS y' (before the scale) of one score of the general instantiation, from x = q.k, dp = dO.v, the
+// row's lse2 = lse log2(e) and delta, the masks' term `bias`, the dropout factor z (1 without) and whether
+// the row sees the key at all. Where it does not, both are 0 whatever x is (a NaN of an unseen key included).
+struct ScoreGrads {
+  float pz, ds;
+};
+__device__ __forceinline__ ScoreGrads general_grads(float x, float dp, float lse2, float delta, float bias,
+                                                    float z, bool seen, const BwdConsts& k) {
+  float y = x * k.scale, slope = 1.0f;
+  if (k.cap.cap > 0.0f) {
+    const float th = fast_tanh(y * k.cap.inv_cap);
+    y = k.cap.cap * th;
+    slope = 1.0f - th * th;
+  }
+  const float prob = seen ? fast_exp2(fmaf(y + bias, kLog2e, -lse2)) : 0.0f;
+  return {prob * z, seen ? prob * (z * dp - delta) * slope : 0.0f};
+}
+
+// The masks' term of score (l, s) of (b, h), in the reference's order (attn_mask + key_padding_mask), and the
+// dropout factor of element ((b H + h) L + l) S + s.
+__device__ __forceinline__ float mask_bias(const AttentionParams& p, const AttentionPointers& ptr, int64_t b,
+                                           int64_t h, int64_t l, int64_t s) {
+  float bias = 0.0f;
+  if (p.key_padding_mask_kind != kMaskNone) {
+    bias = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                             b * p.key_padding_mask_stride[0] + s * p.key_padding_mask_stride[1]);
+  }
+  if (p.attn_mask_kind != kMaskNone) {
+    bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
+                             b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1] + l * p.attn_mask_stride[2] +
+                                 s * p.attn_mask_stride[3]) +
+           bias;
+  }
+  return bias;
+}
+__device__ __forceinline__ float dropout_factor(const AttentionParams& p, const BwdConsts& k, int64_t b,
+                                                int64_t h, int64_t l, int64_t s) {
+  if (!p.dropout) return 1.0f;
+  const uint64_t e = (static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(p.q_len) +
+                      static_cast<uint64_t>(l)) *
+                         static_cast<uint64_t>(p.kv_len) +
+                     static_cast<uint64_t>(s);
+  return dropout_keep(e, p.dropout_threshold, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
+                      p.dropout_offset[1])
+             ? k.dropout_scale
+             : 0.0f;
+}
+
+// ldmatrix row addresses of this lane in a staged tile (cuda/attention_kernel_mma.cu uses the same): `a`
+// reads a 16 x 16 A fragment (matrices rows 0-7 / 8-15 x columns 0-7 / 8-15), or with .trans the B fragments
+// of two n-tiles from a [k][n] tile; `b` reads, without .trans, the B fragments of two k-steps from an [n][k]
+// tile.
+__device__ __forceinline__ int a_lane(int lane, int ld) {
+  return (lane % 8 + 8 * ((lane / 8) % 2)) * ld + 8 * (lane / 16);
+}
+__device__ __forceinline__ int b_lane(int lane, int ld) {
+  return (lane % 8) * ld + 8 * (lane / 8);
+}
+
+// acc[j] += A B over the head dim for n-tiles j < kN: A the warp's 16 rows of `a_s` (an [m][k] tile), B the
+// rows n0 + 8 j .. + 7 of `b_s` (an [n][k] tile): S or dP of a chunk.
+template <typename scalar_t, int kBucket>
+__device__ __forceinline__ void rows_by_rows(float (&acc)[BwdShape<kBucket>::kN][4], const scalar_t* a_s,
+                                             const scalar_t* b_s, int a_at, int b_at) {
+  using Sh = BwdShape<kBucket>;
+#pragma unroll
+  for (int ks = 0; ks < Sh::kKSteps; ks += 2) {
+    uint32_t a[2][4];
+    ldmatrix_x4<false>(a[0], a_s + a_at + 16 * ks);
+    ldmatrix_x4<false>(a[1], a_s + a_at + 16 * (ks + 1));
+#pragma unroll
+    for (int j = 0; j < Sh::kN; ++j) {
+      uint32_t bf[4];
+      ldmatrix_x4<false>(bf, b_s + b_at + 8 * j * Sh::kLd + 16 * ks);
+      mma_m16n8k16<scalar_t>(acc[j], a[0], {bf[0], bf[1]});
+      mma_m16n8k16<scalar_t>(acc[j], a[1], {bf[2], bf[3]});
+    }
+  }
+}
+
+// grad[n] += F B for the gradient's n-tiles: F the chunk's element-wise results (C fragments of S's n-tiles,
+// rounded to the input type: two adjacent n-tiles are one k-step's A fragment), B rows k0 + 16 kk .. + 15 of
+// `b_s` (a [k][n] tile, by ldmatrix.trans).
+template <typename scalar_t, int kBucket>
+__device__ __forceinline__ void accumulate(float (&grad)[BwdShape<kBucket>::kOTiles][4],
+                                           const float (&f)[BwdShape<kBucket>::kN][4], const scalar_t* b_s,
+                                           int b_at) {
+  using Sh = BwdShape<kBucket>;
+#pragma unroll
+  for (int kk = 0; kk < Sh::kN / 2; ++kk) {
+    const uint32_t a[4] = {pack2_rn<scalar_t>(f[2 * kk][0], f[2 * kk][1]),
+                           pack2_rn<scalar_t>(f[2 * kk][2], f[2 * kk][3]),
+                           pack2_rn<scalar_t>(f[2 * kk + 1][0], f[2 * kk + 1][1]),
+                           pack2_rn<scalar_t>(f[2 * kk + 1][2], f[2 * kk + 1][3])};
+#pragma unroll
+    for (int n = 0; n < Sh::kOTiles; n += 2) {
+      uint32_t bf[4];
+      ldmatrix_x4<true>(bf, b_s + b_at + 16 * kk * Sh::kLd + 8 * n);
+      mma_m16n8k16<scalar_t>(grad[n], a, {bf[0], bf[1]});
+      mma_m16n8k16<scalar_t>(grad[n + 1], a, {bf[2], bf[3]});
+    }
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ const scalar_t* rows_of(const void* base, const int64_t* stride, int64_t b,
+                                                   int64_t h, int64_t row0) {
+  return static_cast<const scalar_t*>(base) + b * stride[0] + h * stride[1] + row0 * stride[2];
+}
+
+// Writes a warp's (16, bucket) gradient tile times `factor`: element i of n-tile n is row r0 + g (+ 8 for
+// i >= 2), column 8 n + 2 t + i % 2; rows at and past `rows` and columns past `cols` are not written.
+template <typename scalar_t, int kBucket>
+__device__ __forceinline__ void write_rows(const float (&grad)[BwdShape<kBucket>::kOTiles][4], void* base,
+                                           const int64_t* stride, int64_t b, int64_t h, int64_t r0,
+                                           int64_t rows, int cols, float factor, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  scalar_t* const dst = static_cast<scalar_t*>(base) + b * stride[0] + h * stride[1];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t r = r0 + g + 8 * half;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int n = 0; n < BwdShape<kBucket>::kOTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * n + 2 * t + e;
+        if (c < cols) dst[r * stride[2] + c * stride[3]] = from_acc<scalar_t>(grad[n][2 * half + e] * factor);
+      }
+    }
+  }
+}
+
+// The query pass: dQ of one (b, h, 64 query rows), and delta of those rows into the workspace. The general
+// instantiation states 2 blocks an SM for ptxas's register budget: left to itself it aims at 3 (168
+// registers) and spills there on sm_80 and sm_90.
+template <typename scalar_t, int kBucket, bool kPlain>
+__global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
+    attention_backward_mma_queries(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
+                                   const AttentionBackwardMmaPlan plan, float* const delta) {
+  using Sh = BwdShape<kBucket>;
+  constexpr int kLd = Sh::kLd, kTile = Sh::kTile, kChunk = Sh::kChunk, kN = Sh::kN;
+  // The chunks of a tile unrolled in the plain instantiation; one at a time in the general one, whose
+  // per-score mask and dropout code would otherwise be copied per chunk and spill.
+  constexpr int kChunkUnroll = kPlain ? kBwdRows / kChunk : 1;
+  const AttentionParams& p = bp.fwd;
+  ATTNX_DYNAMIC_SHARED(scalar_t, smem);
+  scalar_t* const q_s = smem;
+  scalar_t* const do_s = smem + kTile;  // then stage s: K at smem + (2 + 2 s) kTile, V right after
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
+  const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
+  const int64_t L = p.q_len;
+  const int64_t qt = static_cast<int64_t>(blockIdx.x) % plan.q_tiles;
+  const int64_t bh = static_cast<int64_t>(blockIdx.x) / plan.q_tiles;
+  const int64_t h = bh % p.heads, b = bh / p.heads, hk = kv_head_of(p, h);
+  const int64_t q0 = qt * kBwdRows;
+  const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
+  const BwdConsts consts = bwd_consts_of(p);
+
+  stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
+                                    p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
+  stage_rows_mma<scalar_t, kBucket, kPlain>(do_s, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0),
+                                    bp.grad_out_stride[2], bp.grad_out_stride[3], L - q0, Dv, plan.vector);
+  cp_async_commit();
+
+  // The keys the block's rows see, in tiles from a multiple of 64; this lane's rows l[r] = q0 + 16 warp + g
+  // + 8 r and their intervals; the warp's interior keys (seen by all 16 of its rows, all below L).
+  const int64_t rows = range_min(kBwdRows, L - q0);
+  const int64_t k_begin = range_key_begin(q0, L, Sb, p.window_left);
+  const int64_t k_end = range_key_end(q0 + rows - 1, L, Sb, p.window_right, p.is_causal);
+  const int64_t w0 = q0 + 16 * warp;
+  int64_t key_lo[2], key_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t l = w0 + g + 8 * r;
+    key_lo[r] = l < L ? range_key_begin(l, L, Sb, p.window_left) : 0;
+    key_hi[r] = l < L ? range_key_end(l, L, Sb, p.window_right, p.is_causal) : 0;
+  }
+  const bool warp_in = w0 + 15 < L;
+  const int64_t in_lo = warp_in ? range_key_begin(w0 + 15, L, Sb, p.window_left) : 0;
+  const int64_t in_hi = warp_in ? range_key_end(w0, L, Sb, p.window_right, p.is_causal) : 0;
+
+  const scalar_t* const key = rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, 0);
+  const scalar_t* const value = rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, 0);
+  const auto stage_keys = [&](int stage, int64_t k0) {
+    scalar_t* const k_s = smem + (2 + 2 * stage) * kTile;
+    stage_rows_mma<scalar_t, kBucket, kPlain>(k_s, key + k0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], Sb - k0, D,
+                                      plan.vector);
+    stage_rows_mma<scalar_t, kBucket, kPlain>(k_s + kTile, value + k0 * p.v_stride[2], p.v_stride[2], p.v_stride[3],
+                                      Sb - k0, Dv, plan.vector);
+    cp_async_commit();
+  };
+  int64_t k0 = k_begin < k_end ? k_begin / kBwdRows * kBwdRows : k_end;
+  if (k0 < k_end) stage_keys(0, k0);
+  if (k0 < k_end) {
+    cp_async_wait<1>();  // Q and dO, not the first key tile
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+
+  // delta of this lane's rows: its quad's columns 8 n + 2 t + e of dO (staged) times O's, summed over the quad.
+  float lse2[2], row_delta[2];
+  const scalar_t* const out = rows_of<scalar_t>(ptr.fwd.out, p.out_stride, b, h, 0);
+  const float* const lse = static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int rr = 16 * warp + g + 8 * r;
+    const int64_t l = q0 + rr;
+    float sum = 0.0f;
+    if (l < L) {
+      for (int c = 2 * t; c < Dv; c += 8) {
+        sum += to_acc(do_s[rr * kLd + c]) * to_acc(out[l * p.out_stride[2] + c * p.out_stride[3]]);
+        if (c + 1 < Dv) {
+          sum += to_acc(do_s[rr * kLd + c + 1]) * to_acc(out[l * p.out_stride[2] + (c + 1) * p.out_stride[3]]);
+        }
+      }
+    }
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    row_delta[r] = sum;
+    lse2[r] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
+    if (t == 0 && l < L) delta[bh * L + l] = sum;
+  }
+
+  float dq[Sh::kOTiles][4];
+#pragma unroll
+  for (int n = 0; n < Sh::kOTiles; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq[n][i] = 0.0f;
+  }
+  const int a_at = a_lane(lane, kLd) + 16 * warp * kLd, b_at = b_lane(lane, kLd), t_at = a_lane(lane, kLd);
+
+  for (int stage = 0; k0 < k_end; stage ^= 1) {
+    const int64_t k_next = k0 + kBwdRows;
+    if (k_next < k_end) {
+      stage_keys(stage ^ 1, k_next);  // the other stage was last read before the previous barrier
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const scalar_t* const k_s = smem + (2 + 2 * stage) * kTile;
+    const scalar_t* const v_s = k_s + kTile;
+    const bool interior = k0 >= in_lo && k0 + kBwdRows <= in_hi;
+    const TileRange range[2] = {tile_range(key_lo[0], key_hi[0], k0), tile_range(key_lo[1], key_hi[1], k0)};
+#pragma unroll kChunkUnroll
+    for (int c0 = 0; c0 < kBwdRows; c0 += kChunk) {
+      float s[kN][4], dp[kN][4];
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
+      }
+      rows_by_rows<scalar_t, kBucket>(s, q_s, k_s, a_at, b_at + c0 * kLd);
+      rows_by_rows<scalar_t, kBucket>(dp, do_s, v_s, a_at, b_at + c0 * kLd);
+      // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2); `ranged`:
+      // each score tested against its row's key range (not on interior tiles).
+      const auto grads = [&](auto ranged) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = i / 2, col = c0 + 8 * j + 2 * t + i % 2;
+            bool seen = true;
+            if constexpr (decltype(ranged)::value) seen = col >= range[r].lo && col < range[r].hi;
+            if constexpr (kPlain) {
+              const float prob = fast_exp2(fmaf(s[j][i], consts.c, -lse2[r]));
+              s[j][i] = seen ? prob * (dp[j][i] - row_delta[r]) : 0.0f;
+            } else {
+              const int64_t l = w0 + g + 8 * r, key = k0 + col;
+              const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, key) : 0.0f;
+              const float z = seen ? dropout_factor(p, consts, b, h, l, key) : 1.0f;
+              s[j][i] = general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, z, seen, consts).ds;
+            }
+          }
+        }
+      };
+      if (interior) {
+        grads(std::false_type{});
+      } else {
+        grads(std::true_type{});
+      }
+      accumulate<scalar_t, kBucket>(dq, s, k_s, t_at + c0 * kLd);
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    k0 = k_next;
+  }
+  write_rows<scalar_t, kBucket>(dq, ptr.grad_query, bp.grad_query_stride, b, h, w0, L, D, consts.scale, lane);
+}
+
+// The key pass: dK and dV of one (b, kv head, 64 keys), over the group's query heads.
+template <typename scalar_t, int kBucket, bool kPlain>
+__global__ void __launch_bounds__(kBwdThreads)
+    attention_backward_mma_keys(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
+                                const AttentionBackwardMmaPlan plan, const float* const delta) {
+  using Sh = BwdShape<kBucket>;
+  constexpr int kLd = Sh::kLd, kTile = Sh::kTile, kChunk = Sh::kChunk, kN = Sh::kN;
+  // The chunks of a tile unrolled in the plain instantiation up to bucket 64; one at a time in the general
+  // one, whose per-score mask and dropout code would otherwise be copied per chunk and spill, and at bucket
+  // 128, where dK and dV take 128 registers and unrolled chunks spill.
+  constexpr int kChunkUnroll = kPlain && kBucket <= 64 ? kBwdRows / kChunk : 1;
+  const AttentionParams& p = bp.fwd;
+  ATTNX_DYNAMIC_SHARED(scalar_t, smem);
+  scalar_t* const k_s = smem;
+  scalar_t* const v_s = smem + kTile;  // then stage s: Q at smem + (2 + 2 s) kTile, dO right after
+  float* const rows_s = reinterpret_cast<float*>(smem + 6 * kTile);  // stage s: lse2 (64) and delta (64)
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
+  const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
+  const int64_t L = p.q_len;
+  const int64_t kt = static_cast<int64_t>(blockIdx.x) % plan.k_tiles;
+  const int64_t bhk = static_cast<int64_t>(blockIdx.x) / plan.k_tiles;
+  const int64_t hk = bhk % p.kv_heads, b = bhk / p.kv_heads;
+  const int64_t k0 = kt * kBwdRows;
+  const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
+  const BwdConsts consts = bwd_consts_of(p);
+
+  // K and V rows at and past S_b are zero: never read (a static cache's unfilled slots may hold NaN).
+  stage_rows_mma<scalar_t, kBucket, kPlain>(k_s, rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, k0), p.k_stride[2],
+                                    p.k_stride[3], Sb - k0, D, plan.vector);
+  stage_rows_mma<scalar_t, kBucket, kPlain>(v_s, rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, k0),
+                                    p.v_stride[2], p.v_stride[3], Sb - k0, Dv, plan.vector);
+
+  // This lane's keys s[r] = k0 + 16 warp + g + 8 r and the queries that see them; the warp's interior
+  // queries (that see all 16 of its keys); the block's queries, in tiles from a multiple of 64.
+  const int64_t w0 = k0 + 16 * warp;
+  int64_t query_lo[2], query_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t s = w0 + g + 8 * r;
+    query_lo[r] = range_query_begin(s, L, Sb, p.window_right, p.is_causal);
+    query_hi[r] = range_query_end(s, L, Sb, p.window_left);
+  }
+  const int64_t in_lo = range_query_begin(w0 + 15, L, Sb, p.window_right, p.is_causal);
+  const int64_t in_hi = range_query_end(w0, L, Sb, p.window_left);
+  const int64_t last = range_min(k0 + kBwdRows, Sb) - 1;
+  const int64_t q_begin = k0 <= last ? range_query_begin(k0, L, Sb, p.window_right, p.is_causal) : L;
+  const int64_t q_end = k0 <= last ? range_query_end(last, L, Sb, p.window_left) : 0;
+  const int64_t qt0 = q_begin / kBwdRows;
+  const int64_t nq = q_begin < q_end ? (q_end - 1) / kBwdRows - qt0 + 1 : 0;
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t steps = group * nq;
+
+  // The steps: query heads hk group .. + group - 1, for each the query tiles from q_first (a step's head and
+  // tile are carried from the previous step's: no division). Q, dO, lse2 and delta of (h, q0) into stage s.
+  const int64_t q_first = qt0 * kBwdRows, h_first = hk * group;
+  const auto next_step = [&](int64_t& h, int64_t& q0) {
+    q0 += kBwdRows;
+    if (q0 >= q_first + nq * kBwdRows) {
+      q0 = q_first;
+      ++h;
+    }
+  };
+  const auto stage_queries = [&](int stage, int64_t h, int64_t q0) {
+    scalar_t* const q_s = smem + (2 + 2 * stage) * kTile;
+    stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
+                                      p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
+    stage_rows_mma<scalar_t, kBucket, kPlain>(q_s + kTile,
+                                      rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0),
+                                      bp.grad_out_stride[2], bp.grad_out_stride[3], L - q0, Dv, plan.vector);
+    cp_async_commit();
+    if (tid < kBwdRows) {
+      const int64_t l = q0 + tid;
+      const float* const lse =
+          static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
+      float* const at = rows_s + 2 * kBwdRows * stage;
+      at[tid] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
+      at[kBwdRows + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
+    }
+  };
+  int64_t h = h_first, q0 = q_first;  // the step being computed
+  if (steps > 0) {
+    stage_queries(0, h, q0);  // K and V's copies are in this group
+  } else {
+    cp_async_commit();
+  }
+
+  float dk[Sh::kOTiles][4], dv[Sh::kOTiles][4];
+#pragma unroll
+  for (int n = 0; n < Sh::kOTiles; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.0f;
+  }
+  const int a_at = a_lane(lane, kLd) + 16 * warp * kLd, b_at = b_lane(lane, kLd), t_at = a_lane(lane, kLd);
+
+  int64_t h_next = h, q_next = q0;
+  for (int64_t i = 0; i < steps; ++i) {
+    const int stage = static_cast<int>(i & 1);
+    next_step(h_next, q_next);
+    if (i + 1 < steps) {
+      stage_queries(stage ^ 1, h_next, q_next);  // the other stage was last read before the previous barrier
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const scalar_t* const q_s = smem + (2 + 2 * stage) * kTile;
+    const scalar_t* const do_s = q_s + kTile;
+    const float* const lse2_s = rows_s + 2 * kBwdRows * stage;
+    const float* const delta_s = lse2_s + kBwdRows;
+    const bool interior = q0 >= in_lo && q0 + kBwdRows <= in_hi;
+    const TileRange range[2] = {tile_range(query_lo[0], query_hi[0], q0),
+                                tile_range(query_lo[1], query_hi[1], q0)};
+#pragma unroll kChunkUnroll
+    for (int c0 = 0; c0 < kBwdRows; c0 += kChunk) {
+      float s[kN][4], dp[kN][4];
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
+      }
+      rows_by_rows<scalar_t, kBucket>(s, k_s, q_s, a_at, b_at + c0 * kLd);
+      rows_by_rows<scalar_t, kBucket>(dp, v_s, do_s, a_at, b_at + c0 * kLd);
+      // s becomes Z P and dp dS y' (element e of n-tile j: key s[e / 2], query q0 + c0 + 8 j + 2 t + e % 2);
+      // `ranged`: each score tested against its key's query range (not on interior tiles).
+      const auto grads = [&](auto ranged) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2, col = c0 + 8 * j + 2 * t + e % 2;
+            const float lse2 = lse2_s[col], row_delta = delta_s[col];
+            bool seen = true;
+            if constexpr (decltype(ranged)::value) seen = col >= range[r].lo && col < range[r].hi;
+            if constexpr (kPlain) {
+              const float prob = fast_exp2(fmaf(s[j][e], consts.c, -lse2));
+              s[j][e] = seen ? prob : 0.0f;
+              dp[j][e] = seen ? prob * (dp[j][e] - row_delta) : 0.0f;
+            } else {
+              const int64_t l = q0 + col, key = w0 + g + 8 * r;
+              const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, key) : 0.0f;
+              const float z = seen ? dropout_factor(p, consts, b, h, l, key) : 1.0f;
+              const ScoreGrads sg = general_grads(s[j][e], dp[j][e], lse2, row_delta, bias, z, seen, consts);
+              s[j][e] = sg.pz;
+              dp[j][e] = sg.ds;
+            }
+          }
+        }
+      };
+      if (interior) {
+        grads(std::false_type{});
+      } else {
+        grads(std::true_type{});
+      }
+      accumulate<scalar_t, kBucket>(dv, s, do_s, t_at + c0 * kLd);
+      accumulate<scalar_t, kBucket>(dk, dp, q_s, t_at + c0 * kLd);
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    h = h_next;
+    q0 = q_next;
+  }
+  cp_async_wait<0>();  // no copy in flight at exit (K and V's, when no query sees the keys)
+  write_rows<scalar_t, kBucket>(dk, ptr.grad_key, bp.grad_key_stride, b, hk, w0, p.kv_len, D, consts.scale,
+                                lane);
+  write_rows<scalar_t, kBucket>(dv, ptr.grad_value, bp.grad_value_stride, b, hk, w0, p.kv_len, Dv, 1.0f, lane);
+}
+
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
+template <typename scalar_t, int kBucket, bool kPlain>
+cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
+                          const AttentionBackwardMmaPlan& plan, float* delta, cudaStream_t stream) {
+  // The query pass first: the key pass reads the delta it writes.
+  if (plan.query_blocks > 0) {
+    const cudaError_t err = launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kPlain>,
+                                        plan.query_blocks, plan.threads, plan.smem_bytes, stream, bp, ptr,
+                                        plan, delta);
+    if (err != cudaSuccess) return err;
+  }
+  if (plan.key_blocks > 0) {
+    return launch_plan(&attention_backward_mma_keys<scalar_t, kBucket, kPlain>, plan.key_blocks, plan.threads,
+                       plan.smem_bytes, stream, bp, ptr, plan, static_cast<const float*>(delta));
+  }
+  return cudaSuccess;
+}
+#endif
+
+}  // namespace
+
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
+cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
+                                          const AttentionBackwardPointers& ptr, void* workspace,
+                                          cudaStream_t stream) {
+  const AttentionParams& p = bp.fwd;
+  if (!params_consistent(p, ptr.fwd)) return cudaErrorInvalidValue;
+  const AttentionBackwardMmaPlan plan = plan_attention_backward_mma(bp, dtype, ptr);
+  if (plan.bucket == 0) return cudaErrorInvalidValue;
+  if (plan.query_blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  float* const delta = static_cast<float*>(workspace);
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    if constexpr (sizeof(scalar_t) != 2) {
+      return cudaErrorInvalidValue;  // float16/bfloat16 only (mma_backward_supports refuses the others)
+    } else {
+      return dispatch_bucket<32, 64, 128>(plan.bucket, [&](auto bucket) {
+        constexpr int kBucket = decltype(bucket)::value;
+        return plan.plain ? launch_passes<scalar_t, kBucket, true>(bp, ptr, plan, delta, stream)
+                          : launch_passes<scalar_t, kBucket, false>(bp, ptr, plan, delta, stream);
+      });
+    }
+  });
+}
+#endif
+
+}  // namespace attnx::cuda
