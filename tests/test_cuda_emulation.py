@@ -169,13 +169,11 @@ def test_the_kernel_choice_fits_the_device_shared_memory(capability, kernel):
 
 
 @pytest.mark.parametrize("capability,kernel", [(90, "cuda fused mma fp16 bucket 128"),
-                                               (80, "cuda fused mma fp16 bucket 128"),
-                                               (89, "cuda fused simt fp16 bucket 128"),
+                                               (89, "cuda fused mma fp16 bucket 128"),
                                                (75, "cuda fused simt fp16 bucket 128")])
 def test_the_backward_choice_fits_the_device(capability, kernel):
-    # The tensor-core backward at bucket 128 takes 103 KiB a block: sm_80 and sm_90 have it, sm_89 (99 KiB)
-    # does not, and sm_75 has no tensor cores attnx uses; those run the SIMT backward. Bucket 64 (52 KiB)
-    # fits every sm80+ device.
+    # The tensor-core backward's largest block (bucket 128, attn_mask's gradient asked for) takes 77 KiB,
+    # within the 99 KiB of sm_86/89/120; sm_75 has no tensor cores attnx uses and runs the SIMT backward.
     from attention_helpers import make_qkv
     from emulation import backends
 
@@ -186,5 +184,3 @@ def test_the_backward_choice_fits_the_device(capability, kernel):
     q, k, v = make_qkv(1, 2, 20, 30, 128, 128, dtype=torch.float16)
     with backends.enabled("cuda-emu", capability=capability):
         assert torch.ops.attnx._attention_kernel(q, k, v, backward=True) == kernel
-        small = torch.ops.attnx._attention_kernel(q[..., :64], k[..., :64], v[..., :64], backward=True)
-        assert small.startswith("cuda fused mma" if capability >= 80 else "cuda fused simt"), small

@@ -327,7 +327,8 @@ def test_names(sass):
 
 
 def test_the_shared_memory_formula_is_the_launch_plans(sass, tmp_path):
-    """dynamic_smem's attnx formula against plan_attention_mma in csrc/cuda/attention_plan.h."""
+    """dynamic_smem's attnx formulas against plan_attention_mma and mma_backward_smem_bytes in
+    csrc/cuda/attention_plan.h."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -356,14 +357,22 @@ int main() {
                            : plan.variant == kMmaBits ? "bits" : "general";
         if (plan.bucket) std::printf("%s %d %s %zu\\n", names[d], bucket, name, plan.smem_bytes);
       }
+  // the tensor-core backward's blocks, without attn_mask's gradient (both passes)
+  for (int bucket = 32; bucket <= 128; bucket *= 2)
+    std::printf("bwd %d %lld\\n", bucket, static_cast<long long>(mma_backward_smem_bytes(bucket, false)));
 }
 """)
     exe = tmp_path / "plan"
     subprocess.run([cxx, "-std=c++17", "-I", os.path.join(ROOT, "csrc"), "-I",
                     os.path.join(ROOT, "csrc", "include"), str(src), "-o", str(exe)], check=True, timeout=120)
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
-    plans = [line.split() for line in lines if line]
+    plans = [line.split() for line in lines if line and not line.startswith("bwd ")]
+    backward = [line.split() for line in lines if line.startswith("bwd ")]
     assert len(plans) == 27  # fp16, bf16, fp32 up to bucket 128; each plain, bits and general
+    assert len(backward) == 3
+    for _, bucket, smem in backward:
+        for kind in ("keys", "queries"):
+            assert sass.dynamic_smem(f"bwd {kind} fp16 bucket{bucket} plain", "") == int(smem), bucket
     assert {variant for _, _, variant, _ in plans} == {"plain", "bits", "general"}
     for dtype, bucket, variant, smem in plans:
         short = f"mma {dtype} bucket{bucket} {variant}"
@@ -391,17 +400,26 @@ def built(sass):
 
 
 def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
-    found = {(r["arch"], *r["kernel"].split()[1:3]) for r in built}
+    forward = [r for r in built if r["kernel"].startswith("mma ")]
+    backward = [r for r in built if r["kernel"].startswith("bwd ")]
+    assert len(forward) + len(backward) == len(built), [r["kernel"] for r in built]
+    found = {(r["arch"], *r["kernel"].split()[1:3]) for r in forward}
     assert found >= {(arch, dtype, f"bucket{b}") for arch in ("sm_80", "sm_90") for dtype in ("fp16", "bf16")
                      for b in (32, 64, 128)} | {
         (arch, "fp32", f"bucket{b}") for arch in ("sm_80", "sm_90") for b in (32, 64, 128)}, found
+    # the backward's passes: both instantiations, fp16/bf16 up to bucket 128, both archs
+    assert {(r["arch"], r["kernel"]) for r in backward} == {
+        (arch, f"bwd {kind} {dtype} bucket{b} {variant}") for arch in ("sm_80", "sm_90")
+        for kind in ("keys", "queries") for dtype in ("fp16", "bf16") for b in (32, 64, 128)
+        for variant in ("plain", "general")}
     for r in built:
-        assert r["kernel"].startswith("mma "), r["kernel"]
         loop = r["loop"]
         assert loop is not None, f"{r['kernel']}: no loop holds HMMA"
         steady = loop["paths"]["steady"]
-        # a tile's QK^T and PV: at least one m16n8k16 (m16n8k8 for fp32) per 8 keys per 16 columns each
-        bucket = int(r["kernel"].split()[2][len("bucket"):])
+        # a tile's two products (forward: QK^T and PV; a backward pass has more): at least one m16n8k16
+        # (m16n8k8 for fp32) per 8 keys per 16 columns each
+        words = r["kernel"].split()
+        bucket = int(next(w for w in words if w.startswith("bucket"))[len("bucket"):])
         assert steady.classes.get("HMMA", 0) >= 2 * bucket // 16, r["kernel"]
         assert steady.classes.get("LDSM", 0) > 0 and steady.classes.get("LDGSTS", 0) > 0, r["kernel"]
         assert 2 <= steady.per_hmma() <= 40, (r["kernel"], steady.per_hmma())
@@ -410,6 +428,7 @@ def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
         # float32 at bucket 128 takes 165 KiB of shared memory: more than an sm_80 block may opt into (the
         # kernel choice sends such calls to the SIMT kernel there); every other kernel fits an SM
         no_room = r["arch"] == "sm_80" and r["kernel"].startswith("mma fp32 bucket128")
+        assert r["dynamic_shared"] is not None, r["kernel"]
         assert (r["occupancy"]["blocks"] == 0) == no_room, (r["kernel"], r["occupancy"])
     text = sass.format_table(built)
     assert "mma fp16 bucket64" in text and "The steady path by instruction class" in text
@@ -452,6 +471,23 @@ def test_the_plain_loops_hold_only_the_tile_and_stay_near_flashattention(sass, b
         bucket = int(r["kernel"].split()[2][len("bucket"):])
         ratio = r["loop"]["paths"]["steady"].per_hmma() / sass.anchor_for(r)["per_hmma"]
         assert ratio <= 1.25, (r["kernel"], bucket, ratio)
+
+
+def test_the_backward_anchor_and_the_backward_budgets(sass, built):
+    """The tensor-core backward's plain passes (fp16/bf16 at buckets 64 and 128, sm_80 and sm_90): each within
+    its factor of FlashAttention-2's backward per HMMA (MAX_BWD_XFA2: the key pass 1.3, the query pass 1.5;
+    measured 1.23-1.26 and 1.34-1.45), no jump table in the tile loop, no spills."""
+    assert set(sass.FA2_BWD_ANCHOR) == {(arch, d) for arch in ("sm_80", "sm_90") for d in (64, 128)}
+    for a in sass.FA2_BWD_ANCHOR.values():
+        assert a["per_hmma"] == round(a["instrs"] / a["hmma"], 2) and a["hmma"] == 320
+    plain = [r for r in built if sass.BWD_BUDGETED.match(r["kernel"])]
+    assert len(plain) == 16, [(r["arch"], r["kernel"]) for r in plain]
+    for r in plain:
+        assert sass.check_row(r) == [], (r["arch"], r["kernel"])
+        ratio = r["loop"]["paths"]["steady"].per_hmma() / sass.anchor_for(r)["per_hmma"]
+        assert ratio <= sass.MAX_BWD_XFA2[r["kernel"].split()[1]], (r["arch"], r["kernel"], ratio)
+    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_backward_mma_keys<__half, 64, "
+                           "true>(attnx::AttentionBackwardParams)") == "bwd keys fp16 bucket64 plain"
 
 
 def test_the_build_meets_the_budgets(sass, built):

@@ -1,7 +1,8 @@
-"""`make sass`: the CUDA forward kernels' instruction budget, read from the built library (no GPU needed).
+"""`make sass`: the CUDA tensor-core kernels' instruction budget, read from the built library (no GPU needed).
 
-For each forward attention kernel of the built CUDA library (python/attnx/_C_cuda*.so, or a library, object or
-cubin given), on each arch in it (sm_80, sm_90), this finds the key-tile loop in the kernel's SASS and counts
+For each tensor-core attention kernel of the built CUDA library (the forward's, and both passes of the
+backward's; python/attnx/_C_cuda*.so, or a library, object or cubin given), on each arch in it (sm_80, sm_90),
+this finds the tile loop in the kernel's SASS and counts
 the instructions one iteration issues, by class, beside the registers, spills, shared memory and the occupancy
 they allow; then checks the budgets below and exits 1 when one is exceeded (--report: print, never fail),
 2 when it cannot check (no CUDA library, no cuobjdump or nvdisasm, no kernel matched).
@@ -17,10 +18,14 @@ library or object), which names the targets of every jump table (BRX). The contr
 block at every branch target and after every branch, jump, return and exit; a predicated one also falls
 through. A CALL to a subroutine (a slow path) falls through and its callee is not counted (paths report their
 calls); a CALL to a label of the kernel itself is a jump (sm_80 code leaves loops with CALL.REL.NOINC). Loops
-are natural loops: an edge to a block that dominates its source is a back edge. The tile loop is a loop whose
-body holds HMMA and that no other HMMA-holding loop encloses: inner loops (mask-element loops, a window scan,
-an element-wise staging loop) are part of its body. Where a kernel has several (the compiler can unswitch a
-loop into copies), the one with the leanest steady path is reported and their number shown.
+are natural loops: an edge to a block that dominates its source is a back edge. The tile loop is the
+innermost loop whose body holds both HMMA and the next tile's copies (LDGSTS): a loop around it (over a
+block's work items: the backward's query pass looping over the batches and heads of a broadcast mask's
+gradient, FA2's backward over key blocks) is not; where no loop issues copies, a loop whose body holds HMMA
+and that no other HMMA-holding loop encloses. Its inner loops (mask-element loops, a window scan, an
+element-wise staging loop, a chunk loop that is not unrolled) are part of its body. Where a kernel has
+several (the compiler can unswitch a loop into copies), the one with the leanest steady path is reported and
+their number shown.
 
 One iteration is a path from the loop's header to a latch (a block with an edge back to the header) through
 its body with every back edge removed, so an inner loop is walked once and each entry into one is counted.
@@ -195,6 +200,27 @@ FA2_ANCHOR: dict = {
     ("sm_90", 128): _fa2("32x64", 939, 160, 77,
                          [256, 80, 16, 68, 68, 136, 64, 72, 8, 8, 6, 3, 22, 6, 12, 114]),
 }
+
+# FlashAttention-2's backward counted the same way: flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<
+# Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4> (D = 64) or <128, 64, 128, 8, 2, 4, 2> (D = 128), false,
+# false, half_t>, flags false for dropout, causal, local and alibi, true for even_MN and even_K, false for
+# softcap> (flash_bwd_launch_template.h's run_mha_bwd_hdim64/128 where a block may have 144 KiB of shared
+# memory, as on sm_80 and sm_90; L = S = 1024): the tile loop is its loop over query blocks, holding the five
+# products (320 HMMA: 8 warps of a 128 x 128 or 64 x 128 tile) and dQ's atomic adds. Built 2026-11-30 from its
+# flash_bwd_hdim{64,128}_fp16_sm80.cu with the forward's flags above, in 243 s and 270 s; figures in
+# benchmarks/results/sass-2026-11-30-backward.md. Keyed by (arch, head dim).
+FA2_BWD_ANCHOR: dict = {
+    ("sm_80", 64): {"instrs": 1127, "hmma": 320, "per_hmma": 3.52, "stack": 96, "ldl_stl": 48},
+    ("sm_80", 128): {"instrs": 891, "hmma": 320, "per_hmma": 2.78, "stack": 64, "ldl_stl": 33},
+    ("sm_90", 64): {"instrs": 1094, "hmma": 320, "per_hmma": 3.42, "stack": 64, "ldl_stl": 32},
+    ("sm_90", 128): {"instrs": 875, "hmma": 320, "per_hmma": 2.73, "stack": 8, "ldl_stl": 2},
+}
+# attnx's tensor-core backward (its plain instantiations: BWD_BUDGETED) within these factors of FA2's
+# backward per HMMA on the steady path. 1.3 is the target for both passes; the query pass, whose tile holds 3
+# of the 5 products (S, dP, dQ) for the same work per score as the key pass's 4, measured 1.34-1.45 on
+# 2026-11-30 and is held to 1.5 until it meets it.
+MAX_BWD_XFA2 = {"keys": 1.3, "queries": 1.5}
+BWD_BUDGETED = re.compile(r"^bwd (keys|queries) (fp16|bf16) bucket(64|128) plain$")
 
 # ------------------------------------------------------------------------------------------------------------
 # Instruction classes.
@@ -829,16 +855,23 @@ def tile_loop(function: Function) -> dict | None:
     cfg = build_cfg(function)
     loops = find_loops(cfg)
     hmma = {id(o): sum(cfg.blocks[b].count("HMMA") for b in o.body) for o in loops}
+    copies = {id(o): sum(cfg.blocks[b].count("LDGSTS") for b in o.body) for o in loops}
 
-    def outermost(o):
+    def outermost(o, held):
         p = o.parent
         while p is not None:
-            if hmma[id(p)]:
+            if held(p):
                 return False
             p = p.parent
         return True
 
-    candidates = [o for o in loops if hmma[id(o)] and outermost(o)]
+    # The loops that issue the next tile's copies (LDGSTS) and its HMMA, innermost first (a loop over work
+    # items around the tile loop, FA2's backward's over key blocks, also holds both); else the outermost
+    # loops that hold HMMA.
+    tiles = [o for o in loops if hmma[id(o)] and copies[id(o)]]
+    candidates = [o for o in tiles if not any(i is not o and i.body < o.body for i in tiles)]
+    if not candidates:
+        candidates = [o for o in loops if hmma[id(o)] and outermost(o, lambda p: hmma[id(p)])]
     if not candidates:
         return None
     found = []
@@ -865,7 +898,9 @@ _DTYPE_NAMES = {"__half": "fp16", "half": "fp16", "cutlass::half_t": "fp16", "__
 # attnx's kernels: base name -> (short name, names of the template arguments after the dtype and bucket: a
 # number is written after its name, a flag as its name when true; a pair names (true, false)).
 _ATTNX = {"attention_forward_mma": ("mma", [{"0": "plain", "1": "bits", "2": "general"}]),
-          "attention_forward_simt": ("simt", ["rows"])}
+          "attention_forward_simt": ("simt", ["rows"]),
+          "attention_backward_mma_queries": ("bwd queries", [("plain", "general")]),
+          "attention_backward_mma_keys": ("bwd keys", [("plain", "general")])}
 
 
 def _named(name, value: str) -> str:
@@ -956,6 +991,11 @@ def dynamic_smem(short: str, demangled: str) -> int | None:
     72 floats); FA2's, per its
     Kernel_traits::kSmemSize (Q tile + 2 x (K or V tile), in 16-bit elements, when Q and K do not share).
     tests/test_sass.py checks the attnx formula against attention_plan.h."""
+    m = re.match(r"bwd (?:keys|queries) (?:fp16|bf16) bucket(\d+)", short)
+    if m:  # mma_backward_smem_bytes without attn_mask's gradient: own tiles, two stages, the lse rows
+        bucket = int(m.group(1))
+        tile = 32 if bucket > 64 else 64  # mma_backward_tile
+        return (2 * 64 + 4 * tile) * (bucket + 8) * 2 + 4 * tile * 4
     m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)", short)
     if m:
         element = 4 if m.group(1) == "fp32" else 2
@@ -1134,9 +1174,12 @@ def analyse_cubin(cubin_path: str, tools: dict, kernel_filter, include, built: f
 
 
 def anchor_for(row: dict):
-    """FA2's figures for this kernel's arch and head dim (its bucket), when recorded."""
-    m = re.match(r"mma (fp16|bf16) bucket(\d+)", row["kernel"])
-    return FA2_ANCHOR.get((row["arch"], int(m.group(2)))) if m else None
+    """FA2's figures for this kernel's arch and head dim (its bucket), when recorded: its forward's for the
+    forward kernels, its backward's for the backward's passes."""
+    m = re.match(r"(mma|bwd keys|bwd queries) (fp16|bf16) bucket(\d+)", row["kernel"])
+    if not m:
+        return None
+    return (FA2_ANCHOR if m.group(1) == "mma" else FA2_BWD_ANCHOR).get((row["arch"], int(m.group(3))))
 
 
 def check_row(row: dict) -> list:
@@ -1153,6 +1196,18 @@ def check_row(row: dict) -> list:
             problems.append(f"{where}: a PARTIAL bool tile takes {paths['bits'].instrs} instructions > "
                             f"{MAX_BITS_RATIO} x the steady path's {paths['steady'].instrs}")
     loop = row["loop"]
+    m = BWD_BUDGETED.match(row["kernel"])
+    if m:
+        if loop is None or "steady" not in loop["paths"]:
+            return problems + [f"{where}: no tile loop (no loop holds HMMA)"]
+        per_hmma, anchor = loop["paths"]["steady"].per_hmma(), anchor_for(row)
+        limit = MAX_BWD_XFA2[m.group(1)]
+        if per_hmma is not None and anchor and per_hmma > limit * anchor["per_hmma"]:
+            problems.append(f"{where}: {per_hmma} instructions per HMMA on the steady path > {limit} x "
+                            f"FlashAttention-2's backward's {anchor['per_hmma']}")
+        if loop["body"]["brx"] > MAX_BRX:
+            problems.append(f"{where}: {loop['body']['brx']} BRX (jump tables) in the tile loop > {MAX_BRX}")
+        return problems
     m = BUDGETED.match(row["kernel"])
     if not m:
         if NO_BRX.match(row["kernel"]) and loop is not None and loop["body"]["brx"] > MAX_BRX:
@@ -1245,7 +1300,17 @@ def format_table(rows: list) -> str:
                          + " ".join(f"{p.classes.get(c, 0):>6}" for c in cols))
     buckets = {(r["arch"], int(m.group(1))) for r in rows
                for m in [re.match(r"mma (?:fp16|bf16) bucket(\d+)", r["kernel"])] if m}
+    bwd = {(r["arch"], int(m.group(1))) for r in rows
+           for m in [re.match(r"bwd \w+ (?:fp16|bf16) bucket(\d+)", r["kernel"])] if m}
+    bwd = sorted(bwd & set(FA2_BWD_ANCHOR))
     anchors = sorted(buckets & set(FA2_ANCHOR))
+    if bwd:
+        lines += ["", f"xFA2 of the backward's passes: FlashAttention-2's backward counted the same way "
+                      f"({FA2_COMMIT}, nvcc {FA2_NVCC}):"]
+        for arch, d in bwd:
+            a = FA2_BWD_ANCHOR[(arch, d)]
+            lines.append(f"  {arch} D={d}: {a['per_hmma']} per HMMA, {a['instrs']} instructions an iteration "
+                         f"({a['hmma']} HMMA), 255 registers, {a['stack']} B stack, {a['ldl_stl']} LDL/STL")
     if anchors:
         lines += ["", f"xFA2's anchor: FlashAttention-2's forward counted the same way ({FA2_COMMIT}, "
                       f"nvcc {FA2_NVCC}):"]
@@ -1279,7 +1344,8 @@ def row_json(r: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------
 # Main.
 
-_FORWARD = re.compile(r"attention_forward_(mma|simt)<")
+# The kernels reported by default: the tensor-core forward and backward (and the SIMT forward with --simt).
+_DEFAULT = re.compile(r"attention_(forward_mma|forward_simt|backward_mma_keys|backward_mma_queries)<")
 
 
 def default_library() -> str | None:
@@ -1294,16 +1360,16 @@ def analyse(paths: list, arch=None, kernel=None, simt=False, tools=None) -> list
     def include(demangled, short):
         if kernel_filter is not None:
             return True  # the filter decides
-        m = _FORWARD.search(demangled)
-        return bool(m) and (m.group(1) == "mma" or simt)
+        m = _DEFAULT.search(demangled)
+        return bool(m) and (m.group(1) != "forward_simt" or simt)
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="attnx-sass-") as work:
         for n, path in enumerate(paths):
             sub = os.path.join(work, str(n))
             os.makedirs(sub)
-            # attnx's library: only the forward kernels' cubins (not the backward's)
-            wanted = re.compile(r"attention_kernel(_mma)?\.") if kernel_filter is None else None
+            # attnx's library: only the attention kernels' cubins
+            wanted = re.compile(r"attention_(backward_)?kernel(_mma)?\.") if kernel_filter is None else None
             for cubin in extract_cubins(path, tools["cuobjdump"], sub, wanted):
                 if arch and read_cubin(cubin).arch != arch:
                     continue

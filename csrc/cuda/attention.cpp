@@ -136,8 +136,7 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   const DType dtype = kernel_dtype(pb.call.dtype, op);
   const std::string bucket = stable::str(dtype_name(dtype), " bucket ", head_dim_bucket(p.head_dim, p.v_head_dim));
   if (pb.backward) {
-    // attn_mask's gradient is taken as not asked for (the SIMT kernels compute it where it is).
-    switch (choose_backward(p, dtype, target, /*mask_grad=*/false)) {
+    switch (choose_backward(p, dtype, target)) {
       case BackwardKernel::kMma:
         pb.kernel = "cuda fused mma " + bucket;
         break;

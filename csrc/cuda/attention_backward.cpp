@@ -25,36 +25,32 @@ namespace attnx::cuda {
 
 void run_attention_backward(AttentionBackwardProblem& pb, const Target& target, cudaStream_t stream) {
   const DType dtype = kernel_dtype(pb.dtype, "attnx::attention_backward");
-  const BackwardKernel kernel = choose_backward(pb.params.fwd, dtype, target, pb.grad_attn_mask);
+  const BackwardKernel kernel = choose_backward(pb.params.fwd, dtype, target);
   if (kernel == BackwardKernel::kMath) {
     run_attention_backward_math(pb);
     return;
   }
-  const AttentionParams& p = pb.params.fwd;
-  const auto check = [&](cudaError_t err) {
-    ATTNX_CHECK(err == cudaSuccess, "attnx::attention_backward: CUDA kernel launch failed (B=", p.batch,
-                ", H=", p.heads, ", Hkv=", p.kv_heads, ", L=", p.q_len, ", S=", p.kv_len, ", D=", p.head_dim,
-                ", Dv=", p.v_head_dim, ", ", pb.dtype, "): ", cudaGetErrorString(err));
-  };
-  if (kernel == BackwardKernel::kMma) {
-    // delta, one float per query row, which the query pass writes and the key pass reads.
-    const AttentionBackwardMmaPlan plan = plan_attention_backward_mma(pb.params, dtype, pb.ptr);
-    const int64_t rows[1] = {static_cast<int64_t>(plan.workspace_bytes / sizeof(float))};
-    const Tensor workspace = aten::new_empty(pb.lse, rows);
-    check(launch_attention_backward_mma(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream));
-    return;
-  }
-  const AttentionBackwardPlan plan = plan_attention_backward(pb.params, dtype, pb.grad_attn_mask);
-  // delta, one accumulator per query row; the mask's gradient summed in the accumulator dtype in a buffer of
-  // the gradient's own size, then converted to the mask's dtype (as the CPU kernel).
-  const int64_t rows[1] = {static_cast<int64_t>(plan.workspace_bytes / acc_bytes(dtype))};
-  const Tensor workspace = aten::new_empty(pb.lse, rows);
+  // attn_mask's gradient is summed in the accumulator dtype in a buffer of the gradient's own size, then
+  // converted to the mask's dtype (as the CPU kernel).
   std::optional<Tensor> mask_grad;
   if (pb.grad_attn_mask) {
     mask_grad = aten::new_zeros(pb.lse, pb.params.grad_attn_mask_size);
     pb.ptr.grad_attn_mask = mask_grad->mutable_data_ptr();
   }
-  check(launch_attention_backward(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream));
+  // The workspace: delta, one accumulator per query row.
+  const size_t bytes = kernel == BackwardKernel::kMma
+                           ? plan_attention_backward_mma(pb.params, dtype, pb.ptr).workspace_bytes
+                           : plan_attention_backward(pb.params, dtype, pb.grad_attn_mask).workspace_bytes;
+  const int64_t rows[1] = {static_cast<int64_t>(bytes / acc_bytes(dtype))};
+  const Tensor workspace = aten::new_empty(pb.lse, rows);
+  const cudaError_t err =
+      kernel == BackwardKernel::kMma
+          ? launch_attention_backward_mma(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream)
+          : launch_attention_backward(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream);
+  const AttentionParams& p = pb.params.fwd;
+  ATTNX_CHECK(err == cudaSuccess, "attnx::attention_backward: CUDA kernel launch failed (B=", p.batch,
+              ", H=", p.heads, ", Hkv=", p.kv_heads, ", L=", p.q_len, ", S=", p.kv_len, ", D=", p.head_dim,
+              ", Dv=", p.v_head_dim, ", ", pb.dtype, "): ", cudaGetErrorString(err));
   if (mask_grad) pb.grad_attn_mask_out = mask_grad_from_buffer(*mask_grad, *pb.options.attn_mask);
 }
 

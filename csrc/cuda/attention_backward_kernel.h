@@ -83,7 +83,9 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
 // The tensor-core kernels (cuda/attention_backward_kernel_mma.cu), two launches on one stream, 128 threads a
 // block, mma_backward_smem_bytes of shared memory:
 //   queries one block per (b, h, 64 query rows): delta = rowsum(dO * O) of its rows into the workspace, then
-//           dQ of its rows over the key tiles they see.
+//           dQ of its rows over the key tiles they see, and attn_mask's gradient. Where that gradient
+//           broadcasts along B, H or L, a block loops over the batches, heads or query tiles that add into
+//           the same elements (as the SIMT query pass), so that no two blocks write the same memory.
 //   keys    one block per (b, kv head, 64 keys): dK and dV of its keys, summed over the group's query heads
 //           and the query tiles that see them (reading the queries' delta).
 struct AttentionBackwardMmaPlan {
@@ -92,7 +94,8 @@ struct AttentionBackwardMmaPlan {
   bool vector;  // every row of q, k, v and grad_out moves as 16-byte vectors (cp.async)
   int threads;
   int64_t q_tiles, k_tiles;
-  int64_t query_blocks;  // B * H * q_tiles
+  bool all_batches, all_heads, all_query_tiles;  // where attn_mask's gradient broadcasts along B, H, L
+  int64_t query_blocks;  // over (b, h, query tile), without the dims a block loops over
   int64_t key_blocks;    // B * Hkv * k_tiles
   size_t smem_bytes;
   size_t workspace_bytes;  // delta: B * H * L floats
@@ -102,7 +105,8 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
                                                             const AttentionBackwardPointers& ptr) {
   const AttentionParams& p = bp.fwd;
   AttentionBackwardMmaPlan plan{};
-  if (!mma_backward_supports(p, dtype, ptr.grad_attn_mask != nullptr)) return plan;
+  if (!mma_backward_supports(p, dtype)) return plan;
+  const bool mask_grad = ptr.grad_attn_mask != nullptr;
   plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   plan.vector = mma_rows_16(ptr.fwd.query, p.q_stride, p.head_dim, 2) &&
                 mma_vector_loads(p, ptr.fwd.key, ptr.fwd.value, 2) &&
@@ -111,18 +115,25 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   plan.threads = kWarps * kWarpSize;
   plan.q_tiles = (p.q_len + kMmaTileKeys - 1) / kMmaTileKeys;
   plan.k_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
-  plan.query_blocks = p.batch * p.heads * plan.q_tiles;
+  const int64_t* g = bp.grad_attn_mask_size;
+  plan.all_batches = mask_grad && g[0] == 1;
+  plan.all_heads = mask_grad && g[1] == 1;
+  plan.all_query_tiles = mask_grad && g[2] == 1;
+  plan.query_blocks = (plan.all_batches ? 1 : p.batch) * (plan.all_heads ? 1 : p.heads) *
+                      (plan.all_query_tiles ? 1 : plan.q_tiles);
   plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
-  plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket));
+  plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket, mask_grad));
   plan.workspace_bytes = static_cast<size_t>(p.batch * p.heads * p.q_len) * sizeof(float);
   return plan;
 }
 
 #if !defined(__CUDACC_RTC__)
 // Runs attention_backward on `stream` with the tensor-core kernels: grad_query, grad_key and grad_value
-// (every element written). `workspace`: plan.workspace_bytes, 16-byte aligned, any content. Returns the first
-// launch error, cudaSuccess when there is nothing to compute, and cudaErrorInvalidValue when the kernels do
-// not cover the problem (mma_backward_supports, inconsistent params).
+// (every element written), and adds attn_mask's gradient into ptr.grad_attn_mask when it is not null (a
+// zeroed float buffer of bp.grad_attn_mask_size). `workspace`: plan.workspace_bytes, 16-byte aligned, any
+// content. Returns the first launch error, cudaSuccess when there is nothing to compute, and
+// cudaErrorInvalidValue when the kernels do not cover the problem (mma_backward_supports, inconsistent
+// params).
 cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
                                           const AttentionBackwardPointers& ptr, void* workspace,
                                           cudaStream_t stream);

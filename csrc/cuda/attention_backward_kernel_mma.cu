@@ -10,8 +10,8 @@
 // dS = P (Z dP - delta), dV = (Z P)^T dO, dK = scale (dS y')^T Q, dQ = scale (dS y') K. Here each of the five
 // products (the scores S = Q K^T and dP = dO V^T in both passes, dV and dK in the key pass, dQ in the query
 // pass) is an mma over tiles staged in shared memory in the input type, and P is one FFMA and one ex2 a
-// score: P = 2^(x scale log2(e) - lse log2(e)), with lse log2(e) read once a row. Z P and dS y' are rounded to
-// the input type for their products, as FlashAttention-2 rounds them (and the forward P).
+// score: P = 2^(x scale log2(e) - lse log2(e)), with lse log2(e) read once a row. Z P and dS y' are rounded
+// to the input type for their products, as FlashAttention-2 rounds them (and the forward P).
 //
 // Two passes, so that every output element is written by one thread of one block, in a fixed order:
 //   queries  block = (b, h, 64 query rows), a warp 16 rows. Q and dO are staged once; delta = rowsum(dO * O)
@@ -22,8 +22,9 @@
 //   keys     block = (b, kv head, 64 keys), a warp 16 keys; launched after the query pass, whose delta it
 //            reads. K and V are staged once; then over the group's query heads and the query tiles that see
 //            the keys, Q and dO (and the tile's lse and delta) in two stages: the transposed products
-//            S^T = K Q^T and dP^T = V dO^T, then dV += (Z P)^T dO and dK += (dS y')^T Q, K's and V's A fragments
-//            by ldmatrix from their rows, Q's and dO's B fragments by ldmatrix (.trans for dV and dK).
+//            S^T = K Q^T and dP^T = V dO^T, then dV += (Z P)^T dO and dK += (dS y')^T Q, K's and V's A
+//            fragments by ldmatrix from their rows, Q's and dO's B fragments by ldmatrix (.trans for dV and
+//            dK).
 // Grouped KV heads are summed in the key pass's registers, K and V read in place. A tile where every row of
 // a warp sees every key of it (interior) tests no key range; elsewhere each score is tested against its
 // row's interval. The general instantiation reads both masks per score (mask_value), soft-caps with fast_tanh
@@ -38,17 +39,17 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kBwdThreads = kWarps * kWarpSize;
-constexpr int kBwdRows = kMmaTileKeys;  // a tile's rows in both passes: 64 queries, 64 keys
+constexpr int kBwdRows = kMmaTileKeys;  // a block's own rows in both passes: 64 queries, 64 keys
 
 template <int kBucket>
 struct BwdShape {
   static constexpr int kLd = mma_tile_ld(kBucket, 2);  // a staged row: bucket + one 16-byte unit
-  static constexpr int kTile = kBwdRows * kLd;         // elements of one staged tile
+  static constexpr int kOwn = kBwdRows * kLd;          // elements of one of the block's own tiles
+  static constexpr int kRows = mma_backward_tile(kBucket);  // rows of a staged tile of the other operand
+  static constexpr int kTile = kRows * kLd;                 // its elements
   static constexpr int kKSteps = kBucket / 16;         // k-steps of S and dP over the head dim
   static constexpr int kOTiles = kBucket / 8;          // n-tiles of a gradient row
-  static constexpr int kChunk = kMmaBackwardChunk;
-  static constexpr int kN = kChunk / 8;  // n-tiles of S and dP per chunk
-  static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0 && kN % 2 == 0, "ldmatrix.x4 serves two steps");
+  static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two steps");
 };
 
 // What the element-wise step of either pass reads of the call.
@@ -61,21 +62,24 @@ struct BwdConsts {
 
 __device__ __forceinline__ BwdConsts bwd_consts_of(const AttentionParams& p) {
   const float scale = split_value<float>(p.scale, p.scale_lo);
-  return {scale, scale * kLog2e, split_value<float>(p.dropout_scale, p.dropout_scale_lo), soft_cap_of<float>(p)};
+  return {scale, scale * kLog2e, split_value<float>(p.dropout_scale, p.dropout_scale_lo),
+          soft_cap_of<float>(p)};
 }
 
-// Rows [0, 64) of a 16-bit operand at `src` (row stride rs, column stride cs, in elements) into `dst` (64,
-// kLd), zero at and past row `valid` and column `cols`. With 16-byte rows (kVector, or `vector` at run time:
-// mma_rows_16 holds for the operand) by cp.async in the caller's open group, a thread the 16-byte chunks of
-// one column kRowStep rows apart, from one pointer advanced by a constant (no multiply per copy); otherwise
-// element by element (visible after the caller's barrier). A zero-filled row reads nothing, so a tile may end
-// past the tensor's last row. The plain instantiations always have 16-byte rows (kVector): their copies
-// compile without the element-wise path.
-template <typename scalar_t, int kBucket, bool kVector>
+// Rows [0, kRows) of a 16-bit operand at `src` (row stride rs, column stride cs, in elements) into `dst`
+// (kRows, kLd), zero at and past row `valid` and column `cols`. With 16-byte rows (kVector, or `vector` at
+// run time: mma_rows_16 holds for the operand) by cp.async in the caller's open group, a thread the 16-byte
+// chunks of one column kRowStep rows apart, from one pointer advanced by a constant (no multiply per copy);
+// otherwise element by element (visible after the caller's barrier). A zero-filled row reads nothing, so a
+// tile may end past the tensor's last row. The plain instantiations always have 16-byte rows (kVector):
+// their copies compile without the element-wise path. (Copies at constant offsets from one pointer a row,
+// as the forward's, took registers that the bucket-128 loops do not have.)
+template <typename scalar_t, int kBucket, bool kVector, int kRows = kBwdRows>
 __device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* src, int64_t rs, int64_t cs,
                                                int64_t valid, int cols, bool vector) {
   constexpr int kLd = BwdShape<kBucket>::kLd, kVec = 8, kChunks = kBucket / kVec;
-  constexpr int kRowStep = kBwdThreads / kChunks, kCopies = kBwdRows / kRowStep;
+  constexpr int kRowStep = kBwdThreads / kChunks, kCopies = kRows / kRowStep;
+  static_assert(kRows % kRowStep == 0, "whole rounds of copies");
   const int tid = static_cast<int>(threadIdx.x);
   if (kVector || vector) {
     const int r0 = tid / kChunks, c = kVec * (tid % kChunks);
@@ -89,7 +93,7 @@ __device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* sr
     }
   } else if constexpr (!kVector) {
     const scalar_t zero = from_acc<scalar_t>(0.0f);
-    for (int e = tid; e < kBwdRows * kBucket; e += kBwdThreads) {
+    for (int e = tid; e < kRows * kBucket; e += kBwdThreads) {
       const int r = e / kBucket, c = e % kBucket;
       dst[r * kLd + c] = r < valid && c < cols ? src[r * rs + c * cs] : zero;
     }
@@ -101,16 +105,19 @@ __device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* sr
 struct TileRange {
   int lo, hi;
 };
-__device__ __forceinline__ TileRange tile_range(int64_t lo, int64_t hi, int64_t at) {
-  return {static_cast<int>(range_min(range_max(lo - at, 0), kBwdRows)),
-          static_cast<int>(range_min(range_max(hi - at, 0), kBwdRows))};
+__device__ __forceinline__ int clamp_rows(int x) {
+  return x < 0 ? 0 : x > kBwdRows ? kBwdRows : x;
+}
+__device__ __forceinline__ TileRange tile_range(int lo, int hi, int at) {
+  return {clamp_rows(lo - at), clamp_rows(hi - at)};
 }
 
-// Z P and dS y' (before the scale) of one score of the general instantiation, from x = q.k, dp = dO.v, the
-// row's lse2 = lse log2(e) and delta, the masks' term `bias`, the dropout factor z (1 without) and whether
-// the row sees the key at all. Where it does not, both are 0 whatever x is (a NaN of an unseen key included).
+// Z P, dS y' (before the scale) and dS (attn_mask's gradient) of one score of the general instantiation, from
+// x = q.k, dp = dO.v, the row's lse2 = lse log2(e) and delta, the masks' term `bias`, the dropout factor z (1
+// without) and whether the row sees the key at all. Where it does not, all are 0 whatever x is (a NaN of an
+// unseen key included).
 struct ScoreGrads {
-  float pz, ds;
+  float pz, ds, ds_bias;
 };
 __device__ __forceinline__ ScoreGrads general_grads(float x, float dp, float lse2, float delta, float bias,
                                                     float z, bool seen, const BwdConsts& k) {
@@ -121,7 +128,8 @@ __device__ __forceinline__ ScoreGrads general_grads(float x, float dp, float lse
     slope = 1.0f - th * th;
   }
   const float prob = seen ? fast_exp2(fmaf(y + bias, kLog2e, -lse2)) : 0.0f;
-  return {prob * z, seen ? prob * (z * dp - delta) * slope : 0.0f};
+  const float ds = seen ? prob * (z * dp - delta) : 0.0f;
+  return {prob * z, ds * slope, ds};
 }
 
 // The masks' term of score (l, s) of (b, h), in the reference's order (attn_mask + key_padding_mask), and the
@@ -134,9 +142,8 @@ __device__ __forceinline__ float mask_bias(const AttentionParams& p, const Atten
                              b * p.key_padding_mask_stride[0] + s * p.key_padding_mask_stride[1]);
   }
   if (p.attn_mask_kind != kMaskNone) {
-    bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask,
-                             b * p.attn_mask_stride[0] + h * p.attn_mask_stride[1] + l * p.attn_mask_stride[2] +
-                                 s * p.attn_mask_stride[3]) +
+    const int64_t* const st = p.attn_mask_stride;
+    bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask, b * st[0] + h * st[1] + l * st[2] + s * st[3]) +
            bias;
   }
   return bias;
@@ -167,8 +174,8 @@ __device__ __forceinline__ int b_lane(int lane, int ld) {
 
 // acc[j] += A B over the head dim for n-tiles j < kN: A the warp's 16 rows of `a_s` (an [m][k] tile), B the
 // rows n0 + 8 j .. + 7 of `b_s` (an [n][k] tile): S or dP of a chunk.
-template <typename scalar_t, int kBucket>
-__device__ __forceinline__ void rows_by_rows(float (&acc)[BwdShape<kBucket>::kN][4], const scalar_t* a_s,
+template <typename scalar_t, int kBucket, int kN>
+__device__ __forceinline__ void rows_by_rows(float (&acc)[kN][4], const scalar_t* a_s,
                                              const scalar_t* b_s, int a_at, int b_at) {
   using Sh = BwdShape<kBucket>;
 #pragma unroll
@@ -177,7 +184,7 @@ __device__ __forceinline__ void rows_by_rows(float (&acc)[BwdShape<kBucket>::kN]
     ldmatrix_x4<false>(a[0], a_s + a_at + 16 * ks);
     ldmatrix_x4<false>(a[1], a_s + a_at + 16 * (ks + 1));
 #pragma unroll
-    for (int j = 0; j < Sh::kN; ++j) {
+    for (int j = 0; j < kN; ++j) {
       uint32_t bf[4];
       ldmatrix_x4<false>(bf, b_s + b_at + 8 * j * Sh::kLd + 16 * ks);
       mma_m16n8k16<scalar_t>(acc[j], a[0], {bf[0], bf[1]});
@@ -189,13 +196,13 @@ __device__ __forceinline__ void rows_by_rows(float (&acc)[BwdShape<kBucket>::kN]
 // grad[n] += F B for the gradient's n-tiles: F the chunk's element-wise results (C fragments of S's n-tiles,
 // rounded to the input type: two adjacent n-tiles are one k-step's A fragment), B rows k0 + 16 kk .. + 15 of
 // `b_s` (a [k][n] tile, by ldmatrix.trans).
-template <typename scalar_t, int kBucket>
+template <typename scalar_t, int kBucket, int kN>
 __device__ __forceinline__ void accumulate(float (&grad)[BwdShape<kBucket>::kOTiles][4],
-                                           const float (&f)[BwdShape<kBucket>::kN][4], const scalar_t* b_s,
+                                           const float (&f)[kN][4], const scalar_t* b_s,
                                            int b_at) {
   using Sh = BwdShape<kBucket>;
 #pragma unroll
-  for (int kk = 0; kk < Sh::kN / 2; ++kk) {
+  for (int kk = 0; kk < kN / 2; ++kk) {
     const uint32_t a[4] = {pack2_rn<scalar_t>(f[2 * kk][0], f[2 * kk][1]),
                            pack2_rn<scalar_t>(f[2 * kk][2], f[2 * kk][3]),
                            pack2_rn<scalar_t>(f[2 * kk + 1][0], f[2 * kk + 1][1]),
@@ -210,19 +217,44 @@ __device__ __forceinline__ void accumulate(float (&grad)[BwdShape<kBucket>::kOTi
   }
 }
 
+// blockIdx.x and threadIdx.x, read so that the compiler computes what derives from them again rather than
+// keep it in registers through a loop (volatile reads of %ctaid.x and %tid.x).
+__device__ __forceinline__ uint64_t block_index() {
+#if defined(__CUDA_ARCH__) && !defined(ATTNX_CUDA_EMULATION)
+  uint32_t x;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  return x;
+#else
+  return blockIdx.x;
+#endif
+}
+__device__ __forceinline__ uint32_t thread_index() {
+#if defined(__CUDA_ARCH__) && !defined(ATTNX_CUDA_EMULATION)
+  uint32_t x;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(x));
+  return x;
+#else
+  return threadIdx.x;
+#endif
+}
+
 template <typename scalar_t>
 __device__ __forceinline__ const scalar_t* rows_of(const void* base, const int64_t* stride, int64_t b,
                                                    int64_t h, int64_t row0) {
   return static_cast<const scalar_t*>(base) + b * stride[0] + h * stride[1] + row0 * stride[2];
 }
 
-// Writes a warp's (16, bucket) gradient tile times `factor`: element i of n-tile n is row r0 + g (+ 8 for
-// i >= 2), column 8 n + 2 t + i % 2; rows at and past `rows` and columns past `cols` are not written.
+// Writes a warp's (16, bucket) gradient tile times `factor`: element i of n-tile n is row r0 + 16 warp + g
+// (+ 8 for i >= 2), column 8 n + 2 t + i % 2; rows at and past `rows` and columns past `cols` are not
+// written. The thread's coordinates are read anew from threadIdx: values derived from them before the tile
+// loop and kept through it took registers the loop needs (ptxas spilled them at bucket 128).
 template <typename scalar_t, int kBucket>
 __device__ __forceinline__ void write_rows(const float (&grad)[BwdShape<kBucket>::kOTiles][4], void* base,
                                            const int64_t* stride, int64_t b, int64_t h, int64_t r0,
-                                           int64_t rows, int cols, float factor, int lane) {
-  const int g = lane / 4, t = lane % 4;
+                                           int64_t rows, int cols, float factor) {
+  const int tid = static_cast<int>(thread_index());
+  const int lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
+  r0 += 16 * (tid / kWarpSize);
   scalar_t* const dst = static_cast<scalar_t*>(base) + b * stride[0] + h * stride[1];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -239,248 +271,345 @@ __device__ __forceinline__ void write_rows(const float (&grad)[BwdShape<kBucket>
   }
 }
 
-// The query pass: dQ of one (b, h, 64 query rows), and delta of those rows into the workspace. The general
-// instantiation states 2 blocks an SM for ptxas's register budget: left to itself it aims at 3 (168
-// registers) and spills there on sm_80 and sm_90.
+// attn_mask's gradient of one tile: dS of the tile's 64 rows x kKeys keys, staged in `ds_s` (64, kKeys + 1),
+// summed over the rows (keys) where the gradient broadcasts along L (S) and added to
+// elements of `mask_grad` (a float buffer of bp.grad_attn_mask_size) that only this block writes; a thread
+// an element, rows past L and keys past S not read.
+template <int kKeys>
+__device__ __forceinline__ void add_mask_grad_tile(const AttentionBackwardParams& bp, float* mask_grad,
+                                                   const float* ds_s, int64_t b, int64_t h, int64_t q0,
+                                                   int64_t k0) {
+  const int64_t* size = bp.grad_attn_mask_size;
+  const int64_t L = bp.fwd.q_len, S = bp.fwd.kv_len;
+  const bool sum_rows = size[2] == 1, sum_keys = size[3] == 1;
+  const int rows = static_cast<int>(range_min(kBwdRows, L - q0));
+  const int keys = static_cast<int>(range_min(kKeys, S - k0));
+  const int ni = sum_rows ? 1 : rows, nj = sum_keys ? 1 : keys;
+  float* const base =
+      mask_grad + ((size[0] == 1 ? 0 : b) * size[1] + (size[1] == 1 ? 0 : h)) * size[2] * size[3];
+  for (int e = static_cast<int>(threadIdx.x); e < ni * nj; e += kBwdThreads) {
+    const int i = e / nj, j = e % nj;
+    float sum = 0.0f;
+    for (int ii = sum_rows ? 0 : i; ii < (sum_rows ? rows : i + 1); ++ii) {
+      for (int jj = sum_keys ? 0 : j; jj < (sum_keys ? keys : j + 1); ++jj) {
+        sum += ds_s[ii * (kKeys + 1) + jj];
+      }
+    }
+    base[(sum_rows ? 0 : q0 + i) * size[3] + (sum_keys ? 0 : k0 + j)] += sum;
+  }
+}
+
+// The query pass: dQ of (b, h, 64 query rows), delta of those rows into the workspace, and attn_mask's
+// gradient; a block loops over the batches, heads and query tiles whose mask gradients add into the same
+// elements (the dims of bp.grad_attn_mask_size that are 1), one after another. The general instantiation
+// states 2 blocks an SM for ptxas's register budget: left to itself it aims at 3 (168 registers) and spills
+// there on sm_80 and sm_90.
 template <typename scalar_t, int kBucket, bool kPlain>
 __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
     attention_backward_mma_queries(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
                                    const AttentionBackwardMmaPlan plan, float* const delta) {
   using Sh = BwdShape<kBucket>;
-  constexpr int kLd = Sh::kLd, kTile = Sh::kTile, kChunk = Sh::kChunk, kN = Sh::kN;
+  // kKeys: a key tile's rows (mma_backward_tile); kChunk of them at a time.
+  constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kKeys = Sh::kRows, kTile = Sh::kTile;
+  constexpr int kChunk = kMmaBackwardChunk, kN = kChunk / 8;
   // The chunks of a tile unrolled in the plain instantiation; one at a time in the general one, whose
-  // per-score mask and dropout code would otherwise be copied per chunk and spill.
-  constexpr int kChunkUnroll = kPlain ? kBwdRows / kChunk : 1;
+  // per-score code would otherwise be copied per chunk and spill.
+  constexpr int kChunkUnroll = kPlain ? kKeys / kChunk : 1;
   const AttentionParams& p = bp.fwd;
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
   scalar_t* const q_s = smem;
-  scalar_t* const do_s = smem + kTile;  // then stage s: K at smem + (2 + 2 s) kTile, V right after
+  scalar_t* const do_s = smem + kOwn;  // then stage s: K at smem + 2 kOwn + 2 s kTile, V right after
+  // attn_mask's gradient (the general instantiation): the tile's dS, after the stages and the lse rows.
+  float* const mask_grad = static_cast<float*>(ptr.grad_attn_mask);
+  [[maybe_unused]] float* const ds_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile) + 4 * kKeys;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
   const int64_t L = p.q_len;
-  const int64_t qt = static_cast<int64_t>(blockIdx.x) % plan.q_tiles;
-  const int64_t bh = static_cast<int64_t>(blockIdx.x) / plan.q_tiles;
-  const int64_t h = bh % p.heads, b = bh / p.heads, hk = kv_head_of(p, h);
-  const int64_t q0 = qt * kBwdRows;
-  const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
   const BwdConsts consts = bwd_consts_of(p);
-
-  stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
-                                    p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
-  stage_rows_mma<scalar_t, kBucket, kPlain>(do_s, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0),
-                                    bp.grad_out_stride[2], bp.grad_out_stride[3], L - q0, Dv, plan.vector);
-  cp_async_commit();
-
-  // The keys the block's rows see, in tiles from a multiple of 64; this lane's rows l[r] = q0 + 16 warp + g
-  // + 8 r and their intervals; the warp's interior keys (seen by all 16 of its rows, all below L).
-  const int64_t rows = range_min(kBwdRows, L - q0);
-  const int64_t k_begin = range_key_begin(q0, L, Sb, p.window_left);
-  const int64_t k_end = range_key_end(q0 + rows - 1, L, Sb, p.window_right, p.is_causal);
-  const int64_t w0 = q0 + 16 * warp;
-  int64_t key_lo[2], key_hi[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t l = w0 + g + 8 * r;
-    key_lo[r] = l < L ? range_key_begin(l, L, Sb, p.window_left) : 0;
-    key_hi[r] = l < L ? range_key_end(l, L, Sb, p.window_right, p.is_causal) : 0;
-  }
-  const bool warp_in = w0 + 15 < L;
-  const int64_t in_lo = warp_in ? range_key_begin(w0 + 15, L, Sb, p.window_left) : 0;
-  const int64_t in_hi = warp_in ? range_key_end(w0, L, Sb, p.window_right, p.is_causal) : 0;
-
-  const scalar_t* const key = rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, 0);
-  const scalar_t* const value = rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, 0);
-  const auto stage_keys = [&](int stage, int64_t k0) {
-    scalar_t* const k_s = smem + (2 + 2 * stage) * kTile;
-    stage_rows_mma<scalar_t, kBucket, kPlain>(k_s, key + k0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], Sb - k0, D,
-                                      plan.vector);
-    stage_rows_mma<scalar_t, kBucket, kPlain>(k_s + kTile, value + k0 * p.v_stride[2], p.v_stride[2], p.v_stride[3],
-                                      Sb - k0, Dv, plan.vector);
-    cp_async_commit();
-  };
-  int64_t k0 = k_begin < k_end ? k_begin / kBwdRows * kBwdRows : k_end;
-  if (k0 < k_end) stage_keys(0, k0);
-  if (k0 < k_end) {
-    cp_async_wait<1>();  // Q and dO, not the first key tile
-  } else {
-    cp_async_wait<0>();
-  }
-  __syncthreads();
-
-  // delta of this lane's rows: its quad's columns 8 n + 2 t + e of dO (staged) times O's, summed over the quad.
-  float lse2[2], row_delta[2];
-  const scalar_t* const out = rows_of<scalar_t>(ptr.fwd.out, p.out_stride, b, h, 0);
-  const float* const lse = static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int rr = 16 * warp + g + 8 * r;
-    const int64_t l = q0 + rr;
-    float sum = 0.0f;
-    if (l < L) {
-      for (int c = 2 * t; c < Dv; c += 8) {
-        sum += to_acc(do_s[rr * kLd + c]) * to_acc(out[l * p.out_stride[2] + c * p.out_stride[3]]);
-        if (c + 1 < Dv) {
-          sum += to_acc(do_s[rr * kLd + c + 1]) * to_acc(out[l * p.out_stride[2] + (c + 1) * p.out_stride[3]]);
-        }
-      }
-    }
-    sum += __shfl_xor_sync(kFullMask, sum, 1);
-    sum += __shfl_xor_sync(kFullMask, sum, 2);
-    row_delta[r] = sum;
-    lse2[r] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
-    if (t == 0 && l < L) delta[bh * L + l] = sum;
-  }
-
-  float dq[Sh::kOTiles][4];
-#pragma unroll
-  for (int n = 0; n < Sh::kOTiles; ++n) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dq[n][i] = 0.0f;
-  }
   const int a_at = a_lane(lane, kLd) + 16 * warp * kLd, b_at = b_lane(lane, kLd), t_at = a_lane(lane, kLd);
 
-  for (int stage = 0; k0 < k_end; stage ^= 1) {
-    const int64_t k_next = k0 + kBwdRows;
-    if (k_next < k_end) {
-      stage_keys(stage ^ 1, k_next);  // the other stage was last read before the previous barrier
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const scalar_t* const k_s = smem + (2 + 2 * stage) * kTile;
-    const scalar_t* const v_s = k_s + kTile;
-    const bool interior = k0 >= in_lo && k0 + kBwdRows <= in_hi;
-    const TileRange range[2] = {tile_range(key_lo[0], key_hi[0], k0), tile_range(key_lo[1], key_hi[1], k0)};
-#pragma unroll kChunkUnroll
-    for (int c0 = 0; c0 < kBwdRows; c0 += kChunk) {
-      float s[kN][4], dp[kN][4];
+  // One (b, h, query tile).
+  const auto item = [&](int64_t b, int64_t h, int64_t qt) {
+        const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
+        const int64_t hk = kv_head_of(p, h), bh = b * p.heads + h;
+        const int64_t q0 = qt * kBwdRows;
+        stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
+                                                  p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
+        stage_rows_mma<scalar_t, kBucket, kPlain>(
+            do_s, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0), bp.grad_out_stride[2],
+            bp.grad_out_stride[3], L - q0, Dv, plan.vector);
+        cp_async_commit();
+
+        // The keys the block's rows see, in tiles from k_first, a multiple of kKeys. Key indices from here
+        // on are offsets from k_first (32-bit: mma_backward_supports bounds S), as the key pass's queries.
+        const int64_t rows = range_min(kBwdRows, L - q0);
+        const int64_t k_begin = range_key_begin(q0, L, Sb, p.window_left);
+        const int64_t k_end = range_key_end(q0 + rows - 1, L, Sb, p.window_right, p.is_causal);
+        const int64_t k_first = k_begin / kKeys * kKeys;
+        const int span = k_begin < k_end ? static_cast<int>(k_end - k_first) : 0;
+        const auto offset = [&](int64_t k) { return static_cast<int>(k - k_first); };
+        // This lane's rows l[r] = q0 + 16 warp + g + 8 r and their intervals: held in the plain
+        // instantiation, recomputed a tile in the general one (which has no registers to hold them); the
+        // warp's interior keys (seen by all 16 of its rows, all below L).
+        const int64_t w0 = q0 + 16 * warp;
+        const auto row_keys = [&](int r) {
+          const int64_t l = w0 + g + 8 * r;
+          return l < L ? TileRange{offset(range_key_begin(l, L, Sb, p.window_left)),
+                                   offset(range_key_end(l, L, Sb, p.window_right, p.is_causal))}
+                       : TileRange{0, 0};
+        };
+        const TileRange held[2] = {kPlain ? row_keys(0) : TileRange{}, kPlain ? row_keys(1) : TileRange{}};
+        const bool warp_in = w0 + 15 < L;
+        const int in_lo = warp_in ? offset(range_key_begin(w0 + 15, L, Sb, p.window_left)) : 0;
+        const int in_hi = warp_in ? offset(range_key_end(w0, L, Sb, p.window_right, p.is_causal)) : 0;
+
+        const scalar_t* const key = rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, 0);
+        const scalar_t* const value = rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, 0);
+        const auto stage_keys = [&](int stage, int off) {
+          const int64_t k0 = k_first + off;
+          scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
+          stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s, key + k0 * p.k_stride[2], p.k_stride[2],
+                                                           p.k_stride[3], Sb - k0, D, plan.vector);
+          stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s + kTile, value + k0 * p.v_stride[2],
+                                                           p.v_stride[2], p.v_stride[3], Sb - k0, Dv,
+                                                           plan.vector);
+          cp_async_commit();
+        };
+        int off = 0;  // the tile at k_first + off
+        if (off < span) stage_keys(0, off);
+        if (off < span) {
+          cp_async_wait<1>();  // Q and dO, not the first key tile
+        } else {
+          cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        // delta of this lane's rows: its quad's columns 2 t + 8 n (+ 1) of dO (staged) times O's, summed over
+        // the quad.
+        float lse2[2], row_delta[2];
+        const scalar_t* const out = rows_of<scalar_t>(ptr.fwd.out, p.out_stride, b, h, 0);
+        const float* const lse =
+            static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
 #pragma unroll
-      for (int j = 0; j < kN; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
-      }
-      rows_by_rows<scalar_t, kBucket>(s, q_s, k_s, a_at, b_at + c0 * kLd);
-      rows_by_rows<scalar_t, kBucket>(dp, do_s, v_s, a_at, b_at + c0 * kLd);
-      // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2); `ranged`:
-      // each score tested against its row's key range (not on interior tiles).
-      const auto grads = [&](auto ranged) {
-#pragma unroll
-        for (int j = 0; j < kN; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int r = i / 2, col = c0 + 8 * j + 2 * t + i % 2;
-            bool seen = true;
-            if constexpr (decltype(ranged)::value) seen = col >= range[r].lo && col < range[r].hi;
-            if constexpr (kPlain) {
-              const float prob = fast_exp2(fmaf(s[j][i], consts.c, -lse2[r]));
-              s[j][i] = seen ? prob * (dp[j][i] - row_delta[r]) : 0.0f;
-            } else {
-              const int64_t l = w0 + g + 8 * r, key = k0 + col;
-              const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, key) : 0.0f;
-              const float z = seen ? dropout_factor(p, consts, b, h, l, key) : 1.0f;
-              s[j][i] = general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, z, seen, consts).ds;
+        for (int r = 0; r < 2; ++r) {
+          const int rr = 16 * warp + g + 8 * r;
+          const int64_t l = q0 + rr;
+          float sum = 0.0f;
+          if (l < L) {
+            const scalar_t* const o_row = out + l * p.out_stride[2];
+            for (int c = 2 * t; c < Dv; c += 8) {
+              sum += to_acc(do_s[rr * kLd + c]) * to_acc(o_row[c * p.out_stride[3]]);
+              if (c + 1 < Dv) {
+                sum += to_acc(do_s[rr * kLd + c + 1]) * to_acc(o_row[(c + 1) * p.out_stride[3]]);
+              }
             }
           }
+          sum += __shfl_xor_sync(kFullMask, sum, 1);
+          sum += __shfl_xor_sync(kFullMask, sum, 2);
+          row_delta[r] = sum;
+          lse2[r] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
+          if (t == 0 && l < L) delta[bh * L + l] = sum;
         }
-      };
-      if (interior) {
-        grads(std::false_type{});
-      } else {
-        grads(std::true_type{});
-      }
-      accumulate<scalar_t, kBucket>(dq, s, k_s, t_at + c0 * kLd);
+
+        float dq[Sh::kOTiles][4];
+#pragma unroll
+        for (int n = 0; n < Sh::kOTiles; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dq[n][i] = 0.0f;
+        }
+
+        for (int stage = 0; off < span; stage ^= 1) {
+          const int off_next = off + kKeys;
+          if (off_next < span) {
+            stage_keys(stage ^ 1, off_next);  // the other stage was last read before the previous barrier
+            cp_async_wait<1>();
+          } else {
+            cp_async_wait<0>();
+          }
+          __syncthreads();
+          const scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
+          const scalar_t* const v_s = k_s + kTile;
+          const int64_t k0 = k_first + off;
+          const bool interior = off >= in_lo && off + kKeys <= in_hi;
+          TileRange range[2];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const TileRange keys = kPlain ? held[r] : row_keys(r);
+            range[r] = tile_range(keys.lo, keys.hi, off);
+          }
+#pragma unroll kChunkUnroll
+          for (int c0 = 0; c0 < kKeys; c0 += kChunk) {
+            float s[kN][4], dp[kN][4];
+#pragma unroll
+            for (int j = 0; j < kN; ++j) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
+            }
+            rows_by_rows<scalar_t, kBucket, kN>(s, q_s, k_s, a_at, b_at + c0 * kLd);
+            rows_by_rows<scalar_t, kBucket, kN>(dp, do_s, v_s, a_at, b_at + c0 * kLd);
+            // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2), and dS
+            // goes to ds_s where attn_mask's gradient is asked for; `ranged`: each score tested against its
+            // row's key range (not on interior tiles).
+            const auto grads = [&](auto ranged) {
+#pragma unroll
+              for (int j = 0; j < kN; ++j) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const int r = i / 2, col = c0 + 8 * j + 2 * t + i % 2;
+                  bool seen = true;
+                  if constexpr (decltype(ranged)::value) seen = col >= range[r].lo && col < range[r].hi;
+                  if constexpr (kPlain) {
+                    const float prob = fast_exp2(fmaf(s[j][i], consts.c, -lse2[r]));
+                    s[j][i] = seen ? prob * (dp[j][i] - row_delta[r]) : 0.0f;
+                  } else {
+                    const int64_t l = w0 + g + 8 * r, kk = k0 + col;
+                    const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
+                    const float z = seen ? dropout_factor(p, consts, b, h, l, kk) : 1.0f;
+                    const ScoreGrads sg =
+                        general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, z, seen, consts);
+                    s[j][i] = sg.ds;
+                    if (mask_grad != nullptr) {
+                      ds_s[(16 * warp + g + 8 * r) * (kKeys + 1) + col] = sg.ds_bias;
+                    }
+                  }
+                }
+              }
+            };
+            if (interior) {
+              grads(std::false_type{});
+            } else {
+              grads(std::true_type{});
+            }
+            accumulate<scalar_t, kBucket, kN>(dq, s, k_s, t_at + c0 * kLd);
+          }
+          if constexpr (!kPlain) {
+            if (mask_grad != nullptr) {
+              __syncthreads();  // the tile's dS is in ds_s
+              add_mask_grad_tile<kKeys>(bp, mask_grad, ds_s, b, h, q0, k0);
+            }
+          }
+          __syncthreads();  // every warp is done with this stage (and ds_s) before it is refilled
+          off = off_next;
+        }
+        write_rows<scalar_t, kBucket>(dq, ptr.grad_query, bp.grad_query_stride, b, h, q0, L, D, consts.scale);
+  };
+  // This block's batches, heads and query tiles: all of them along a dim the mask's gradient broadcasts
+  // along, else the one blockIdx.x names (the plain instantiation: no mask, one item).
+  const bool all_b = plan.all_batches, all_h = plan.all_heads, all_q = plan.all_query_tiles;
+  const int64_t nq = all_q ? 1 : plan.q_tiles, nh = all_h ? 1 : p.heads;
+  const int64_t block = blockIdx.x;
+  const int64_t qt_id = block % nq, h_id = block / nq % nh, b_id = block / nq / nh;
+  if constexpr (kPlain) {
+    item(b_id, h_id, qt_id);
+  } else {
+    // One index over the items (b fastest varying last), so that the loop holds two numbers.
+    const int64_t items = (all_b ? p.batch : 1) * (all_h ? p.heads : 1) * (all_q ? plan.q_tiles : 1);
+    for (int64_t i = 0; i < items; ++i) {
+      int64_t rest = i;
+      const int64_t qt = all_q ? rest % plan.q_tiles : qt_id;
+      rest = all_q ? rest / plan.q_tiles : rest;
+      const int64_t h = all_h ? rest % p.heads : h_id;
+      const int64_t b = all_b ? (all_h ? rest / p.heads : rest) : b_id;
+      __syncthreads();  // the previous item is done with every shared region
+      item(b, h, qt);
     }
-    __syncthreads();  // every warp is done with this stage before it is refilled
-    k0 = k_next;
   }
-  write_rows<scalar_t, kBucket>(dq, ptr.grad_query, bp.grad_query_stride, b, h, w0, L, D, consts.scale, lane);
 }
 
-// The key pass: dK and dV of one (b, kv head, 64 keys), over the group's query heads.
+// The key pass: dK and dV of one (b, kv head, 64 keys), over the group's query heads. The general
+// instantiation states 2 blocks an SM for ptxas's register budget, as the query pass.
 template <typename scalar_t, int kBucket, bool kPlain>
-__global__ void __launch_bounds__(kBwdThreads)
+__global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
     attention_backward_mma_keys(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
                                 const AttentionBackwardMmaPlan plan, const float* const delta) {
   using Sh = BwdShape<kBucket>;
-  constexpr int kLd = Sh::kLd, kTile = Sh::kTile, kChunk = Sh::kChunk, kN = Sh::kN;
+  // kQueries: a query tile's rows (mma_backward_tile).
+  constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kQueries = Sh::kRows, kTile = Sh::kTile;
+  // Queries a chunk: kMmaBackwardChunk, and 16 in the general instantiation and at bucket 128, where dK and
+  // dV (16 x bucket floats each) with the per-score mask and dropout code, or at 128 alone, leave no room
+  // for 32 queries' S and dP.
+  constexpr int kChunk = kPlain ? kMmaBackwardChunk : 16, kN = kChunk / 8;
   // The chunks of a tile unrolled in the plain instantiation up to bucket 64; one at a time in the general
-  // one, whose per-score mask and dropout code would otherwise be copied per chunk and spill, and at bucket
-  // 128, where dK and dV take 128 registers and unrolled chunks spill.
-  constexpr int kChunkUnroll = kPlain && kBucket <= 64 ? kBwdRows / kChunk : 1;
+  // one, whose per-score code would otherwise be copied per chunk and spill, and at bucket 128, where dK and
+  // dV take 128 registers and unrolled chunks spill a register (sm_80 or sm_90, as the loop's control
+  // changes).
+  constexpr int kChunkUnroll = kPlain ? kQueries / kChunk : 1;
   const AttentionParams& p = bp.fwd;
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
   scalar_t* const k_s = smem;
-  scalar_t* const v_s = smem + kTile;  // then stage s: Q at smem + (2 + 2 s) kTile, dO right after
-  float* const rows_s = reinterpret_cast<float*>(smem + 6 * kTile);  // stage s: lse2 (64) and delta (64)
+  scalar_t* const v_s = smem + kOwn;  // then stage s: Q at smem + 2 kOwn + 2 s kTile, dO right after
+  // stage s: lse2 and delta of the tile's queries, kQueries each
+  float* const rows_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile);
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
   const int64_t L = p.q_len;
   const int64_t kt = static_cast<int64_t>(blockIdx.x) % plan.k_tiles;
   const int64_t bhk = static_cast<int64_t>(blockIdx.x) / plan.k_tiles;
-  const int64_t hk = bhk % p.kv_heads, b = bhk / p.kv_heads;
+  const int hk = static_cast<int>(bhk % p.kv_heads), b = static_cast<int>(bhk / p.kv_heads);
   const int64_t k0 = kt * kBwdRows;
   const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
   const BwdConsts consts = bwd_consts_of(p);
 
   // K and V rows at and past S_b are zero: never read (a static cache's unfilled slots may hold NaN).
-  stage_rows_mma<scalar_t, kBucket, kPlain>(k_s, rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, k0), p.k_stride[2],
-                                    p.k_stride[3], Sb - k0, D, plan.vector);
+  stage_rows_mma<scalar_t, kBucket, kPlain>(k_s, rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, k0),
+                                            p.k_stride[2], p.k_stride[3], Sb - k0, D, plan.vector);
   stage_rows_mma<scalar_t, kBucket, kPlain>(v_s, rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, k0),
-                                    p.v_stride[2], p.v_stride[3], Sb - k0, Dv, plan.vector);
+                                            p.v_stride[2], p.v_stride[3], Sb - k0, Dv, plan.vector);
 
-  // This lane's keys s[r] = k0 + 16 warp + g + 8 r and the queries that see them; the warp's interior
-  // queries (that see all 16 of its keys); the block's queries, in tiles from a multiple of 64.
-  const int64_t w0 = k0 + 16 * warp;
-  int64_t query_lo[2], query_hi[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t s = w0 + g + 8 * r;
-    query_lo[r] = range_query_begin(s, L, Sb, p.window_right, p.is_causal);
-    query_hi[r] = range_query_end(s, L, Sb, p.window_left);
-  }
-  const int64_t in_lo = range_query_begin(w0 + 15, L, Sb, p.window_right, p.is_causal);
-  const int64_t in_hi = range_query_end(w0, L, Sb, p.window_left);
+  // The block's queries, in tiles from q_first, a multiple of kQueries. Query indices from here on are
+  // offsets from q_first (32-bit, as mma_backward_supports bounds L: the loop holds fewer registers, and its
+  // per-tile tests are 32-bit compares).
   const int64_t last = range_min(k0 + kBwdRows, Sb) - 1;
   const int64_t q_begin = k0 <= last ? range_query_begin(k0, L, Sb, p.window_right, p.is_causal) : L;
   const int64_t q_end = k0 <= last ? range_query_end(last, L, Sb, p.window_left) : 0;
-  const int64_t qt0 = q_begin / kBwdRows;
-  const int64_t nq = q_begin < q_end ? (q_end - 1) / kBwdRows - qt0 + 1 : 0;
-  const int64_t group = p.heads / p.kv_heads;
-  const int64_t steps = group * nq;
+  const int64_t q_first = q_begin / kQueries * kQueries;
+  const int nq = q_begin < q_end ? static_cast<int>((q_end - 1 - q_first) / kQueries) + 1 : 0;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const auto offset = [&](int64_t l) { return static_cast<int>(l - q_first); };
+  // This lane's keys s[r] = k0 + 16 warp + g + 8 r and the queries that see them; the warp's interior
+  // queries (that see all 16 of its keys).
+  const int64_t w0 = k0 + 16 * warp;
+  int query_lo[2], query_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t s = w0 + g + 8 * r;
+    query_lo[r] = offset(range_query_begin(s, L, Sb, p.window_right, p.is_causal));
+    query_hi[r] = offset(range_query_end(s, L, Sb, p.window_left));
+  }
+  const int in_lo = offset(range_query_begin(w0 + 15, L, Sb, p.window_right, p.is_causal));
+  const int in_hi = offset(range_query_end(w0, L, Sb, p.window_left));
 
-  // The steps: query heads hk group .. + group - 1, for each the query tiles from q_first (a step's head and
-  // tile are carried from the previous step's: no division). Q, dO, lse2 and delta of (h, q0) into stage s.
-  const int64_t q_first = qt0 * kBwdRows, h_first = hk * group;
-  const auto next_step = [&](int64_t& h, int64_t& q0) {
-    q0 += kBwdRows;
-    if (q0 >= q_first + nq * kBwdRows) {
-      q0 = q_first;
-      ++h;
-    }
-  };
-  const auto stage_queries = [&](int stage, int64_t h, int64_t q0) {
-    scalar_t* const q_s = smem + (2 + 2 * stage) * kTile;
-    stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
-                                      p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
-    stage_rows_mma<scalar_t, kBucket, kPlain>(q_s + kTile,
-                                      rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0),
-                                      bp.grad_out_stride[2], bp.grad_out_stride[3], L - q0, Dv, plan.vector);
+  // The steps: the group's query heads h (hk group <= h < h_end), for each the query tiles at offsets 0,
+  // kQueries, .. < `span` from q_first (a step's head and offset are carried from the previous step's: no
+  // division). Q, dO, lse2 and delta of (head h, offset off) into stage s. Heads, b and hk are below 2^31
+  // (as the grid's blocks): 32-bit, a register each through the loop.
+  const int span = kQueries * nq;
+  const auto stage_queries = [&](int stage, int h, int off) {
+    const int64_t q0 = q_first + off;
+    scalar_t* const q_s = smem + 2 * kOwn + 2 * stage * kTile;
+    stage_rows_mma<scalar_t, kBucket, kPlain, kQueries>(
+        q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0), p.q_stride[2], p.q_stride[3], L - q0, D,
+        plan.vector);
+    stage_rows_mma<scalar_t, kBucket, kPlain, kQueries>(
+        q_s + kTile, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0), bp.grad_out_stride[2],
+        bp.grad_out_stride[3], L - q0, Dv, plan.vector);
     cp_async_commit();
-    if (tid < kBwdRows) {
+    if (tid < kQueries) {
       const int64_t l = q0 + tid;
       const float* const lse =
           static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
-      float* const at = rows_s + 2 * kBwdRows * stage;
+      float* const at = rows_s + 2 * kQueries * stage;
       at[tid] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
-      at[kBwdRows + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
+      at[kQueries + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
     }
   };
-  int64_t h = h_first, q0 = q_first;  // the step being computed
-  if (steps > 0) {
-    stage_queries(0, h, q0);  // K and V's copies are in this group
+  // The step being computed: head h, query tile at q_first + off (h = h_end: none left).
+  const int h_end = hk * group + group;
+  int h = nq > 0 ? hk * group : h_end, off = 0;
+  if (h < h_end) {
+    stage_queries(0, h, off);  // K and V's copies are in this group
   } else {
     cp_async_commit();
   }
@@ -493,34 +622,35 @@ __global__ void __launch_bounds__(kBwdThreads)
   }
   const int a_at = a_lane(lane, kLd) + 16 * warp * kLd, b_at = b_lane(lane, kLd), t_at = a_lane(lane, kLd);
 
-  int64_t h_next = h, q_next = q0;
-  for (int64_t i = 0; i < steps; ++i) {
-    const int stage = static_cast<int>(i & 1);
-    next_step(h_next, q_next);
-    if (i + 1 < steps) {
-      stage_queries(stage ^ 1, h_next, q_next);  // the other stage was last read before the previous barrier
+  for (int stage = 0; h < h_end; stage ^= 1) {
+    const bool wrap = off + kQueries >= span;
+    const int h_next = wrap ? h + 1 : h;
+    const int off_next = wrap ? 0 : off + kQueries;
+    if (h_next < h_end) {
+      stage_queries(stage ^ 1, h_next, off_next);  // the other stage was last read before the last barrier
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const scalar_t* const q_s = smem + (2 + 2 * stage) * kTile;
+    const int64_t q0 = q_first + off;
+    const scalar_t* const q_s = smem + 2 * kOwn + 2 * stage * kTile;
     const scalar_t* const do_s = q_s + kTile;
-    const float* const lse2_s = rows_s + 2 * kBwdRows * stage;
-    const float* const delta_s = lse2_s + kBwdRows;
-    const bool interior = q0 >= in_lo && q0 + kBwdRows <= in_hi;
-    const TileRange range[2] = {tile_range(query_lo[0], query_hi[0], q0),
-                                tile_range(query_lo[1], query_hi[1], q0)};
+    const float* const lse2_s = rows_s + 2 * kQueries * stage;
+    const float* const delta_s = lse2_s + kQueries;
+    const bool interior = off >= in_lo && off + kQueries <= in_hi;
+    const TileRange range[2] = {tile_range(query_lo[0], query_hi[0], off),
+                                tile_range(query_lo[1], query_hi[1], off)};
 #pragma unroll kChunkUnroll
-    for (int c0 = 0; c0 < kBwdRows; c0 += kChunk) {
+    for (int c0 = 0; c0 < kQueries; c0 += kChunk) {
       float s[kN][4], dp[kN][4];
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
       }
-      rows_by_rows<scalar_t, kBucket>(s, k_s, q_s, a_at, b_at + c0 * kLd);
-      rows_by_rows<scalar_t, kBucket>(dp, v_s, do_s, a_at, b_at + c0 * kLd);
+      rows_by_rows<scalar_t, kBucket, kN>(s, k_s, q_s, a_at, b_at + c0 * kLd);
+      rows_by_rows<scalar_t, kBucket, kN>(dp, v_s, do_s, a_at, b_at + c0 * kLd);
       // s becomes Z P and dp dS y' (element e of n-tile j: key s[e / 2], query q0 + c0 + 8 j + 2 t + e % 2);
       // `ranged`: each score tested against its key's query range (not on interior tiles).
       const auto grads = [&](auto ranged) {
@@ -552,17 +682,23 @@ __global__ void __launch_bounds__(kBwdThreads)
       } else {
         grads(std::true_type{});
       }
-      accumulate<scalar_t, kBucket>(dv, s, do_s, t_at + c0 * kLd);
-      accumulate<scalar_t, kBucket>(dk, dp, q_s, t_at + c0 * kLd);
+      accumulate<scalar_t, kBucket, kN>(dv, s, do_s, t_at + c0 * kLd);
+      accumulate<scalar_t, kBucket, kN>(dk, dp, q_s, t_at + c0 * kLd);
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
     h = h_next;
-    q0 = q_next;
+    off = off_next;
   }
   cp_async_wait<0>();  // no copy in flight at exit (K and V's, when no query sees the keys)
-  write_rows<scalar_t, kBucket>(dk, ptr.grad_key, bp.grad_key_stride, b, hk, w0, p.kv_len, D, consts.scale,
-                                lane);
-  write_rows<scalar_t, kBucket>(dv, ptr.grad_value, bp.grad_value_stride, b, hk, w0, p.kv_len, Dv, 1.0f, lane);
+  // The block's first key and its kv head again, from its index read anew: kept from before the loop, they
+  // took registers the loop needs (ptxas spilled them at bucket 128).
+  const uint64_t index = block_index(), k_tiles = static_cast<uint64_t>(plan.k_tiles);
+  const int64_t k_out = static_cast<int64_t>(index % k_tiles) * kBwdRows;
+  const int64_t hk_out = static_cast<int64_t>(index / k_tiles % static_cast<uint64_t>(p.kv_heads));
+  write_rows<scalar_t, kBucket>(dk, ptr.grad_key, bp.grad_key_stride, b, hk_out, k_out, p.kv_len, D,
+                                consts.scale);
+  write_rows<scalar_t, kBucket>(dv, ptr.grad_value, bp.grad_value_stride, b, hk_out, k_out, p.kv_len, Dv,
+                                1.0f);
 }
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)

@@ -405,23 +405,36 @@ inline Kernel choose_kernel(const AttentionParams& p, DType dtype, const Attenti
 // keys), and the other operand's 64 rows in chunks of kMmaBackwardChunk.
 constexpr int kMmaBackwardMaxHeadDim = 128;
 
-// Rows of the other operand a warp's S and dP take at a time (of the tile's 64): 32. With 64, S and dP take
-// 64 registers of a thread, and the key pass (which also holds dK and dV, 16 x bucket floats each) spills
-// from bucket 64 on.
+// Rows of the other operand (keys in the query pass, queries in the key pass) a block stages at a time: 64,
+// and 32 at bucket 128, where the key pass's dK and dV (16 x 128 floats each) take 128 registers of a thread:
+// its S and dP then take 32 queries (kMmaBackwardChunk) a tile, with no inner loop, and both passes' blocks
+// fit the 99 KiB of an sm_86/89/120 device.
+constexpr int mma_backward_tile(int bucket) {
+  return bucket > 64 ? 32 : 64;
+}
+
+// Rows of the other operand a warp's S and dP take at a time (of a staged tile): 32. With 64, S and dP take
+// 64 registers of a thread, and the key pass (which also holds dK and dV) spills from bucket 64 on.
 constexpr int kMmaBackwardChunk = 32;
 
-// Shared memory of a block of either pass: six staged 64-row tiles in the input type (rows of
-// mma_tile_ld), and the key pass's lse and delta rows (two stages of 64 floats each).
-constexpr int64_t mma_backward_smem_bytes(int bucket) {
-  return int64_t{6} * kMmaTileKeys * mma_tile_ld(bucket, 2) * 2 + 2 * 2 * kMmaTileKeys * 4;
+// Shared memory of a block of either pass: the block's own two 64-row tiles and two stages of the other
+// operand's two tiles (mma_backward_tile rows), in the input type (rows of mma_tile_ld); the key pass's lse
+// and delta rows (two stages of a tile's rows each); and with `mask_grad` the query pass's tile of
+// attn_mask's gradient (64 rows of tile + 1 floats).
+constexpr int64_t mma_backward_smem_bytes(int bucket, bool mask_grad) {
+  const int64_t tile = mma_backward_tile(bucket);
+  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 4 * tile * 4 +
+         (mask_grad ? kMmaTileKeys * (tile + 1) * 4 : 0);
 }
 
 // True when the tensor-core backward covers the call: float16/bfloat16, max(D, Dv) <= kMmaBackwardMaxHeadDim,
-// not packed sequences, and attn_mask's gradient not asked for (`mask_grad`; the SIMT kernels compute it).
-constexpr bool mma_backward_supports(const AttentionParams& p, DType dtype, bool mask_grad) {
+// not packed sequences, L and S below 2^30 (the kernels' tile loops count rows and keys in 32 bits; a key or
+// query range that long is beyond any tensor a GPU holds).
+constexpr bool mma_backward_supports(const AttentionParams& p, DType dtype) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   return (dtype == DType::kFloat16 || dtype == DType::kBFloat16) && bucket != 0 &&
-         bucket <= kMmaBackwardMaxHeadDim && p.varlen == 0 && !mask_grad;
+         bucket <= kMmaBackwardMaxHeadDim && p.varlen == 0 && p.q_len < (int64_t{1} << 30) &&
+         p.kv_len < (int64_t{1} << 30);
 }
 
 enum class BackwardKernel {
@@ -431,14 +444,15 @@ enum class BackwardKernel {
 };
 
 // attention_backward's kernel: the fused kernels when the process asked for them (they are opt-in until they
-// have run on a GPU) and the head dims are within kMaxHeadDim: the tensor-core ones where they cover the call
-// (`mask_grad`: attn_mask's gradient is asked for), the tensor cores are on and the device has their shared
-// memory, the SIMT ones otherwise; the whole-tensor math for the rest.
-constexpr BackwardKernel choose_backward(const AttentionParams& p, DType dtype, const Target& target,
-                                         bool mask_grad) {
-  if (!target.fused_backward || head_dim_bucket(p.head_dim, p.v_head_dim) == 0) return BackwardKernel::kMath;
-  if (target.mma && target.capability >= 80 && mma_backward_supports(p, dtype, mask_grad) &&
-      mma_backward_smem_bytes(head_dim_bucket(p.head_dim, p.v_head_dim)) <= target.max_smem) {
+// have run on a GPU) and the head dims are within kMaxHeadDim: the tensor-core ones where they cover the
+// call, the tensor cores are on and the device has the shared memory of their largest block (with attn_mask's
+// gradient: 77 KiB at bucket 128, so that the choice does not depend on whether it is asked for; every sm80+
+// device has it), the SIMT ones otherwise; the whole-tensor math for the rest.
+constexpr BackwardKernel choose_backward(const AttentionParams& p, DType dtype, const Target& target) {
+  const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
+  if (!target.fused_backward || bucket == 0) return BackwardKernel::kMath;
+  if (target.mma && target.capability >= 80 && mma_backward_supports(p, dtype) &&
+      mma_backward_smem_bytes(bucket, /*mask_grad=*/true) <= target.max_smem) {
     return BackwardKernel::kMma;
   }
   return BackwardKernel::kSimt;

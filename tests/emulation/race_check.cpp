@@ -79,9 +79,9 @@ int run(DType dtype, Kernel kernel, int64_t B, int64_t H, int64_t L, int64_t S, 
   return err == cudaSuccess ? 0 : 1;
 }
 
-// The forward (SIMT) then the backward of one problem: the SIMT kernels (attention_backward_kernel.cu), with
-// a float (L, S) attn_mask and its gradient (summed over B and H: one block loops over both) when
-// `mask_grad`, or with `mma` the tensor-core ones (attention_backward_kernel_mma.cu).
+// The forward (SIMT) then the backward of one problem: the SIMT kernels (attention_backward_kernel.cu), or
+// with `mma` the tensor-core ones (attention_backward_kernel_mma.cu); with a float (L, S) attn_mask and its
+// gradient (summed over B and H: one block loops over both) when `mask_grad`.
 template <typename T>
 int run_backward(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, bool causal,
                  bool mask_grad, const Features& f = {}, bool mma = false) {
@@ -165,8 +165,10 @@ int main() {
   failures += run_backward<double>(DType::kFloat64, 1, 1, 20, 30, 200, true, true);
   f.window_left = 30;
   failures += run_backward<__nv_bfloat16>(DType::kBFloat16, 2, 2, 40, 100, 40, false, true, f);
-  // The tensor-core backward: several 64-row query and key tiles, both stages of either pass, partial tiles.
+  // The tensor-core backward: several 64-row query and key tiles, both stages of either pass, partial tiles,
+  // and attn_mask's gradient (a block looping over B and H, its dS tile in shared memory).
   failures += run_backward<__half>(DType::kFloat16, 1, 2, 150, 200, 64, true, false, {}, /*mma=*/true);
+  failures += run_backward<__half>(DType::kFloat16, 2, 2, 70, 100, 32, false, true, {}, /*mma=*/true);
   failures += run_backward<__nv_bfloat16>(DType::kBFloat16, 2, 2, 70, 100, 40, false, false, f, /*mma=*/true);
   std::printf("%d failed launches\n", failures);
   return failures;
