@@ -4,8 +4,9 @@ A small set that still reaches every code path of the CUDA backend: both forward
 and float32, vector and element tile staging, partial tiles, dropout, the tensor cores' mask pre-pass and
 the tiles it classifies), every feature (both masks, causal,
 grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256 composite; and the fused
-backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it), every tile size, every feature,
-dropout and a float mask's gradient. Each launch is synchronised and printed with the kernel it takes, as the
+backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it): the SIMT kernels' every tile size, the
+tensor-core kernels' both instantiations and 64- and 32-row tiles, every feature, dropout and a float mask's
+gradient. Each launch is synchronised and printed with the kernel it takes, as the
 library names it (attnx::_attention_kernel); the run fails if the cases no longer reach every kernel.
 
     python tools/gpu_sanitize_cases.py          # from the repository root, attnx importable
@@ -28,7 +29,7 @@ DEV = "cuda"
 H16, BF, F32 = torch.float16, torch.bfloat16, torch.float32
 GEN = torch.Generator().manual_seed(0)
 # The kernels the cases must reach, by the first words of their names.
-KERNELS = ("cuda mma", "cuda simt", "cuda composite", "cuda fused")
+KERNELS = ("cuda mma", "cuda simt", "cuda composite", "cuda fused mma", "cuda fused simt")
 
 
 def bool_mask(*shape, p=0.2):
@@ -101,6 +102,10 @@ def backward_cases():
         "dropout_p": 0.2, "dropout_seed": torch.tensor([5, 6])}
     yield "backward bf16 D=32 learned (1, H, 1, S) mask", qkv(2, 3, 40, 33, 32, 32, dtype=BF), {
         "attn_mask": to_device(torch.randn(1, 3, 1, 33, generator=GEN).bfloat16(), DEV)}
+    yield "backward fp16 D=128 causal, several tiles (plain, 32-row tiles)", qkv(2, 2, 130, 150, 128, 128), {
+        "is_causal": True}
+    yield "backward bf16 D=64 GQA, dropout, window (general)", gqa(2, 4, 2, 100, 140, 64, 64, dtype=BF), {
+        "dropout_p": 0.2, "dropout_seed": torch.tensor([7, 8]), "window_left": 50, "window_right": 10}
 
 
 def main():
