@@ -475,8 +475,8 @@ def test_the_plain_loops_hold_only_the_tile_and_stay_near_flashattention(sass, b
 
 def test_the_backward_anchor_and_the_backward_budgets(sass, built):
     """The tensor-core backward's plain passes (fp16/bf16 at buckets 64 and 128, sm_80 and sm_90): each within
-    its factor of FlashAttention-2's backward per HMMA (MAX_BWD_XFA2: the key pass 1.3, the query pass 1.5;
-    measured 1.23-1.26 and 1.34-1.45), no jump table in the tile loop, no spills."""
+    1.3x FlashAttention-2's backward per HMMA (MAX_BWD_XFA2; measured 1.23-1.30), no jump table in the tile
+    loop, no spills."""
     assert set(sass.FA2_BWD_ANCHOR) == {(arch, d) for arch in ("sm_80", "sm_90") for d in (64, 128)}
     for a in sass.FA2_BWD_ANCHOR.values():
         assert a["per_hmma"] == round(a["instrs"] / a["hmma"], 2) and a["hmma"] == 320

@@ -174,15 +174,25 @@ __device__ __forceinline__ int b_lane(int lane, int ld) {
 
 // acc[j] += A B over the head dim for n-tiles j < kN: A the warp's 16 rows of `a_s` (an [m][k] tile), B the
 // rows n0 + 8 j .. + 7 of `b_s` (an [n][k] tile): S or dP of a chunk.
-template <typename scalar_t, int kBucket, int kN>
+// kHeld: A's fragments are held in registers (`held`, a k-step's a row), not read from `a_s`.
+template <typename scalar_t, int kBucket, int kN, bool kHeld = false>
 __device__ __forceinline__ void rows_by_rows(float (&acc)[kN][4], const scalar_t* a_s,
-                                             const scalar_t* b_s, int a_at, int b_at) {
+                                             const scalar_t* b_s, int a_at, int b_at,
+                                             const uint32_t (*held)[4] = nullptr) {
   using Sh = BwdShape<kBucket>;
 #pragma unroll
   for (int ks = 0; ks < Sh::kKSteps; ks += 2) {
     uint32_t a[2][4];
-    ldmatrix_x4<false>(a[0], a_s + a_at + 16 * ks);
-    ldmatrix_x4<false>(a[1], a_s + a_at + 16 * (ks + 1));
+    if constexpr (kHeld) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a[0][i] = held[ks][i];
+        a[1][i] = held[ks + 1][i];
+      }
+    } else {
+      ldmatrix_x4<false>(a[0], a_s + a_at + 16 * ks);
+      ldmatrix_x4<false>(a[1], a_s + a_at + 16 * (ks + 1));
+    }
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
       uint32_t bf[4];
@@ -315,6 +325,9 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   // The chunks of a tile unrolled in the plain instantiation; one at a time in the general one, whose
   // per-score code would otherwise be copied per chunk and spill.
   constexpr int kChunkUnroll = kPlain ? kKeys / kChunk : 1;
+  // Q's and dO's fragments held in registers through the key loop (rows_by_rows's kHeld), bucket / 2
+  // registers a thread: the plain instantiation (the general one has no registers for them).
+  constexpr bool kHoldRows = kPlain;
   const AttentionParams& p = bp.fwd;
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
   scalar_t* const q_s = smem;
@@ -412,6 +425,16 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
           if (t == 0 && l < L) delta[bh * L + l] = sum;
         }
 
+        // The plain instantiation holds the warp's Q and dO fragments in registers for the whole key loop
+        // (read once from the staged rows), where its tiles read them from shared memory for every key tile.
+        uint32_t q_held[kHoldRows ? Sh::kKSteps : 1][4], do_held[kHoldRows ? Sh::kKSteps : 1][4];
+        if constexpr (kHoldRows) {
+#pragma unroll
+          for (int ks = 0; ks < Sh::kKSteps; ++ks) {
+            ldmatrix_x4<false>(q_held[ks], q_s + a_at + 16 * ks);
+            ldmatrix_x4<false>(do_held[ks], do_s + a_at + 16 * ks);
+          }
+        }
         float dq[Sh::kOTiles][4];
 #pragma unroll
         for (int n = 0; n < Sh::kOTiles; ++n) {
@@ -446,8 +469,8 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
 #pragma unroll
               for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
             }
-            rows_by_rows<scalar_t, kBucket, kN>(s, q_s, k_s, a_at, b_at + c0 * kLd);
-            rows_by_rows<scalar_t, kBucket, kN>(dp, do_s, v_s, a_at, b_at + c0 * kLd);
+            rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(s, q_s, k_s, a_at, b_at + c0 * kLd, q_held);
+            rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(dp, do_s, v_s, a_at, b_at + c0 * kLd, do_held);
             // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2), and dS
             // goes to ds_s where attn_mask's gradient is asked for; `ranged`: each score tested against its
             // row's key range (not on interior tiles).
