@@ -1,5 +1,6 @@
 // attnx: attnx::attention_backward on CUDA. The checks and layouts are common/attention.cpp; the kernels are
-// cuda/attention_backward_kernel.cu (torch-free), launched here on the current stream of the inputs' device.
+// cuda/attention_backward_kernel.cu and attention_backward_kernel_mma.cu (torch-free), launched here on the
+// current stream of the inputs' device.
 //
 // The fused kernels run when ATTNX_CUDA_FUSED_BACKWARD=1 (choose_backward, cuda/attention_plan.h): the
 // tensor-core ones (cuda/attention_backward_kernel_mma.cu) where they cover the call, the SIMT ones
