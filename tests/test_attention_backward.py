@@ -456,6 +456,22 @@ def test_key_ranges_across_64_row_tiles(device, window):
     check_grads(device, (q, k, v), **kwargs)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_key_tiles_that_padding_removes_whole(device, kind):
+    # key_padding_mask removes a whole 64-key tile of batch 0 (the tensor-core key pass skips that block: its
+    # dK and dV are 0) and the keys from 100 on of batch 1 (tiles cut in part, one removed whole past S's
+    # last tile start), alone and with an attn_mask and soft-capping.
+    B, H, L, S = 2, 2, 70, 150
+    q, k, v = make_qkv(B, H, L, S, 16, 16, dtype=torch.float16)
+    removed = torch.zeros(B, S, dtype=torch.bool)
+    removed[0, 64:128] = True
+    removed[1, 100:] = True
+    kpm = removed if kind == "bool" else torch.zeros(B, S).masked_fill(removed, float("-inf"))
+    _, (_, dk, dv) = check_grads(device, (q, k, v), key_padding_mask=kpm)
+    assert (dk[0, :, 64:128] == 0).all() and (dv[0, :, 64:128] == 0).all()
+    check_grads(device, (q, k, v), key_padding_mask=kpm, attn_mask=torch.randn(L, S).half(), softcap=3.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_softcap_and_sinks(device, dtype):
     # The soft-cap's derivative (1 - tanh^2) in dS, and the sinks' gradient (-sum over the row of P dP).

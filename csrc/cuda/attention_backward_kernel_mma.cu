@@ -132,15 +132,20 @@ __device__ __forceinline__ ScoreGrads general_grads(float x, float dp, float lse
   return {prob * z, ds * slope, ds};
 }
 
-// The masks' term of score (l, s) of (b, h), in the reference's order (attn_mask + key_padding_mask), and the
-// dropout factor of element ((b H + h) L + l) S + s.
+// key_padding_mask's term of key s of batch b (0 without one); the masks' term of score (l, s) of (b, h), in
+// the reference's order (attn_mask + key_padding_mask); and the dropout factor of element ((b H + h) L + l) S
+// + s.
+__device__ __forceinline__ float padding_term(const AttentionParams& p, const AttentionPointers& ptr,
+                                              int64_t b, int64_t s) {
+  return p.key_padding_mask_kind == kMaskNone
+             ? 0.0f
+             : mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
+                                 b * p.key_padding_mask_stride[0] + s * p.key_padding_mask_stride[1]);
+}
+// `padding`: key_padding_mask's term of key s, where the caller has it already.
 __device__ __forceinline__ float mask_bias(const AttentionParams& p, const AttentionPointers& ptr, int64_t b,
-                                           int64_t h, int64_t l, int64_t s) {
-  float bias = 0.0f;
-  if (p.key_padding_mask_kind != kMaskNone) {
-    bias = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                             b * p.key_padding_mask_stride[0] + s * p.key_padding_mask_stride[1]);
-  }
+                                           int64_t h, int64_t l, int64_t s, const float* padding = nullptr) {
+  float bias = padding != nullptr ? *padding : padding_term(p, ptr, b, s);
   if (p.attn_mask_kind != kMaskNone) {
     const int64_t* const st = p.attn_mask_stride;
     bias = mask_value<float>(p.attn_mask_kind, ptr.attn_mask, b * st[0] + h * st[1] + l * st[2] + s * st[3]) +
@@ -324,7 +329,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   constexpr int kChunk = kMmaBackwardChunk, kN = kChunk / 8;
   // The chunks of a tile unrolled in the plain instantiation; one at a time in the general one, whose
   // per-score code would otherwise be copied per chunk and spill.
-  constexpr int kChunkUnroll = kPlain ? kKeys / kChunk : 1;
+  [[maybe_unused]] constexpr int kChunkUnroll = kPlain ? kKeys / kChunk : 1;
   // Q's and dO's fragments held in registers through the key loop (rows_by_rows's kHeld), bucket / 2
   // registers a thread: the plain instantiation (the general one has no registers for them).
   constexpr bool kHoldRows = kPlain;
@@ -334,7 +339,8 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   scalar_t* const do_s = smem + kOwn;  // then stage s: K at smem + 2 kOwn + 2 s kTile, V right after
   // attn_mask's gradient (the general instantiation): the tile's dS, after the stages and the lse rows.
   float* const mask_grad = static_cast<float*>(ptr.grad_attn_mask);
-  [[maybe_unused]] float* const ds_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile) + 4 * kKeys;
+  // (after the key pass's lse and delta rows and its votes)
+  [[maybe_unused]] float* const ds_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile) + 4 * kKeys + 4;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
@@ -557,7 +563,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   // one, whose per-score code would otherwise be copied per chunk and spill, and at bucket 128, where dK and
   // dV take 128 registers and unrolled chunks spill a register (sm_80 or sm_90, as the loop's control
   // changes).
-  constexpr int kChunkUnroll = kPlain ? kQueries / kChunk : 1;
+  [[maybe_unused]] constexpr int kChunkUnroll = kPlain ? kQueries / kChunk : 1;
   const AttentionParams& p = bp.fwd;
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
   scalar_t* const k_s = smem;
@@ -628,9 +634,30 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       at[kQueries + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
     }
   };
+  // The general instantiation: key_padding_mask's terms of this lane's two keys, the same for every query
+  // and head, read once; where it removes all 64 keys of the block (a padded tile, EMPTY), no query sees
+  // them and the loop is skipped: dK and dV are 0. The warps' votes meet in shared memory (a slot each).
+  [[maybe_unused]] float padding[2] = {0.0f, 0.0f};
+  bool skip = nq == 0;
+  if constexpr (!kPlain) {
+    if (p.key_padding_mask_kind != kMaskNone) {
+      bool removed = true;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t s = w0 + g + 8 * r;
+        padding[r] = s < p.kv_len ? padding_term(p, ptr.fwd, b, s) : -INFINITY;
+        removed = removed && padding[r] == -INFINITY;
+      }
+      int* const votes = reinterpret_cast<int*>(rows_s + 4 * kQueries);
+      const int all = __all_sync(kFullMask, removed);
+      if (lane == 0) votes[warp] = all;
+      __syncthreads();
+      skip = skip || (votes[0] && votes[1] && votes[2] && votes[3]);
+    }
+  }
   // The step being computed: head h, query tile at q_first + off (h = h_end: none left).
   const int h_end = hk * group + group;
-  int h = nq > 0 ? hk * group : h_end, off = 0;
+  int h = skip ? h_end : hk * group, off = 0;
   if (h < h_end) {
     stage_queries(0, h, off);  // K and V's copies are in this group
   } else {
@@ -691,7 +718,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
               dp[j][e] = seen ? prob * (dp[j][e] - row_delta) : 0.0f;
             } else {
               const int64_t l = q0 + col, key = w0 + g + 8 * r;
-              const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, key) : 0.0f;
+              const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, key, &padding[r]) : 0.0f;
               const float z = seen ? dropout_factor(p, consts, b, h, l, key) : 1.0f;
               const ScoreGrads sg = general_grads(s[j][e], dp[j][e], lse2, row_delta, bias, z, seen, consts);
               s[j][e] = sg.pz;

@@ -419,11 +419,11 @@ constexpr int kMmaBackwardChunk = 32;
 
 // Shared memory of a block of either pass: the block's own two 64-row tiles and two stages of the other
 // operand's two tiles (mma_backward_tile rows), in the input type (rows of mma_tile_ld); the key pass's lse
-// and delta rows (two stages of a tile's rows each); and with `mask_grad` the query pass's tile of
-// attn_mask's gradient (64 rows of tile + 1 floats).
+// and delta rows (two stages of a tile's rows each) and its warps' 4 votes (16 bytes); and with `mask_grad`
+// the query pass's tile of attn_mask's gradient (64 rows of tile + 1 floats).
 constexpr int64_t mma_backward_smem_bytes(int bucket, bool mask_grad) {
   const int64_t tile = mma_backward_tile(bucket);
-  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 4 * tile * 4 +
+  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 4 * tile * 4 + 16 +
          (mask_grad ? kMmaTileKeys * (tile + 1) * 4 : 0);
 }
 
