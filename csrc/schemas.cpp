@@ -44,12 +44,17 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // (keys at or past key_lengths[b] are ignored) and a window (window_left, window_right) around the
   // bottom-right-aligned diagonal, -1 = unbounded. softcap > 0 turns each scaled score x into
   // softcap * tanh(x / softcap) before the masks. sinks (H,) join each row's softmax denominator (and lse).
+  // A block-sparse mask: block_map int32 (B or 1, H or 1, ceil(L / block_q), ceil(S / block_k)) says for each
+  // (query block, key block) whether its rows see none of its keys (-1: never read), all of them (-2), or
+  // those whose bit is clear in block_bits[p] (p >= 0; block_bits int32 (P, block_q, ceil(block_k / 32)),
+  // bit j of word w of a row: key 32 w + j of the block, set = masked out) (include/attnx/params.h).
   // The options, attention's arguments after value (common/attention.h, AttentionOptions), are the same in
   // attention_backward.
 #define ATTNX_ATTENTION_OPTIONS                                                                            \
   "Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, "      \
   "float dropout_p=0.0, Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "             \
-  "Tensor? key_lengths=None, float? softcap=None, Tensor? sinks=None"
+  "Tensor? key_lengths=None, float? softcap=None, Tensor? sinks=None, Tensor? block_map=None, "            \
+  "Tensor? block_bits=None, int block_q=128, int block_k=128"
 #define ATTNX_ATTENTION_SIGNATURE \
   "(Tensor query, Tensor key, Tensor value, " ATTNX_ATTENTION_OPTIONS ") -> (Tensor out, Tensor lse)"
   m.def("attention" ATTNX_ATTENTION_SIGNATURE);

@@ -698,6 +698,9 @@ def _opcheck_cases():
                            None),
         "softcap sinks": (q, k, v, torch.randn(5, 7), None, True, 0.3, 0.0, None, -1, -1, None, 2.0,
                           torch.randn(4)),
+        "block map": (q, k, v, None, None, False, None, 0.0, None, -1, -1, None, None, None,
+                      torch.tensor([[[[-2, 0], [-1, -2], [0, 1]]]], dtype=torch.int32),
+                      torch.randint(-(2**31), 2**31 - 1, (2, 2, 1), dtype=torch.int32), 2, 4),
     }
 
 
@@ -707,8 +710,9 @@ def test_opcheck(case):
     torch.library.opcheck(torch.ops.attnx.attention.default, args)
     q, k, v = args[:3]
     out, lse = torch.ops.attnx.attention.default(*args)
-    bwd = (torch.randn_like(out), q, k, v, out, lse, *args[3:], args[3] is not None)
-    torch.library.opcheck(torch.ops.attnx.attention_backward.default, bwd)
+    bwd = (torch.randn_like(out), q, k, v, out, lse, *args[3:])
+    torch.library.opcheck(torch.ops.attnx.attention_backward.default, bwd,
+                          {"grad_attn_mask": args[3] is not None})
 
 
 def test_fake_shapes_with_gqa():

@@ -105,7 +105,7 @@ def test_math_backward_features(case):
     grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype)
     args = (grad_out, q, k, v, out, lse, bias, None, kw.get("is_causal", False), None, 0.0, None,
             kw.get("window_left", -1), kw.get("window_right", -1), kw.get("key_lengths"), kw.get("softcap"),
-            sinks, bias is not None)
+            sinks, None, None, 128, 128, bias is not None)
     got = math_backward(*args)
     kernel = torch.ops.attnx.attention_backward(*args)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]

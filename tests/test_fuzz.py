@@ -1,12 +1,13 @@
 """Seeded fuzzing of every attnx op against its spec: ``attnx.attention`` and its backward against
 ``attnx.reference`` (random shapes, empty dims included, grouped KV heads, strided layouts, every mask form,
-causal attention, windows, key lengths, soft-capping, sinks and scales); ``attnx.linear`` and its backward
-against ``F.linear`` in float64 (random leading dims, empty and size-1 ones included, feature counts from 0,
-every dtype, full, strided and size-1 biases, and random memory layouts of input and weight: dims in any
-memory order, slices with storage offsets, gaps and steps, stride-0 dims, size-1 dims with odd strides); and
-``attnx.ops.mha`` and its backward against ``attnx.reference.mha`` (packed or separate projections with
-other kdim/vdim, biases, bias_k/bias_v, add_zero_attn, static_k/static_v, bool and float masks of every shape,
-causal, batch_first, the attention weights averaged or per head, every dtype, strided inputs and weights).
+causal attention, windows, key lengths, soft-capping, sinks, scales and block-sparse masks); ``attnx.linear``
+and its backward against ``F.linear`` in float64 (random leading dims, empty and size-1 ones included, feature
+counts from 0, every dtype, full, strided and size-1 biases, and random memory layouts of input and weight:
+dims in any memory order, slices with storage offsets, gaps and steps, stride-0 dims, size-1 dims with odd
+strides); and ``attnx.ops.mha`` and its backward against ``attnx.reference.mha`` (packed or separate
+projections with other kdim/vdim, biases, bias_k/bias_v, add_zero_attn, static_k/static_v, bool and float
+masks of every shape, causal, batch_first, the attention weights averaged or per head, every dtype, strided
+inputs and weights).
 
 Each case is a pure function of its number (``random.Random`` and a ``torch.Generator`` seeded from it), the
 test id ``case-N``: a failure reproduces with its node id, e.g.
@@ -178,7 +179,23 @@ def _config(case, dtype, grad):
     if rng.random() < 0.3:
         kw["key_lengths"] = torch.randint(0, S + 1, (B,), generator=g)
     _draw_score_options(rng, g, kw, H, dtype, grad)
+    if rng.random() < 0.2:
+        kw.update(_block_map(rng, g, B, H, L, S))
     return q, k, v, kw
+
+
+def _block_map(rng, g, B, H, L, S):
+    """A random block-sparse mask: block sizes from 1 to past the lengths, B and H broadcast or not, each
+    block EMPTY, FULL or PARTIAL with random bits."""
+    block_q, block_k = rng.choice([1, 5, 16, 64]), rng.choice([1, 7, 32, 40, 128])
+    shape = (rng.choice([1, B]), rng.choice([1, H]), -(-L // block_q), -(-S // block_k))
+    kind = torch.randint(0, 3, shape, generator=g)
+    P = int((kind == 2).sum())
+    block_map = torch.where(kind == 0, -1, -2).to(torch.int32)
+    block_map[kind == 2] = torch.randperm(P, generator=g).to(torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (P, block_q, -(-block_k // 32)), generator=g, dtype=torch.int64)
+    return {"block_map": block_map, "block_bits": bits.to(torch.int32), "block_q": block_q,
+            "block_k": block_k}
 
 
 def _in_float64(kw):

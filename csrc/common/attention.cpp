@@ -172,6 +172,61 @@ void check_dropout_args(double dropout_p, const std::optional<Tensor>& dropout_s
   }
 }
 
+// The block-sparse mask (AttentionParams::has_block_map). Its entries are read where that costs no device
+// sync (on the CPU): each must be kBlockEmpty, kBlockFull or a row of block_bits.
+void check_block_mask(const std::optional<Tensor>& block_map, const std::optional<Tensor>& block_bits,
+                      int64_t block_q, int64_t block_k, int64_t B, int64_t H, int64_t L, int64_t S,
+                      const Tensor& query) {
+  if (!block_map) {
+    ATTNX_CHECK(!block_bits, "attnx::attention: expected block_bits only with a block_map, got block_bits "
+                "and no block_map");
+    return;
+  }
+  ATTNX_CHECK(block_q > 0 && block_k > 0, "attnx::attention: expected block_q and block_k > 0, got (",
+              block_q, ", ", block_k, ")");
+  const int64_t q_blocks = (L + block_q - 1) / block_q, k_blocks = (S + block_k - 1) / block_k;
+  const Tensor& m = *block_map;
+  ATTNX_CHECK(m.scalar_type() == ScalarType::Int, "attnx::attention: expected block_map of dtype int32, got ",
+              m.scalar_type());
+  ATTNX_CHECK(m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) && (m.size(1) == H || m.size(1) == 1) &&
+                  m.size(2) == q_blocks && m.size(3) == k_blocks,
+              "attnx::attention: expected block_map of shape (B or 1, H or 1, ceil(L / block_q), ceil(S / "
+              "block_k)) = (",
+              B, " or 1, ", H, " or 1, ", q_blocks, ", ", k_blocks, "), got ", Sizes{m.sizes()});
+  ATTNX_CHECK(m.device() == query.device(), "attnx::attention: expected block_map on query's device ",
+              device_name(query.device()), ", got ", device_name(m.device()));
+  int64_t partial_blocks = 0;
+  if (block_bits) {
+    const Tensor& t = *block_bits;
+    const int64_t words = (block_k + 31) / 32;
+    ATTNX_CHECK(t.scalar_type() == ScalarType::Int,
+                "attnx::attention: expected block_bits of dtype int32, got ", t.scalar_type());
+    ATTNX_CHECK(t.dim() == 3 && t.size(1) == block_q && t.size(2) == words,
+                "attnx::attention: expected block_bits of shape (P, block_q, ceil(block_k / 32)) = (P, ",
+                block_q, ", ", words, "), got ", Sizes{t.sizes()});
+    ATTNX_CHECK(t.device() == query.device(), "attnx::attention: expected block_bits on query's device ",
+                device_name(query.device()), ", got ", device_name(t.device()));
+    partial_blocks = t.size(0);
+  }
+  if (!m.device().is_cpu()) return;
+  const int32_t* data = m.const_data_ptr<int32_t>();
+  const IntHeaderOnlyArrayRef st = m.strides(), sz = m.sizes();
+  for (int64_t b = 0; b < sz[0]; ++b) {
+    for (int64_t h = 0; h < sz[1]; ++h) {
+      for (int64_t i = 0; i < sz[2]; ++i) {
+        const int32_t* row = data + b * st[0] + h * st[1] + i * st[2];
+        for (int64_t j = 0; j < sz[3]; ++j) {
+          const int32_t v = row[j * st[3]];
+          ATTNX_CHECK(v == kBlockEmpty || v == kBlockFull || (v >= 0 && v < partial_blocks),
+                      "attnx::attention: expected block_map entries of -1 (no key seen), -2 (every key seen) "
+                      "or an index into block_bits' ",
+                      partial_blocks, " blocks, got block_map[", b, ", ", h, ", ", i, ", ", j, "] = ", v);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 ScalarType attention_acc_dtype(ScalarType dtype) {
@@ -181,7 +236,7 @@ ScalarType attention_acc_dtype(ScalarType dtype) {
 void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& value,
                           const AttentionOptions& options) {
   const auto& [attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left,
-               window_right, key_lengths, softcap, sinks] = options;
+               window_right, key_lengths, softcap, sinks, block_map, block_bits, block_q, block_k] = options;
   ATTNX_CHECK(query.dim() == 4, "attnx::attention: expected query of shape (B, H, L, D), got a ", query.dim(),
               "-D tensor of shape ", Sizes{query.sizes()});
   ATTNX_CHECK(key.dim() == 4, "attnx::attention: expected key of shape (B, Hkv, S, D), got a ", key.dim(),
@@ -234,6 +289,7 @@ void check_attention_args(const Tensor& query, const Tensor& key, const Tensor& 
     }
   }
   detail::check_softcap_and_sinks(kOp, softcap, sinks, H, query);
+  check_block_mask(block_map, block_bits, block_q, block_k, B, H, L, S, query);
 }
 
 namespace {
@@ -309,6 +365,20 @@ AttentionParams attention_params(const Tensor& query, const Tensor& key, const T
   }
   p.has_sinks = o.sinks ? 1 : 0;
   if (o.softcap) split_scale(*o.softcap, &p.softcap, &p.softcap_lo);
+  ptr.block_map = nullptr;
+  ptr.block_bits = nullptr;
+  if (o.block_map) {
+    p.has_block_map = 1;
+    p.block_q = o.block_q;
+    p.block_k = o.block_k;
+    const Tensor& m = *o.block_map;
+    for (int d = 0; d < 4; ++d) p.block_map_stride[d] = m.size(d) == 1 ? 0 : m.stride(d);
+    ptr.block_map = m.const_data_ptr();
+    if (o.block_bits) {
+      for (int d = 0; d < 3; ++d) p.block_bits_stride[d] = o.block_bits->stride(d);
+      ptr.block_bits = o.block_bits->const_data_ptr();
+    }
+  }
   return p;
 }
 

@@ -42,12 +42,17 @@ struct AttentionOptions {
   std::optional<Tensor> key_lengths;
   std::optional<double> softcap;
   std::optional<Tensor> sinks;
+  std::optional<Tensor> block_map;
+  std::optional<Tensor> block_bits;
+  int64_t block_q = 128;
+  int64_t block_k = 128;
 
   // The fields in the schema's order (a tuple of references, const for a const struct).
   template <typename Self>
   static auto fields(Self& o) {
     return std::tie(o.attn_mask, o.key_padding_mask, o.is_causal, o.scale, o.dropout_p, o.dropout_seed,
-                    o.window_left, o.window_right, o.key_lengths, o.softcap, o.sinks);
+                    o.window_left, o.window_right, o.key_lengths, o.softcap, o.sinks, o.block_map,
+                    o.block_bits, o.block_q, o.block_k);
   }
 };
 

@@ -133,6 +133,8 @@ void run_attention_backward_math(AttentionBackwardProblem& pb) {
   // (A RuntimeError: the stable ABI carries no other exception type.)
   ATTNX_CHECK(o.dropout_p == 0.0, "attnx::attention_backward: dropout has no backward on ",
               stable::device_name(Device(pb.query.device().type())), " yet (the CPU kernel has one)");
+  ATTNX_CHECK(!o.block_map, "attnx::attention_backward: block_map has no backward on ",
+              stable::device_name(Device(pb.query.device().type())), " yet (the CPU kernel has one)");
   const double s = attention_scale(o, pb.query.size(3));
   const ScalarType acc = pb.lse.scalar_type();
   const int64_t H = pb.query.size(1), Hkv = pb.key.size(1), L = pb.query.size(2);

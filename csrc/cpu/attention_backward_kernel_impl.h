@@ -303,6 +303,7 @@ struct BackwardPlan {
   int64_t bh_m;         // attn_mask's distinct (b, h) pairs: B*H, H, B or 1 as its strides broadcast
   int64_t heads_m;      // attn_mask's distinct heads: H, or 1 when broadcast over heads
   bool mask_rows;       // attn_mask differs between queries: each tile pair builds a bias tile
+  bool bias_tiles;      // some tile pairs build a bias tile: mask_rows, or a block map's PARTIAL blocks
   bool mask_grad;       // attn_mask's gradient is summed into AttentionBackwardPointers::grad_attn_mask
   // One key tile holds every key (k_tiles == 1), without dropout or sinks: each tile pair holds whole rows of
   // P, so the softmax backward normalises them and takes delta = rowsum(dP * P) from them
@@ -323,8 +324,7 @@ BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, const int64_t
   const AttentionParams& p = bp.fwd;
   BackwardPlan plan{};
   const int64_t B = p.batch, H = p.heads, L = p.q_len, S = p.kv_len;
-  plan.bk = std::clamp<int64_t>(S, 1, kBackwardKeysPerTile);
-  plan.bq = std::clamp<int64_t>(L, 1, kBackwardQueriesPerTile);
+  tile_sizes(p, kBackwardQueriesPerTile, kBackwardKeysPerTile, &plan.bq, &plan.bk);
   plan.q_tiles = (L + plan.bq - 1) / plan.bq;
   plan.k_tiles = (S + plan.bk - 1) / plan.bk;
   plan.group = p.kv_heads > 0 ? H / p.kv_heads : 1;
@@ -349,7 +349,8 @@ BackwardPlan make_backward_plan(const AttentionBackwardParams& bp, const int64_t
   plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
   plan.bh_m = (p.attn_mask_stride[0] == 0 ? 1 : B) * plan.heads_m;
   plan.mask_rows = p.attn_mask_kind != kMaskNone && p.attn_mask_stride[2] != 0;
-  plan.whole_rows = plan.k_tiles == 1 && !p.dropout && !p.has_sinks;
+  plan.bias_tiles = plan.mask_rows || p.has_block_map;
+  plan.whole_rows = plan.k_tiles == 1 && plan.bk <= kBackwardKeysPerTile && !p.dropout && !p.has_sinks;
   plan.q_in_place = q_in_place;
   plan.do_in_place = do_in_place;
   return plan;
@@ -372,9 +373,10 @@ struct BackwardScratch {
   acc_t* v;          // (bk, Dv) value tile converted, when it cannot be read in place
   acc_t* s;          // (bk, ld_t) S^T, then P^T
   acc_t* dp;         // (bk, ld_t) dP^T, then dS^T
-  acc_t* bias;       // (bk, ld_t) attn_mask (+ key padding) of the pair, transposed; with mask_rows only
-  acc_t* rows;       // (bq, ld_k) the same, one query per row, before the transpose; with mask_rows, and with
-                     // mask_grad for dS transposed back to query rows
+  acc_t* bias;       // (bk, ld_t) attn_mask (+ key padding, + a PARTIAL block's -inf) of the pair,
+                     // transposed; with bias_tiles only
+  acc_t* rows;       // (bq, ld_k) the same, one query per row, before the transpose; with bias_tiles, and
+                     // with mask_grad for dS transposed back to query rows
   acc_t* key_bias;   // (bk,) key padding, plus attn_mask when it is the same for every query
   acc_t* dk;         // (chunk_tiles * bk, D) dK / scale of the item's keys, summed over the kv head's group
   acc_t* dv;         // (chunk_tiles * bk, Dv) dV of the item's keys, likewise
@@ -404,8 +406,8 @@ struct BackwardScratch {
         bk * Dv,
         bk * plan.ld_t,
         bk * plan.ld_t,
-        plan.mask_rows ? bk * plan.ld_t : 0,
-        plan.mask_rows || plan.mask_grad ? bq * plan.ld_k : 0,
+        plan.bias_tiles ? bk * plan.ld_t : 0,
+        plan.bias_tiles || plan.mask_grad ? bq * plan.ld_k : 0,
         bk,
         chunk_keys * D,
         chunk_keys * Dv,
@@ -456,7 +458,8 @@ class AttentionBackwardCpu {
   void run() {
     const int64_t BH = p_.batch * p_.heads, D = p_.head_dim;
     if (BH == 0) return;
-    skip_ = TileSkipFlags<acc_t>(p_, d_.fwd.attn_mask, d_.fwd.key_padding_mask, plan_);
+    skip_ = TileSkipFlags<acc_t>(p_, d_.fwd.attn_mask, d_.fwd.key_padding_mask, d_.fwd.block_map,
+                                 d_.fwd.block_bits, plan_);
     const int64_t chunks = plan_.chunks, slots_n = plan_.batch_slots * plan_.head_slots;
     const int64_t items = slots_n * chunks;
     const int64_t slot = D * plan_.ld_q;
@@ -625,16 +628,19 @@ class AttentionBackwardCpu {
     if (Dv > 0) va = b_operand(v, vs[2], vs[3], nk, Dv, ws.v);
     const acc_t* kb = key_bias(b, h, k0, nk, ws);
     for (int64_t qt = q_begin / plan_.bq; qt * plan_.bq < q_end; ++qt) {
-      if (skip_.mask_skips(b, h, qt, kt)) continue;
+      const int32_t block = skip_.block_class(b, h, qt, kt);
+      if (block == kBlockEmpty || skip_.mask_skips(b, h, qt, kt)) continue;
       const int64_t q0 = qt * plan_.bq, nq = std::min(plan_.bq, L - q0);
-      run_pair(b, h, q0, nq, k0, nk, L, kv_len_b, ka, va, kb, dqt, dk, dv, ws);
+      run_pair(b, h, q0, nq, k0, nk, L, kv_len_b, ka, va, kb, block >= 0 ? block : kBlockFull, dqt, dk, dv,
+               ws);
     }
   }
 
   // Queries [q0, q0 + nq) against keys [k0, k0 + nk): recompute P^T, form dS^T, accumulate dV, dK, dQ^T.
+  // block: the pair's bit rows in block_bits when the block-sparse mask makes it PARTIAL, else kBlockFull.
   void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk, int64_t L,
                 int64_t kv_len_b, const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb,
-                acc_t* dqt, acc_t* dk, acc_t* dv, BackwardScratch<acc_t>& ws) {
+                int32_t block, acc_t* dqt, acc_t* dk, acc_t* dv, BackwardScratch<acc_t>& ws) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, ld_t = plan_.ld_t;
     // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T.
     if (D > 0) {
@@ -654,7 +660,8 @@ class AttentionBackwardCpu {
     }
 
     // A mask that differs between queries: its (nq, nk) block (key padding added) is read one query row at a
-    // time, in its own layout, then transposed to the tile's key-major layout.
+    // time, in its own layout, then transposed to the tile's key-major layout. A PARTIAL block's bits are
+    // -inf on top (on the key padding, or on 0).
     const acc_t* bias = nullptr;
     if (plan_.mask_rows) {
       const int64_t* st = p_.attn_mask_stride;
@@ -664,6 +671,23 @@ class AttentionBackwardCpu {
           mask_to_bias<acc_t>(base + (q0 + i) * st[2], st[3], nk, kb, ws.rows + i * plan_.ld_k);
         }
       });
+    } else if (block >= 0) {
+      for (int64_t i = 0; i < nq; ++i) {
+        acc_t* row = ws.rows + i * plan_.ld_k;
+        if (kb) {
+          std::copy_n(kb, nk, row);
+        } else {
+          std::fill_n(row, nk, acc_t(0));
+        }
+      }
+    }
+    if (block >= 0) {
+      for (int64_t i = 0; i < nq; ++i) {
+        mask_out_bits(ws.rows + i * plan_.ld_k, skip_.block_bits_row(block, i),
+                      skip_.block_bits_word_stride(), nk);
+      }
+    }
+    if (plan_.mask_rows || block >= 0) {
       transpose(ws.rows, plan_.ld_k, ws.bias, ld_t, nq, nk);
       bias = ws.bias;
     }

@@ -521,6 +521,30 @@ inline int64_t kv_head(const AttentionParams& p, int64_t h) {
 // ---------------------------------------------------------------------------------------------------------------
 // The tiling plan and the per-thread scratch.
 
+// The tiles of a plan for p: with a block-sparse mask, its blocks (cut at L and S, where a single block holds
+// every row or key), so that a tile pair is one block and its class is one read; else `queries` by `keys`.
+inline void tile_sizes(const AttentionParams& p, int64_t queries, int64_t keys, int64_t* bq, int64_t* bk) {
+  if (p.has_block_map) {
+    queries = p.block_q;
+    keys = p.block_k;
+  }
+  *bq = std::clamp<int64_t>(p.q_len, 1, queries);
+  *bk = std::clamp<int64_t>(p.kv_len, 1, keys);
+}
+
+// Sets the scores of a row's n keys whose bit is set in its block's bit row (words `stride` apart) to -inf:
+// the keys a PARTIAL block masks out for that row.
+template <typename acc_t>
+void mask_out_bits(acc_t* row, const int32_t* words, int64_t stride, int64_t n) {
+  for (int64_t w = 0; 32 * w < n; ++w) {
+    uint32_t bits = static_cast<uint32_t>(words[w * stride]);
+    if (n - 32 * w < 32) bits &= (uint32_t{1} << (n - 32 * w)) - 1;
+    for (; bits != 0; bits &= bits - 1) {
+      row[32 * w + __builtin_ctz(bits)] = -std::numeric_limits<acc_t>::infinity();
+    }
+  }
+}
+
 struct Plan {
   int64_t bq;        // query rows per tile
   int64_t bk;        // keys per tile
@@ -542,8 +566,7 @@ Plan make_plan(const AttentionParams& p, size_t acc_size) {
   // A (bq, bk) tile of 128 queries by 512 keys: 512 keys keep the P V GEMM deep and the (bq, bk) scores
   // (256 KiB in fp32) in L2; 128 rows (rather than 256) waste less on tiles that causality cuts in two and
   // measured as fast without masks. Short sequences take one tile.
-  plan.bk = std::clamp<int64_t>(S, 1, 512);
-  plan.bq = std::clamp<int64_t>(L, 1, 128);
+  tile_sizes(p, 128, 512, &plan.bq, &plan.bk);
   plan.q_tiles = (L + plan.bq - 1) / plan.bq;
   plan.k_tiles = (S + plan.bk - 1) / plan.bk;
   plan.heads_m = p.attn_mask_stride[1] == 0 ? 1 : H;
@@ -566,13 +589,13 @@ Plan make_plan(const AttentionParams& p, size_t acc_size) {
   // Decoding (L = 1) with grouped KV heads: a work item is one (b, kv head), its tile the G = H / Hkv query
   // heads that share it, one row each, so that each key tile is read and transposed once per group instead
   // of once per query head, and the scores are one (G, bk) GEMM (what SDPA's enable_gqa path does). Only
-  // where nothing per head but the queries and out enters a row: no attn_mask (its rows are per head) and no
-  // dropout (its stream is per (b, h) row); sinks are per head in write_rows, which is per head anyway. And
-  // only with at least one (b, kv head) per thread: fewer items than threads would leave threads idle that
-  // per-head items keep busy.
+  // where nothing per head but the queries and out enters a row: no attn_mask (its rows are per head), no
+  // dropout (its stream is per (b, h) row) and no block map (its blocks may be per head); sinks are per head
+  // in write_rows, which is per head anyway. And only with at least one (b, kv head) per thread: fewer items
+  // than threads would leave threads idle that per-head items keep busy.
   plan.group = 1;
   if (L == 1 && p.kv_heads > 0 && H > p.kv_heads && p.attn_mask_kind == kMaskNone && p.dropout == 0 &&
-      p.varlen == 0 && B * p.kv_heads >= threads) {
+      p.varlen == 0 && !p.has_block_map && B * p.kv_heads >= threads) {
     plan.group = H / p.kv_heads;
     plan.bq = plan.group;
   }
@@ -632,11 +655,15 @@ class TileSkipFlags {
 
   template <typename Plan>
   TileSkipFlags(const AttentionParams& p, const void* attn_mask, const void* key_padding_mask,
-                const Plan& plan)
+                const void* block_map, const void* block_bits, const Plan& plan)
       : q_tiles_(plan.q_tiles),
         k_tiles_(plan.k_tiles),
         heads_m_(plan.heads_m),
-        mask_batch_broadcast_(p.attn_mask_stride[0] == 0) {
+        mask_batch_broadcast_(p.attn_mask_stride[0] == 0),
+        block_map_(p.has_block_map ? static_cast<const int32_t*>(block_map) : nullptr),
+        block_bits_(static_cast<const int32_t*>(block_bits)) {
+    std::copy(p.block_map_stride, p.block_map_stride + 4, block_map_stride_);
+    std::copy(p.block_bits_stride, p.block_bits_stride + 3, block_bits_stride_);
     const int64_t L = p.q_len, S = p.kv_len, bq = plan.bq, bk = plan.bk, qt_n = plan.q_tiles,
                   kt_n = plan.k_tiles;
     if (p.key_padding_mask_kind != kMaskNone) {
@@ -690,12 +717,29 @@ class TileSkipFlags {
     return mask_[(bh_m * q_tiles_ + qt) * k_tiles_ + kt];
   }
 
+  // The block-sparse mask's entry for tile pair (qt, kt) of head (b, h), whose tiles are its blocks (the
+  // plans make them so): kBlockEmpty, kBlockFull (also without a block map) or an index into block_bits.
+  int32_t block_class(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
+    if (!block_map_) return kBlockFull;
+    const int64_t* st = block_map_stride_;
+    return block_map_[b * st[0] + h * st[1] + qt * st[2] + kt * st[3]];
+  }
+
+  // Row r of the bit rows block_bits[index] (bit set: key masked out); words block_bits_word_stride() apart.
+  const int32_t* block_bits_row(int32_t index, int64_t r) const {
+    return block_bits_ + index * block_bits_stride_[0] + r * block_bits_stride_[1];
+  }
+  int64_t block_bits_word_stride() const { return block_bits_stride_[2]; }
+
  private:
   AlignedBuffer<bool> padding_storage_, mask_storage_;
   const bool* padding_ = nullptr;  // null without key_padding_mask
   const bool* mask_ = nullptr;     // null without attn_mask
   int64_t q_tiles_ = 0, k_tiles_ = 0, heads_m_ = 1;
   bool mask_batch_broadcast_ = false;
+  const int32_t* block_map_ = nullptr;  // null without a block map
+  const int32_t* block_bits_ = nullptr;
+  int64_t block_map_stride_[4] = {}, block_bits_stride_[3] = {};
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -718,7 +762,7 @@ class AttentionCpu {
     const int64_t B = p_.batch, H = p_.heads;
     const int64_t items = plan_.group > 1 ? B * p_.kv_heads : B * H * plan_.blocks;
     if (items == 0) return;
-    skip_ = TileSkipFlags<acc_t>(p_, d_.attn_mask, d_.key_padding_mask, plan_);
+    skip_ = TileSkipFlags<acc_t>(p_, d_.attn_mask, d_.key_padding_mask, d_.block_map, d_.block_bits, plan_);
 
     // Items are handed out one at a time from a shared counter. Under is_causal the last query blocks see
     // the most keys: they go first, so that the short ones fill in at the end. A shared mask orders items
@@ -750,7 +794,8 @@ class AttentionCpu {
 
  private:
   bool tile_skipped(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
-    return skip_.padding_skips(b, kt) || skip_.mask_skips(b, h, qt, kt);
+    return skip_.padding_skips(b, kt) || skip_.mask_skips(b, h, qt, kt) ||
+           skip_.block_class(b, h, qt, kt) == kBlockEmpty;
   }
 
   // The key padding bias of keys [k0, k0 + nk) of batch b into ws.tile_bias, plus attn_mask's row when that
@@ -853,7 +898,9 @@ class AttentionCpu {
           shared = shared_bias(b, h, k0, nk, ws);
           loaded = true;
         }
-        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, L, kv_len_b, ka, single_row, va, shared, ws, mask_rows);
+        const int32_t block = skip_.block_class(b, h, qt, kt);
+        process_tile(b, h, q0 - r0, q0, nq, k0, nk_q, L, kv_len_b, ka, single_row, va, shared, ws, mask_rows,
+                     block >= 0 ? block : kBlockFull);
       }
     }
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
@@ -904,7 +951,7 @@ class AttentionCpu {
         if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
       }
       const acc_t* shared = shared_bias(b, h0, k0, nk, ws);
-      process_tile(b, h0, 0, 0, G, k0, nk, L, kv_len_b, ka, false, va, shared, ws, false,
+      process_tile(b, h0, 0, 0, G, k0, nk, L, kv_len_b, ka, false, va, shared, ws, false, kBlockFull,
                    /*heads_as_rows=*/true);
     }
     for (int64_t g = 0; g < G; ++g) write_rows(b, h0 + g, g, seq.q_begin, 1, ws);
@@ -912,12 +959,13 @@ class AttentionCpu {
 
   // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk): ka holds the keys
   // transposed (D, nk), or as (nk, D) rows when keys_as_rows (then nq == 1); va the values; `shared` the bias
-  // common to all rows (see shared_bias). heads_as_rows: the rows are query position q0 of nq consecutive
-  // heads from h (run_group_item), without per-head masks or dropout.
+  // common to all rows (see shared_bias); block: the index of the tile's bit rows in block_bits when the
+  // block-sparse mask makes it PARTIAL, else kBlockFull. heads_as_rows: the rows are query position q0 of nq
+  // consecutive heads from h (run_group_item), without per-head masks or dropout.
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
                     int64_t q_len_b, int64_t kv_len_b, const Operand<acc_t>& ka, bool keys_as_rows,
                     const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows,
-                    bool heads_as_rows = false) {
+                    int32_t block, bool heads_as_rows = false) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     acc_t* s = ws.s;
     // S (nq, nk) = (scale Q) K^T.
@@ -932,6 +980,7 @@ class AttentionCpu {
     for (int64_t i = 0; i < nq; ++i) {
       acc_t* row = s + i * lds;
       if (softcap_ > acc_t(0)) softcap_row(row, nk, softcap_);
+      if (block >= 0) mask_out_bits(row, skip_.block_bits_row(block, i), skip_.block_bits_word_stride(), nk);
       const acc_t* bias = shared;
       if (mask_rows) {
         const int64_t* st = p_.attn_mask_stride;

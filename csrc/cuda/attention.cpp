@@ -29,6 +29,8 @@ namespace {
 
 // The forward's kernel for pb, with the error the call raises where no kernel takes it.
 Kernel forward_kernel(const AttentionProblem& pb, DType dtype, const Target& target) {
+  ATTNX_CHECK(!pb.params.has_block_map,
+              "attnx::attention: block_map is not implemented on CUDA yet (the CPU kernels take it)");
   const Kernel kernel = choose_kernel(pb.params, dtype, pb.ptr, target);
   ATTNX_CHECK(kernel != Kernel::kComposite || !pb.params.dropout, "attnx::attention: expected head dims up to ",
               kMaxHeadDim, " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
@@ -136,6 +138,8 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   const DType dtype = kernel_dtype(pb.call.dtype, op);
   const std::string bucket = stable::str(dtype_name(dtype), " bucket ", head_dim_bucket(p.head_dim, p.v_head_dim));
   if (pb.backward) {
+    ATTNX_CHECK(!p.has_block_map,
+                "attnx::attention_backward: block_map has no backward on cuda yet (the CPU kernel has one)");
     switch (choose_backward(p, dtype, target)) {
       case BackwardKernel::kMma:
         pb.kernel = "cuda fused mma " + bucket;

@@ -447,10 +447,10 @@ enum class BackwardKernel {
 // have run on a GPU) and the head dims are within kMaxHeadDim: the tensor-core ones where they cover the
 // call, the tensor cores are on and the device has the shared memory of their largest block (with attn_mask's
 // gradient: 77 KiB at bucket 128, so that the choice does not depend on whether it is asked for; every sm80+
-// device has it), the SIMT ones otherwise; the whole-tensor math for the rest.
+// device has it), the SIMT ones otherwise; the whole-tensor math for the rest (which refuses a block map).
 constexpr BackwardKernel choose_backward(const AttentionParams& p, DType dtype, const Target& target) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
-  if (!target.fused_backward || bucket == 0) return BackwardKernel::kMath;
+  if (!target.fused_backward || bucket == 0 || p.has_block_map) return BackwardKernel::kMath;
   if (target.mma && target.capability >= 80 && mma_backward_supports(p, dtype) &&
       mma_backward_smem_bytes(bucket, /*mask_grad=*/true) <= target.max_smem) {
     return BackwardKernel::kMma;

@@ -36,6 +36,8 @@ inline DType metal_dtype(ScalarType dtype, const char* op) {
 inline AttentionPlan attention_plan(const AttentionProblem& pb) {
   const AttentionOptions& o = pb.options;
   ATTNX_CHECK(o.dropout_p == 0.0, "attnx::attention: dropout is not implemented on MPS yet");
+  ATTNX_CHECK(!o.block_map,
+              "attnx::attention: block_map is not implemented on MPS yet (the CPU kernels take it)");
   const DType dtype = metal_dtype(pb.dtype, "attnx::attention");
   for (const auto* mask : {&o.attn_mask, &o.key_padding_mask}) {
     ATTNX_CHECK(!*mask || (*mask)->scalar_type() != ScalarType::Double,

@@ -14,7 +14,7 @@ from attnx import _loader  # noqa: F401  (loads attnx._C, which registers torch.
 # isort: split
 # Kept apart from _C's import so that sorting never merges or reorders them: _C must be loaded first,
 # since importing these modules registers fakes for its ops.
-from attnx import functional, nn, reference, sdpa
+from attnx import flex, functional, nn, reference, sdpa
 from attnx.convert import convert, revert
 from attnx.ops import attention, attention_backward, linear, mha, varlen_attention
 
@@ -27,6 +27,6 @@ sdpa._register()
 
 __version__ = "0.1.0"
 __all__ = [
-    "attention", "attention_backward", "convert", "functional", "linear", "mha", "nn", "pytorch", "reference",
-    "revert", "sdpa", "varlen_attention",
+    "attention", "attention_backward", "convert", "flex", "functional", "linear", "mha", "nn", "pytorch",
+    "reference", "revert", "sdpa", "varlen_attention",
 ]

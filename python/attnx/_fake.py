@@ -314,6 +314,56 @@ def _check_attention_args(a: AttentionArgs | AttentionBackwardArgs) -> None:
             sinks.device == query.device,
             lambda: f"attnx::attention: expected sinks on query's device {query.device}, got {sinks.device}",
         )
+    _check_block_mask(a, B, H, L, S)
+
+
+def _check_block_mask(a, B: int, H: int, L: int, S: int) -> None:
+    """check_block_mask's shape, dtype and device checks (common/attention.cpp); the entries are not read."""
+    block_map, block_bits, block_q, block_k = a.block_map, a.block_bits, a.block_q, a.block_k
+    if block_map is None:
+        torch._check(
+            block_bits is None,
+            lambda: "attnx::attention: expected block_bits only with a block_map, got block_bits and no "
+            "block_map",
+        )
+        return
+    torch._check(
+        block_q > 0 and block_k > 0,
+        lambda: f"attnx::attention: expected block_q and block_k > 0, got ({block_q}, {block_k})",
+    )
+    q_blocks, k_blocks = -(-L // block_q), -(-S // block_k)
+    torch._check(
+        block_map.dtype == torch.int32,
+        lambda: f"attnx::attention: expected block_map of dtype int32, got {scalar_name(block_map.dtype)}",
+    )
+    shape = list(block_map.shape)
+    torch._check(
+        len(shape) == 4 and shape[0] in (B, 1) and shape[1] in (H, 1) and shape[2:] == [q_blocks, k_blocks],
+        lambda: "attnx::attention: expected block_map of shape (B or 1, H or 1, ceil(L / block_q), "
+        f"ceil(S / block_k)) = ({B} or 1, {H} or 1, {q_blocks}, {k_blocks}), got {shape}",
+    )
+    torch._check(
+        block_map.device == a.query.device,
+        lambda: f"attnx::attention: expected block_map on query's device {a.query.device}, "
+        f"got {block_map.device}",
+    )
+    if block_bits is not None:
+        words = -(-block_k // 32)
+        torch._check(
+            block_bits.dtype == torch.int32,
+            lambda: "attnx::attention: expected block_bits of dtype int32, "
+            f"got {scalar_name(block_bits.dtype)}",
+        )
+        torch._check(
+            block_bits.dim() == 3 and list(block_bits.shape[1:]) == [block_q, words],
+            lambda: f"attnx::attention: expected block_bits of shape (P, block_q, ceil(block_k / 32)) = (P, "
+            f"{block_q}, {words}), got {list(block_bits.shape)}",
+        )
+        torch._check(
+            block_bits.device == a.query.device,
+            lambda: f"attnx::attention: expected block_bits on query's device {a.query.device}, "
+            f"got {block_bits.device}",
+        )
 
 
 def _lse_dtype(query: Tensor) -> torch.dtype:

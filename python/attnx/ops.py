@@ -82,6 +82,10 @@ def attention(
     key_lengths: Tensor | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    block_map: Tensor | None = None,
+    block_bits: Tensor | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
 ) -> tuple[Tensor, Tensor]:
     """Fused scaled dot-product attention with ``nn.MultiheadAttention``'s masks; returns ``(out, lse)``.
 
@@ -104,6 +108,14 @@ def attention(
     from ``window_left`` before that position to ``window_right`` after it, ``-1`` leaving a side unbounded:
     ``(-1, 0)`` is bottom-right causal attention (a KV-cache step or a chunked prefill), ``(w - 1, 0)`` a
     sliding window of ``w`` keys.
+
+    Block-sparse mask: ``block_map`` cuts the ``(L, S)`` plane into blocks of ``block_q`` queries by
+    ``block_k`` keys (the last ones cut at L and S) and says, per ``(b, h)`` (or broadcast) and block, whether
+    the block's rows see none of its keys (``-1``: the block is never read or computed, so the cost follows
+    the blocks visited), all of them (``-2``: no mask is read), or those whose bit is clear in one of
+    ``block_bits``' bit rows (an index ``p >= 0``). It combines with every other mask and the key range (the
+    exact rule: :func:`attnx.reference.block_mask_seen`). FlexAttention's ``BlockMask`` converts to it
+    (:func:`attnx.flex.block_sparse`). The CPU kernels take it, forward and backward.
 
     A row that sees no key (every key masked, or ``S == 0``) gives out 0 and ``lse = +inf``, sink or not, so
     that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row NaN out and lse. What a NaN or inf
@@ -140,6 +152,14 @@ def attention(
         sinks: ``(H,)`` or None: one logit per query head that joins every row's softmax denominator and adds
             no value (gpt-oss): the probabilities are ``exp(score - lse)`` with
             ``lse = log(exp(sink_h) + sum_s exp(score_s))``, so a sink takes probability mass.
+        block_map: an int32 ``(B or 1, H or 1, ceil(L / block_q), ceil(S / block_k))`` tensor on query's
+            device (see Block-sparse mask above), or None. On the CPU every entry is checked to be ``-1``,
+            ``-2`` or an index into block_bits.
+        block_bits: an int32 ``(P, block_q, ceil(block_k / 32))`` tensor on query's device: ``P`` blocks' bit
+            rows, bit ``j`` of word ``w`` of row ``r`` for key ``32 w + j`` of the block (set: masked out, as
+            a bool mask's True), or None when no entry of block_map is an index.
+        block_q: queries per block of block_map (FlexAttention's default 128).
+        block_k: keys per block of block_map.
 
     Returns:
         ``out``: ``(B, H, L, Dv)`` in query's dtype, laid out in memory as ``(B, L, H, Dv)`` so that
@@ -162,11 +182,14 @@ def attention(
     if dropout_p > 0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(query.device)
     options = (attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_seed, window_left,
-               window_right, key_lengths, softcap, sinks)
+               window_right, key_lengths, softcap, sinks, block_map, block_bits, block_q, block_k)
     # Options past the last one given are left to the schema: torch.ops converts each one passed (~0.1 us
     # apiece; all 11 cost a quarter of the whole call at decoding shapes), and the autograd Function saves
     # and hands on fewer.
-    if window_left == -1 and window_right == -1 and key_lengths is None and softcap is None and sinks is None:
+    if block_map is None and block_bits is None:
+        options = options[:11]
+    if (len(options) == 11 and window_left == -1 and window_right == -1 and key_lengths is None
+            and softcap is None and sinks is None):
         if (attn_mask is None and key_padding_mask is None and is_causal is False and scale is None
                 and dropout_p == 0.0 and dropout_seed is None):
             options = ()
@@ -221,6 +244,7 @@ def attention_backward(
     scale: float | None = None, dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
     window_left: int = -1, window_right: int = -1, key_lengths: Tensor | None = None,
     softcap: float | None = None, sinks: Tensor | None = None,
+    block_map: Tensor | None = None, block_bits: Tensor | None = None, block_q: int = 128, block_k: int = 128,
     grad_attn_mask: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`attention`'s out with respect to query, key, value, attn_mask and sinks.
@@ -256,6 +280,10 @@ def attention_backward(
         key_lengths: the forward call's.
         softcap: the forward call's.
         sinks: the forward call's.
+        block_map: the forward call's.
+        block_bits: the forward call's.
+        block_q: the forward call's.
+        block_k: the forward call's.
         grad_attn_mask: whether to compute a float attn_mask's gradient.
 
     Returns:
@@ -277,7 +305,8 @@ def attention_backward(
     """
     return _attention_backward(
         grad_out, query, key, value, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-        dropout_seed, window_left, window_right, key_lengths, softcap, sinks, grad_attn_mask,
+        dropout_seed, window_left, window_right, key_lengths, softcap, sinks, block_map, block_bits, block_q,
+        block_k, grad_attn_mask,
     )
 
 

@@ -39,6 +39,7 @@ def attention(
     window_left: int = -1, window_right: int = -1, key_lengths: Tensor | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    block_map: Tensor | None = None, block_bits: Tensor | None = None, block_q: int = 128, block_k: int = 128,
     *,
     read_unseen: bool = True,
 ) -> tuple[Tensor, Tensor]:
@@ -48,8 +49,9 @@ def attention(
     ``(B, H, L, S)`` in float64 for float64 inputs (float32 otherwise), the kv heads repeated, every mask
     added, the softmax and dropout applied, autograd for the gradients.
 
-    Positions a row does not see: key ``s`` is unseen by row ``l`` when :func:`key_range_mask` excludes it or
-    a mask removes it (bool ``True``, float ``-inf``). With finite inputs they contribute exactly nothing. A
+    Positions a row does not see: key ``s`` is unseen by row ``l`` when :func:`key_range_mask` or
+    :func:`block_mask_seen` excludes it or a mask removes it (bool ``True``, float ``-inf``). With finite
+    inputs they contribute exactly nothing. A
     NaN or inf that reaches the row *only* through unseen positions (in that key or value, in the score of
     ``(l, s)``, in a float mask there, or in query row ``l`` for the gradients of those keys) may do either of
     two things, and which one depends on how a backend tiles the work (a tile that a row sees none of is
@@ -75,6 +77,10 @@ def attention(
         key_lengths: as in :func:`attnx.attention`.
         softcap: as in :func:`attnx.attention`.
         sinks: as in :func:`attnx.attention`.
+        block_map: as in :func:`attnx.attention`.
+        block_bits: as in :func:`attnx.attention`.
+        block_q: as in :func:`attnx.attention`.
+        block_k: as in :func:`attnx.attention`.
         read_unseen: which of the two answers above to give for non-finite values at unseen positions:
             True, propagate them; False, never read them.
 
@@ -97,6 +103,8 @@ def attention(
     if Hkv != H:  # clarity over memory: the kernels index the shared kv head instead
         key, value = key.repeat_interleave(H // Hkv, dim=1), value.repeat_interleave(H // Hkv, dim=1)
     seen = key_range_mask(B, L, S, is_causal, window_left, window_right, key_lengths, query.device)
+    if block_map is not None:
+        seen = seen & block_mask_seen(block_map, block_bits, block_q, block_k, L, S).to(query.device)
     bias = torch.zeros(seen.shape, dtype=acc, device=query.device).masked_fill(~seen, float("-inf"))
     for mask in (as_4d_attn_mask(attn_mask, B, H), as_4d_padding_mask(key_padding_mask)):
         if mask is not None:
@@ -254,6 +262,37 @@ def key_range_mask(
     if is_causal:
         seen = seen & (col <= row)
     return seen.to(device)
+
+
+def block_mask_seen(block_map: Tensor, block_bits: Tensor | None, block_q: int, block_k: int, L: int,
+                    S: int) -> Tensor:
+    """The pairs a block-sparse mask lets rows see: :func:`attnx.attention`'s ``block_map``, expanded.
+
+    Row ``l`` and key ``s`` fall in block ``(l // block_q, s // block_k)``; its entry ``e`` of ``block_map``
+    is ``-1`` (no pair of the block is seen), ``-2`` (every pair is) or an index into ``block_bits``: the pair
+    is seen iff bit ``(s % block_k) % 32`` of word ``block_bits[e, l % block_q, (s % block_k) // 32]`` is
+    clear.
+
+    Args:
+        block_map: as in :func:`attnx.attention`, on any device.
+        block_bits: as in :func:`attnx.attention`, on any device, or None (no entry of block_map is >= 0).
+        block_q: as in :func:`attnx.attention`.
+        block_k: as in :func:`attnx.attention`.
+        L: the query length.
+        S: the key length.
+
+    Returns:
+        A bool ``(Bm, Hm, L, S)`` tensor on the CPU, block_map's first two dims, True where the pair is seen.
+    """
+    entry = block_map.to("cpu", torch.int64)
+    entry = entry[:, :, torch.arange(L) // block_q][:, :, :, torch.arange(S) // block_k]  # (Bm, Hm, L, S)
+    seen = entry == -2
+    if block_bits is not None and block_bits.shape[0] > 0:
+        row = (torch.arange(L) % block_q).view(L, 1)
+        col = (torch.arange(S) % block_k).view(1, S)
+        words = block_bits.to("cpu", torch.int64)[entry.clamp(min=0), row, col // 32]  # (Bm, Hm, L, S)
+        seen = seen | ((entry >= 0) & ((words >> (col % 32)) & 1 == 0))
+    return seen
 
 
 # ------------------------------------------------------------------------------------------------------------

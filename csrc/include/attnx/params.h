@@ -107,6 +107,27 @@ struct AttentionParams {
   int64_t pages_per_seq;
   int32_t varlen;
   int32_t varlen_reserved;  // 0; pads the struct to a multiple of 8 bytes, as Metal lays it out
+
+  // A block-sparse mask (has_block_map): the (L, S) plane cut into blocks of block_q queries by block_k
+  // keys (the last ones cut at L and S). Entry (b, h, qb, kb) of block_map, an int32 (B, H,
+  // ceil(L / block_q), ceil(S / block_k)) tensor read through block_map_stride (0 on broadcast dims), says
+  // what the rows of query block qb see of key block kb: kBlockEmpty nothing (the block is never read),
+  // kBlockFull every key (no mask is read), p >= 0 the keys whose bit is clear in block_bits[p]: int32
+  // (P, block_q, ceil(block_k / 32)) bit rows through block_bits_stride, bit j of word w of row r being key
+  // 32 w + j of the block (set: masked out, as a bool mask's True). It combines with every other mask and
+  // the key range.
+  int64_t block_map_stride[4];   // (B, H, query blocks, key blocks)
+  int64_t block_bits_stride[3];  // (P, block_q, ceil(block_k / 32))
+  int64_t block_q;
+  int64_t block_k;
+  int32_t has_block_map;
+  int32_t block_reserved;  // 0; pads the struct to a multiple of 8 bytes, as Metal lays it out
+};
+
+// block_map's entries besides an index into block_bits (AttentionParams::has_block_map).
+enum BlockClass : int32_t {
+  kBlockEmpty = -1,
+  kBlockFull = -2,
 };
 
 // How per-batch key lengths are stored.
@@ -119,8 +140,9 @@ enum KeyLengthsKind : int32_t {
 #if !defined(__METAL_VERSION__)
 // The layout Metal sees: 31 int64 fields, 14 four-byte fields (the dropout fields), then 4 int64 and 4
 // four-byte fields (GQA, the key range, sinks and soft-capping), then 4 int64 and 2 four-byte fields
-// (variable length and paging): each group appended last, so that every earlier offset is unchanged.
-static_assert(sizeof(AttentionParams) == 392, "AttentionParams layout changed: update the Metal side too");
+// (variable length and paging), then 9 int64 and 2 four-byte fields (the block-sparse mask): each group
+// appended last, so that every earlier offset is unchanged.
+static_assert(sizeof(AttentionParams) == 472, "AttentionParams layout changed: update the Metal side too");
 
 // Where an attention call's tensors start (storage offsets applied); their layouts are in AttentionParams.
 struct AttentionPointers {
@@ -138,6 +160,10 @@ struct AttentionPointers {
   const void* cu_seqlens_q;
   const void* cu_seqlens_k;
   const void* block_table;
+  // With AttentionParams::has_block_map: block_map and block_bits (int32, their layouts in the params);
+  // nullptr otherwise.
+  const void* block_map;
+  const void* block_bits;
 };
 #endif
 
@@ -155,7 +181,7 @@ struct AttentionBackwardParams {
 };
 
 #if !defined(__METAL_VERSION__)
-static_assert(sizeof(AttentionBackwardParams) == 392 + 20 * 8,
+static_assert(sizeof(AttentionBackwardParams) == 472 + 20 * 8,
               "AttentionBackwardParams layout changed: update the Metal side too");
 
 // Where an attention_backward call's tensors start (storage offsets applied); their layouts are in
