@@ -24,6 +24,7 @@ from . import (
     bench_batching,
     bench_cuda,
     bench_features,
+    bench_flex,
     bench_mha,
     bench_models,
     bench_overhead,
@@ -50,6 +51,7 @@ BENCHMARKS = {
     "sdpa": bench_sdpa,
     "varlen": bench_varlen,
     "batching": bench_batching,
+    "flex": bench_flex,
 }
 
 
