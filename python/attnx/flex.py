@@ -118,8 +118,19 @@ def _kept(mask_mod: Any, b: Tensor, h: Tensor, q0: Tensor, k0: Tensor, block_q: 
     fn = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
     fn = torch.vmap(fn, in_dims=(None, None, 0, None))
     fn = torch.vmap(fn, in_dims=(0, 0, 0, 0))
-    kept = fn(b, h, q.clamp(max=L - 1), k.clamp(max=S - 1)).to(torch.bool)
+    with _index_transform():
+        kept = fn(b, h, q.clamp(max=L - 1), k.clamp(max=S - 1)).to(torch.bool)
     return kept & (q < L).unsqueeze(2) & (k < S).unsqueeze(1)
+
+
+def _index_transform() -> Any:
+    """What PyTorch's FlexAttention evaluates a mask_mod under: indexing a tensor by a batched index
+    (``ids[b, q]``) as torch.index rather than by the index's value, which vmap cannot read (torch 2.10)."""
+    try:
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    except ImportError:  # a torch without it indexes batched tensors itself
+        return contextlib.nullcontext()
+    return TransformGetItemToIndex()
 
 
 def _pack(kept: Tensor) -> Tensor:
