@@ -411,10 +411,10 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
   // This block's batches, heads and query tiles: all of them along a dim the mask's gradient broadcasts
   // along, else the one blockIdx.x names.
   acc_t* const mask_grad = static_cast<acc_t*>(ptr.grad_attn_mask);
-  const bool all_b = plan.all_batches, all_h = plan.all_heads, all_q = plan.all_query_tiles;
-  const int64_t nq = all_q ? 1 : plan.q_tiles, nh = all_h ? 1 : p.heads;
-  const int64_t block = blockIdx.x;
-  const int64_t qt_id = block % nq, h_id = block / nq % nh, b_id = block / nq / nh;
+  const bool all_b = plan.queries.all_batches, all_h = plan.queries.all_heads,
+             all_q = plan.queries.all_query_tiles;
+  int64_t b_id, h_id, qt_id;
+  plan.queries.block_item(blockIdx.x, p.heads, &b_id, &h_id, &qt_id);
 
   for (int64_t b = all_b ? 0 : b_id; b < (all_b ? p.batch : b_id + 1); ++b) {
     const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
@@ -494,8 +494,8 @@ cudaError_t launch_backward(const AttentionBackwardParams& bp, const AttentionBa
                       plan.smem_bytes, stream, bp, ptr, plan, static_cast<const acc_t*>(delta));
       if (err != cudaSuccess) return err;
     }
-    if (plan.query_blocks > 0 && bp.fwd.q_len > 0) {
-      return launch_plan(&attention_backward_queries<scalar_t, kBucket>, plan.query_blocks, plan.threads,
+    if (plan.queries.blocks > 0 && bp.fwd.q_len > 0) {
+      return launch_plan(&attention_backward_queries<scalar_t, kBucket>, plan.queries.blocks, plan.threads,
                          plan.smem_bytes, stream, bp, ptr, plan, static_cast<const acc_t*>(delta));
     }
     return cudaSuccess;
@@ -513,7 +513,7 @@ cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType d
   if (!params_consistent(p, ptr.fwd) || p.varlen != 0) return cudaErrorInvalidValue;
   const AttentionBackwardPlan plan = plan_attention_backward(bp, dtype, ptr.grad_attn_mask != nullptr);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
-  if (plan.delta_blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks || plan.query_blocks > kMaxBlocks) {
+  if (plan.delta_blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks || plan.queries.blocks > kMaxBlocks) {
     return cudaErrorInvalidConfiguration;
   }
   return dispatch_dtype(

@@ -36,6 +36,33 @@ constexpr int backward_tile(int bucket, int acc_size) {
   return bucket * acc_size <= 512 ? 32 : 16384 / (bucket * acc_size);
 }
 
+// The query pass's grid, the same in both backwards: a block per (b, h, query tile), without the dims along
+// which attn_mask's gradient broadcasts (all_*): a block loops over those, so that the blocks that would add
+// into the same elements are one, and no two blocks write the same memory.
+struct QueryPassGrid {
+  bool all_batches, all_heads, all_query_tiles;  // where attn_mask's gradient broadcasts along B, H, L
+  int64_t q_tiles;
+  int64_t blocks;
+
+  // The (b, h, query tile) of block `block` along the dims it does not loop over (0 along the others).
+  constexpr void block_item(int64_t block, int64_t heads, int64_t* b, int64_t* h, int64_t* qt) const {
+    const int64_t nq = all_query_tiles ? 1 : q_tiles, nh = all_heads ? 1 : heads;
+    *qt = block % nq;
+    *h = block / nq % nh;
+    *b = block / nq / nh;
+  }
+};
+
+// `mask_grad`: attn_mask's gradient is asked for; `q_tiles`: the pass's query tiles per (b, h).
+constexpr QueryPassGrid query_pass_grid(const AttentionBackwardParams& bp, bool mask_grad, int64_t q_tiles) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t* g = bp.grad_attn_mask_size;
+  QueryPassGrid grid{mask_grad && g[0] == 1, mask_grad && g[1] == 1, mask_grad && g[2] == 1, q_tiles, 0};
+  grid.blocks = (grid.all_batches ? 1 : p.batch) * (grid.all_heads ? 1 : p.heads) *
+                (grid.all_query_tiles ? 1 : q_tiles);
+  return grid;
+}
+
 struct AttentionBackwardPlan {
   int bucket;  // max(D, Dv) rounded up to 32, 64, 128 or 256; 0 when it exceeds kMaxHeadDim (no kernel)
   int tile;    // keys and query rows per tile: 32, 16 or 8
@@ -44,8 +71,7 @@ struct AttentionBackwardPlan {
   int64_t q_tiles, k_tiles;
   int64_t delta_blocks;  // ceil(B * H * L / warps per block)
   int64_t key_blocks;    // B * Hkv * k_tiles
-  int64_t query_blocks;  // over (b, h, query tile), without the dims a block loops over:
-  bool all_batches, all_heads, all_query_tiles;  // where attn_mask's gradient broadcasts along B, H, L
+  QueryPassGrid queries;
   size_t smem_bytes;
   size_t workspace_bytes;  // delta: B * H * L accumulators
 };
@@ -67,12 +93,7 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
   const int64_t warps = kBackwardThreads / kWarpSize;
   plan.delta_blocks = (rows + warps - 1) / warps;
   plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
-  const int64_t* g = bp.grad_attn_mask_size;
-  plan.all_batches = mask_grad && g[0] == 1;
-  plan.all_heads = mask_grad && g[1] == 1;
-  plan.all_query_tiles = mask_grad && g[2] == 1;
-  plan.query_blocks = (plan.all_batches ? 1 : p.batch) * (plan.all_heads ? 1 : p.heads) *
-                      (plan.all_query_tiles ? 1 : plan.q_tiles);
+  plan.queries = query_pass_grid(bp, mask_grad, plan.q_tiles);
   const int64_t operands = 4 * int64_t{plan.tile} * plan.ld;
   const int64_t tiles = 2 * int64_t{plan.tile} * (plan.tile + 1);
   plan.smem_bytes = static_cast<size_t>(operands + tiles + 2 * plan.tile) * acc;
@@ -94,9 +115,8 @@ struct AttentionBackwardMmaPlan {
   bool vector;  // every row of q, k, v and grad_out moves as 16-byte vectors (cp.async)
   int threads;
   int64_t q_tiles, k_tiles;
-  bool all_batches, all_heads, all_query_tiles;  // where attn_mask's gradient broadcasts along B, H, L
-  int64_t query_blocks;  // over (b, h, query tile), without the dims a block loops over
-  int64_t key_blocks;    // B * Hkv * k_tiles
+  QueryPassGrid queries;
+  int64_t key_blocks;  // B * Hkv * k_tiles
   size_t smem_bytes;
   size_t workspace_bytes;  // delta: B * H * L floats
 };
@@ -115,12 +135,7 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   plan.threads = kWarps * kWarpSize;
   plan.q_tiles = (p.q_len + kMmaTileKeys - 1) / kMmaTileKeys;
   plan.k_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
-  const int64_t* g = bp.grad_attn_mask_size;
-  plan.all_batches = mask_grad && g[0] == 1;
-  plan.all_heads = mask_grad && g[1] == 1;
-  plan.all_query_tiles = mask_grad && g[2] == 1;
-  plan.query_blocks = (plan.all_batches ? 1 : p.batch) * (plan.all_heads ? 1 : p.heads) *
-                      (plan.all_query_tiles ? 1 : plan.q_tiles);
+  plan.queries = query_pass_grid(bp, mask_grad, plan.q_tiles);
   plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
   plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket, mask_grad));
   plan.workspace_bytes = static_cast<size_t>(p.batch * p.heads * p.q_len) * sizeof(float);

@@ -525,10 +525,10 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   };
   // This block's batches, heads and query tiles: all of them along a dim the mask's gradient broadcasts
   // along, else the one blockIdx.x names (the plain instantiation: no mask, one item).
-  const bool all_b = plan.all_batches, all_h = plan.all_heads, all_q = plan.all_query_tiles;
-  const int64_t nq = all_q ? 1 : plan.q_tiles, nh = all_h ? 1 : p.heads;
-  const int64_t block = blockIdx.x;
-  const int64_t qt_id = block % nq, h_id = block / nq % nh, b_id = block / nq / nh;
+  const bool all_b = plan.queries.all_batches, all_h = plan.queries.all_heads,
+             all_q = plan.queries.all_query_tiles;
+  int64_t b_id, h_id, qt_id;
+  plan.queries.block_item(blockIdx.x, p.heads, &b_id, &h_id, &qt_id);
   if constexpr (kPlain) {
     item(b_id, h_id, qt_id);
   } else {
@@ -756,9 +756,9 @@ template <typename scalar_t, int kBucket, bool kPlain>
 cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
                           const AttentionBackwardMmaPlan& plan, float* delta, cudaStream_t stream) {
   // The query pass first: the key pass reads the delta it writes.
-  if (plan.query_blocks > 0) {
+  if (plan.queries.blocks > 0) {
     const cudaError_t err = launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kPlain>,
-                                        plan.query_blocks, plan.threads, plan.smem_bytes, stream, bp, ptr,
+                                        plan.queries.blocks, plan.threads, plan.smem_bytes, stream, bp, ptr,
                                         plan, delta);
     if (err != cudaSuccess) return err;
   }
@@ -780,7 +780,7 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
   if (!params_consistent(p, ptr.fwd)) return cudaErrorInvalidValue;
   const AttentionBackwardMmaPlan plan = plan_attention_backward_mma(bp, dtype, ptr);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
-  if (plan.query_blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  if (plan.queries.blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   float* const delta = static_cast<float*>(workspace);
   return dispatch_dtype(dtype, [&](auto tag) {
