@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnx import ops
+from attnx import _switch, ops
 
 __all__ = ["block_sparse", "disable", "enable", "enabled", "flex_attention", "is_enabled"]
 
@@ -341,16 +341,9 @@ def _reset_dynamo() -> None:
         torch._dynamo.reset()
 
 
-@contextlib.contextmanager
 def enabled():
     """The takeover on for a ``with`` block, then back to how it was."""
-    was_on = is_enabled()
-    enable()
-    try:
-        yield
-    finally:
-        if not was_on:
-            disable()
+    return _switch.while_on(is_enabled, enable, disable)
 
 
 def is_enabled() -> bool:

@@ -26,10 +26,11 @@ Covered: CPU only (the op above is CPU's; CUDA's SDPA kernels are not replaced).
 compiled code (AOTInductor, ``cpp_wrapper``) calls PyTorch's kernel directly, not through the dispatcher.
 """
 
-import contextlib
 import warnings
 
 import torch
+
+from attnx import _switch
 
 __all__ = ["enable", "disable", "enabled", "is_enabled"]
 
@@ -84,16 +85,9 @@ def disable() -> None:
     torch.ops.attnx._sdpa_takeover(False)
 
 
-@contextlib.contextmanager
 def enabled():
     """The takeover on for a ``with`` block, then back to how it was."""
-    was_on = is_enabled()
-    enable()
-    try:
-        yield
-    finally:
-        if not was_on:
-            disable()
+    return _switch.while_on(is_enabled, enable, disable)
 
 
 def is_enabled() -> bool:
