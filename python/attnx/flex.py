@@ -66,8 +66,8 @@ def block_sparse(block_mask: Any) -> dict:
 
 
 def _listed(num: Tensor | None, indices: Tensor | None, k_blocks: int) -> tuple[Tensor, Tensor] | None:
-    """The (b, h, query block, key block) of every listed block, as the flat positions of a map with one
-    spare column per row (unlisted slots land there), and whether each slot is listed."""
+    """For each slot ``(b, h, query block, j)`` of a BlockMask's index list: its key block, or ``k_blocks``
+    (the map's spare column) where the slot is past the row's count; and whether the slot is listed."""
     if num is None or indices is None:
         return None
     slots = torch.arange(indices.shape[-1], device=indices.device)
