@@ -287,14 +287,13 @@ def _taken(query, score_mod, block_mask, kernel_options, return_aux) -> bool:
 
 def _served(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, *,
             return_aux):
-    """The takeover's flex_attention: attnx's where it takes the call, PyTorch's code otherwise (and for code
-    that inductor compiles)."""
-    inductor = torch.compiler.is_compiling() and (_inductor_probe is None or _inductor_probe())
-    if inductor or not _taken(query, score_mod, block_mask, kernel_options, return_aux):
+    """The takeover's flex_attention: PyTorch's code for what inductor compiles, else :func:`flex_attention`
+    (which leaves to PyTorch's code what attnx's kernels do not take)."""
+    if torch.compiler.is_compiling() and (_inductor_probe is None or _inductor_probe()):
         return _pytorch_copy(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                              kernel_options, return_aux=return_aux)
-    return flex_attention(query, key, value, None, block_mask, scale, enable_gqa, return_lse, None,
-                          return_aux=return_aux)
+    return flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                          kernel_options, return_aux=return_aux)
 
 
 def enable() -> None:
