@@ -55,6 +55,7 @@ def qkv(B, H, Hkv, L, S, D, dtype, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("L", "S", "blocks", "bh"), [
     (70, 90, (16, 32), (2, 3)),     # L and S not block multiples, per (b, h)
+    (100, 200, (16, 64), (2, 3)),   # CUDA's tiles: a block of 16 rows a warp (a tile EMPTY for some warps)
     (130, 300, (64, 128), (1, 1)),  # broadcast over B and H
     (5, 200, (128, 128), (2, 1)),   # one query block shorter than block_q, per batch
     (40, 40, (8, 40), (1, 3)),      # block_k not a multiple of 32, per head
@@ -69,9 +70,10 @@ def test_block_sparse_forward(device, dtype, L, S, blocks, bh):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_block_sparse_gradients(device, dtype):
+@pytest.mark.parametrize("blocks", [(64, 32), (16, 64), (32, 128)], ids=str)
+def test_block_sparse_gradients(device, dtype, blocks):
     q, k, v = qkv(2, 4, 2, 150, 170, 16, dtype, seed=1)
-    opts = random_block_mask(2, 1, 150, 170, 64, 32, seed=2)
+    opts = random_block_mask(2, 1, 150, 170, *blocks, seed=2)
     q, k, v = on(device, [q, k, v])
     opts = on(device, opts)
     kernel_or_skip(device, q, k, v, backward=True, **opts)
@@ -79,14 +81,16 @@ def test_block_sparse_gradients(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_block_sparse_with_every_option(device, dtype):
+@pytest.mark.parametrize("float_mask", [True, False], ids=["float attn_mask", "bool attn_mask"])
+def test_block_sparse_with_every_option(device, dtype, float_mask):
     """With both masks, is_causal, a window, key lengths, soft-capping, sinks and dropout, forward and
     backward."""
     B, H, L, S = 2, 4, 90, 100
     q, k, v = qkv(B, H, 2, L, S, 16, dtype, seed=3)
     g = torch.Generator().manual_seed(4)
-    opts = dict(random_block_mask(B, H, L, S, 32, 32, seed=5, p_empty=0.1),
-                attn_mask=torch.randn(L, S, generator=g),
+    attn_mask = torch.randn(L, S, generator=g) if float_mask else torch.rand(L, S, generator=g) < 0.2
+    opts = dict(random_block_mask(B, H, L, S, 16, 64, seed=5, p_empty=0.1),
+                attn_mask=attn_mask,
                 key_padding_mask=torch.rand(B, S, generator=g) < 0.2,
                 is_causal=True, window_left=70, key_lengths=torch.tensor([S, 77]), softcap=5.0,
                 sinks=torch.randn(H, generator=g), dropout_p=0.2, dropout_seed=torch.tensor([3, 4]))
@@ -95,20 +99,21 @@ def test_block_sparse_with_every_option(device, dtype):
     opts["dropout_seed"] = opts["dropout_seed"].cpu()
     kernel_or_skip(device, q, k, v, backward=True, **opts)
     check(q, k, v, **opts)
-    check_grads(q, k, v, grad_names=("q", "k", "v", "attn_mask", "sinks"), **opts)
+    check_grads(q, k, v, grad_names=("q", "k", "v", "attn_mask", "sinks") if float_mask else ("q", "k", "v"),
+                **opts)
 
 
 def test_empty_blocks_are_never_read(device):
     """NaN keys and values in EMPTY blocks reach no output or gradient; rows that see no key give out 0 and
     lse = +inf."""
-    L, S = 64, 96
+    L, S = 64, 192
     q, k, v = qkv(1, 2, 2, L, S, 16, torch.float32, seed=6)
     block_map = torch.full((1, 1, 2, 3), -2, dtype=torch.int32)
-    block_map[0, 0, :, 1] = -1  # keys 32..63 never read
+    block_map[0, 0, :, 1] = -1  # keys 64..127 never read
     block_map[0, 0, 1, :] = -1  # queries 32..63 see no key
-    k[:, :, 32:64] = float("nan")
-    v[:, :, 32:64] = float("nan")
-    opts = {"block_map": block_map, "block_q": 32, "block_k": 32}
+    k[:, :, 64:128] = float("nan")
+    v[:, :, 64:128] = float("nan")
+    opts = {"block_map": block_map, "block_q": 32, "block_k": 64}
     q, k, v = on(device, [q, k, v])
     opts = on(device, opts)
     kernel_or_skip(device, q, k, v, backward=True, **opts)
@@ -118,17 +123,46 @@ def test_empty_blocks_are_never_read(device):
     assert (lse[:, :, 32:] == float("inf")).all() and torch.isfinite(lse[:, :, :32]).all()
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
-    assert (k.grad[:, :, 32:64] == 0).all() and (v.grad[:, :, 32:64] == 0).all()
+    assert (k.grad[:, :, 64:128] == 0).all() and (v.grad[:, :, 64:128] == 0).all()
+
+
+@pytest.mark.slow
+def test_block_classes_past_the_first_window(device):
+    """The tensor-core kernel classifies a window of 1024 tiles (65536 keys) at a time: blocks are seen only
+    around the first window's last tile and in the second window, where the classes are read again."""
+    L, S = 20, 65536 + 3 * 64 + 20
+    q, k, v = qkv(1, 1, 1, L, S, 16, torch.float16, seed=8)
+    opts = random_block_mask(1, 1, L, S, 16, 64, seed=9, p_partial=0.5, p_empty=0.5)
+    block_map = opts["block_map"]
+    block_map[:, :, :, : 1024 - 2] = -1
+    block_map[0, 0, 1, 1024 - 2 : 1024] = -2
+    q, k, v = on(device, [q, k, v])
+    opts = on(device, opts)
+    kernel_or_skip(device, q, k, v, **opts)
+    out, lse = check(q, k, v, **opts)
+    assert torch.isfinite(lse).all()
 
 
 def test_other_backends_refuse_it(device):
-    """Backends without block-sparse kernels raise a clear error, forward and backward, never a silently dense
-    answer."""
+    """Kernels without block-sparse masks raise a clear error, forward and backward, never a silently dense
+    answer: on CUDA the tensor-core kernels take them (blocks of their tiles), the SIMT kernels (float64 here)
+    and the whole-tensor backward (float32) do not; Metal has none."""
     q, k, v = on(device, list(qkv(1, 2, 2, 16, 16, 16, torch.float32)))
     opts = on(device, {"block_map": torch.full((1, 1, 1, 1), -2, dtype=torch.int32), "block_q": 16,
                        "block_k": 16})
     if device.backend == "cpu":
         pytest.skip("the CPU kernels take block-sparse masks")
+    if device.cuda_like:
+        with pytest.raises(RuntimeError, match="block_k a multiple of 64"):
+            attnx.attention(q, k, v, **opts)
+        opts["block_k"] = 64
+        with pytest.raises(RuntimeError, match="block_map on CUDA runs on the tensor-core kernel"):
+            attnx.attention(*(t.double() for t in (q, k, v)), **opts)
+        out = torch.zeros_like(q)
+        lse = torch.zeros(q.shape[:3], device=q.device)
+        with pytest.raises(RuntimeError, match="block_map's backward on CUDA is the fused tensor-core"):
+            attnx.attention_backward(out, q, k, v, out, lse, **opts)
+        return
     with pytest.raises(RuntimeError, match="block_map is not implemented on"):
         attnx.attention(q, k, v, **opts)
     out = torch.zeros_like(q)
@@ -279,21 +313,26 @@ def test_flex_attention_matches_pytorch(name, L, S, gqa):
 
 @pytest.mark.parametrize("name", list(MASKS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_flex_attention_gradients(name, dtype):
-    """Training on the CPU, which PyTorch's FlexAttention does not offer: gradients against autograd through
-    the reference given the BlockMask's dense mask."""
+def test_flex_attention_gradients(device, name, dtype):
+    """Training with FlexAttention's masks, which PyTorch's FlexAttention does not offer on the CPU, on each
+    device's kernels (CUDA's take blocks of their tiles): gradients against autograd through the reference
+    given the BlockMask's dense mask."""
     B, H, L, S = 2, 4, 140, 140
     q, k, v = qkv(B, H, H, L, S, 16, dtype, seed=10)
     fn, bm = make_block_mask(name, B, H, L, S, (32, 64))
     dense = ~create_mask(fn, B, H, L, S, device="cpu")
     grad_out = torch.randn(B, H, L, 16, generator=torch.Generator().manual_seed(11)).to(dtype)
+    q, k, v, grad_out = on(device, [q, k, v, grad_out])
+    bm = bm.to(q.device)
+    kernel_or_skip(device, q, k, v, backward=True, **attnx.flex.block_sparse(bm))
 
     def grads(f, cast):
         leaves = [cast(t).requires_grad_() for t in (q, k, v)]
         out = f(*leaves)
-        return torch.autograd.grad(out, leaves, cast(grad_out))
+        return [g.cpu() for g in torch.autograd.grad(out, leaves, cast(grad_out).to(out.device))]
 
     got = grads(lambda *a: attnx.flex.flex_attention(*a, block_mask=bm), lambda t: t.detach().clone())
+    q, k, v, grad_out = (t.cpu() for t in (q, k, v, grad_out))
     def reference_out(*a):
         return reference.attention(*a, attn_mask=dense)[0]
 

@@ -377,6 +377,7 @@ AttentionParams attention_params(const Tensor& query, const Tensor& key, const T
     if (o.block_bits) {
       for (int d = 0; d < 3; ++d) p.block_bits_stride[d] = o.block_bits->stride(d);
       ptr.block_bits = o.block_bits->const_data_ptr();
+      p.block_partial = static_cast<int32_t>(o.block_bits->size(0));
     }
   }
   return p;

@@ -29,9 +29,17 @@ namespace {
 
 // The forward's kernel for pb, with the error the call raises where no kernel takes it.
 Kernel forward_kernel(const AttentionProblem& pb, DType dtype, const Target& target) {
-  ATTNX_CHECK(!pb.params.has_block_map,
-              "attnx::attention: block_map is not implemented on CUDA yet (the CPU kernels take it)");
-  const Kernel kernel = choose_kernel(pb.params, dtype, pb.ptr, target);
+  const AttentionParams& p = pb.params;
+  ATTNX_CHECK(mma_block_map_fits(p), "attnx::attention: expected block_q a multiple of 16, block_k a "
+              "multiple of 64, L and S below 2^31 and bool masks or none beside a block_map on CUDA (the "
+              "tensor-core kernel's tiles and bits), got block_q=", p.block_q, ", block_k=", p.block_k,
+              ", L=", p.q_len, ", S=", p.kv_len,
+              p.attn_mask_kind > kMaskBool || p.key_padding_mask_kind > kMaskBool ? ", a float mask" : "");
+  const Kernel kernel = choose_kernel(p, dtype, pb.ptr, target);
+  ATTNX_CHECK(kernel == Kernel::kMma || !p.has_block_map, "attnx::attention: block_map on CUDA runs on the "
+              "tensor-core kernel (float16, bfloat16 or float32, head dims up to 128, sm80+, ATTNX_CUDA_MMA "
+              "not 0), got ", dtype_name(dtype), ", D=", p.head_dim, ", Dv=", p.v_head_dim,
+              target.mma ? "" : ", the tensor cores off");
   ATTNX_CHECK(kernel != Kernel::kComposite || !pb.params.dropout, "attnx::attention: expected head dims up to ",
               kMaxHeadDim, " on CUDA with dropout_p > 0 (larger ones run on a composite without dropout), got D=",
               pb.params.head_dim, ", Dv=", pb.params.v_head_dim);
@@ -138,9 +146,7 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   const DType dtype = kernel_dtype(pb.call.dtype, op);
   const std::string bucket = stable::str(dtype_name(dtype), " bucket ", head_dim_bucket(p.head_dim, p.v_head_dim));
   if (pb.backward) {
-    ATTNX_CHECK(!p.has_block_map,
-                "attnx::attention_backward: block_map has no backward on cuda yet (the CPU kernel has one)");
-    switch (choose_backward(p, dtype, target)) {
+    switch (backward_kernel(p, dtype, target)) {
       case BackwardKernel::kMma:
         pb.kernel = "cuda fused mma " + bucket;
         break;

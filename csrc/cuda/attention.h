@@ -17,6 +17,9 @@ void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stre
 // Writes the gradients with the kernel choose_backward picks for `target`, on `stream`.
 void run_attention_backward(AttentionBackwardProblem& pb, const Target& target, cudaStream_t stream);
 
+// The backward's kernel for `p` (choose_backward), with the error the call raises where no kernel takes it.
+BackwardKernel backward_kernel(const AttentionParams& p, DType dtype, const Target& target);
+
 // attnx::_attention_kernel: what run_attention (run_attention_backward with pb.backward) would run for
 // `target`, raising the error it would raise.
 void attention_kernel(AttentionKernelProblem& pb, const Target& target);

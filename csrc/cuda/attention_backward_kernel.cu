@@ -510,7 +510,7 @@ cudaError_t launch_attention_backward(const AttentionBackwardParams& bp, DType d
                                       const AttentionBackwardPointers& ptr, void* workspace,
                                       cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  if (!params_consistent(p, ptr.fwd) || p.varlen != 0) return cudaErrorInvalidValue;
+  if (!params_consistent(p, ptr.fwd) || p.varlen != 0 || p.has_block_map != 0) return cudaErrorInvalidValue;
   const AttentionBackwardPlan plan = plan_attention_backward(bp, dtype, ptr.grad_attn_mask != nullptr);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.delta_blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks || plan.queries.blocks > kMaxBlocks) {

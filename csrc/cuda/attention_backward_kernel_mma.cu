@@ -29,7 +29,10 @@
 // a warp sees every key of it (interior) tests no key range; elsewhere each score is tested against its
 // row's interval. The general instantiation reads both masks per score (mask_value), soft-caps with fast_tanh
 // and applies its derivative, and regenerates dropout's keep decision per score from the forward's Philox
-// stream (attnx/philox.h); the plain one (mma_plain, vector loads) holds none of that code.
+// stream (attnx/philox.h); the plain one (mma_plain, vector loads) holds none of that code. A block-sparse
+// mask (the general instantiation; blocks of whole tiles: mma_block_map_fits): both passes step over the
+// tiles no query block of theirs sees (the map read per tile, never K, V, Q or dO of an EMPTY one), and a
+// score its block's bits remove is unseen, as one outside its row's range.
 #include "attnx/philox.h"
 #include "cuda/attention_backward_kernel.h"
 #include "cuda/common.cuh"
@@ -340,7 +343,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   // attn_mask's gradient (the general instantiation): the tile's dS, after the stages and the lse rows.
   float* const mask_grad = static_cast<float*>(ptr.grad_attn_mask);
   // (after the key pass's lse and delta rows and its votes)
-  [[maybe_unused]] float* const ds_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile) + 4 * kKeys + 4;
+  [[maybe_unused]] float* const ds_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile) + 8 * kKeys + 4;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
@@ -383,6 +386,28 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
         const int in_lo = warp_in ? offset(range_key_begin(w0 + 15, L, Sb, p.window_left)) : 0;
         const int in_hi = warp_in ? offset(range_key_end(w0, L, Sb, p.window_right, p.is_causal)) : 0;
 
+        // A block map (the general instantiation): the first key tile at or after `off` that some query
+        // block of the block's rows sees (span: none); EMPTY key blocks are stepped over whole.
+        const auto next_tile = [&](int off) {
+          if constexpr (!kPlain) {
+            if (p.has_block_map) {
+              const uint32_t bq = static_cast<uint32_t>(p.block_q);
+              const uint32_t qb_lo = static_cast<uint32_t>(q0) / bq;
+              const uint32_t qb_hi = static_cast<uint32_t>(q0 + rows - 1) / bq;
+              while (off < span) {
+                const uint32_t kb = static_cast<uint32_t>(k_first + off) / static_cast<uint32_t>(p.block_k);
+                bool seen = false;
+                for (uint32_t qb = qb_lo; qb <= qb_hi; ++qb) {
+                  seen = seen || block_map_entry(p, ptr.fwd, b, h, qb, kb) != kBlockEmpty;
+                }
+                if (seen) break;
+                off = static_cast<int>((int64_t{kb} + 1) * p.block_k - k_first);
+              }
+            }
+          }
+          return off;
+        };
+
         const scalar_t* const key = rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, 0);
         const scalar_t* const value = rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, 0);
         const auto stage_keys = [&](int stage, int off) {
@@ -395,7 +420,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
                                                            plan.vector);
           cp_async_commit();
         };
-        int off = 0;  // the tile at k_first + off
+        int off = next_tile(0);  // the tile at k_first + off
         if (off < span) stage_keys(0, off);
         if (off < span) {
           cp_async_wait<1>();  // Q and dO, not the first key tile
@@ -449,7 +474,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
         }
 
         for (int stage = 0; off < span; stage ^= 1) {
-          const int off_next = off + kKeys;
+          const int off_next = next_tile(off + kKeys);
           if (off_next < span) {
             stage_keys(stage ^ 1, off_next);  // the other stage was last read before the previous barrier
             cp_async_wait<1>();
@@ -461,6 +486,17 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
           const scalar_t* const v_s = k_s + kTile;
           const int64_t k0 = k_first + off;
           const bool interior = off >= in_lo && off + kKeys <= in_hi;
+          // The block map's class of the warp's rows of this tile (one query block: block_q is a multiple
+          // of 16; one key block: block_k is a multiple of the tile). Rows past L take the last row's.
+          [[maybe_unused]] int32_t block_class = kBlockFull;
+          if constexpr (!kPlain) {
+            if (p.has_block_map) {
+              const uint32_t warp_qb = min_u32(static_cast<uint32_t>(w0), static_cast<uint32_t>(L - 1)) /
+                                       static_cast<uint32_t>(p.block_q);
+              block_class = block_map_entry(p, ptr.fwd, b, h, warp_qb,
+                                            static_cast<uint32_t>(k0) / static_cast<uint32_t>(p.block_k));
+            }
+          }
           TileRange range[2];
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
@@ -477,6 +513,23 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             }
             rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(s, q_s, k_s, a_at, b_at + c0 * kLd, q_held);
             rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(dp, do_s, v_s, a_at, b_at + c0 * kLd, do_held);
+            // The keys of the chunk the block map removes from this lane's rows: bit c is key k0 + c0 + c.
+            // A chunk with a removed key takes the ranged path, whose scores are tested one by one anyway.
+            [[maybe_unused]] uint32_t removed[2] = {0u, 0u};
+            bool blocked = false;
+            if constexpr (!kPlain) {
+              if (block_class != kBlockFull) {
+                blocked = true;
+                const uint32_t key = static_cast<uint32_t>(k0) % static_cast<uint32_t>(p.block_k) + c0;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  const uint32_t l =
+                      min_u32(static_cast<uint32_t>(w0 + g + 8 * r), static_cast<uint32_t>(L - 1));
+                  removed[r] = static_cast<uint32_t>(
+                      block_row_bits(p, ptr.fwd, block_class, l % static_cast<uint32_t>(p.block_q), key));
+                }
+              }
+            }
             // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2), and dS
             // goes to ds_s where attn_mask's gradient is asked for; `ranged`: each score tested against its
             // row's key range (not on interior tiles).
@@ -487,7 +540,10 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
                 for (int i = 0; i < 4; ++i) {
                   const int r = i / 2, col = c0 + 8 * j + 2 * t + i % 2;
                   bool seen = true;
-                  if constexpr (decltype(ranged)::value) seen = col >= range[r].lo && col < range[r].hi;
+                  if constexpr (decltype(ranged)::value) {
+                    seen = col >= range[r].lo && col < range[r].hi;
+                    if constexpr (!kPlain) seen = seen && ((removed[r] >> (col - c0)) & 1u) == 0;
+                  }
                   if constexpr (kPlain) {
                     const float prob = fast_exp2(fmaf(s[j][i], consts.c, -lse2[r]));
                     s[j][i] = seen ? prob * (dp[j][i] - row_delta[r]) : 0.0f;
@@ -505,7 +561,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
                 }
               }
             };
-            if (interior) {
+            if (interior && !blocked) {
               grads(std::false_type{});
             } else {
               grads(std::true_type{});
@@ -615,6 +671,15 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   // division). Q, dO, lse2 and delta of (head h, offset off) into stage s. Heads, b and hk are below 2^31
   // (as the grid's blocks): 32-bit, a register each through the loop.
   const int span = kQueries * nq;
+  // A block map (the general instantiation): the block's keys lie in one key block (block_kb); a step none
+  // of whose query blocks sees it is stepped over (advance, below), and a staged tile's rows carry the bits
+  // of the block's 64 keys (bits_s, two words a row and stage, after the votes), so that a score's test is
+  // one shared-memory word. Its numbers are computed where used: the loop holds no register for them.
+  const auto block_kb = [&] { return static_cast<uint32_t>(w0) / static_cast<uint32_t>(p.block_k); };
+  const auto block_qb = [&](int64_t l) {
+    return min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1)) / static_cast<uint32_t>(p.block_q);
+  };
+  [[maybe_unused]] uint32_t* const bits_s = reinterpret_cast<uint32_t*>(rows_s + 4 * kQueries) + 4;
   const auto stage_queries = [&](int stage, int h, int off) {
     const int64_t q0 = q_first + off;
     scalar_t* const q_s = smem + 2 * kOwn + 2 * stage * kTile;
@@ -632,6 +697,17 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       float* const at = rows_s + 2 * kQueries * stage;
       at[tid] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
       at[kQueries + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
+      if constexpr (!kPlain) {
+        if (p.has_block_map) {  // the 64 keys' bits of the row (block_kb's block; past L: the last row's)
+          const uint32_t lc = min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1));
+          const uint32_t bq = static_cast<uint32_t>(p.block_q), bk = static_cast<uint32_t>(p.block_k);
+          const int32_t block_class = block_map_entry(p, ptr.fwd, b, h, lc / bq, block_kb());
+          const uint64_t bits = block_row_bits(p, ptr.fwd, block_class, lc % bq,
+                                               static_cast<uint32_t>(w0) % bk / kBwdRows * kBwdRows);
+          bits_s[2 * (kQueries * stage + tid)] = static_cast<uint32_t>(bits);
+          bits_s[2 * (kQueries * stage + tid) + 1] = static_cast<uint32_t>(bits >> 32);
+        }
+      }
     }
   };
   // The general instantiation: key_padding_mask's terms of this lane's two keys, the same for every query
@@ -655,9 +731,32 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       skip = skip || (votes[0] && votes[1] && votes[2] && votes[3]);
     }
   }
-  // The step being computed: head h, query tile at q_first + off (h = h_end: none left).
   const int h_end = hk * group + group;
+  const auto advance = [&](int& h, int& off) {
+    if constexpr (!kPlain) {
+      if (p.has_block_map) {
+        const uint32_t kb = block_kb();
+        while (h < h_end) {
+          const int64_t l0 = q_first + off;
+          const uint32_t qb_hi = block_qb(l0 + kQueries - 1);
+          bool seen = false;
+          for (uint32_t qb = block_qb(l0); qb <= qb_hi; ++qb) {
+            seen = seen || block_map_entry(p, ptr.fwd, b, h, qb, kb) != kBlockEmpty;
+          }
+          if (seen) break;
+          if (off + kQueries >= span) {
+            off = 0;
+            ++h;
+          } else {
+            off += kQueries;
+          }
+        }
+      }
+    }
+  };
+  // The step being computed: head h, query tile at q_first + off (h = h_end: none left).
   int h = skip ? h_end : hk * group, off = 0;
+  advance(h, off);
   if (h < h_end) {
     stage_queries(0, h, off);  // K and V's copies are in this group
   } else {
@@ -674,8 +773,9 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
 
   for (int stage = 0; h < h_end; stage ^= 1) {
     const bool wrap = off + kQueries >= span;
-    const int h_next = wrap ? h + 1 : h;
-    const int off_next = wrap ? 0 : off + kQueries;
+    int h_next = wrap ? h + 1 : h;
+    int off_next = wrap ? 0 : off + kQueries;
+    advance(h_next, off_next);
     if (h_next < h_end) {
       stage_queries(stage ^ 1, h_next, off_next);  // the other stage was last read before the last barrier
       cp_async_wait<1>();
@@ -701,6 +801,26 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       }
       rows_by_rows<scalar_t, kBucket, kN>(s, k_s, q_s, a_at, b_at + c0 * kLd);
       rows_by_rows<scalar_t, kBucket, kN>(dp, v_s, do_s, a_at, b_at + c0 * kLd);
+      // The block map's bits of this lane's queries (n-tile j, query q0 + c0 + 8 j + 2 t + i), from the
+      // staged word that holds the warp's 16 keys, shifted so that bit 8 r removes the lane's key r.
+      // A chunk with a removed key takes the ranged path, whose scores are tested one by one anyway.
+      [[maybe_unused]] uint32_t removed[kN][2] = {};
+      bool blocked = false;
+      if constexpr (!kPlain) {
+        if (p.has_block_map) {
+          const int shift = 16 * (warp % 2) + g;
+          uint32_t any = 0;
+#pragma unroll
+          for (int j = 0; j < kN; ++j) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              removed[j][i] = bits_s[2 * (kQueries * stage + c0 + 8 * j + 2 * t + i) + warp / 2] >> shift;
+              any |= removed[j][i] & 0x101u;
+            }
+          }
+          blocked = __any_sync(kFullMask, any != 0);
+        }
+      }
       // s becomes Z P and dp dS y' (element e of n-tile j: key s[e / 2], query q0 + c0 + 8 j + 2 t + e % 2);
       // `ranged`: each score tested against its key's query range (not on interior tiles).
       const auto grads = [&](auto ranged) {
@@ -711,7 +831,10 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             const int r = e / 2, col = c0 + 8 * j + 2 * t + e % 2;
             const float lse2 = lse2_s[col], row_delta = delta_s[col];
             bool seen = true;
-            if constexpr (decltype(ranged)::value) seen = col >= range[r].lo && col < range[r].hi;
+            if constexpr (decltype(ranged)::value) {
+              seen = col >= range[r].lo && col < range[r].hi;
+              if constexpr (!kPlain) seen = seen && ((removed[j][e % 2] >> (8 * r)) & 1u) == 0;
+            }
             if constexpr (kPlain) {
               const float prob = fast_exp2(fmaf(s[j][e], consts.c, -lse2));
               s[j][e] = seen ? prob : 0.0f;
@@ -727,7 +850,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
           }
         }
       };
-      if (interior) {
+      if (interior && !blocked) {
         grads(std::false_type{});
       } else {
         grads(std::true_type{});
@@ -777,7 +900,7 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
                                           const AttentionBackwardPointers& ptr, void* workspace,
                                           cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  if (!params_consistent(p, ptr.fwd)) return cudaErrorInvalidValue;
+  if (!params_consistent(p, ptr.fwd) || !mma_block_map_fits(p)) return cudaErrorInvalidValue;
   const AttentionBackwardMmaPlan plan = plan_attention_backward_mma(bp, dtype, ptr);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.queries.blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;

@@ -274,7 +274,9 @@ cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, 
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                              cudaStream_t stream, Kernel kernel, void* workspace) {
   if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, workspace, stream);
-  if (kernel != Kernel::kSimt || !params_consistent(p, ptr)) return cudaErrorInvalidValue;
+  if (kernel != Kernel::kSimt || !params_consistent(p, ptr) || p.has_block_map != 0) {
+    return cudaErrorInvalidValue;  // the SIMT kernel reads no block map
+  }
   const AttentionPlan plan = plan_attention(p, dtype);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.blocks == 0) return cudaSuccess;

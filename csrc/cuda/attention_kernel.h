@@ -17,7 +17,8 @@ namespace attnx::cuda {
 // cudaSuccess when there is nothing to compute, and cudaErrorInvalidValue when the kernel does not cover the
 // problem (plan_attention(p, dtype).bucket == 0: D or Dv above kMaxHeadDim; kComposite or kTorchFlash, which
 // are not launches of attnx's; for kMma,
-// !mma_supports(p, dtype)) or the params are inconsistent (!params_consistent(p, ptr)). The caller checks
+// !mma_supports(p, dtype) or a block map it does not take, !mma_block_map_fits(p); for kSimt, any block map)
+// or the params are inconsistent (!params_consistent(p, ptr)). The caller checks
 // that an sm80+ device runs kMma.
 // `workspace`: attention_workspace_bytes(p, dtype, ptr, kernel) bytes on the device, 8-byte aligned, or
 // nullptr when that is 0 (the launch is refused without one where it is not).

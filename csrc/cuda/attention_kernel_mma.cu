@@ -23,7 +23,10 @@
 // loop, one bit per tile in registers, from a pre-pass (attention_mask_tiles) that classifies each 16 query
 // rows x 64 keys of attn_mask, and each batch's 64-key tiles of key_padding_mask, once for every head (and
 // batch) that shares them, and packs bool masks a bit per element (read on PARTIAL tiles a row's 64 terms at
-// a time). Only tiles at the ends of a row's key interval test each score against it.
+// a time). Only tiles at the ends of a row's key interval test each score against it. A block-sparse mask
+// (block_map, whose blocks are whole tiles: mma_block_map_fits) adds its classes to the masks' from the map
+// itself, a window of tiles at a time (EMPTY for the block's rows: skipped; FULL for the warp's: kept), and a
+// PARTIAL tile's rows read two words of their block's bits, OR-ed with a bool attn_mask's packed ones.
 // Grouped KV heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the
 // denominator at the end (softmax_finish); dropout keeps each probability by its Philox draw, as every
 // backend, before P V (apply_dropout).
@@ -267,7 +270,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   };
   // Where the masks are classified per tile (below), some tile may be skipped, and the loop reads the masks
   // only on tiles whose terms are not all 0.
-  const bool masked = !kPlain && (p.key_padding_mask_kind != kMaskNone || p.attn_mask_kind != kMaskNone);
+  const bool masked = !kPlain && (p.key_padding_mask_kind != kMaskNone || p.attn_mask_kind != kMaskNone ||
+                                  p.has_block_map != 0);
   // The tiles start at tile0: kv_begin, or with the masks' tile classes the multiple of kMmaTileKeys at or
   // below it, where the classes' tiles start (keys before kv_begin are then tested out like any key outside
   // a row's interval).
@@ -301,6 +305,33 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
   int64_t window_k0 = tile0;
   uint32_t tiles_seen = 0, tiles_kept = 0;
+  // A block map's query block of row l's (of a warp's rows: one, as block_q is a multiple of 16; rows past L
+  // take the last row's, their scores are not seen), and row l's row in it. Computed where used: the tile
+  // loop holds no register for them.
+  const auto block_row = [&](int64_t l) {
+    return min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1)) / static_cast<uint32_t>(p.block_q);
+  };
+  // A block map's classes of the tiles of a window from w0 (a tile start: block_k is a multiple of the
+  // tiles), lane i those of tiles 32 i .. + 31, into tiles_seen (some warp's query block sees the tile's key
+  // block) and tiles_kept (the warp's query block sees every key of it: FULL). Read from the map itself, a
+  // few entries a tile once a window: its classes are what the pre-pass computes for the other masks.
+  const auto block_classes = [&](int64_t w0) {
+    const uint32_t tiles_per_block = static_cast<uint32_t>(p.block_k / kMmaTileKeys);
+    const uint32_t first = static_cast<uint32_t>(w0 / kMmaTileKeys) + 32 * static_cast<uint32_t>(lane);
+    uint32_t seen = 0, kept = 0;
+#pragma unroll 1
+    for (int w = 0; w < 32 && int64_t{first + w} * kMmaTileKeys < kv_end; ++w) {
+      const uint32_t kb = (first + w) / tiles_per_block;
+#pragma unroll
+      for (int i = 0; i < kWarps; ++i) {  // warp i's rows' query block (some may repeat)
+        const int32_t entry = block_map_entry(p, ptr, b, h, block_row(q0 + i * kMmaRowsPerWarp), kb);
+        seen |= static_cast<uint32_t>(entry != kBlockEmpty) << w;
+        if (i == warp) kept |= static_cast<uint32_t>(entry == kBlockFull) << w;
+      }
+    }
+    tiles_seen &= seen;
+    tiles_kept &= kept;
+  };
   // `first`: the first window (std::true_type), or one the loop reaches.
   const auto scan_window = [&](int64_t w0, auto first) {
     window_k0 = w0;
@@ -367,6 +398,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         }
       }
       if (p.attn_mask_kind != kMaskNone) tiles_kept = 0;
+    }
+    // A block map's classes, in every window (the bits instantiation's: the general one takes no block map).
+    if constexpr (kBits) {
+      if (p.has_block_map) block_classes(w0);
     }
   };
   // Whether both masks' terms are all 0 on the warp's rows of the tile at k0, of the window classified last.
@@ -551,6 +586,15 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
     // Before next_tile, which may classify the next window.
     bool masks_read = false;
     if constexpr (!kPlain) masks_read = masked && !tile_kept(k0);
+    // The block map's class of the warp's rows of this tile where it reads the masks (a tile it keeps is in
+    // a FULL block): loaded here, where the scores' mma hides the load.
+    [[maybe_unused]] int32_t block_class = kBlockFull;
+    if constexpr (kBits) {
+      if (p.has_block_map && masks_read) {
+        block_class = block_map_entry(p, ptr, b, h, block_row(warp_row0),
+                                      static_cast<uint32_t>(k0) / static_cast<uint32_t>(p.block_k));
+      }
+    }
     const int64_t k_next = next_tile(k0 + kMmaTileKeys);
     if (k_next < kv_end) {
       // The other stage was last read in the previous iteration, which ended with a barrier.
@@ -705,12 +749,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         }
       }
       // The scores with the masks. `ranged`: a boundary tile, each element tested against its row's interval
-      // (so that interior tiles carry no test); `packed`: a bool attn_mask read from its packed bits, a row's
-      // 64 terms in one load, and key_padding_mask's terms from kpm; `tiled`: both masks' terms as the lane
-      // staged them (mask_s); neither: key_padding_mask's from kpm alone; `capped`: the soft-cap compiled in or
-      // out by a caller that tested it once a tile.
+      // (so that interior tiles carry no test); `packed` (kPacked), the keys a bit removes, a row's 64 at a
+      // time: 1, a bool attn_mask's packed bits (kMmaBits) in one load; 2 (kMmaBits), the block map's bits
+      // of a block that is not FULL for the warp's rows, two words of its row, OR-ed with a bool attn_mask's
+      // packed bits; 0, none; the other terms from kpm or the mask tile; `tiled`: both masks' terms as
+      // the lane staged them (mask_s); neither: key_padding_mask's from kpm alone; `capped`: the soft-cap
+      // compiled in or out by a caller that tested it once a tile. Each its own path, so that a PARTIAL tile
+      // of a bool mask alone carries no code for the block map's.
       const auto masked_scores = [&](auto ranged, auto packed, auto capped, auto tiled) {
-        static_assert(kBits || !decltype(packed)::value, "packed bits are the bits instantiation's");
+        constexpr int kPacked = decltype(packed)::value;
+        static_assert(!kPlain || kPacked == 0, "the plain instantiation reads no mask");
+        static_assert(kBits || kPacked == 0, "packed bits are the bits instantiation's");
         static_assert(kGeneral || !decltype(tiled)::value, "the mask tile is the general instantiation's");
         // packed: the words of the lane's first row's terms in this tile (row(1) = row(0) + 8, one row
         // group); on a boundary tile (kBits), each row's own, the last row's for a row past L (whose scores
@@ -720,9 +769,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         [[maybe_unused]] const MaskTiles& amt = plan.attn_tiles;
         [[maybe_unused]] const int64_t bm = p.attn_mask_stride[0] == 0 ? 0 : b;
         [[maybe_unused]] const int64_t hm = p.attn_mask_stride[1] == 0 ? 0 : h;
-        if constexpr (decltype(packed)::value && !decltype(ranged)::value) {
-          packed_words = mask_tiles + mask_packed_row(amt, bm, hm, amt.q_rows > 1 ? row(0) : 0) + k0 / 32;
-          packed_step = amt.q_rows > 1 ? 8 * amt.key_words : 0;
+        if constexpr (kBits && kPacked != 0 && !decltype(ranged)::value) {
+          if (kPacked == 1 || p.attn_mask_kind == kMaskBool) {
+            packed_words = mask_tiles + mask_packed_row(amt, bm, hm, amt.q_rows > 1 ? row(0) : 0) + k0 / 32;
+            packed_step = amt.q_rows > 1 ? 8 * amt.key_words : 0;
+          }
         }
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
@@ -739,16 +790,27 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
             hi = static_cast<int>(range_min(range_max(key_hi - k0, 0), nk));
             row_reads = row(r) < L && lo < hi;
           }
-          // packed: bit i is key k0 + 2t + i of the row (set: removed), one 8-byte load (an interior tile's
-          // rows are all below L).
+          // packed: bit i is key k0 + 2t + i of the row (set: removed), one 8-byte load of attn_mask's
+          // packed row (an interior tile's rows are all below L) and two words of the block's.
           [[maybe_unused]] uint64_t removed = 0;
-          if constexpr (decltype(packed)::value) {
-            if constexpr (decltype(ranged)::value) {  // packed_step is 0 here
-              const int64_t l = amt.q_rows > 1 ? range_min(row(r), L - 1) : 0;
-              packed_words = mask_tiles + mask_packed_row(amt, bm, hm, l) + k0 / 32;
+          if constexpr (kPacked != 0) {
+            if constexpr (kBits) {
+              if (kPacked == 1 || p.attn_mask_kind == kMaskBool) {
+                if constexpr (decltype(ranged)::value) {  // packed_step is 0 here
+                  const int64_t l = amt.q_rows > 1 ? range_min(row(r), L - 1) : 0;
+                  packed_words = mask_tiles + mask_packed_row(amt, bm, hm, l) + k0 / 32;
+                }
+                const uint2 w = *reinterpret_cast<const uint2*>(packed_words + (r % 2) * packed_step);
+                removed = uint64_t{w.y} << 32 | w.x;
+              }
             }
-            const uint2 w = *reinterpret_cast<const uint2*>(packed_words + (r % 2) * packed_step);
-            removed = (uint64_t{w.y} << 32 | w.x) >> (2 * t);
+            if constexpr (kPacked == 2) {  // the row in its block (rows past L: the last row's)
+              const uint32_t in_block = min_u32(static_cast<uint32_t>(row(r)), static_cast<uint32_t>(L - 1)) %
+                                        static_cast<uint32_t>(p.block_q);
+              removed |= block_row_bits(p, ptr, block_class, in_block,
+                                        static_cast<uint32_t>(k0) % static_cast<uint32_t>(p.block_k));
+            }
+            removed >>= 2 * t;
           }
 #pragma unroll
           for (int j = 0; j < kSTiles; ++j) {
@@ -763,10 +825,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
                   x += mask_s[(g + 8 * (r % 2)) * kMmaBiasLd + 2 * t + 8 * j + e];
                 } else if constexpr (!kPlain) {
                   x += kpm[j][e];
-                  // A removed key is -inf whatever key_padding_mask adds there (NaN or +inf included: an
-                  // unseen position, the spec's unread answer).
-                  if constexpr (decltype(packed)::value) x = (removed >> (8 * j + e)) & 1u ? kNegInf : x;
                 }
+                // A removed key is -inf whatever the other terms add there (NaN or +inf included: an unseen
+                // position, the spec's unread answer) and whatever the score is (a key of a block the warp's
+                // rows do not see may be NaN: only other rows of the block see it).
+                if constexpr (kPacked != 0) x = (removed >> (8 * j + e)) & 1u ? kNegInf : x;
               }
               sg[j][i] = x;
               row_max[r] = max_nan(row_max[r], x);
@@ -779,6 +842,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       // or none; kMmaGeneral: the terms each lane stages first where the tile reads the masks (a boundary
       // tile both masks keep for the warp's rows reads none); plain: the range test alone.
       const std::false_type no;
+      const std::integral_constant<int, 0> unpacked;
+      const std::integral_constant<int, 1> attn_bits;
+      const std::integral_constant<int, 2> block_bits;
       const auto by_cap = [&](auto ranged, auto packed, auto tiled) {
         if constexpr (kPlain) {
           masked_scores(ranged, packed, no, tiled);
@@ -790,10 +856,12 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       };
       const auto by_masks = [&](auto ranged) {
         if constexpr (kBits) {
-          if (p.attn_mask_kind == kMaskBool) {
-            by_cap(ranged, std::true_type{}, no);
+          if (block_class != kBlockFull) {
+            by_cap(ranged, block_bits, no);
+          } else if (p.attn_mask_kind == kMaskBool) {
+            by_cap(ranged, attn_bits, no);
           } else {
-            by_cap(ranged, no, no);
+            by_cap(ranged, unpacked, no);
           }
         } else if constexpr (kGeneral) {
           if (masks_read) {
@@ -823,12 +891,12 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
             } else {
               with_float_mask(p.attn_mask_kind, fill);
             }
-            by_cap(ranged, no, std::true_type{});
+            by_cap(ranged, unpacked, std::true_type{});
           } else {
-            by_cap(ranged, no, no);
+            by_cap(ranged, unpacked, no);
           }
         } else {
-          by_cap(ranged, no, no);
+          by_cap(ranged, unpacked, no);
         }
       };
       if (kPlain || !interior) {  // the plain instantiation's interior tiles took the unmasked path
@@ -1071,7 +1139,9 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  void* workspace, cudaStream_t stream) {
-  if (!mma_supports(p, dtype) || !params_consistent(p, ptr)) return cudaErrorInvalidValue;
+  if (!mma_supports(p, dtype) || !params_consistent(p, ptr) || !mma_block_map_fits(p)) {
+    return cudaErrorInvalidValue;
+  }
   const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr);
   if (plan.blocks == 0) return cudaSuccess;
   if (plan.blocks > kMaxBlocks || plan.mask_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;

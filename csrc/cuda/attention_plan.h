@@ -86,6 +86,7 @@ inline bool params_consistent(const AttentionParams& p, const AttentionPointers&
     if (p.key_lengths_kind != kKeyLengthsInt32 && p.key_lengths_kind != kKeyLengthsInt64) return false;
   }
   if (p.has_sinks != 0 && ptr.sinks == nullptr) return false;
+  if (p.has_block_map != 0 && (ptr.block_map == nullptr || p.block_q <= 0 || p.block_k <= 0)) return false;
   return p.window_left >= -1 && p.window_right >= -1;
 }
 
@@ -151,6 +152,30 @@ constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
   return bucket != 0 && bucket <= max_head_dim;
 }
 
+// True when the tensor-core kernels (forward and backward) take the call's block-sparse mask, or it has none:
+// blocks of whole tiles, block_q a multiple of a warp's 16 query rows and block_k of the 64-key tiles, so
+// that a warp's rows of a tile lie in one block (its class is one entry of the map, a PARTIAL block's row of
+// the tile two words of block_bits), as FlexAttention's default 128 x 128 blocks do; L and S below 2^31
+// (block and row indices in 32 bits), every entry of block_map and word of block_bits at an offset below 2^31
+// (they are indexed in 32 bits: 64-bit offsets cost the tile loop registers it does not have), and bool
+// masks or none beside it (the forward's bits instantiation reads it; the general one, a float mask's, has
+// no register left for it). The SIMT kernels and the composite read no block map.
+constexpr bool mma_block_map_fits(const AttentionParams& p) {
+  if (p.has_block_map == 0) return true;
+  if (p.block_q <= 0 || p.block_k <= 0) return false;
+  const int64_t* const m = p.block_map_stride;
+  const int64_t* const w = p.block_bits_stride;
+  const int64_t map_end = (p.batch - 1) * m[0] + (p.heads - 1) * m[1] + (p.q_len - 1) / p.block_q * m[2] +
+                          (p.kv_len - 1) / p.block_k * m[3];
+  const int64_t bits_end = p.block_partial == 0 ? 0
+                                                : (p.block_partial - 1) * w[0] + (p.block_q - 1) * w[1] +
+                                                      (p.block_k - 1) / 32 * w[2];
+  const auto bits = [](int32_t kind) { return kind == kMaskNone || kind == kMaskBool; };
+  return p.block_q % kMmaRowsPerWarp == 0 && p.block_k % kMmaTileKeys == 0 && p.q_len < (int64_t{1} << 31) &&
+         p.kv_len < (int64_t{1} << 31) && map_end < (int64_t{1} << 31) && bits_end < (int64_t{1} << 31) &&
+         bits(p.attn_mask_kind) && bits(p.key_padding_mask_kind);
+}
+
 // True when every row of a (B, H, rows, dim) operand at `ptr` moves as 16-byte vectors: unit column stride,
 // dim and every other stride a multiple of 16 bytes, a 16-byte aligned base pointer.
 inline bool mma_rows_16(const void* ptr, const int64_t* stride, int64_t dim, int element_bytes) {
@@ -167,12 +192,13 @@ inline bool mma_vector_loads(const AttentionParams& p, const void* key, const vo
          mma_rows_16(value, p.v_stride, p.v_head_dim, element_bytes);
 }
 
-// Whether a call's features let the mma kernel's plain instantiation run it: no mask, no soft-cap, no dropout
+// Whether a call's features let the mma kernel's plain instantiation run it: no mask (nor block map), no
+// soft-cap, no dropout
 // and a scale in [2^-100, 2^100] (positive, so that the row maxima can be taken on Q K^T before the scale, and
 // far enough from 0 and inf that scale log2(e) is a normal float). The plan also asks for vector loads.
 constexpr bool mma_plain(const AttentionParams& p) {
-  return p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone && !(p.softcap > 0.0f) &&
-         p.dropout == 0 && p.scale >= 0x1p-100f && p.scale <= 0x1p100f;
+  return p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone && p.has_block_map == 0 &&
+         !(p.softcap > 0.0f) && p.dropout == 0 && p.scale >= 0x1p-100f && p.scale <= 0x1p100f;
 }
 
 // The m16 row groups a warp of the mma kernel computes: 2 (32 query rows, as FlashAttention-2's warps) for
@@ -372,7 +398,8 @@ inline bool torch_flash_supports(const AttentionParams& p, DType dtype, const At
   const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   return half && p.head_dim == p.v_head_dim && p.head_dim % 8 == 0 && p.head_dim <= 256 &&
          p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone &&
-         p.key_lengths_kind == kKeyLengthsNone && !(p.softcap > 0.0f) && p.has_sinks == 0 && p.dropout == 0 &&
+         p.key_lengths_kind == kKeyLengthsNone && p.has_block_map == 0 && !(p.softcap > 0.0f) &&
+         p.has_sinks == 0 && p.dropout == 0 &&
          (p.is_causal == 0 || p.q_len >= p.kv_len) && p.scale >= 0x1p-100f && p.scale <= 0x1p100f &&
          p.varlen == 0 && p.page_size == 0 && p.q_len > 0 && p.kv_len > 0 && p.batch > 0 && p.heads > 0 &&
          p.batch <= 65535 && p.heads <= 65535 && mma_rows_16(ptr.query, p.q_stride, p.head_dim, 2) &&
@@ -419,11 +446,12 @@ constexpr int kMmaBackwardChunk = 32;
 
 // Shared memory of a block of either pass: the block's own two 64-row tiles and two stages of the other
 // operand's two tiles (mma_backward_tile rows), in the input type (rows of mma_tile_ld); the key pass's lse
-// and delta rows (two stages of a tile's rows each) and its warps' 4 votes (16 bytes); and with `mask_grad`
-// the query pass's tile of attn_mask's gradient (64 rows of tile + 1 floats).
+// and delta rows (two stages of a tile's rows each), its warps' 4 votes (16 bytes) and a block map's bits of
+// the tile's rows (two stages of two words a row); and with `mask_grad` the query pass's tile of attn_mask's
+// gradient (64 rows of tile + 1 floats).
 constexpr int64_t mma_backward_smem_bytes(int bucket, bool mask_grad) {
   const int64_t tile = mma_backward_tile(bucket);
-  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 4 * tile * 4 + 16 +
+  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 8 * tile * 4 + 16 +
          (mask_grad ? kMmaTileKeys * (tile + 1) * 4 : 0);
 }
 
@@ -447,15 +475,16 @@ enum class BackwardKernel {
 // have run on a GPU) and the head dims are within kMaxHeadDim: the tensor-core ones where they cover the
 // call, the tensor cores are on and the device has the shared memory of their largest block (with attn_mask's
 // gradient: 77 KiB at bucket 128, so that the choice does not depend on whether it is asked for; every sm80+
-// device has it), the SIMT ones otherwise; the whole-tensor math for the rest (which refuses a block map).
+// device has it), the SIMT ones otherwise; the whole-tensor math for the rest. A block map is read by the
+// tensor-core kernels alone (mma_block_map_fits): elsewhere the choice is the math, which refuses it.
 constexpr BackwardKernel choose_backward(const AttentionParams& p, DType dtype, const Target& target) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
-  if (!target.fused_backward || bucket == 0 || p.has_block_map) return BackwardKernel::kMath;
-  if (target.mma && target.capability >= 80 && mma_backward_supports(p, dtype) &&
+  if (!target.fused_backward || bucket == 0) return BackwardKernel::kMath;
+  if (target.mma && target.capability >= 80 && mma_backward_supports(p, dtype) && mma_block_map_fits(p) &&
       mma_backward_smem_bytes(bucket, /*mask_grad=*/true) <= target.max_smem) {
     return BackwardKernel::kMma;
   }
-  return BackwardKernel::kSimt;
+  return p.has_block_map ? BackwardKernel::kMath : BackwardKernel::kSimt;
 }
 
 // The dtype as the kernel names spell it: "fp16", "bf16", "fp32", "fp64".

@@ -186,6 +186,41 @@ __device__ __forceinline__ A mask_value(int32_t kind, const void* mask, int64_t 
   }
 }
 
+// min in 32 bits (range_min's operands are 64-bit, and so would be a division of its result).
+__device__ __forceinline__ uint32_t min_u32(uint32_t a, uint32_t b) {
+  return a < b ? a : b;
+}
+
+// A block-sparse mask (AttentionParams::has_block_map), read by the tensor-core kernels, whose tiles lie in
+// its blocks (mma_block_map_fits, cuda/attention_plan.h): the entry of query block qb and key block kb of
+// (b, h): kBlockEmpty, kBlockFull or a PARTIAL block's index into block_bits. Broadcast dims have stride 0.
+// Offsets in 32 bits (mma_block_map_fits bounds them).
+__device__ __forceinline__ int32_t block_map_entry(const AttentionParams& p, const AttentionPointers& ptr,
+                                                   int64_t b, int64_t h, uint32_t qb, uint32_t kb) {
+  const int64_t* const st = p.block_map_stride;
+  const uint32_t at = static_cast<uint32_t>(b) * static_cast<uint32_t>(st[0]) +
+                      static_cast<uint32_t>(h) * static_cast<uint32_t>(st[1]) +
+                      qb * static_cast<uint32_t>(st[2]) + kb * static_cast<uint32_t>(st[3]);
+  return static_cast<const int32_t*>(ptr.block_map)[at];
+}
+
+// Up to 64 keys of row r of a block of class `entry`, from its key `key` (a multiple of 32, below block_k):
+// bit i set removes key + i. A PARTIAL block's are its bits (two words of its row; one where the row ends
+// after the first), an EMPTY block's all set, a FULL block's all clear; an entry that is none of these (not
+// checked on the host: AttentionParams::block_partial) reads as EMPTY, never past block_bits.
+__device__ __forceinline__ uint64_t block_row_bits(const AttentionParams& p, const AttentionPointers& ptr,
+                                                   int32_t entry, uint32_t r, uint32_t key) {
+  if (entry == kBlockFull) return 0;
+  if (entry < 0 || entry >= p.block_partial) return ~uint64_t{0};
+  const int64_t* const st = p.block_bits_stride;
+  const uint32_t word = static_cast<uint32_t>(st[2]);
+  const int32_t* const w = static_cast<const int32_t*>(ptr.block_bits) +
+                           (static_cast<uint32_t>(entry) * static_cast<uint32_t>(st[0]) +
+                            r * static_cast<uint32_t>(st[1]) + key / 32 * word);
+  const uint32_t hi = key + 32 < p.block_k ? static_cast<uint32_t>(w[word]) : 0u;
+  return uint64_t{hi} << 32 | static_cast<uint32_t>(w[0]);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The problem's features that are parameters of every kernel: grouped KV heads, key ranges
 // (attnx/key_range.h), soft-capping and sinks.

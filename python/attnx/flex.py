@@ -21,9 +21,10 @@ The takeover, opt-in and undone completely, makes unchanged code that calls
 It swaps the code of PyTorch's function object for a trampoline (and back): a name bound by
 ``from torch.nn.attention.flex_attention import flex_attention`` before ``enable()`` is that same object, so
 every call site is covered without touching it. Calls that attnx does not take run PyTorch's code unchanged:
-a ``score_mod``, ``kernel_options``, the row maxima (``return_aux`` with ``max_scores``), a ``BlockMask`` on a
-device whose attnx kernels lack block-sparse masks (every one but the CPU's), and code that inductor compiles
-(PyTorch's generated kernels).
+a ``score_mod``, ``kernel_options``, the row maxima (``return_aux`` with ``max_scores``), a ``BlockMask`` that
+the device's attnx kernels do not take (CUDA's take blocks of their tiles, in the dtypes and head dims of the
+tensor-core kernels, and a backward only where the fused one is on; Metal's take none), and code that inductor
+compiles (PyTorch's generated kernels).
 """
 
 import contextlib
@@ -166,8 +167,9 @@ def flex_attention(
     becomes attnx's block-sparse mask (:func:`block_sparse`): EMPTY blocks are never read, FULL blocks read
     no mask, PARTIAL blocks a bit per pair; autograd runs attnx's fused backward. A ``score_mod`` changes the
     scores by an arbitrary function, which attnx's kernels do not take: such calls, ``kernel_options``, the
-    row maxima and a ``BlockMask`` on a device other than the CPU (whose attnx kernels lack block-sparse
-    masks so far) go to PyTorch's implementation unchanged.
+    row maxima and a ``BlockMask`` that the device's attnx kernels do not take (the CPU's take every one;
+    CUDA's blocks of their tiles: ``block_q`` a multiple of 16, ``block_k`` of 64, as FlexAttention's
+    default 128; Metal's none) go to PyTorch's implementation unchanged.
 
     Args:
         query: ``(B, H, L, E)``.
@@ -218,6 +220,12 @@ def flex_attention(
     else:
         _prepare_for_compile()
         options = block_sparse(block_mask)
+    takes = (_kernels_take_between_graphs if torch.compiler.is_compiling() else None) or _kernels_take
+    # (The CPU kernels take every block-sparse mask: no question asked, no dispatch spent.)
+    if options and query.device.type != "cpu" and not takes(query, key, value, scale, options):
+        pytorch = _pytorch_copy if is_enabled() else flex.flex_attention
+        return pytorch(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                       kernel_options, return_aux=return_aux)
     out, lse = ops.attention(query, key, value, scale=scale, **options)
     want_lse = return_lse or (return_aux is not None and getattr(return_aux, "lse", False))
     if not want_lse:
@@ -250,15 +258,18 @@ _pytorch_copy: Any = None  # a function running that code: what the trampoline f
 # What torch.compile needs of this module, made on first use (each wrapper imports torch._dynamo, seconds
 # that `import attnx` does not pay): block_sparse under torch.compiler.disable, since the conversion reads
 # data (the listed blocks' count, the cache), so that it runs eagerly between graphs and returns the cached
-# result for a BlockMask it has seen; and _compiling_with_inductor as a constant of the graph being traced.
+# result for a BlockMask it has seen; _kernels_take likewise (it asks the backend, whose answer is a string);
+# and _compiling_with_inductor as a constant of the graph being traced.
 _block_sparse_between_graphs: Any = None
+_kernels_take_between_graphs: Any = None
 _inductor_probe: Any = None
 
 
 def _prepare_for_compile() -> None:
-    global _block_sparse_between_graphs, _inductor_probe
+    global _block_sparse_between_graphs, _kernels_take_between_graphs, _inductor_probe
     if _block_sparse_between_graphs is None:
         _block_sparse_between_graphs = torch.compiler.disable(block_sparse)
+        _kernels_take_between_graphs = torch.compiler.disable(_kernels_take)
         _inductor_probe = torch.compiler.assume_constant_result(_compiling_with_inductor)
 
 
@@ -275,14 +286,21 @@ def _compiling_with_inductor() -> bool:
 
 
 def _taken(query, score_mod, block_mask, kernel_options, return_aux) -> bool:
-    """Whether attnx's kernels take a flex_attention call: no score_mod, kernel_options or row maxima, and a
-    BlockMask only where they have block-sparse masks (the CPU)."""
+    """Whether attnx's kernels may take a flex_attention call: no score_mod, kernel_options or row maxima (a
+    BlockMask off the CPU is asked of the device's kernels once converted: _kernels_take)."""
     return (
         score_mod is None
         and kernel_options is None
         and not (return_aux is not None and getattr(return_aux, "max_scores", False))
-        and (block_mask is None or query.device.type == "cpu")
     )
+
+
+def _kernels_take(query, key, value, scale, options) -> bool:
+    """Whether the device's attnx kernels take the call with its block-sparse mask `options`: its forward,
+    and its backward where autograd will ask for one (the backend's own answer, ops.kernel_for)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return all(ops.kernel_for(query, key, value, backward=b, scale=scale, **options) is not None
+               for b in ((False, True) if grad else (False,)))
 
 
 def _served(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, *,

@@ -41,6 +41,15 @@ _varlen_kernel = torch.ops.attnx._varlen_attention.default
 _varlen_backward = torch.ops.attnx.varlen_attention_backward.default
 
 
+def kernel_for(query: Tensor, key: Tensor, value: Tensor, backward: bool = False, **options) -> str | None:
+    """The kernel :func:`attention` (``backward``: its backward) runs for these arguments, as the backend
+    names it (``torch.ops.attnx._attention_kernel``), or None where the backend refuses the call."""
+    try:
+        return torch.ops.attnx._attention_kernel(query, key, value, backward=backward, **options)
+    except RuntimeError:
+        return None
+
+
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` that takes every input layout without a detour.
 
@@ -115,7 +124,10 @@ def attention(
     the blocks visited), all of them (``-2``: no mask is read), or those whose bit is clear in one of
     ``block_bits``' bit rows (an index ``p >= 0``). It combines with every other mask and the key range (the
     exact rule: :func:`attnx.reference.block_mask_seen`). FlexAttention's ``BlockMask`` converts to it
-    (:func:`attnx.flex.block_sparse`). The CPU kernels take it, forward and backward.
+    (:func:`attnx.flex.block_sparse`). The CPU kernels take it, forward and backward, blocks of any size;
+    CUDA's tensor-core kernels take blocks of whole tiles (``block_q`` a multiple of 16, ``block_k`` of 64),
+    the backward where the fused tensor-core backward is on (``ATTNX_CUDA_FUSED_BACKWARD=1``, float16 and
+    bfloat16); other kernels refuse it with a clear error.
 
     A row that sees no key (every key masked, or ``S == 0``) gives out 0 and ``lse = +inf``, sink or not, so
     that ``exp(score - lse)`` is 0 in a backward. A NaN score gives its row NaN out and lse. What a NaN or inf
@@ -153,8 +165,10 @@ def attention(
             no value (gpt-oss): the probabilities are ``exp(score - lse)`` with
             ``lse = log(exp(sink_h) + sum_s exp(score_s))``, so a sink takes probability mass.
         block_map: an int32 ``(B or 1, H or 1, ceil(L / block_q), ceil(S / block_k))`` tensor on query's
-            device (see Block-sparse mask above), or None. On the CPU every entry is checked to be ``-1``,
-            ``-2`` or an index into block_bits.
+            device (see Block-sparse mask above), or None. Every entry must be ``-1``, ``-2`` or an index
+            into block_bits: on the CPU a bad one raises; on a GPU, where reading them would cost a device
+            sync, the device asserts (asynchronously, from this wrapper) and the kernels read a bad entry as
+            ``-1``, never out of bounds.
         block_bits: an int32 ``(P, block_q, ceil(block_k / 32))`` tensor on query's device: ``P`` blocks' bit
             rows, bit ``j`` of word ``w`` of row ``r`` for key ``32 w + j`` of the block (set: masked out, as
             a bool mask's True), or None when no entry of block_map is an index.
@@ -188,6 +202,13 @@ def attention(
     # and hands on fewer.
     if block_map is None and block_bits is None:
         options = options[:11]
+    elif block_map is not None and block_map.device.type != "cpu":
+        # The C++ checks read the entries on the CPU only (elsewhere that would synchronise the device, and
+        # the kernels read a bad entry as -1, never out of bounds): here the device asserts, asynchronously.
+        partial = 0 if block_bits is None else block_bits.shape[0]
+        torch._assert_async(((block_map >= -2) & (block_map < partial)).all(),
+                            "attnx.attention: expected block_map entries of -1, -2 or an index below "
+                            "block_bits.shape[0]")
     if (len(options) == 11 and window_left == -1 and window_right == -1 and key_lengths is None
             and softcap is None and sinks is None):
         if (attn_mask is None and key_padding_mask is None and is_causal is False and scale is None

@@ -121,7 +121,10 @@ struct AttentionParams {
   int64_t block_q;
   int64_t block_k;
   int32_t has_block_map;
-  int32_t block_reserved;  // 0; pads the struct to a multiple of 8 bytes, as Metal lays it out
+  // The PARTIAL blocks block_bits holds (P; 0 without it). The CPU checks every entry on the host; a device
+  // kernel, which cannot without a synchronisation, reads an entry that is neither kBlockFull nor below P
+  // as kBlockEmpty, never past block_bits.
+  int32_t block_partial;
 };
 
 // block_map's entries besides an index into block_bits (AttentionParams::has_block_map).
