@@ -70,6 +70,23 @@ def test_block_sparse_forward(device, dtype, L, S, blocks, bh):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("float_mask", [True, False], ids=["float attn_mask", "bool attn_mask"])
+def test_block_sparse_with_masks_forward(device, dtype, float_mask):
+    """With an attn_mask (float: the CUDA kernel's general instantiation; bool: its packed bits) and a
+    key_padding_mask, forward, in every dtype."""
+    B, H, L, S = 2, 3, 100, 200
+    q, k, v = qkv(B, H, H, L, S, 16, dtype, seed=12)
+    g = torch.Generator().manual_seed(13)
+    attn_mask = torch.randn(1, H, L, S, generator=g) if float_mask else torch.rand(L, S, generator=g) < 0.3
+    opts = dict(random_block_mask(B, 1, L, S, 16, 64, seed=14), attn_mask=attn_mask,
+                key_padding_mask=torch.rand(B, S, generator=g) < 0.2)
+    q, k, v = on(device, [q, k, v])
+    opts = on(device, opts)
+    kernel_or_skip(device, q, k, v, **opts)
+    check(q, k, v, **opts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("blocks", [(64, 32), (16, 64), (32, 128)], ids=str)
 def test_block_sparse_gradients(device, dtype, blocks):
     q, k, v = qkv(2, 4, 2, 150, 170, 16, dtype, seed=1)

@@ -31,10 +31,8 @@ namespace {
 Kernel forward_kernel(const AttentionProblem& pb, DType dtype, const Target& target) {
   const AttentionParams& p = pb.params;
   ATTNX_CHECK(mma_block_map_fits(p), "attnx::attention: expected block_q a multiple of 16, block_k a "
-              "multiple of 64, L and S below 2^31 and bool masks or none beside a block_map on CUDA (the "
-              "tensor-core kernel's tiles and bits), got block_q=", p.block_q, ", block_k=", p.block_k,
-              ", L=", p.q_len, ", S=", p.kv_len,
-              p.attn_mask_kind > kMaskBool || p.key_padding_mask_kind > kMaskBool ? ", a float mask" : "");
+              "multiple of 64 and L, S below 2^31 for a block_map on CUDA (the tensor-core kernel's tiles), "
+              "got block_q=", p.block_q, ", block_k=", p.block_k, ", L=", p.q_len, ", S=", p.kv_len);
   const Kernel kernel = choose_kernel(p, dtype, pb.ptr, target);
   ATTNX_CHECK(kernel == Kernel::kMma || !p.has_block_map, "attnx::attention: block_map on CUDA runs on the "
               "tensor-core kernel (float16, bfloat16 or float32, head dims up to 128, sm80+, ATTNX_CUDA_MMA "

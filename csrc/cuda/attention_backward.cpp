@@ -28,10 +28,9 @@ BackwardKernel backward_kernel(const AttentionParams& p, DType dtype, const Targ
   const BackwardKernel kernel = choose_backward(p, dtype, target);
   ATTNX_CHECK(kernel != BackwardKernel::kMath || !p.has_block_map,
               "attnx::attention_backward: block_map's backward on CUDA is the fused tensor-core kernel "
-              "(float16 or bfloat16, head dims up to 128, sm80+, block_q a multiple of 16 and block_k of 64, "
-              "bool masks or none beside it; opt-in until it has run on a GPU: ATTNX_CUDA_FUSED_BACKWARD=1), "
-              "got ", dtype_name(dtype), ", D=", p.head_dim, ", Dv=", p.v_head_dim, ", block_q=", p.block_q,
-              ", block_k=", p.block_k,
+              "(float16 or bfloat16, head dims up to 128, sm80+, block_q a multiple of 16 and block_k of 64; "
+              "opt-in until it has run on a GPU: ATTNX_CUDA_FUSED_BACKWARD=1), got ", dtype_name(dtype),
+              ", D=", p.head_dim, ", Dv=", p.v_head_dim, ", block_q=", p.block_q, ", block_k=", p.block_k,
               target.fused_backward ? "" : ", the fused backward off");
   return kernel;
 }

@@ -93,11 +93,12 @@ __device__ __forceinline__ void stage_kpm_terms(Kpm kpm, const void* mask, int64
 
 // Then each row's terms, from attn_mask's elements at[r], st3 apart: attn_mask's plus key_padding_mask's (as
 // staged, where `kpm`), in mask_value's order; a key a bool attn_mask removes is -inf whatever
-// key_padding_mask adds; rows past L (!row_in) are 0.
+// key_padding_mask adds, and so is one a block map removes (bit 8 j + e of removed[r]); rows past L
+// (!row_in) are 0.
 template <typename Attn>
 __device__ __forceinline__ void stage_mask_terms(Attn attn, const void* mask, const int64_t (&at)[2],
                                                  int64_t st3, const bool (&row_in)[2], bool kpm, int nk,
-                                                 int t, float* tile) {
+                                                 const uint64_t (&removed)[2], int t, float* tile) {
 #pragma unroll 1
   for (int j = 0; j < kMmaTileKeys / 8; ++j) {
 #pragma unroll
@@ -115,6 +116,7 @@ __device__ __forceinline__ void stage_mask_terms(Attn attn, const void* mask, co
           } else {
             term = mask_term(attn, mask, at[r] + key * st3) + k;
           }
+          term = (removed[r] >> (8 * j + e)) & 1u ? -INFINITY : term;
         }
         tile[8 * r * kMmaBiasLd + 8 * j + e] = term;
       }
@@ -123,12 +125,11 @@ __device__ __forceinline__ void stage_mask_terms(Attn attn, const void* mask, co
 }
 
 // The blocks an SM must hold, for ptxas's register budget where its own aim would spill: 1 for float32 at
-// bucket 128, whose 165 KiB of shared memory leave room for one; 2 for the 16-bit masked instantiations at
-// bucket 32 (aiming at 3, ptxas spills them at 168 registers on sm_80); 0, no bound, elsewhere.
+// bucket 128, whose 165 KiB of shared memory leave room for one; 2 for the masked instantiations at bucket
+// 32 (aiming at 3, ptxas spills them at 168 registers: the 16-bit ones on sm_80, float32's general one on
+// sm_90 with the block map's code); 0, no bound, elsewhere.
 constexpr int mma_min_blocks(int element_bytes, int bucket, int variant) {
-  return element_bytes == 4 && bucket > kMmaTf32QRegs           ? 1
-         : element_bytes == 2 && bucket == 32 && variant != kMmaPlain ? 2
-                                                                     : 0;
+  return element_bytes == 4 && bucket > kMmaTf32QRegs ? 1 : bucket == 32 && variant != kMmaPlain ? 2 : 0;
 }
 
 template <typename scalar_t, int kBucket, int kVariant>
@@ -305,11 +306,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
   int64_t window_k0 = tile0;
   uint32_t tiles_seen = 0, tiles_kept = 0;
-  // A block map's query block of row l's (of a warp's rows: one, as block_q is a multiple of 16; rows past L
+  // A block map's query block of row l (of a warp's rows: one, as block_q is a multiple of 16; rows past L
   // take the last row's, their scores are not seen), and row l's row in it. Computed where used: the tile
   // loop holds no register for them.
   const auto block_row = [&](int64_t l) {
     return min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1)) / static_cast<uint32_t>(p.block_q);
+  };
+  const auto row_in_block = [&](int64_t l) {
+    return min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1)) % static_cast<uint32_t>(p.block_q);
   };
   // A block map's classes of the tiles of a window from w0 (a tile start: block_k is a multiple of the
   // tiles), lane i those of tiles 32 i .. + 31, into tiles_seen (some warp's query block sees the tile's key
@@ -399,10 +403,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       }
       if (p.attn_mask_kind != kMaskNone) tiles_kept = 0;
     }
-    // A block map's classes, in every window (the bits instantiation's: the general one takes no block map).
-    if constexpr (kBits) {
-      if (p.has_block_map) block_classes(w0);
-    }
+    if (p.has_block_map) block_classes(w0);  // a block map's classes, in every window
   };
   // Whether both masks' terms are all 0 on the warp's rows of the tile at k0, of the window classified last.
   const auto tile_kept = [&](int64_t k0) {
@@ -589,7 +590,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
     // The block map's class of the warp's rows of this tile where it reads the masks (a tile it keeps is in
     // a FULL block): loaded here, where the scores' mma hides the load.
     [[maybe_unused]] int32_t block_class = kBlockFull;
-    if constexpr (kBits) {
+    if constexpr (!kPlain) {
       if (p.has_block_map && masks_read) {
         block_class = block_map_entry(p, ptr, b, h, block_row(warp_row0),
                                       static_cast<uint32_t>(k0) / static_cast<uint32_t>(p.block_k));
@@ -805,9 +806,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
               }
             }
             if constexpr (kPacked == 2) {  // the row in its block (rows past L: the last row's)
-              const uint32_t in_block = min_u32(static_cast<uint32_t>(row(r)), static_cast<uint32_t>(L - 1)) %
-                                        static_cast<uint32_t>(p.block_q);
-              removed |= block_row_bits(p, ptr, block_class, in_block,
+              removed |= block_row_bits(p, ptr, block_class, row_in_block(row(r)),
                                         static_cast<uint32_t>(k0) % static_cast<uint32_t>(p.block_k));
             }
             removed >>= 2 * t;
@@ -881,8 +880,19 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
                                 tile);
               });
             }
+            // The block map's removed keys of the lane's rows (a block that is not FULL for the warp's).
+            uint64_t removed[2] = {0, 0};
+            if (block_class != kBlockFull) {
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                removed[r] = block_row_bits(p, ptr, block_class, row_in_block(row(r)),
+                                            static_cast<uint32_t>(k0) % static_cast<uint32_t>(p.block_k)) >>
+                             (2 * t);
+              }
+            }
             const auto fill = [&](auto attn) {
-              stage_mask_terms(attn, ptr.attn_mask, at, p.attn_mask_stride[3], row_in, kpm, nk, t, tile);
+              stage_mask_terms(attn, ptr.attn_mask, at, p.attn_mask_stride[3], row_in, kpm, nk, removed, t,
+                               tile);
             };
             if (p.attn_mask_kind == kMaskNone) {
               fill(NoMask{});

@@ -157,9 +157,8 @@ constexpr bool mma_supports(const AttentionParams& p, DType dtype) {
 // that a warp's rows of a tile lie in one block (its class is one entry of the map, a PARTIAL block's row of
 // the tile two words of block_bits), as FlexAttention's default 128 x 128 blocks do; L and S below 2^31
 // (block and row indices in 32 bits), every entry of block_map and word of block_bits at an offset below 2^31
-// (they are indexed in 32 bits: 64-bit offsets cost the tile loop registers it does not have), and bool
-// masks or none beside it (the forward's bits instantiation reads it; the general one, a float mask's, has
-// no register left for it). The SIMT kernels and the composite read no block map.
+// (they are indexed in 32 bits: 64-bit offsets cost the tile loop registers it does not have). The SIMT
+// kernels and the composite read no block map.
 constexpr bool mma_block_map_fits(const AttentionParams& p) {
   if (p.has_block_map == 0) return true;
   if (p.block_q <= 0 || p.block_k <= 0) return false;
@@ -170,10 +169,8 @@ constexpr bool mma_block_map_fits(const AttentionParams& p) {
   const int64_t bits_end = p.block_partial == 0 ? 0
                                                 : (p.block_partial - 1) * w[0] + (p.block_q - 1) * w[1] +
                                                       (p.block_k - 1) / 32 * w[2];
-  const auto bits = [](int32_t kind) { return kind == kMaskNone || kind == kMaskBool; };
   return p.block_q % kMmaRowsPerWarp == 0 && p.block_k % kMmaTileKeys == 0 && p.q_len < (int64_t{1} << 31) &&
-         p.kv_len < (int64_t{1} << 31) && map_end < (int64_t{1} << 31) && bits_end < (int64_t{1} << 31) &&
-         bits(p.attn_mask_kind) && bits(p.key_padding_mask_kind);
+         p.kv_len < (int64_t{1} << 31) && map_end < (int64_t{1} << 31) && bits_end < (int64_t{1} << 31);
 }
 
 // True when every row of a (B, H, rows, dim) operand at `ptr` moves as 16-byte vectors: unit column stride,
