@@ -486,17 +486,6 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
           const scalar_t* const v_s = k_s + kTile;
           const int64_t k0 = k_first + off;
           const bool interior = off >= in_lo && off + kKeys <= in_hi;
-          // The block map's class of the warp's rows of this tile (one query block: block_q is a multiple
-          // of 16; one key block: block_k is a multiple of the tile). Rows past L take the last row's.
-          [[maybe_unused]] int32_t block_class = kBlockFull;
-          if constexpr (!kPlain) {
-            if (p.has_block_map) {
-              const uint32_t warp_qb = min_u32(static_cast<uint32_t>(w0), static_cast<uint32_t>(L - 1)) /
-                                       static_cast<uint32_t>(p.block_q);
-              block_class = block_map_entry(p, ptr.fwd, b, h, warp_qb,
-                                            static_cast<uint32_t>(k0) / static_cast<uint32_t>(p.block_k));
-            }
-          }
           TileRange range[2];
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
@@ -513,20 +502,25 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             }
             rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(s, q_s, k_s, a_at, b_at + c0 * kLd, q_held);
             rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(dp, do_s, v_s, a_at, b_at + c0 * kLd, do_held);
-            // The keys of the chunk the block map removes from this lane's rows: bit c is key k0 + c0 + c.
-            // A chunk with a removed key takes the ranged path, whose scores are tested one by one anyway.
+            // The keys of the chunk the block map removes from this lane's rows: bit c is key k0 + c0 + c,
+            // from the class of the warp's rows of the tile (one query block: block_q is a multiple of 16;
+            // one key block: block_k is a multiple of the tile; rows past L take the last row's). A chunk
+            // with a removed key takes the ranged path, whose scores are tested one by one anyway.
             [[maybe_unused]] uint32_t removed[2] = {0u, 0u};
             bool blocked = false;
             if constexpr (!kPlain) {
-              if (block_class != kBlockFull) {
-                blocked = true;
-                const uint32_t key = static_cast<uint32_t>(k0) % static_cast<uint32_t>(p.block_k) + c0;
+              if (p.has_block_map) {
+                const uint32_t bq = static_cast<uint32_t>(p.block_q), bk = static_cast<uint32_t>(p.block_k);
+                const uint32_t last = static_cast<uint32_t>(L - 1);
+                const uint32_t qb = min_u32(static_cast<uint32_t>(w0), last) / bq;
+                const uint32_t kb = static_cast<uint32_t>(k0) / bk;
+                const int32_t block_class = block_map_entry(p, ptr.fwd, b, h, qb, kb);
+                blocked = block_class != kBlockFull;
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                  const uint32_t l =
-                      min_u32(static_cast<uint32_t>(w0 + g + 8 * r), static_cast<uint32_t>(L - 1));
+                  const uint32_t l = min_u32(static_cast<uint32_t>(w0 + g + 8 * r), last);
                   removed[r] = static_cast<uint32_t>(
-                      block_row_bits(p, ptr.fwd, block_class, l % static_cast<uint32_t>(p.block_q), key));
+                      block_row_bits(p, ptr.fwd, block_class, l % bq, static_cast<uint32_t>(k0) % bk + c0));
                 }
               }
             }

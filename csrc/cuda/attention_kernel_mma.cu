@@ -855,7 +855,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       };
       const auto by_masks = [&](auto ranged) {
         if constexpr (kBits) {
-          if (block_class != kBlockFull) {
+          if (p.has_block_map && block_class != kBlockFull) {
             by_cap(ranged, block_bits, no);
           } else if (p.attn_mask_kind == kMaskBool) {
             by_cap(ranged, attn_bits, no);
@@ -882,7 +882,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
             }
             // The block map's removed keys of the lane's rows (a block that is not FULL for the warp's).
             uint64_t removed[2] = {0, 0};
-            if (block_class != kBlockFull) {
+            if (p.has_block_map && block_class != kBlockFull) {
 #pragma unroll
               for (int r = 0; r < 2; ++r) {
                 removed[r] = block_row_bits(p, ptr, block_class, row_in_block(row(r)),
