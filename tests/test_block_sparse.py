@@ -360,6 +360,26 @@ def test_flex_attention_gradients(device, name, dtype):
         assert err <= 3 * ref_err + 1e-5, f"grad {name_}: {err:.2e} vs the reference's {ref_err:.2e}"
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_device_is_asked_once_per_block_mask(device, grad, monkeypatch):
+    """Off the CPU, flex_attention asks the device's backend whether its kernels take the BlockMask (forward,
+    and backward where autograd will ask): its own answer (the emulated CUDA devices': sm_90 takes 16 x 64
+    blocks in bf16, sm_75 none; Metal none), once per BlockMask and kind of call."""
+    q, k, v = on(device, list(qkv(1, 2, 2, 64, 128, 16, torch.bfloat16)))
+    q.requires_grad_(grad)
+    bm = create_block_mask(causal, None, None, 64, 128, device="cpu", BLOCK_SIZE=(16, 64)).to(q.device)
+    options = attnx.flex.block_sparse(bm)
+    want = device.backend in ("cpu", "cuda", "cuda-emu") and (
+        not grad or attnx.ops.kernel_for(q, k, v, backward=True, **options) is not None)
+    asked = []
+    kernel_for = attnx.ops.kernel_for
+    monkeypatch.setattr(attnx.ops, "kernel_for", lambda *a, **kw: asked.append(1) or kernel_for(*a, **kw))
+    assert attnx.flex._kernels_take(q, k, v, None, bm, options) == want
+    n = len(asked)
+    assert n == (2 if grad and want else 1)
+    assert attnx.flex._kernels_take(q, k, v, None, bm, options) == want and len(asked) == n
+
+
 def test_flex_attention_falls_back_for_score_mod():
     q, k, v = qkv(1, 2, 2, 64, 64, 16, torch.float64)
 

@@ -40,8 +40,10 @@ from attnx import _switch, ops
 
 __all__ = ["block_sparse", "disable", "enable", "enabled", "flex_attention", "is_enabled"]
 
-# BlockMask -> its options. Weak keys: an entry goes with its BlockMask.
+# BlockMask -> its options, and the device kernels' answers for it (_kernels_take). Weak keys: an entry goes
+# with its BlockMask.
 _cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_answers: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 # Pairs of mask_mod evaluated per vectorised call (bounds the temporaries of a large PARTIAL set).
 _PAIRS_PER_CALL = 1 << 22
@@ -222,7 +224,7 @@ def flex_attention(
         options = block_sparse(block_mask)
     takes = (_kernels_take_between_graphs if torch.compiler.is_compiling() else None) or _kernels_take
     # (The CPU kernels take every block-sparse mask: no question asked, no dispatch spent.)
-    if options and query.device.type != "cpu" and not takes(query, key, value, scale, options):
+    if options and query.device.type != "cpu" and not takes(query, key, value, scale, block_mask, options):
         pytorch = _pytorch_copy if is_enabled() else flex.flex_attention
         return pytorch(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                        kernel_options, return_aux=return_aux)
@@ -295,12 +297,17 @@ def _taken(query, score_mod, block_mask, kernel_options, return_aux) -> bool:
     )
 
 
-def _kernels_take(query, key, value, scale, options) -> bool:
-    """Whether the device's attnx kernels take the call with its block-sparse mask `options`: its forward,
-    and its backward where autograd will ask for one (the backend's own answer, ops.kernel_for)."""
+def _kernels_take(query, key, value, scale, block_mask, options) -> bool:
+    """Whether the device's attnx kernels take the call with block_mask's block-sparse mask `options`: its
+    forward, and its backward where autograd will ask for one (the backend's own answer, ops.kernel_for),
+    asked once per BlockMask and kind of call (the layers of a model share both)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return all(ops.kernel_for(query, key, value, backward=b, scale=scale, **options) is not None
-               for b in ((False, True) if grad else (False,)))
+    answers = _answers.setdefault(block_mask, {})
+    call = (query.device, query.dtype, query.shape, key.shape, value.shape, scale, grad)
+    if call not in answers:
+        answers[call] = all(ops.kernel_for(query, key, value, backward=b, scale=scale, **options) is not None
+                            for b in ((False, True) if grad else (False,)))
+    return answers[call]
 
 
 def _served(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, *,
