@@ -26,7 +26,9 @@
 // a time). Only tiles at the ends of a row's key interval test each score against it. A block-sparse mask
 // (block_map, whose blocks are whole tiles: mma_block_map_fits) adds its classes to the masks' from the map
 // itself, a window of tiles at a time (EMPTY for the block's rows: skipped; FULL for the warp's: kept), and a
-// PARTIAL tile's rows read two words of their block's bits, OR-ed with a bool attn_mask's packed ones.
+// PARTIAL tile's rows read two words of their block's bits, OR-ed with a bool attn_mask's packed ones (the
+// general instantiation stages them as -inf terms, so that there, as under a float mask's -inf, a removed
+// key whose score is NaN stays NaN).
 // Grouped KV heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the
 // denominator at the end (softmax_finish); dropout keeps each probability by its Philox draw, as every
 // backend, before P V (apply_dropout).
