@@ -510,17 +510,15 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             bool blocked = false;
             if constexpr (!kPlain) {
               if (p.has_block_map) {
-                const uint32_t bq = static_cast<uint32_t>(p.block_q), bk = static_cast<uint32_t>(p.block_k);
-                const uint32_t last = static_cast<uint32_t>(L - 1);
-                const uint32_t qb = min_u32(static_cast<uint32_t>(w0), last) / bq;
-                const uint32_t kb = static_cast<uint32_t>(k0) / bk;
-                const int32_t block_class = block_map_entry(p, ptr.fwd, b, h, qb, kb);
+                const uint32_t bk = static_cast<uint32_t>(p.block_k);
+                const int32_t block_class =
+                    block_map_entry(p, ptr.fwd, b, h, block_of_row(p, w0), static_cast<uint32_t>(k0) / bk);
                 blocked = block_class != kBlockFull;
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                  const uint32_t l = min_u32(static_cast<uint32_t>(w0 + g + 8 * r), last);
-                  removed[r] = static_cast<uint32_t>(
-                      block_row_bits(p, ptr.fwd, block_class, l % bq, static_cast<uint32_t>(k0) % bk + c0));
+                  removed[r] = static_cast<uint32_t>(block_row_bits(p, ptr.fwd, block_class,
+                                                                    row_in_block(p, w0 + g + 8 * r),
+                                                                    static_cast<uint32_t>(k0) % bk + c0));
                 }
               }
             }
@@ -670,9 +668,6 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   // of the block's 64 keys (bits_s, two words a row and stage, after the votes), so that a score's test is
   // one shared-memory word. Its numbers are computed where used: the loop holds no register for them.
   const auto block_kb = [&] { return static_cast<uint32_t>(w0) / static_cast<uint32_t>(p.block_k); };
-  const auto block_qb = [&](int64_t l) {
-    return min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1)) / static_cast<uint32_t>(p.block_q);
-  };
   [[maybe_unused]] uint32_t* const bits_s = reinterpret_cast<uint32_t*>(rows_s + 4 * kQueries) + 4;
   const auto stage_queries = [&](int stage, int h, int off) {
     const int64_t q0 = q_first + off;
@@ -693,11 +688,10 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       at[kQueries + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
       if constexpr (!kPlain) {
         if (p.has_block_map) {  // the 64 keys' bits of the row (block_kb's block; past L: the last row's)
-          const uint32_t lc = min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1));
-          const uint32_t bq = static_cast<uint32_t>(p.block_q), bk = static_cast<uint32_t>(p.block_k);
-          const int32_t block_class = block_map_entry(p, ptr.fwd, b, h, lc / bq, block_kb());
-          const uint64_t bits = block_row_bits(p, ptr.fwd, block_class, lc % bq,
-                                               static_cast<uint32_t>(w0) % bk / kBwdRows * kBwdRows);
+          const int32_t block_class = block_map_entry(p, ptr.fwd, b, h, block_of_row(p, l), block_kb());
+          const uint32_t key =  // the block's first key in its key block
+              static_cast<uint32_t>(w0) % static_cast<uint32_t>(p.block_k) / kBwdRows * kBwdRows;
+          const uint64_t bits = block_row_bits(p, ptr.fwd, block_class, row_in_block(p, l), key);
           bits_s[2 * (kQueries * stage + tid)] = static_cast<uint32_t>(bits);
           bits_s[2 * (kQueries * stage + tid) + 1] = static_cast<uint32_t>(bits >> 32);
         }
@@ -732,9 +726,9 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
         const uint32_t kb = block_kb();
         while (h < h_end) {
           const int64_t l0 = q_first + off;
-          const uint32_t qb_hi = block_qb(l0 + kQueries - 1);
+          const uint32_t qb_hi = block_of_row(p, l0 + kQueries - 1);
           bool seen = false;
-          for (uint32_t qb = block_qb(l0); qb <= qb_hi; ++qb) {
+          for (uint32_t qb = block_of_row(p, l0); qb <= qb_hi; ++qb) {
             seen = seen || block_map_entry(p, ptr.fwd, b, h, qb, kb) != kBlockEmpty;
           }
           if (seen) break;

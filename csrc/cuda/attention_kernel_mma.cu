@@ -308,15 +308,6 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
   int64_t window_k0 = tile0;
   uint32_t tiles_seen = 0, tiles_kept = 0;
-  // A block map's query block of row l (of a warp's rows: one, as block_q is a multiple of 16; rows past L
-  // take the last row's, their scores are not seen), and row l's row in it. Computed where used: the tile
-  // loop holds no register for them.
-  const auto block_row = [&](int64_t l) {
-    return min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1)) / static_cast<uint32_t>(p.block_q);
-  };
-  const auto row_in_block = [&](int64_t l) {
-    return min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(L - 1)) % static_cast<uint32_t>(p.block_q);
-  };
   // A block map's classes of the tiles of a window from w0 (a tile start: block_k is a multiple of the
   // tiles), lane i those of tiles 32 i .. + 31, into tiles_seen (some warp's query block sees the tile's key
   // block) and tiles_kept (the warp's query block sees every key of it: FULL). Read from the map itself, a
@@ -330,7 +321,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       const uint32_t kb = (first + w) / tiles_per_block;
 #pragma unroll
       for (int i = 0; i < kWarps; ++i) {  // warp i's rows' query block (some may repeat)
-        const int32_t entry = block_map_entry(p, ptr, b, h, block_row(q0 + i * kMmaRowsPerWarp), kb);
+        const int32_t entry = block_map_entry(p, ptr, b, h, block_of_row(p, q0 + i * kMmaRowsPerWarp), kb);
         seen |= static_cast<uint32_t>(entry != kBlockEmpty) << w;
         if (i == warp) kept |= static_cast<uint32_t>(entry == kBlockFull) << w;
       }
@@ -594,7 +585,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
     [[maybe_unused]] int32_t block_class = kBlockFull;
     if constexpr (!kPlain) {
       if (p.has_block_map && masks_read) {
-        block_class = block_map_entry(p, ptr, b, h, block_row(warp_row0),
+        // (a warp's rows lie in one query block: block_q is a multiple of 16; computed here, where used,
+        // so that the tile loop holds no register for it)
+        block_class = block_map_entry(p, ptr, b, h, block_of_row(p, warp_row0),
                                       static_cast<uint32_t>(k0) / static_cast<uint32_t>(p.block_k));
       }
     }
@@ -808,7 +801,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
               }
             }
             if constexpr (kPacked == 2) {  // the row in its block (rows past L: the last row's)
-              removed |= block_row_bits(p, ptr, block_class, row_in_block(row(r)),
+              removed |= block_row_bits(p, ptr, block_class, row_in_block(p, row(r)),
                                         static_cast<uint32_t>(k0) % static_cast<uint32_t>(p.block_k));
             }
             removed >>= 2 * t;
@@ -887,7 +880,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
             if (p.has_block_map && block_class != kBlockFull) {
 #pragma unroll
               for (int r = 0; r < 2; ++r) {
-                removed[r] = block_row_bits(p, ptr, block_class, row_in_block(row(r)),
+                removed[r] = block_row_bits(p, ptr, block_class, row_in_block(p, row(r)),
                                             static_cast<uint32_t>(k0) % static_cast<uint32_t>(p.block_k)) >>
                              (2 * t);
               }

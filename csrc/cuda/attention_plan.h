@@ -190,9 +190,9 @@ inline bool mma_vector_loads(const AttentionParams& p, const void* key, const vo
 }
 
 // Whether a call's features let the mma kernel's plain instantiation run it: no mask (nor block map), no
-// soft-cap, no dropout
-// and a scale in [2^-100, 2^100] (positive, so that the row maxima can be taken on Q K^T before the scale, and
-// far enough from 0 and inf that scale log2(e) is a normal float). The plan also asks for vector loads.
+// soft-cap, no dropout and a scale in [2^-100, 2^100] (positive, so that the row maxima can be taken on Q K^T
+// before the scale, and far enough from 0 and inf that scale log2(e) is a normal float). The plan also asks
+// for vector loads.
 constexpr bool mma_plain(const AttentionParams& p) {
   return p.attn_mask_kind == kMaskNone && p.key_padding_mask_kind == kMaskNone && p.has_block_map == 0 &&
          !(p.softcap > 0.0f) && p.dropout == 0 && p.scale >= 0x1p-100f && p.scale <= 0x1p100f;

@@ -204,6 +204,17 @@ __device__ __forceinline__ int32_t block_map_entry(const AttentionParams& p, con
   return static_cast<const int32_t*>(ptr.block_map)[at];
 }
 
+// Query row l's block row of the map and its row in that block's bits (a row past L: the last row's, whose
+// scores are not seen), in 32 bits.
+__device__ __forceinline__ uint32_t block_of_row(const AttentionParams& p, int64_t l) {
+  const uint32_t row = min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(p.q_len - 1));
+  return row / static_cast<uint32_t>(p.block_q);
+}
+__device__ __forceinline__ uint32_t row_in_block(const AttentionParams& p, int64_t l) {
+  const uint32_t row = min_u32(static_cast<uint32_t>(l), static_cast<uint32_t>(p.q_len - 1));
+  return row % static_cast<uint32_t>(p.block_q);
+}
+
 // Up to 64 keys of row r of a block of class `entry`, from its key `key` (a multiple of 32, below block_k):
 // bit i set removes key + i. A PARTIAL block's are its bits (two words of its row; one where the row ends
 // after the first), an EMPTY block's all set, a FULL block's all clear; an entry that is none of these (not
