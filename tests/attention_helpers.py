@@ -419,20 +419,29 @@ def run_python(script, **kwargs):
     return result.stdout
 
 
-def run_under_cpu_capability(script, isa):
-    """Runs `script` in a fresh interpreter whose CPU kernels are `isa`'s variant (torch picks one per process
-    from ATEN_CPU_CAPABILITY), with torch imported and tests/ on its path; skips AVX2 on a CPU without it, and
-    the variant this process runs."""
-    own = torch.backends.cpu.get_cpu_capability()
-    if isa == own:
-        pytest.skip(f"{isa} is this process's own variant, which every other test runs")
-    if isa == "AVX2" and own not in ("AVX2", "AVX512"):
+# The CPU kernels' variants that a process can be asked for (ATTNX_CPU_CAPABILITY), by the name
+# torch.ops.attnx._cpu_capability gives them; AVX512-BF16 is the process's own where the CPU has it.
+CPU_VARIANTS = ["default", "avx2", "avx512", "emulated_bf16"]
+
+
+def run_under_cpu_capability(script, variant):
+    """Runs `script` in a fresh interpreter whose CPU kernels are `variant`'s (ATTNX_CPU_CAPABILITY), with
+    torch imported and tests/ on its path; skips the variant this process runs (every other test runs it) and
+    a native one the CPU lacks."""
+    own = torch.ops.attnx._cpu_capability()
+    if variant == own:
+        pytest.skip(f"{variant} is this process's own variant, which every other test runs")
+    level = torch.backends.cpu.get_cpu_capability()
+    if variant == "avx2" and level not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
+    if variant == "avx512" and (level != "AVX512" or own not in ("avx512", "avx512_bf16")):
+        pytest.skip("this CPU (or this build) has no AVX-512 variant")
     preamble = textwrap.dedent(
         f"""
         import sys, torch
         sys.path.insert(0, {TESTS!r})
-        assert torch.backends.cpu.get_cpu_capability() == {isa!r}, torch.backends.cpu.get_cpu_capability()
+        import attnx
+        assert torch.ops.attnx._cpu_capability() == {variant!r}, torch.ops.attnx._cpu_capability()
         """
     )
-    run_python(preamble + textwrap.dedent(script), env=dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower()))
+    run_python(preamble + textwrap.dedent(script), env=dict(os.environ, ATTNX_CPU_CAPABILITY=variant))

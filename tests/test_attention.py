@@ -40,6 +40,7 @@ import torch
 import attnx
 from attention_helpers import (
     ATTN_MASK_KINDS,
+    CPU_VARIANTS,
     DTYPES,
     EMPTY_SIZES,
     KEY_PADDING_MASK_KINDS,
@@ -851,7 +852,7 @@ def test_cpu_no_quadratic_memory():
 # Every ISA variant of the CPU kernel (torch picks one per process from ATEN_CPU_CAPABILITY).
 
 _ISA_SCRIPT = """
-    from attention_helpers import check_forward, make_qkv
+    from attention_helpers import check_forward, every_feature, make_qkv
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         q, k, v = make_qkv(2, 3, 300, 530, 24, 20, dtype=dtype, layout="strided_last")
         kpm = torch.rand(2, 530) < 0.3
@@ -860,9 +861,21 @@ _ISA_SCRIPT = """
         check_forward(*make_qkv(1, 2, 37, 53, 24, 24, dtype=dtype))
         check_forward(*make_qkv(2, 2, 1, 70, 24, 24, dtype=dtype, layout="blhd"),
                       key_padding_mask=kpm[:, :70])
+        # Odd head dims and key counts (a pair's zero half), every key-range option, one query row (keys read
+        # as rows), grouped-KV decoding (the heads as a tile's rows), a paged cache whose pages split pairs.
+        check_forward(*make_qkv(2, 2, 130, 301, 23, 25, dtype=dtype), is_causal=True)
+        check_forward(*make_qkv(2, 4, 90, 77, 24, 24, dtype=dtype, layout="lbhd"), **every_feature(2, 4, 77))
+        check_forward(*make_qkv(2, 2, 1, 301, 23, 24, dtype=dtype))
+        q, k, v = make_qkv(2, 8, 1, 301, 24, 24, dtype=dtype)
+        check_forward(q, k[:, :2], v[:, :2])
+    from test_varlen import check_forward as check_varlen, make_packed, make_paged, offsets
+    lens_q, lens_k = [1, 4, 3], [9, 130, 61]
+    q, _, _ = make_packed(lens_q, lens_k, 4, 2, 16, 9, torch.bfloat16)
+    k_cache, v_cache, table = make_paged(lens_k, 7, 2, 16, 9, torch.bfloat16)
+    check_varlen(q, k_cache, v_cache, offsets(lens_q), offsets(lens_k), is_causal=True, block_table=table)
     """
 
 
-@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
-def test_isa_variants(isa):
-    run_under_cpu_capability(_ISA_SCRIPT, isa)
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_isa_variants(variant):
+    run_under_cpu_capability(_ISA_SCRIPT, variant)

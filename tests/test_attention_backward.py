@@ -33,6 +33,7 @@ import attnx
 import mha_helpers
 from attention_helpers import (
     ATTN_MASK_KINDS,
+    CPU_VARIANTS,
     DTYPES,
     EMPTY_SIZES,
     GRAD_ATOL,
@@ -924,6 +925,6 @@ _ISA_SCRIPT = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
-def test_isa_variants(isa):
-    run_under_cpu_capability(_ISA_SCRIPT, isa)
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_isa_variants(variant):
+    run_under_cpu_capability(_ISA_SCRIPT, variant)

@@ -22,6 +22,7 @@ import torch
 
 import attnx
 from attention_helpers import (
+    CPU_VARIANTS,
     DTYPES,
     assert_matches_reference,
     check_backward,
@@ -622,6 +623,6 @@ _ISA_SCRIPT = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
-def test_isa_variants(isa):
-    run_under_cpu_capability(_ISA_SCRIPT, isa)
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_isa_variants(variant):
+    run_under_cpu_capability(_ISA_SCRIPT, variant)

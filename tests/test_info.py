@@ -119,13 +119,32 @@ def test_cpu_isa_line(asked):
     torch_level = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(out.splitlines()[0].strip(), "baseline")
     line = _line(out, "CPU attention kernels:")
     isa = line.removeprefix("CPU attention kernels:").split("(")[0].strip()
-    # attnx follows torch's rule, or stays at baseline where its wider variants are not built.
-    assert isa in {torch_level, "baseline"}, line
+    # attnx follows torch's rule (AVX-512 with its bfloat16 products where the CPU has them), or stays at
+    # baseline where its wider variants are not built.
+    levels = {torch_level, "baseline"}
+    if torch_level == "AVX-512":
+        levels.add("AVX-512 with AVX512-BF16")
+    assert isa in levels, line
     if asked == "default":
         assert isa == "baseline"
     if asked == "avx2":
         assert isa in {"AVX2", "baseline"}
     if asked is None:
+        assert isa == info.cpu_isa()
+
+
+@pytest.mark.parametrize("asked", ["emulated_bf16", "avx512", "no_such_level"])
+def test_cpu_isa_line_asked_of_attnx(asked):
+    # ATTNX_CPU_CAPABILITY: the emulation anywhere, a level no higher than the CPU's, an unknown name ignored.
+    out = _run(["-c", "from attnx import info; info.main([])"], ATTNX_CPU_CAPABILITY=asked)
+    line = _line(out, "CPU attention kernels:")
+    assert line.endswith(f"; ATTNX_CPU_CAPABILITY={asked})"), line
+    isa = line.removeprefix("CPU attention kernels:").split("(")[0].strip()
+    if asked == "emulated_bf16":
+        assert isa == "AVX512-BF16 emulated on the baseline ISA"
+    elif asked == "avx512":
+        assert isa in {"AVX-512", "AVX2", "baseline"}
+    else:
         assert isa == info.cpu_isa()
 
 

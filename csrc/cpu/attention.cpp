@@ -24,8 +24,11 @@ namespace attnx {
 namespace {
 
 cpu::CpuCapability detect_cpu_capability() {
-#if ATTNX_CPU_X86_VARIANTS
   using cpu::CpuCapability;
+  const char* forced = std::getenv("ATTNX_CPU_CAPABILITY");
+  // The emulation runs on any CPU, and is built everywhere.
+  if (forced && std::strcmp(forced, "emulated_bf16") == 0) return CpuCapability::kEmulatedBf16;
+#if ATTNX_CPU_X86_VARIANTS
   __builtin_cpu_init();
   CpuCapability level = CpuCapability::kDefault;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = CpuCapability::kAvx2;
@@ -38,10 +41,22 @@ cpu::CpuCapability detect_cpu_capability() {
     if (std::strcmp(asked, "default") == 0) level = CpuCapability::kDefault;
     if (std::strcmp(asked, "avx2") == 0 && level == CpuCapability::kAvx512) level = CpuCapability::kAvx2;
   }
+  if (level == CpuCapability::kAvx512 && __builtin_cpu_supports("avx512bf16")) {
+    level = CpuCapability::kAvx512Bf16;
+  }
+  // ATTNX_CPU_CAPABILITY picks any level up to the CPU's.
+  if (forced) {
+    const char* names[] = {"default", "avx2", "avx512", "avx512_bf16"};
+    for (int i = 0; i < 4; ++i) {
+      if (std::strcmp(forced, names[i]) == 0) {
+        level = std::min(level, static_cast<CpuCapability>(i));
+      }
+    }
+  }
   // No wider than the widest variant built.
   return std::min(level, static_cast<CpuCapability>(ATTNX_CPU_MAX_VARIANT));
 #else
-  return cpu::CpuCapability::kDefault;
+  return CpuCapability::kDefault;
 #endif
 }
 
@@ -52,9 +67,14 @@ cpu::CpuCapability cpu::cpu_capability() {
   return level;
 }
 
-// attnx::_cpu_capability: cpu_capability() as ATEN_CPU_CAPABILITY spells it.
+// attnx::_cpu_capability: cpu_capability() as ATTNX_CPU_CAPABILITY spells it (ATEN_CPU_CAPABILITY's names for
+// torch's levels).
 std::string cpu_capability_name() {
   switch (cpu::cpu_capability()) {
+    case cpu::CpuCapability::kEmulatedBf16:
+      return "emulated_bf16";
+    case cpu::CpuCapability::kAvx512Bf16:
+      return "avx512_bf16";
     case cpu::CpuCapability::kAvx512:
       return "avx512";
     case cpu::CpuCapability::kAvx2:

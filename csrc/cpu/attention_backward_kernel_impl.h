@@ -387,23 +387,41 @@ struct BackwardScratch {
   // Operands over the whole head: row l at ptr + l * ld.
   Operand<acc_t> q_op{};
   Operand<acc_t> do_op{};
+  // With bfloat16 pairs (AttentionBackwardCpu::kPairs), the five products' operands instead of qt, dot, q,
+  // dout, k, kt and v (which are then empty); a query tile's row pairs start at tile * bq2 rows.
+  AlignedBuffer<uint32_t> pair_storage;
+  uint32_t* qtp = nullptr;   // (D2, ld_q) Q^T, pairs along D, unscaled (the score product scales)
+  uint32_t* dotp = nullptr;  // (Dv2, ld_q) dO^T, pairs along Dv
+  uint32_t* qrp = nullptr;   // (q_tiles * bq2, D) Q's row pairs, tile by tile
+  uint32_t* dorp = nullptr;  // (q_tiles * bq2, Dv) dO's row pairs, tile by tile
+  uint32_t* kp = nullptr;    // (bk, D2) the key tile's rows
+  uint32_t* krp = nullptr;   // (bk2, D) its row pairs
+  uint32_t* ktp = nullptr;   // (D, ld_kp) those transposed: K^T, pairs along keys
+  uint32_t* vp = nullptr;    // (bk, Dv2) the value tile's rows
+  uint32_t* pp = nullptr;    // (bk, ld_tp) P^T rounded, pairs along queries
+  uint32_t* dsp = nullptr;   // (bk, ld_tp) dS^T likewise
+  uint32_t* dsrp = nullptr;  // (bk2, ld_t) dS^T rounded, pairs along keys
+  uint32_t* tmpp = nullptr;  // (bq, max(D2, Dv2)) a query tile's rows, before the transpose
+  int64_t bq2 = 0, ld_tp = 0, ld_kp = 0;
 
-  BackwardScratch(const AttentionParams& p, const BackwardPlan& plan) {
+  BackwardScratch(const AttentionParams& p, const BackwardPlan& plan, bool pairs) {
     const int64_t L = p.q_len, D = p.head_dim, Dv = p.v_head_dim, bq = plan.bq, bk = plan.bk;
     const int64_t line = kLine<acc_t>;
     const int64_t chunk_keys = std::max<int64_t>(plan.chunk_tiles, 1) * bk;
+    // The float operands that pairs replace.
+    const int64_t d_float = pairs ? 0 : D, dv_float = pairs ? 0 : Dv;
     constexpr int kRegions = 20;
     const int64_t sizes[kRegions] = {
-        D * plan.ld_q,
-        Dv * plan.ld_q,
-        plan.q_in_place ? 0 : L * D,
-        plan.do_in_place ? 0 : L * Dv,
+        d_float * plan.ld_q,
+        dv_float * plan.ld_q,
+        plan.q_in_place || pairs ? 0 : L * D,
+        plan.do_in_place || pairs ? 0 : L * Dv,
         L,
         L,
         plan.chunks == 1 ? D * plan.ld_q : 0,
-        bk * D,
-        D * plan.ld_k,
-        bk * Dv,
+        bk * d_float,
+        d_float * plan.ld_k,
+        bk * dv_float,
         bk * plan.ld_t,
         bk * plan.ld_t,
         plan.bias_tiles ? bk * plan.ld_t : 0,
@@ -431,6 +449,34 @@ struct BackwardScratch {
     bias = regions[12], rows = regions[13], key_bias = regions[14], dk = regions[15], dv = regions[16];
     drop_rows = regions[17], drop = regions[18], deriv = regions[19];
     tmp = next;
+    if (!pairs) return;
+    const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2, bk2 = (bk + 1) / 2;
+    bq2 = (bq + 1) / 2;
+    ld_tp = round_up(bq2, 16);
+    ld_kp = round_up(bk2, 16);
+    constexpr int kPairRegions = 12;
+    const int64_t pair_sizes[kPairRegions] = {D2 * plan.ld_q,
+                                              Dv2 * plan.ld_q,
+                                              plan.q_tiles * bq2 * D,
+                                              plan.q_tiles * bq2 * Dv,
+                                              bk * D2,
+                                              bk2 * D,
+                                              D * ld_kp,
+                                              bk * Dv2,
+                                              bk * ld_tp,
+                                              bk * ld_tp,
+                                              bk2 * plan.ld_t,
+                                              bq * std::max(D2, Dv2)};
+    int64_t pair_total = 0;
+    for (int64_t n : pair_sizes) pair_total += round_up(n, 16);
+    pair_storage = AlignedBuffer<uint32_t>(pair_total);
+    uint32_t* at = pair_storage.data();
+    uint32_t** pair_regions[kPairRegions] = {&qtp, &dotp, &qrp, &dorp, &kp,   &krp,
+                                             &ktp, &vp,   &pp,  &dsp,  &dsrp, &tmpp};
+    for (int i = 0; i < kPairRegions; ++i) {
+      *pair_regions[i] = at;
+      at += round_up(pair_sizes[i], 16);
+    }
   }
 };
 
@@ -441,6 +487,11 @@ template <typename scalar_t>
 class AttentionBackwardCpu {
  public:
   using acc_t = typename AccType<scalar_t>::type;
+  // bfloat16 inputs multiplied as pairs where the TU has the products (dot16.h), as in the forward: Q, K, V
+  // and dO keep their bits; P and dS are rounded to bfloat16 for the products they enter (FlashAttention's
+  // rule); scores, dP and the gradients' accumulators are float32.
+  static constexpr bool kPairs = kDotBf16 && std::is_same_v<scalar_t, torch::headeronly::BFloat16>;
+  using op_t = std::conditional_t<kPairs, uint32_t, acc_t>;  // the key and value tiles' operand elements
 
   AttentionBackwardCpu(const AttentionBackwardParams& bp, const AttentionBackwardPointers& d)
       : bp_(bp),
@@ -473,7 +524,7 @@ class AttentionBackwardCpu {
     std::atomic<int64_t> next{0};
     const int64_t threads = std::min<int64_t>(num_threads(), items);
     parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      BackwardScratch<acc_t> ws(p_, plan_);
+      BackwardScratch<acc_t> ws(p_, plan_, kPairs);
       for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
         const int64_t c = i / slots_n, sl = i % slots_n;
         const int64_t bs = sl / plan_.head_slots, hs = sl % plan_.head_slots;
@@ -544,23 +595,47 @@ class AttentionBackwardCpu {
     const auto* out = static_cast<const scalar_t*>(d_.fwd.out) + b * os[0] + h * os[1] + l0 * os[2];
     const auto* lse = static_cast<const acc_t*>(d_.fwd.lse) + b * ls[0] + h * ls[1] + l0 * ls[2];
 
-    for (int64_t l0 = r0; l0 < L; l0 += plan_.bq) {
-      const int64_t nl = std::min(plan_.bq, L - l0);
-      if (D > 0) transpose_keys(q + l0 * qs[2], qs[2], qs[3], nl, D, ws.tmp, ws.qt + l0, ld_q);
-      if (Dv > 0) transpose_keys(dout + l0 * gs[2], gs[2], gs[3], nl, Dv, ws.tmp, ws.dot + l0, ld_q);
+    if constexpr (kPairs) {
+      // Per query tile (r0 starts one): Q and dO transposed as pairs along D, and their row pairs.
+      const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2;
+      for (int64_t l0 = r0; l0 < L; l0 += plan_.bq) {
+        const int64_t nl = std::min(plan_.bq, L - l0), row_pairs = l0 / plan_.bq * ws.bq2;
+        if (D > 0) {
+          pack_pairs(q + l0 * qs[2], qs[2], qs[3], nl, D, ws.tmpp, D2);
+          transpose(ws.tmpp, D2, ws.qtp + l0, ld_q, nl, D2);
+          pack_row_pairs(q + l0 * qs[2], qs[2], qs[3], nl, D, ws.qrp + row_pairs * D, D);
+        }
+        if (Dv > 0) {
+          pack_pairs(dout + l0 * gs[2], gs[2], gs[3], nl, Dv, ws.tmpp, Dv2);
+          transpose(ws.tmpp, Dv2, ws.dotp + l0, ld_q, nl, Dv2);
+          pack_row_pairs(dout + l0 * gs[2], gs[2], gs[3], nl, Dv, ws.dorp + row_pairs * Dv, Dv);
+        }
+      }
+    } else {
+      for (int64_t l0 = r0; l0 < L; l0 += plan_.bq) {
+        const int64_t nl = std::min(plan_.bq, L - l0);
+        if (D > 0) transpose_keys(q + l0 * qs[2], qs[2], qs[3], nl, D, ws.tmp, ws.qt + l0, ld_q);
+        if (Dv > 0) transpose_keys(dout + l0 * gs[2], gs[2], gs[3], nl, Dv, ws.tmp, ws.dot + l0, ld_q);
+      }
+      // The forward's scores are (scale Q) K^T: the same products here, so P matches the forward's lse.
+      for (int64_t d = 0; d < D; ++d) scale_row(ws.qt + d * ld_q + r0, L - r0, scale_);
+      ws.q_op = head_operand(q, qs[2], qs[3], r0, L, D, plan_.q_in_place, ws.q);
+      ws.do_op = head_operand(dout, gs[2], gs[3], r0, L, Dv, plan_.do_in_place, ws.dout);
     }
-    // The forward's scores are (scale Q) K^T: the same products here, so P matches the forward's lse.
-    for (int64_t d = 0; d < D; ++d) scale_row(ws.qt + d * ld_q + r0, L - r0, scale_);
-    ws.q_op = head_operand(q, qs[2], qs[3], r0, L, D, plan_.q_in_place, ws.q);
-    ws.do_op = head_operand(dout, gs[2], gs[3], r0, L, Dv, plan_.do_in_place, ws.dout);
 
     for (int64_t l = r0; l < L; ++l) {
       ws.lse[l] = lse[l * ls[2]];
       if (plan_.whole_rows) continue;  // delta comes from the tile pair (run_pair)
-      const acc_t* g = ws.do_op.ptr + l * ws.do_op.ld;
       const scalar_t* o = out + l * os[2];
       acc_t sum = 0;
-      for (int64_t j = 0; j < Dv; ++j) sum += g[j] * static_cast<acc_t>(o[j * os[3]]);
+      if constexpr (kPairs) {
+        const scalar_t* g = dout + l * gs[2];
+        for (int64_t j = 0; j < Dv; ++j)
+          sum += static_cast<acc_t>(g[j * gs[3]]) * static_cast<acc_t>(o[j * os[3]]);
+      } else {
+        const acc_t* g = ws.do_op.ptr + l * ws.do_op.ld;
+        for (int64_t j = 0; j < Dv; ++j) sum += g[j] * static_cast<acc_t>(o[j * os[3]]);
+      }
       ws.delta[l] = sum;
     }
   }
@@ -620,12 +695,27 @@ class AttentionBackwardCpu {
     const int64_t s0 = seq.k_begin + k0;
     const auto* k = static_cast<const scalar_t*>(d_.fwd.key) + b * ks[0] + hk * ks[1] + s0 * ks[2];
     const auto* v = static_cast<const scalar_t*>(d_.fwd.value) + b * vs[0] + hk * vs[1] + s0 * vs[2];
-    Operand<acc_t> ka{}, va{};
-    if (D > 0) {
-      ka = b_operand(k, ks[2], ks[3], nk, D, ws.k);
-      transpose(ka.ptr, ka.ld, ws.kt, plan_.ld_k, nk, D);
+    Operand<op_t> ka{}, va{};
+    if constexpr (kPairs) {
+      // K's rows (for S^T) and its transposed row pairs (for dQ^T); V's rows (for dP^T).
+      const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2;
+      if (D > 0) {
+        pack_pairs(k, ks[2], ks[3], nk, D, ws.kp, D2);
+        pack_row_pairs(k, ks[2], ks[3], nk, D, ws.krp, D);
+        transpose(ws.krp, D, ws.ktp, ws.ld_kp, (nk + 1) / 2, D);
+        ka = {ws.kp, D2};
+      }
+      if (Dv > 0) {
+        pack_pairs(v, vs[2], vs[3], nk, Dv, ws.vp, Dv2);
+        va = {ws.vp, Dv2};
+      }
+    } else {
+      if (D > 0) {
+        ka = b_operand(k, ks[2], ks[3], nk, D, ws.k);
+        transpose(ka.ptr, ka.ld, ws.kt, plan_.ld_k, nk, D);
+      }
+      if (Dv > 0) va = b_operand(v, vs[2], vs[3], nk, Dv, ws.v);
     }
-    if (Dv > 0) va = b_operand(v, vs[2], vs[3], nk, Dv, ws.v);
     const acc_t* kb = key_bias(b, h, k0, nk, ws);
     for (int64_t qt = q_begin / plan_.bq; qt * plan_.bq < q_end; ++qt) {
       const int32_t block = skip_.block_class(b, h, qt, kt);
@@ -639,13 +729,17 @@ class AttentionBackwardCpu {
   // Queries [q0, q0 + nq) against keys [k0, k0 + nk): recompute P^T, form dS^T, accumulate dV, dK, dQ^T.
   // block: the pair's bit rows in block_bits when the block-sparse mask makes it PARTIAL, else kBlockFull.
   void run_pair(int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0, int64_t nk, int64_t L,
-                int64_t kv_len_b, const Operand<acc_t>& ka, const Operand<acc_t>& va, const acc_t* kb,
+                int64_t kv_len_b, const Operand<op_t>& ka, const Operand<op_t>& va, const acc_t* kb,
                 int32_t block, acc_t* dqt, acc_t* dk, acc_t* dv, BackwardScratch<acc_t>& ws) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, ld_t = plan_.ld_t;
     // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T.
-    if (D > 0) {
+    if constexpr (kPairs) {
+      if (D > 0)
+        gemm_pairs(nk, nq, ka.ld, ka.ptr, ka.ld, ws.qtp + q0, ld_q, ws.s, ld_t, /*add_c=*/false, scale_);
+    } else if (D > 0) {
       tile_gemm(nk, nq, D, ka.ptr, ka.ld, ws.qt + q0, ld_q, ws.s, ld_t, /*add_c=*/false);
-    } else {
+    }
+    if (D == 0) {
       for (int64_t r = 0; r < nk; ++r) std::fill_n(ws.s + r * ld_t, nq, acc_t(0));
     }
     const bool capped = softcap_ > acc_t(0);
@@ -653,9 +747,13 @@ class AttentionBackwardCpu {
       for (int64_t r = 0; r < nk; ++r)
         softcap_backward_row(ws.s + r * ld_t, ws.deriv + r * ld_t, nq, softcap_);
     }
-    if (Dv > 0) {
+    if constexpr (kPairs) {
+      if (Dv > 0)
+        gemm_pairs(nk, nq, va.ld, va.ptr, va.ld, ws.dotp + q0, ld_q, ws.dp, ld_t, /*add_c=*/false, 1.0f);
+    } else if (Dv > 0) {
       tile_gemm(nk, nq, Dv, va.ptr, va.ld, ws.dot + q0, ld_q, ws.dp, ld_t, /*add_c=*/false);
-    } else {
+    }
+    if (Dv == 0) {
       for (int64_t r = 0; r < nk; ++r) std::fill_n(ws.dp + r * ld_t, nq, acc_t(0));
     }
 
@@ -741,12 +839,47 @@ class AttentionBackwardCpu {
     }
 
     // dV (nk, Dv) += P^T dO;  dK (nk, D) += dS^T Q;  dQ^T (D, nq) += K^T dS^T. (scale: applied when written.)
+    if constexpr (kPairs) {
+      products_pairs(q0, nq, nk, dqt, dk, dv, ws);
+      return;
+    }
     if (Dv > 0) {
       tile_gemm(nk, Dv, nq, ws.s, ld_t, ws.do_op.ptr + q0 * ws.do_op.ld, ws.do_op.ld, dv, Dv, /*add_c=*/true);
     }
     if (D > 0) {
       tile_gemm(nk, D, nq, ws.dp, ld_t, ws.q_op.ptr + q0 * ws.q_op.ld, ws.q_op.ld, dk, D, /*add_c=*/true);
       tile_gemm(D, nq, nk, ws.kt, plan_.ld_k, ws.dp, ld_t, dqt + q0, ld_q, /*add_c=*/true);
+    }
+  }
+
+  // run_pair's last three products on bfloat16 pairs: P^T and dS^T rounded along queries (the A operands of
+  // dV and dK, against the query tile's row pairs of dO and Q), dS^T rounded along keys (dQ^T's B operand,
+  // against K^T's pairs along keys). A tile's odd last query or key pairs with a zero.
+  void products_pairs(int64_t q0, int64_t nq, int64_t nk, acc_t* dqt, acc_t* dk, acc_t* dv,
+                      BackwardScratch<acc_t>& ws) const {
+    if constexpr (kPairs) {
+      const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_t = plan_.ld_t, nq2 = (nq + 1) / 2;
+      const int64_t row_pairs = q0 / plan_.bq * ws.bq2;
+      if (Dv > 0) {
+        for (int64_t r = 0; r < nk; ++r) to_bf16_pairs(ws.s + r * ld_t, nq, ws.pp + r * ws.ld_tp);
+        gemm_pairs(nk, Dv, nq2, ws.pp, ws.ld_tp, ws.dorp + row_pairs * Dv, Dv, dv, Dv, /*add_c=*/true, 1.0f);
+      }
+      if (D > 0) {
+        for (int64_t r = 0; r < nk; ++r) to_bf16_pairs(ws.dp + r * ld_t, nq, ws.dsp + r * ws.ld_tp);
+        gemm_pairs(nk, D, nq2, ws.dsp, ws.ld_tp, ws.qrp + row_pairs * D, D, dk, D, /*add_c=*/true, 1.0f);
+        for (int64_t t = 0; 2 * t < nk; ++t) {
+          const acc_t* a = ws.dp + 2 * t * ld_t;
+          uint32_t* dst = ws.dsrp + t * ld_t;
+          if (2 * t + 1 < nk) {
+            to_bf16_row_pairs(a, a + ld_t, nq, dst);
+          } else {
+            to_bf16_row_pairs(a, a, nq, dst);
+            for (int64_t j = 0; j < nq; ++j) dst[j] &= 0xffffu;
+          }
+        }
+        gemm_pairs(D, nq, (nk + 1) / 2, ws.ktp, ws.ld_kp, ws.dsrp, ld_t, dqt + q0, plan_.ld_q, /*add_c=*/true,
+                   1.0f);
+      }
     }
   }
 

@@ -2,9 +2,12 @@
 //
 // cpu/attention_kernel_impl.h holds the kernel. cpu/attention.cpp compiles it for the baseline ISA (namespace
 // DEFAULT) and cpu/attention_kernel_avx2.cpp / cpu/attention_kernel_avx512.cpp for AVX2 and AVX-512, each in
-// its own namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels; ATTNX_CPU_VARIANT
-// picks one at run time by torch's rule (cpu_capability(), so ATEN_CPU_CAPABILITY=avx2|default selects the
-// others).
+// its own namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels;
+// cpu/attention_kernel_avx512_bf16.cpp compiles the AVX-512 one again with bfloat16 products on AVX512-BF16,
+// and cpu/attention_kernel_bf16_emulated.cpp those products emulated on the baseline ISA (cpu/dot16.h).
+// ATTNX_CPU_VARIANT picks one at run time (cpu_capability(): torch's rule, so that
+// ATEN_CPU_CAPABILITY=avx2|default selects the lower levels, then AVX512-BF16 where the CPU has it;
+// ATTNX_CPU_CAPABILITY chooses any level the CPU runs, and the emulation).
 //
 // Every header the kernel needs is included here, before an ISA TU raises its target: inline functions from
 // these headers are then compiled for the baseline ISA in every TU, and only the kernel and its SIMD layer
@@ -54,11 +57,12 @@
 #define ATTNX_CPU_X86_VARIANTS 0
 #endif
 
-// The widest x86 variant built: 2 (AVX-512, every build users get), 1 (AVX2) or 0 (DEFAULT alone). A build
-// whose kernels only ever run on the machine that built it (`make sanitize`'s) leaves out the variants that
-// machine cannot run (setup.py's ATTNX_CPU_MAX_VARIANT).
+// The widest x86 variant built: 3 (AVX-512 with AVX512-BF16, every build users get), 2 (AVX-512), 1 (AVX2)
+// or 0 (DEFAULT alone). A build whose kernels only ever run on the machine that built it (`make sanitize`'s)
+// leaves out the variants that machine cannot run (setup.py's ATTNX_CPU_MAX_VARIANT). The emulated variant
+// runs anywhere and is always built.
 #ifndef ATTNX_CPU_MAX_VARIANT
-#define ATTNX_CPU_MAX_VARIANT 2
+#define ATTNX_CPU_MAX_VARIANT 3
 #endif
 
 namespace attnx::cpu {
@@ -67,19 +71,27 @@ namespace attnx::cpu {
 using AttentionKernel = void (*)(const AttentionParams&, const AttentionPointers&,
                                  torch::headeronly::ScalarType);
 
-// The ISA levels the kernels are compiled for, numbered as ATTNX_CPU_MAX_VARIANT.
-enum class CpuCapability { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+// The ISA levels the kernels are compiled for, numbered as ATTNX_CPU_MAX_VARIANT, and the emulated one.
+enum class CpuCapability { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kEmulatedBf16 = 4 };
 
-// The level torch's own CPU kernels run at (torch.backends.cpu.get_cpu_capability()), by torch's rule: the
-// highest the CPU supports (AVX-512 with VL, BW, DQ and FMA; AVX2 with FMA), lowered by ATEN_CPU_CAPABILITY
-// (default, avx2, avx512), so that one environment variable moves torch and attnx together. (The stable ABI
-// has no at::get_cpu_capability.) Read once per process; kDefault where the variants are not built.
+// The variant the kernels run: the level torch's own CPU kernels run at
+// (torch.backends.cpu.get_cpu_capability()), by torch's rule: the highest the CPU supports (AVX-512 with VL,
+// BW, DQ and FMA; AVX2 with FMA), lowered by ATEN_CPU_CAPABILITY (default, avx2, avx512), so that one
+// environment variable moves torch and attnx together (the stable ABI has no at::get_cpu_capability); then
+// AVX512-BF16 where AVX-512 is chosen and the CPU has it. ATTNX_CPU_CAPABILITY (default, avx2, avx512,
+// avx512_bf16: a level no higher than that; emulated_bf16: the emulation) overrides the choice; other values
+// are ignored, as torch ignores them. Read once per process; kDefault where the variants are not built.
 CpuCapability cpu_capability();
 
 // The variant of a kernel for cpu_capability(): ATTNX_CPU_VARIANT(attention_kernel), say.
 template <typename Kernel>
-Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unused]] Kernel avx512) {
+Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unused]] Kernel avx512,
+                    [[maybe_unused]] Kernel avx512_bf16, Kernel emulated_bf16) {
   switch (cpu_capability()) {
+    case CpuCapability::kEmulatedBf16:
+      return emulated_bf16;
+    case CpuCapability::kAvx512Bf16:
+      return avx512_bf16;
     case CpuCapability::kAvx512:
       return avx512;
     case CpuCapability::kAvx2:
@@ -90,24 +102,34 @@ Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unuse
 }
 // The namespace each level's kernels are taken from: its own where it is built, else the widest built below
 // it (cpu_capability() never names a level above ATTNX_CPU_MAX_VARIANT, so those are never called).
-#if ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT >= 2
+#if ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT >= 3
 #define ATTNX_CPU_AVX2_NAMESPACE AVX2
 #define ATTNX_CPU_AVX512_NAMESPACE AVX512
+#define ATTNX_CPU_AVX512_BF16_NAMESPACE AVX512_BF16
+#elif ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT == 2
+#define ATTNX_CPU_AVX2_NAMESPACE AVX2
+#define ATTNX_CPU_AVX512_NAMESPACE AVX512
+#define ATTNX_CPU_AVX512_BF16_NAMESPACE AVX512
 #elif ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT == 1
 #define ATTNX_CPU_AVX2_NAMESPACE AVX2
 #define ATTNX_CPU_AVX512_NAMESPACE AVX2
+#define ATTNX_CPU_AVX512_BF16_NAMESPACE AVX2
 #else
 #define ATTNX_CPU_AVX2_NAMESPACE DEFAULT
 #define ATTNX_CPU_AVX512_NAMESPACE DEFAULT
+#define ATTNX_CPU_AVX512_BF16_NAMESPACE DEFAULT
 #endif
 #define ATTNX_CPU_VARIANT(name)                                                                          \
   ::attnx::cpu::pick_variant(&::attnx::cpu::DEFAULT::name, &::attnx::cpu::ATTNX_CPU_AVX2_NAMESPACE::name, \
-                             &::attnx::cpu::ATTNX_CPU_AVX512_NAMESPACE::name)
+                             &::attnx::cpu::ATTNX_CPU_AVX512_NAMESPACE::name,                             \
+                             &::attnx::cpu::ATTNX_CPU_AVX512_BF16_NAMESPACE::name,                        \
+                             &::attnx::cpu::EMULATED_BF16::name)
 // One line per namespace: not clang-format's layout.
 // clang-format off
 // Declares a kernel's entry point in each ISA namespace it may be compiled in.
 #define ATTNX_CPU_DECLARE_VARIANTS(...) \
-  namespace DEFAULT { __VA_ARGS__; } namespace AVX2 { __VA_ARGS__; } namespace AVX512 { __VA_ARGS__; }
+  namespace DEFAULT { __VA_ARGS__; } namespace AVX2 { __VA_ARGS__; } namespace AVX512 { __VA_ARGS__; } \
+  namespace AVX512_BF16 { __VA_ARGS__; } namespace EMULATED_BF16 { __VA_ARGS__; }
 // clang-format on
 
 ATTNX_CPU_DECLARE_VARIANTS(void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,

@@ -21,7 +21,8 @@
 // instead of being read in place.
 
 #include "cpu/vec.h"
-// gemm.h after vec.h: its micro-kernels are built on Vec<float>.
+// dot16.h and gemm.h after vec.h: they are built on Vec<float>, and gemm.h's pair products on dot16.h.
+#include "cpu/dot16.h"
 #include "cpu/gemm.h"
 
 namespace attnx::cpu {
@@ -165,6 +166,109 @@ void dot_rows(const acc_t* q, const acc_t* k, int64_t ldk, int64_t n, int64_t D,
 }
 
 // transpose() (dst (cols, rows) = src (rows, cols)^T) is vec.h's.
+
+// ---------------------------------------------------------------------------------------------------------------
+// bfloat16 operands as pairs (dot16.h), for the kernels of TUs that multiply them so: the inputs' bits, never
+// rounded; only P (and in the backward dS) is rounded to bfloat16 for its product, as PyTorch's CPU and GPU
+// kernels do.
+
+inline uint32_t bf16_bits(torch::headeronly::BFloat16 x) {
+  return x.x;
+}
+inline uint32_t bf16_bits(uint16_t x) {
+  return x;
+}
+
+// dst (rows, ceil(cols / 2)) pairs, leading dimension ld, = src (rows, cols) read through its strides; an odd
+// row's last pair has a zero high half.
+template <typename src_t>
+void pack_pairs(const src_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                uint32_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const src_t* s = src + r * row_stride;
+    uint32_t* d = dst + r * ld;
+    if (col_stride == 1) {
+      for (int64_t c = 0; c + 1 < cols; c += 2) d[c / 2] = bf16_bits(s[c]) | bf16_bits(s[c + 1]) << 16;
+    } else {
+      for (int64_t c = 0; c + 1 < cols; c += 2) {
+        d[c / 2] = bf16_bits(s[c * col_stride]) | bf16_bits(s[(c + 1) * col_stride]) << 16;
+      }
+    }
+    if (cols % 2) d[cols / 2] = bf16_bits(s[(cols - 1) * col_stride]);
+  }
+}
+
+// The row pairs of src (rows, cols): dst (ceil(rows / 2), cols), leading dimension ld, with dst[t][c] the
+// pair (src[2t][c], src[2t + 1][c]): P V's B operand. An odd last row pairs with zeros.
+template <typename src_t>
+void pack_row_pairs(const src_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                    uint32_t* dst, int64_t ld) {
+  for (int64_t t = 0; 2 * t < rows; ++t) {
+    const src_t* a = src + 2 * t * row_stride;
+    uint32_t* d = dst + t * ld;
+    if (2 * t + 1 == rows) {
+      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c * col_stride]);
+    } else if (col_stride == 1) {
+      const src_t* b = a + row_stride;
+      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c]) | bf16_bits(b[c]) << 16;
+    } else {
+      const src_t* b = a + row_stride;
+      for (int64_t c = 0; c < cols; ++c)
+        d[c] = bf16_bits(a[c * col_stride]) | bf16_bits(b[c * col_stride]) << 16;
+    }
+  }
+}
+
+#if ATTNX_DOT_BF16
+// s[j] = alpha (q . k[j]) for the n key rows k[j] = k + j * ldk of D2 pairs each: dot_rows for pairs.
+inline void dot_rows_pairs(const uint32_t* q, const uint32_t* k, int64_t ldk, int64_t n, int64_t D2,
+                           float alpha, float* s) {
+  using V = Vec<float>;
+  constexpr int64_t W = V::size();
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const uint32_t* k0 = k + j * ldk;
+    V a[4] = {V(0.0f), V(0.0f), V(0.0f), V(0.0f)};
+    for (int64_t d = 0; d < D2; d += W) {
+      const int t = static_cast<int>(std::min<int64_t>(W, D2 - d));
+      const Pairs qv = t == W ? Pairs::loadu(q + d) : Pairs::loadu(q + d, t);
+      for (int i = 0; i < 4; ++i) {
+        a[i] =
+            dot_pairs(a[i], qv, t == W ? Pairs::loadu(k0 + i * ldk + d) : Pairs::loadu(k0 + i * ldk + d, t));
+      }
+    }
+    for (int i = 0; i < 4; ++i) s[j + i] = reduce_sum(a[i]) * alpha;
+  }
+  for (; j < n; ++j) {
+    const uint32_t* kj = k + j * ldk;
+    V a(0.0f);
+    for (int64_t d = 0; d < D2; d += W) {
+      const int t = static_cast<int>(std::min<int64_t>(W, D2 - d));
+      a = dot_pairs(a, t == W ? Pairs::loadu(q + d) : Pairs::loadu(q + d, t),
+                    t == W ? Pairs::loadu(kj + d) : Pairs::loadu(kj + d, t));
+    }
+    s[j] = reduce_sum(a) * alpha;
+  }
+}
+
+// O (nq, Dv) += P (nq, nk) V (nk, Dv) with P rounded to bfloat16 (into pp, leading dimension ldp) and V as
+// row pairs (vp, leading dimension ldv). An odd last key is added on its own, in float32: its pair's other
+// row is a key outside this tile's range (or padding), which a zero probability must not multiply, as a NaN
+// or an infinity there would turn 0 into NaN.
+inline void pv_pairs(const float* s, int64_t lds, int64_t nq, int64_t nk, const uint32_t* vp, int64_t ldv,
+                     int64_t Dv, uint32_t* pp, int64_t ldp, float* o, int64_t ldo) {
+  for (int64_t i = 0; i < nq; ++i) to_bf16_pairs(s + i * lds, nk, pp + i * ldp);
+  gemm_pairs(nq, Dv, nk / 2, pp, ldp, vp, ldv, o, ldo, /*add_c=*/true, 1.0f);
+  if (nk % 2) {
+    const uint32_t* last = vp + (nk / 2) * ldv;
+    for (int64_t i = 0; i < nq; ++i) {
+      const float pi = dot16::bits_to_float(pp[i * ldp + nk / 2] << 16);
+      float* oi = o + i * ldo;
+      for (int64_t c = 0; c < Dv; ++c) oi[c] = std::fma(pi, dot16::bits_to_float(last[c] << 16), oi[c]);
+    }
+  }
+}
+#endif
 
 // dst (rows, cols), leading dimension ld, = factor * src (rows, cols) read through its strides, converted.
 template <typename scalar_t, typename acc_t>
@@ -496,21 +600,30 @@ inline KeySpan row_keys(const AttentionParams& p, int64_t q_len_b, int64_t kv_le
           range_key_end(last, q_len_b, kv_len_b, p.window_right, p.is_causal)};
 }
 
-// Rows [s0, s0 + n) of sequence b's paged keys (or values), converted into dst (n, cols) with leading
-// dimension cols: row s is row s % page_size of page block_table[b, s / page_size], so a tile is gathered
-// page run by page run, never the cache. `base` points at the kv head's first page, `st` are the tensor's
-// (page, head, row, column) strides.
-template <typename scalar_t, typename acc_t>
-void gather_pages(const AttentionParams& p, const void* block_table, int64_t b, const scalar_t* base,
-                  const int64_t* st, int64_t s0, int64_t n, int64_t cols, acc_t* dst) {
+// Rows [s0, s0 + n) of sequence b's paged keys (or values) run by run: f(src, m, j) for each run of m rows
+// that are consecutive in one page, src its first row, j its first row's index in [0, n). Row s is row
+// s % page_size of page block_table[b, s / page_size], so a tile is gathered page run by page run, never the
+// cache. `base` points at the kv head's first page, `st` are the tensor's (page, head, row, column) strides.
+template <typename scalar_t, typename F>
+void for_each_page_run(const AttentionParams& p, const void* block_table, int64_t b, const scalar_t* base,
+                       const int64_t* st, int64_t s0, int64_t n, F&& f) {
   const auto* table = static_cast<const int32_t*>(block_table) + b * p.block_table_stride[0];
   const int64_t ps = p.page_size;
   for (int64_t j = 0; j < n;) {
     const int64_t s = s0 + j, r = s % ps, m = std::min(n - j, ps - r);
     const int64_t page = table[(s / ps) * p.block_table_stride[1]];
-    pack_block(base + page * st[0] + r * st[2], st[2], st[3], m, cols, acc_t(1), dst + j * cols, cols);
+    f(base + page * st[0] + r * st[2], m, j);
     j += m;
   }
+}
+
+// The paged rows [s0, s0 + n), converted into dst (n, cols) with leading dimension cols.
+template <typename scalar_t, typename acc_t>
+void gather_pages(const AttentionParams& p, const void* block_table, int64_t b, const scalar_t* base,
+                  const int64_t* st, int64_t s0, int64_t n, int64_t cols, acc_t* dst) {
+  for_each_page_run(p, block_table, b, base, st, s0, n, [&](const scalar_t* src, int64_t m, int64_t j) {
+    pack_block(src, st[2], st[3], m, cols, acc_t(1), dst + j * cols, cols);
+  });
 }
 
 // The kv head that query head h reads (grouped KV heads: a group of H / Hkv query heads shares one).
@@ -618,14 +731,25 @@ struct Scratch {
   acc_t* row_bias;   // (bk,) one row's mask bias
   acc_t* tile_bias;  // (bk,) key padding bias, plus attn_mask's row when that is broadcast over queries
   SoftmaxRow<acc_t>* rows;  // (rows,) online-softmax state
+  // With bfloat16 pairs (AttentionCpu::kPairs), the operands instead of q, k, kt and v (which are then
+  // empty):
+  AlignedBuffer<uint32_t> pair_storage;
+  uint32_t* qp = nullptr;             // (rows, D2) the item's queries, unscaled (the score GEMM scales)
+  uint32_t* kp = nullptr;             // (bk, D2) the key tile's rows
+  uint32_t* ktp = nullptr;            // (D2, ld_s) the key tile transposed
+  uint32_t* vp = nullptr;             // (ceil(bk / 2), Dv) the value tile's row pairs
+  uint32_t* pp = nullptr;             // (bq, ld_p) a tile's probabilities, rounded
+  AlignedBuffer<uint16_t> page_rows;  // (bk, max(D, Dv)) a paged tile's rows, gathered
+  int64_t ld_p = 0;
 
-  Scratch(const AttentionParams& p, const Plan& plan) {
+  Scratch(const AttentionParams& p, const Plan& plan, bool pairs) {
     const int64_t D = p.head_dim, Dv = p.v_head_dim, bq = plan.bq, bk = plan.bk;
     const int64_t rows_n = bq * plan.block;
     const int64_t line = kLine<acc_t>;
+    const int64_t dq = pairs ? 0 : D, dv = pairs ? 0 : Dv;
     constexpr int kRegions = 9;
-    const int64_t sizes[kRegions] = {rows_n * D,     rows_n * Dv, bk * D, D * plan.ld_s, bk * Dv,
-                                     bq * plan.ld_s, bk,          bk,     2 * rows_n};
+    const int64_t sizes[kRegions] = {rows_n * dq,    rows_n * Dv, bk * dq, dq * plan.ld_s, bk * dv,
+                                     bq * plan.ld_s, bk,          bk,      2 * rows_n};
     int64_t total = 0;
     for (int64_t n : sizes) total += round_up(n, line);
     storage = AlignedBuffer<acc_t>(total);
@@ -639,6 +763,20 @@ struct Scratch {
     row_bias = regions[6], tile_bias = regions[7];
     static_assert(sizeof(SoftmaxRow<acc_t>) == 2 * sizeof(acc_t), "SoftmaxRow must be two accumulators");
     rows = reinterpret_cast<SoftmaxRow<acc_t>*>(regions[8]);
+    if (!pairs) return;
+    const int64_t D2 = (D + 1) / 2, bk2 = (bk + 1) / 2;
+    ld_p = round_up(bk2, 16);
+    const int64_t pair_sizes[5] = {rows_n * D2, bk * D2, D2 * plan.ld_s, bk2 * Dv, bq * ld_p};
+    int64_t pair_total = 0;
+    for (int64_t n : pair_sizes) pair_total += round_up(n, 16);
+    pair_storage = AlignedBuffer<uint32_t>(pair_total);
+    uint32_t* at = pair_storage.data();
+    uint32_t** pair_regions[5] = {&qp, &kp, &ktp, &vp, &pp};
+    for (int i = 0; i < 5; ++i) {
+      *pair_regions[i] = at;
+      at += round_up(pair_sizes[i], 16);
+    }
+    if (p.page_size > 0) page_rows = AlignedBuffer<uint16_t>(bk * std::max(D, Dv));
   }
 };
 
@@ -749,6 +887,10 @@ template <typename scalar_t>
 class AttentionCpu {
  public:
   using acc_t = typename AccType<scalar_t>::type;
+  // bfloat16 inputs multiplied as pairs where the TU has the products (dot16.h): queries, keys and values
+  // keep their bits, P is rounded to bfloat16 for P V, scores and accumulators are float32.
+  static constexpr bool kPairs = kDotBf16 && std::is_same_v<scalar_t, torch::headeronly::BFloat16>;
+  using op_t = std::conditional_t<kPairs, uint32_t, acc_t>;  // the tile GEMMs' operand elements
 
   AttentionCpu(const AttentionParams& p, const AttentionPointers& d)
       : p_(p),
@@ -770,7 +912,7 @@ class AttentionCpu {
     std::atomic<int64_t> next{0};
     const int64_t threads = std::min<int64_t>(num_threads(), items);
     parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      Scratch<acc_t> ws(p_, plan_);
+      Scratch<acc_t> ws(p_, plan_, kPairs);
       for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
         if (plan_.group > 1) {
           run_group_item(i / p_.kv_heads, i % p_.kv_heads, ws);
@@ -828,8 +970,8 @@ class AttentionCpu {
   // O(w), not O(S), per row).
   void run_item(int64_t b, int64_t h, int64_t blk, Scratch<acc_t>& ws) {
     const SeqRange seq = seq_range(p_, d_, b);
-    const int64_t L = seq.q_len, D = p_.head_dim, Dv = p_.v_head_dim;
-    const int64_t bq = plan_.bq, lds = plan_.ld_s;
+    const int64_t L = seq.q_len, Dv = p_.v_head_dim;
+    const int64_t bq = plan_.bq;
     // Blocks past a shorter sequence's queries are empty (plan_.q_tiles is the longest sequence's).
     const int64_t qt_begin = blk * plan_.block, qt_end = std::min((L + bq - 1) / bq, qt_begin + plan_.block);
     if (qt_begin >= qt_end) return;
@@ -847,8 +989,7 @@ class AttentionCpu {
         static_cast<const scalar_t*>(d_.key) + (paged ? 0 : b * ks[0]) + hk * ks[1] + seq.k_begin * ks[2];
     const auto* v =
         static_cast<const scalar_t*>(d_.value) + (paged ? 0 : b * vs[0]) + hk * vs[1] + seq.k_begin * vs[2];
-    // The scale goes into the queries once, instead of into every score.
-    pack_block(q, qs[2], qs[3], rows_n, D, scale_, ws.q, D);
+    pack_queries(q, qs[2], qs[3], rows_n, ws);
     for (int64_t i = 0; i < rows_n; ++i) ws.rows[i] = softmax_row_init<acc_t>();
     // Zeroed accumulators let every P V GEMM accumulate, whichever tiles a row skips.
     std::fill_n(ws.o, rows_n * Dv, acc_t(0));
@@ -861,40 +1002,16 @@ class AttentionCpu {
          ++kt, k0 += plan_.bk) {
       // Keys past the block's range are outside every row's: the tile is cut there.
       const int64_t nk = std::min(plan_.bk, block_keys.end - k0);
-      bool loaded = false;  // ws.kt (or ka), va and `shared` hold this key tile
-      Operand<acc_t> ka{}, va{};
+      bool loaded = false;  // ka, va and `shared` hold this key tile
+      Operand<op_t> ka{}, va{};
       const acc_t* shared = nullptr;
       for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         const int64_t q0 = qt * bq, nq = std::min(bq, L - q0);
         const KeySpan tile_keys = row_keys(p_, L, kv_len_b, q0, q0 + nq - 1);
         if (tile_keys.end <= k0 || tile_keys.begin >= k0 + nk || tile_skipped(b, h, qt, kt)) continue;
         const int64_t nk_q = std::min(nk, tile_keys.end - k0);
-        if (!loaded && paged) {
-          // Gathered per tile through the block table, converted on the way.
-          if (D > 0) {
-            gather_pages(p_, d_.block_table, b, k, ks, k0, nk, D, ws.k);
-            if (single_row) {
-              ka = {ws.k, D};
-            } else {
-              transpose(ws.k, D, ws.kt, lds, nk, D);
-              ka = {ws.kt, lds};
-            }
-          }
-          if (Dv > 0) {
-            gather_pages(p_, d_.block_table, b, v, vs, k0, nk, Dv, ws.v);
-            va = {ws.v, Dv};
-          }
-          shared = shared_bias(b, h, k0, nk, ws);
-          loaded = true;
-        }
         if (!loaded) {
-          if (D > 0 && single_row) {
-            ka = b_operand(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k);
-          } else if (D > 0) {
-            transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
-            ka = {ws.kt, lds};
-          }
-          if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
+          load_tile(b, k, v, k0, nk, single_row, ws, ka, va);
           shared = shared_bias(b, h, k0, nk, ws);
           loaded = true;
         }
@@ -913,7 +1030,7 @@ class AttentionCpu {
   // the G rows of one tile. Each key tile is transposed once for the group; every row sees the same keys
   // (one query position), so the rows differ only in their queries.
   void run_group_item(int64_t b, int64_t hk, Scratch<acc_t>& ws) {
-    const int64_t G = plan_.group, D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
+    const int64_t G = plan_.group, Dv = p_.v_head_dim;
     const SeqRange seq = seq_range(p_, d_, b);
     const int64_t L = seq.q_len, kv_len_b = seq.kv_len, h0 = hk * G;
     if (L <= 0) return;
@@ -925,31 +1042,15 @@ class AttentionCpu {
     const auto* v =
         static_cast<const scalar_t*>(d_.value) + (paged ? 0 : b * vs[0]) + hk * vs[1] + seq.k_begin * vs[2];
     // Row g is query head h0 + g: the heads' rows are qs[1] apart.
-    pack_block(q + h0 * qs[1], qs[1], qs[3], G, D, scale_, ws.q, D);
+    pack_queries(q + h0 * qs[1], qs[1], qs[3], G, ws);
     for (int64_t g = 0; g < G; ++g) ws.rows[g] = softmax_row_init<acc_t>();
     std::fill_n(ws.o, G * Dv, acc_t(0));
     const KeySpan keys = row_keys(p_, L, kv_len_b, 0, 0);
     for (int64_t kt = keys.begin / plan_.bk, k0 = kt * plan_.bk; k0 < keys.end; ++kt, k0 += plan_.bk) {
       const int64_t nk = std::min(plan_.bk, keys.end - k0);
       if (skip_.padding_skips(b, kt)) continue;
-      Operand<acc_t> ka{}, va{};
-      if (paged) {
-        if (D > 0) {
-          gather_pages(p_, d_.block_table, b, k, ks, k0, nk, D, ws.k);
-          transpose(ws.k, D, ws.kt, lds, nk, D);
-          ka = {ws.kt, lds};
-        }
-        if (Dv > 0) {
-          gather_pages(p_, d_.block_table, b, v, vs, k0, nk, Dv, ws.v);
-          va = {ws.v, Dv};
-        }
-      } else {
-        if (D > 0) {
-          transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
-          ka = {ws.kt, lds};
-        }
-        if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
-      }
+      Operand<op_t> ka{}, va{};
+      load_tile(b, k, v, k0, nk, /*keys_as_rows=*/false, ws, ka, va);
       const acc_t* shared = shared_bias(b, h0, k0, nk, ws);
       process_tile(b, h0, 0, 0, G, k0, nk, L, kv_len_b, ka, false, va, shared, ws, false, kBlockFull,
                    /*heads_as_rows=*/true);
@@ -963,17 +1064,25 @@ class AttentionCpu {
   // block-sparse mask makes it PARTIAL, else kBlockFull. heads_as_rows: the rows are query position q0 of nq
   // consecutive heads from h (run_group_item), without per-head masks or dropout.
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
-                    int64_t q_len_b, int64_t kv_len_b, const Operand<acc_t>& ka, bool keys_as_rows,
-                    const Operand<acc_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows,
+                    int64_t q_len_b, int64_t kv_len_b, const Operand<op_t>& ka, bool keys_as_rows,
+                    const Operand<op_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows,
                     int32_t block, bool heads_as_rows = false) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     acc_t* s = ws.s;
     // S (nq, nk) = (scale Q) K^T.
-    if (D > 0 && keys_as_rows) {
+    if constexpr (kPairs) {
+      const int64_t D2 = (D + 1) / 2;
+      if (D > 0 && keys_as_rows) {
+        dot_rows_pairs(ws.qp + i0 * D2, ka.ptr, ka.ld, nk, D2, scale_, s);
+      } else if (D > 0) {
+        gemm_pairs(nq, nk, D2, ws.qp + i0 * D2, D2, ka.ptr, ka.ld, s, lds, /*add_c=*/false, scale_);
+      }
+    } else if (D > 0 && keys_as_rows) {
       dot_rows(ws.q + i0 * D, ka.ptr, ka.ld, nk, D, s);
     } else if (D > 0) {
       tile_gemm(nq, nk, D, ws.q + i0 * D, D, ka.ptr, ka.ld, s, lds, /*add_c=*/false);
-    } else {
+    }
+    if (D == 0) {
       for (int64_t i = 0; i < nq; ++i) std::fill_n(s + i * lds, nk, acc_t(0) * scale_);
     }
 
@@ -1006,7 +1115,91 @@ class AttentionCpu {
     }
 
     // O (nq, Dv) += P V.
-    if (Dv > 0) tile_gemm(nq, Dv, nk, s, lds, va.ptr, va.ld, ws.o + i0 * Dv, Dv, /*add_c=*/true);
+    if constexpr (kPairs) {
+      if (Dv > 0) pv_pairs(s, lds, nq, nk, va.ptr, va.ld, Dv, ws.pp, ws.ld_p, ws.o + i0 * Dv, Dv);
+    } else if (Dv > 0) {
+      tile_gemm(nq, Dv, nk, s, lds, va.ptr, va.ld, ws.o + i0 * Dv, Dv, /*add_c=*/true);
+    }
+  }
+
+  // The item's rows (rows, D) of the queries at q (row and column strides rs, cs) as the score GEMM's A
+  // operand: pre-scaled float (the scale goes into the queries once, instead of into every score), or
+  // unscaled pairs (the pair GEMM scales its result: a scaled query would be rounded to bfloat16).
+  void pack_queries(const scalar_t* q, int64_t rs, int64_t cs, int64_t rows, Scratch<acc_t>& ws) const {
+    if constexpr (kPairs) {
+      pack_pairs(q, rs, cs, rows, p_.head_dim, ws.qp, (p_.head_dim + 1) / 2);
+    } else {
+      pack_block(q, rs, cs, rows, p_.head_dim, scale_, ws.q, p_.head_dim);
+    }
+  }
+
+  // Keys [k0, k0 + nk) of batch b at k (the kv head's first row, or first page row when paged) and their
+  // values at v, as the tile GEMMs' B operands: the keys transposed (D, nk) or, when keys_as_rows, as (nk, D)
+  // rows; values (nk, Dv). Read in place where the GEMM can, else converted (or, with kPairs, paired) into
+  // ws; a paged tile is gathered through the block table.
+  void load_tile(int64_t b, const scalar_t* k, const scalar_t* v, int64_t k0, int64_t nk, bool keys_as_rows,
+                 Scratch<acc_t>& ws, Operand<op_t>& ka, Operand<op_t>& va) const {
+    const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
+    const int64_t *ks = p_.k_stride, *vs = p_.v_stride;
+    const bool paged = p_.page_size > 0;
+    if constexpr (kPairs) {
+      const int64_t D2 = (D + 1) / 2;
+      if (D > 0) {
+        if (paged) {
+          for_each_page_run(p_, d_.block_table, b, k, ks, k0, nk,
+                            [&](const scalar_t* src, int64_t m, int64_t j) {
+                              pack_pairs(src, ks[2], ks[3], m, D, ws.kp + j * D2, D2);
+                            });
+        } else {
+          pack_pairs(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.kp, D2);
+        }
+        if (keys_as_rows) {
+          ka = {ws.kp, D2};
+        } else {
+          transpose(ws.kp, D2, ws.ktp, lds, nk, D2);
+          ka = {ws.ktp, lds};
+        }
+      }
+      if (Dv > 0) {
+        if (paged) {
+          // A pair of rows may straddle two pages: the rows are gathered first.
+          uint16_t* rows = ws.page_rows.data();
+          for_each_page_run(p_, d_.block_table, b, v, vs, k0, nk,
+                            [&](const scalar_t* src, int64_t m, int64_t j) {
+                              for (int64_t r = 0; r < m; ++r) {
+                                for (int64_t c = 0; c < Dv; ++c)
+                                  rows[(j + r) * Dv + c] = src[r * vs[2] + c * vs[3]].x;
+                              }
+                            });
+          pack_row_pairs(rows, Dv, 1, nk, Dv, ws.vp, Dv);
+        } else {
+          pack_row_pairs(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.vp, Dv);
+        }
+        va = {ws.vp, Dv};
+      }
+    } else if (paged) {
+      if (D > 0) {
+        gather_pages(p_, d_.block_table, b, k, ks, k0, nk, D, ws.k);
+        if (keys_as_rows) {
+          ka = {ws.k, D};
+        } else {
+          transpose(ws.k, D, ws.kt, lds, nk, D);
+          ka = {ws.kt, lds};
+        }
+      }
+      if (Dv > 0) {
+        gather_pages(p_, d_.block_table, b, v, vs, k0, nk, Dv, ws.v);
+        va = {ws.v, Dv};
+      }
+    } else {
+      if (D > 0 && keys_as_rows) {
+        ka = b_operand(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k);
+      } else if (D > 0) {
+        transpose_keys(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.k, ws.kt, lds);
+        ka = {ws.kt, lds};
+      }
+      if (Dv > 0) va = b_operand(v + k0 * vs[2], vs[2], vs[3], nk, Dv, ws.v);
+    }
   }
 
   // Rows [q0, q0 + nq) of out and lse (rows of the packed tensors with varlen), from the item's scratch at

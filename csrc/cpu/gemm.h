@@ -1,6 +1,6 @@
 // attnx: the CPU kernels' tile GEMMs: row-major C (M, N) (+)= A (M, K) @ B (K, N) with leading dimensions,
 // on register-blocked micro-kernels over vec.h's Vec<float>. Header-only and torch-free; included after
-// vec.h, in the same CPU_CAPABILITY namespace.
+// vec.h and dot16.h, in the same CPU_CAPABILITY namespace.
 //
 // The tiles are small (M, N, K of 64..512: the forward's (bq, bk) scores against D, the backward's (bk, bq)
 // tiles) and their operands already sit in cache, so there is no packing: a micro-kernel keeps an
@@ -16,6 +16,10 @@
 // last masked) still keeps 24 accumulators busy, and each loaded B vector serves as many rows as registers
 // allow: the B panel is re-read once per row block, so more rows per block mean fewer loads per FMA. Each
 // element of C still accumulates over k in order from 0 (or from C), so the blocking never changes a result.
+//
+// One driver serves two kinds of product (a Product below): float32 elements (FloatProduct: a step of the
+// depth is one k, an FMA per lane) and, where the TU has them (dot16.h), bfloat16 pairs (PairProduct: a step
+// is two k, A's element a pair and B's row k the (k, k + 1) pairs of its columns, one vdpbf16ps per lane).
 #pragma once
 
 #ifndef CPU_CAPABILITY
@@ -48,10 +52,37 @@ constexpr int mr_for(int) {
 // product of depth < 2 kKc is not cut.
 constexpr int64_t kKc = 128;
 
-// C (MR, NV vectors, the last holding `tail` lanes when TAIL) (+)= A (MR, K) @ B (K, same columns).
-template <int MR, int NV, bool TAIL>
-inline void micro(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-                  bool add_c, int tail) {
+// What a micro-kernel multiplies: per step of the depth, A's element (a_t, broadcast to every lane once per
+// row) times a vector of B's row (b_t), added into float32 accumulators.
+struct FloatProduct {
+  using a_t = float;
+  using b_t = float;
+  using AVec = Vec<float>;
+  using BVec = Vec<float>;
+  static AVec broadcast(float a) { return Vec<float>(a); }
+  static BVec load(const float* p) { return Vec<float>::loadu(p); }
+  static BVec load(const float* p, int n) { return Vec<float>::loadu(p, n); }
+  static Vec<float> step(Vec<float> acc, AVec a, BVec b) { return fmadd(a, b, acc); }
+};
+
+#if ATTNX_DOT_BF16
+struct PairProduct {
+  using a_t = uint32_t;
+  using b_t = uint32_t;
+  using AVec = Pairs;
+  using BVec = Pairs;
+  static AVec broadcast(uint32_t a) { return Pairs::broadcast(a); }
+  static BVec load(const uint32_t* p) { return Pairs::loadu(p); }
+  static BVec load(const uint32_t* p, int n) { return Pairs::loadu(p, n); }
+  static Vec<float> step(Vec<float> acc, AVec a, BVec b) { return dot_pairs(acc, a, b); }
+};
+#endif
+
+// C (MR, NV vectors, the last holding `tail` lanes when TAIL) (+)= A (MR, K) @ B (K, same columns), times
+// alpha when alpha != 1 (the whole of C then: see gemm_steps).
+template <typename P, int MR, int NV, bool TAIL>
+inline void micro(int64_t K, const typename P::a_t* A, int64_t lda, const typename P::b_t* B, int64_t ldb,
+                  float* C, int64_t ldc, bool add_c, int tail, float alpha) {
   using V = Vec<float>;
   constexpr int W = V::size();
   V acc[MR][NV];
@@ -69,17 +100,23 @@ inline void micro(int64_t K, const float* A, int64_t lda, const float* B, int64_
     }
   }
   for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * ldb;
-    V bv[NV];
+    const typename P::b_t* b = B + k * ldb;
+    typename P::BVec bv[NV];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) {
-      bv[v] = (TAIL && v == NV - 1) ? V::loadu(b + v * W, tail) : V::loadu(b + v * W);
-    }
+    for (int v = 0; v < NV; ++v)
+      bv[v] = (TAIL && v == NV - 1) ? P::load(b + v * W, tail) : P::load(b + v * W);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const V a(A[i * lda + k]);
+      const typename P::AVec a = P::broadcast(A[i * lda + k]);
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[i][v] = fmadd(a, bv[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = P::step(acc[i][v], a, bv[v]);
+    }
+  }
+  if (alpha != 1.0f) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] * V(alpha);
     }
   }
 #pragma GCC unroll 8
@@ -95,73 +132,76 @@ inline void micro(int64_t K, const float* A, int64_t lda, const float* B, int64_
   }
 }
 
-template <int MR, int NV>
-inline void micro_tail(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                       int64_t ldc, bool add_c, int tail) {
+template <typename P, int MR, int NV>
+inline void micro_tail(int64_t K, const typename P::a_t* A, int64_t lda, const typename P::b_t* B,
+                       int64_t ldb, float* C, int64_t ldc, bool add_c, int tail, float alpha) {
   if (tail == Vec<float>::size()) {
-    micro<MR, NV, false>(K, A, lda, B, ldb, C, ldc, add_c, tail);
+    micro<P, MR, NV, false>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
   } else {
-    micro<MR, NV, true>(K, A, lda, B, ldb, C, ldc, add_c, tail);
+    micro<P, MR, NV, true>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
   }
 }
 
 // The last `rows` (< MR) rows of a column block: a micro-kernel of exactly that many rows.
-template <int R, int NV>
-inline void row_edge(int64_t rows, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                     float* C, int64_t ldc, bool add_c, int tail) {
+template <typename P, int R, int NV>
+inline void row_edge(int64_t rows, int64_t K, const typename P::a_t* A, int64_t lda, const typename P::b_t* B,
+                     int64_t ldb, float* C, int64_t ldc, bool add_c, int tail, float alpha) {
   if constexpr (R > 0) {
     if (rows == R) {
-      micro_tail<R, NV>(K, A, lda, B, ldb, C, ldc, add_c, tail);
+      micro_tail<P, R, NV>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
     } else {
-      row_edge<R - 1, NV>(rows, K, A, lda, B, ldb, C, ldc, add_c, tail);
+      row_edge<P, R - 1, NV>(rows, K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
     }
   }
 }
 
 // A column block of nv vectors over every row block of A.
-template <int NV>
-inline void column_block(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                         float* C, int64_t ldc, bool add_c, int tail) {
+template <typename P, int NV>
+inline void column_block(int64_t M, int64_t K, const typename P::a_t* A, int64_t lda,
+                         const typename P::b_t* B, int64_t ldb, float* C, int64_t ldc, bool add_c, int tail,
+                         float alpha) {
   constexpr int MR = mr_for(NV);
   int64_t i = 0;
   for (; i + MR <= M; i += MR) {
-    micro_tail<MR, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail);
+    micro_tail<P, MR, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail, alpha);
   }
-  if (M > i) row_edge<MR - 1, NV>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail);
+  if (M > i)
+    row_edge<P, MR - 1, NV>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail, alpha);
 }
 
-}  // namespace gemm_detail
-
-// C (M, N) = A (M, K) @ B (K, N) (+ C when add_c), row-major with leading dimensions, fp32.
-inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                 float* C, int64_t ldc, bool add_c) {
-  using namespace gemm_detail;
+// C (M, N) = alpha A (M, K) @ B (K, N), or C += A @ B when add_c (alpha then 1), K in steps of P. Deep
+// products run in kKc-step slices, each after the first adding to C; alpha scales the last, which holds the
+// whole sum.
+template <typename P>
+inline void gemm_steps(int64_t M, int64_t N, int64_t K, const typename P::a_t* A, int64_t lda,
+                       const typename P::b_t* B, int64_t ldb, float* C, int64_t ldc, bool add_c,
+                       float alpha) {
   constexpr int W = Vec<float>::size();
   constexpr int64_t kNr = kNv * W;
   if (M <= 0 || N <= 0) return;
-  // Deep products in kKc slices (the last one taking up to 2 kKc - 1), each after the first adding to C.
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKc) {
     const int64_t kc = K - k0 < 2 * kKc ? K - k0 : kKc;
     const bool add = add_c || k0 > 0;
+    const float a = kc == K - k0 ? alpha : 1.0f;
     for (int64_t j = 0; j < N; j += kNr) {
       const int64_t nc = std::min<int64_t>(kNr, N - j);
       const int nv = static_cast<int>((nc + W - 1) / W);
       const int tail = static_cast<int>(nc - (nv - 1) * W);
-      const float* a = A + k0;
-      const float* b = B + k0 * ldb + j;
+      const typename P::a_t* ap = A + k0;
+      const typename P::b_t* bp = B + k0 * ldb + j;
       float* c = C + j;
       switch (nv) {
         case 1:
-          column_block<1>(M, kc, a, lda, b, ldb, c, ldc, add, tail);
+          column_block<P, 1>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
           break;
         case 2:
-          if constexpr (kNv >= 2) column_block<2>(M, kc, a, lda, b, ldb, c, ldc, add, tail);
+          if constexpr (kNv >= 2) column_block<P, 2>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
           break;
         case 3:
-          if constexpr (kNv >= 3) column_block<3>(M, kc, a, lda, b, ldb, c, ldc, add, tail);
+          if constexpr (kNv >= 3) column_block<P, 3>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
           break;
         case 4:
-          if constexpr (kNv >= 4) column_block<4>(M, kc, a, lda, b, ldb, c, ldc, add, tail);
+          if constexpr (kNv >= 4) column_block<P, 4>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
           break;
         default:
           break;
@@ -170,6 +210,23 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
     if (kc == K - k0) break;
   }
 }
+
+}  // namespace gemm_detail
+
+// C (M, N) = A (M, K) @ B (K, N) (+ C when add_c), row-major with leading dimensions, fp32.
+inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                 float* C, int64_t ldc, bool add_c) {
+  gemm_detail::gemm_steps<gemm_detail::FloatProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, 1.0f);
+}
+
+#if ATTNX_DOT_BF16
+// C (M, N) = alpha A (M, 2 K) @ B (2 K, N), or C += A @ B when add_c (alpha 1), in float32 from bfloat16
+// pairs (dot16.h): A's rows are K pairs (lda in pairs), B is (K, N) pairs (ldb in pairs).
+inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda, const uint32_t* B,
+                       int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha) {
+  gemm_detail::gemm_steps<gemm_detail::PairProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
+}
+#endif
 
 // The fp64 tiles (reference-grade results, not speed): a vectorised loop over C's rows.
 inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,

@@ -404,13 +404,14 @@ template <typename T>
 void transpose(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
   int64_t r0 = 0;
 #if !defined(ATTNX_VEC_PORTABLE)
-  if constexpr (std::is_same_v<T, float>) {
-    // 8 x 8 blocks in ymm registers (AVX is part of both wide levels).
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint32_t>) {
+    // 8 x 8 blocks in ymm registers (AVX is part of both wide levels); a word is moved as a float (bfloat16
+    // pairs: dot16.h), whose bits the loads, shuffles and stores keep.
     for (; r0 + 8 <= rows; r0 += 8) {
       int64_t c0 = 0;
       for (; c0 + 8 <= cols; c0 += 8) {
-        const float* s = src + r0 * ld_src + c0;
-        float* d = dst + c0 * ld_dst + r0;
+        const float* s = reinterpret_cast<const float*>(src + r0 * ld_src + c0);
+        float* d = reinterpret_cast<float*>(dst + c0 * ld_dst + r0);
         __m256 r[8], t[8];
         for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + i * ld_src);
         t[0] = _mm256_unpacklo_ps(r[0], r[1]);

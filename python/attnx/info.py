@@ -52,7 +52,8 @@ COMPOSITE_NEEDS = {
 }
 
 # attnx::_cpu_capability's answers (ATEN_CPU_CAPABILITY's spelling) as the report names them.
-ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "default": "baseline"}
+ISA_NAMES = {"avx512_bf16": "AVX-512 with AVX512-BF16", "avx512": "AVX-512", "avx2": "AVX2",
+             "default": "baseline", "emulated_bf16": "AVX512-BF16 emulated on the baseline ISA"}
 
 # The libraries attnx.integrations adapts, by import name, with the distribution that installs each.
 INTEGRATIONS = (("transformers", "transformers"), ("timm", "timm"), ("open_clip", "open_clip_torch"))
@@ -95,9 +96,11 @@ def op_backends(op: str) -> dict[str, str]:
 
 
 def cpu_isa() -> str:
-    """The ISA level attnx's CPU attention kernels (forward and backward) run at in this process: ``AVX-512``,
-    ``AVX2`` or ``baseline``. The library's own answer (cpu_capability() in csrc/cpu/attention_kernel.h):
-    torch's rule, ATEN_CPU_CAPABILITY included, and baseline where the wider variants are not built."""
+    """The ISA level attnx's CPU attention kernels (forward and backward) run at in this process: ``AVX-512
+    with AVX512-BF16`` (bfloat16 products on vdpbf16ps), ``AVX-512``, ``AVX2`` or ``baseline``, or the
+    emulation that ATTNX_CPU_CAPABILITY=emulated_bf16 asks for. The library's own answer (cpu_capability() in
+    csrc/cpu/attention_kernel.h): torch's rule, ATEN_CPU_CAPABILITY included, then AVX512-BF16 where the CPU
+    has it, ATTNX_CPU_CAPABILITY's choice, and baseline where the wider variants are not built."""
     return ISA_NAMES[torch.ops.attnx._cpu_capability()]
 
 
@@ -183,10 +186,10 @@ def op_lines() -> list[str]:
 
 def cpu_line() -> str:
     """The ISA level of the CPU attention kernels, beside torch's own."""
-    asked = os.environ.get("ATEN_CPU_CAPABILITY")
+    asked = [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "ATTNX_CPU_CAPABILITY")
+             if name in os.environ]
     return (f"CPU attention kernels: {cpu_isa()} (torch's CPU kernels: "
-            f"{torch.backends.cpu.get_cpu_capability()}"
-            + (f"; ATEN_CPU_CAPABILITY={asked}" if asked is not None else "") + ")")
+            f"{torch.backends.cpu.get_cpu_capability()}" + "".join(f"; {a}" for a in asked) + ")")
 
 
 # The head dims and dtypes kernel_lines asks about: one per CUDA head-dim bucket and one past the last.

@@ -1,0 +1,27 @@
+// attnx: attnx::attention's CPU kernels compiled for AVX-512 with AVX512-BF16: the AVX512 variant, whose
+// bfloat16 products run on vdpbf16ps (cpu/dot16.h). See cpu/attention_kernel.h for why the target is raised
+// here, after every non-vector header.
+#include "cpu/attention_backward_kernel.h"
+#include "cpu/attention_kernel.h"
+
+#if ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT >= 3
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,avx,fma,f16c,bmi,bmi2,lzcnt,popcnt")
+// The pragma does not define the ISA macros that vec.h tests to pick its implementation.
+#define __AVX__ 1
+#define __AVX2__ 1
+#define __FMA__ 1
+#define __F16C__ 1
+#define __AVX512F__ 1
+#define __AVX512BW__ 1
+#define __AVX512VL__ 1
+#define __AVX512DQ__ 1
+#define __AVX512BF16__ 1
+#define CPU_CAPABILITY AVX512_BF16
+#define CPU_CAPABILITY_AVX512
+#define ATTNX_DOT_BF16 1
+#include "cpu/attention_kernel_impl.h"
+// The backward kernel is built from the forward kernel's helpers: after them.
+#include "cpu/attention_backward_kernel_impl.h"
+#pragma GCC pop_options
+#endif
