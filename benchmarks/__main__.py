@@ -22,6 +22,7 @@ from . import (
     bench_b1,
     bench_backward,
     bench_batching,
+    bench_cpu16,
     bench_cuda,
     bench_features,
     bench_flex,
@@ -52,6 +53,7 @@ BENCHMARKS = {
     "varlen": bench_varlen,
     "batching": bench_batching,
     "flex": bench_flex,
+    "cpu16": bench_cpu16,
 }
 
 
