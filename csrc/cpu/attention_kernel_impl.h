@@ -251,13 +251,15 @@ inline void dot_rows_pairs(const uint32_t* q, const uint32_t* k, int64_t ldk, in
   }
 }
 
-// O (nq, Dv) += P (nq, nk) V (nk, Dv) with P rounded to bfloat16 (into pp, leading dimension ldp) and V as
-// row pairs (vp, leading dimension ldv). An odd last key is added on its own, in float32: its pair's other
-// row is a key outside this tile's range (or padding), which a zero probability must not multiply, as a NaN
-// or an infinity there would turn 0 into NaN.
+// O (nq, Dv) += P (nq, nk) V (nk, Dv) with P rounded to bfloat16 (into pp, leading dimension ldp, unless
+// `rounded` says it is there already) and V as row pairs (vp, leading dimension ldv). An odd last key is
+// added on its own, in float32: its pair's other row is a key outside this tile's range (or padding), which a
+// zero probability must not multiply, as a NaN or an infinity there would turn 0 into NaN.
 inline void pv_pairs(const float* s, int64_t lds, int64_t nq, int64_t nk, const uint32_t* vp, int64_t ldv,
-                     int64_t Dv, uint32_t* pp, int64_t ldp, float* o, int64_t ldo) {
-  for (int64_t i = 0; i < nq; ++i) to_bf16_pairs(s + i * lds, nk, pp + i * ldp);
+                     int64_t Dv, uint32_t* pp, int64_t ldp, bool rounded, float* o, int64_t ldo) {
+  if (!rounded) {
+    for (int64_t i = 0; i < nq; ++i) to_bf16_pairs(s + i * lds, nk, pp + i * ldp);
+  }
   gemm_pairs(nq, Dv, nk / 2, pp, ldp, vp, ldv, o, ldo, /*add_c=*/true, 1.0f);
   if (nk % 2) {
     const uint32_t* last = vp + (nk / 2) * ldv;
@@ -458,6 +460,28 @@ acc_t exp_and_sum(acc_t* s, int64_t n, acc_t base) {
   }
   return sum;
 }
+
+#if ATTNX_DOT_BF16
+// exp(s[j] - base) for j < n, rounded into dst as ceil(n / 2) pairs (the high half of an odd last one 0);
+// returns the sum of the unrounded results, as exp_and_sum does. One pass instead of exp_and_sum's and
+// to_bf16_pairs', and s is left as it is but for the last, partial step's elements.
+inline float exp_sum_pairs(float* s, int64_t n, float base, uint32_t* dst) {
+  using V = Vec<float>;
+  constexpr int64_t W = V::size();
+  const V vbase(base);
+  V vsum(0.0f);
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {
+    const V e0 = vexp(V::loadu(s + j) - vbase), e1 = vexp(V::loadu(s + j + W) - vbase);
+    vsum = vsum + e0;
+    vsum = vsum + e1;
+    store_bf16_pairs(e0, e1, dst + j / 2);
+  }
+  const float tail = exp_and_sum(s + j, n - j, base);
+  to_bf16_pairs(s + j, n - j, dst + j / 2);
+  return reduce_sum(vsum) + tail;
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dropout (attnx/philox.h): one Philox block serves four consecutive keys of a row, and a row's blocks are
@@ -1106,7 +1130,14 @@ class AttentionCpu {
       const acc_t tile_max = add_bias_and_max(row, bias, lo, hi, nk);
       SoftmaxRow<acc_t>& state = ws.rows[i0 + i];
       const SoftmaxStep<acc_t> step = softmax_step(state, tile_max);
-      const acc_t tile_sum = exp_and_sum(row, nk, step.base);
+      acc_t tile_sum;
+      if constexpr (kPairs) {
+        // P rounded for P V in the same pass, unless dropout changes it after.
+        tile_sum = p_.dropout ? exp_and_sum(row, nk, step.base)
+                              : exp_sum_pairs(row, nk, step.base, ws.pp + i * ws.ld_p);
+      } else {
+        tile_sum = exp_and_sum(row, nk, step.base);
+      }
       state = softmax_advance(state, step, tile_sum);
       if (step.alpha != acc_t(1)) scale_row(ws.o + (i0 + i) * Dv, Dv, step.alpha);
       // Dropout after the row sum: the softmax normalises by the undropped mass (lse is undropped), and only
@@ -1116,7 +1147,8 @@ class AttentionCpu {
 
     // O (nq, Dv) += P V.
     if constexpr (kPairs) {
-      if (Dv > 0) pv_pairs(s, lds, nq, nk, va.ptr, va.ld, Dv, ws.pp, ws.ld_p, ws.o + i0 * Dv, Dv);
+      if (Dv > 0)
+        pv_pairs(s, lds, nq, nk, va.ptr, va.ld, Dv, ws.pp, ws.ld_p, !p_.dropout, ws.o + i0 * Dv, Dv);
     } else if (Dv > 0) {
       tile_gemm(nq, Dv, nk, s, lds, va.ptr, va.ld, ws.o + i0 * Dv, Dv, /*add_c=*/true);
     }

@@ -111,6 +111,11 @@ inline void to_bf16_pairs(const float* x, int64_t n, uint32_t* dst) {
   }
 }
 
+// dst[0, 16) = the pairs of the 32 floats lo, hi, rounded (vcvtne2ps2bf16).
+inline void store_bf16_pairs(Vec<float> lo, Vec<float> hi, uint32_t* dst) {
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi.v, lo.v)));
+}
+
 // dst[j] = the pair (bf16(a[j]), bf16(b[j])) for j < n: two rows rounded and interleaved (vcvtne2ps2bf16 and
 // a word interleave, 32 elements of each row a step).
 inline void to_bf16_row_pairs(const float* a, const float* b, int64_t n, uint32_t* dst) {
@@ -158,6 +163,15 @@ inline Vec<float> dot_pairs(Vec<float> acc, Pairs a, Pairs b) {
   acc.store(lanes);
   for (int l = 0; l < Vec<float>::size(); ++l) lanes[l] = dot16::dot_pair(lanes[l], a.v[l], b.v[l]);
   return Vec<float>::loadu(lanes);
+}
+
+inline void store_bf16_pairs(Vec<float> lo, Vec<float> hi, uint32_t* dst) {
+  constexpr int W = Vec<float>::size();
+  float x[2 * W];
+  lo.store(x);
+  hi.store(x + W);
+  for (int j = 0; j < W; ++j)
+    dst[j] = dot16::to_bf16(x[2 * j]) | static_cast<uint32_t>(dot16::to_bf16(x[2 * j + 1])) << 16;
 }
 
 inline void to_bf16_row_pairs(const float* a, const float* b, int64_t n, uint32_t* dst) {

@@ -345,6 +345,26 @@ inline Vec<float> vtanh(Vec<float> x) {
 // the float tolerances absorb. exp(x) = 2^n exp(r), n = floor(x log2(e) + 1/2), r = x - n ln 2, exp(r) by a
 // degree-5 polynomial. Below ln(FLT_MIN) (-inf included) it is 0. Its NaN handling does not matter: a NaN
 // score makes the row max NaN, and softmax_out_scale / softmax_lse then write NaN for the whole row.
+#if defined(ATTNX_VEC_AVX512)
+// AVX-512 scales by 2^n with vscalefps, its lanes below ln(FLT_MIN) zeroed by the same instruction's mask:
+// 12 instructions instead of 17, the same results where they are normal floats (p 2^n is exact there either
+// way; p 2^(n-1) 2 rounded twice where it is not).
+inline Vec<float> vexp(Vec<float> x) {
+  const __m512 ln_flt_min = _mm512_set1_ps(-87.3365479f), ln_flt_max = _mm512_set1_ps(88.7228394f);
+  const __m512 src = _mm512_max_ps(_mm512_min_ps(x.v, ln_flt_max), ln_flt_min);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(src, _mm512_set1_ps(1.44269502f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(fx, _mm512_set1_ps(-0.693147182f), src);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
+  // Not below ln(FLT_MIN): true for NaN, whose lane the clamps made finite, as before.
+  const __mmask16 keep = _mm512_cmp_ps_mask(x.v, ln_flt_min, _CMP_NLT_UQ);
+  return _mm512_maskz_scalef_ps(keep, p, fx);
+}
+#else
 inline Vec<float> vexp(Vec<float> x) {
   const Vec<float> ln_flt_min(-87.3365479f), ln_flt_max(88.7228394f);  // 0xc2aeac50, 0x42b17218
   const Vec<float> one(1.0f);
@@ -360,6 +380,7 @@ inline Vec<float> vexp(Vec<float> x) {
   const Vec<float> scale = select_lt(x, ln_flt_min, Vec<float>(0.0f), vpow2n(fx - one));
   return p * scale * Vec<float>(2.0f);
 }
+#endif
 
 // exp within about 1 ulp (Cephes' expf: ln 2 split in two, a degree-6 polynomial), for tanh below. For
 // x <= 88; NaN stays NaN (the clamps take the NaN operand second, which min/max then return).
