@@ -22,9 +22,10 @@
 // attnx::_sdpa_for_cpu_fallback (_backward_fallback), whose CPU kernel python/attnx/sdpa.py takes from the
 // dispatcher (torch.library.get_kernel) before the takeover starts. So do the bfloat16 (float16) forwards
 // that the takeover was told to keep PyTorch's, decoding steps excepted: on CPUs with AMX (AMX-FP16)
-// PyTorch's kernel runs their GEMMs on AMX tiles, where attnx's 16-bit kernels compute in float32 and take
-// about twice its time (benchmarks case `sdpa`). Their backward is still attnx's, which reads the logsumexp
-// of either forward alike.
+// PyTorch's kernel runs their GEMMs on AMX tiles, where attnx's 16-bit kernels took about twice its time when
+// they computed in float32 (benchmarks case `sdpa`; bfloat16's now run on AVX512-BF16's dot products, about
+// 1.5x faster, not yet measured against AMX). Their backward is still attnx's, which reads the logsumexp of
+// either forward alike.
 #include <torch/csrc/stable/library.h>
 
 #include <atomic>
