@@ -30,7 +30,9 @@ Infinite and NaN entries must match exactly, position by position. The inputs, t
 comparison are attention_helpers.py's, shared with the other attention tests.
 """
 
+import os
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -46,6 +48,7 @@ from attention_helpers import (
     KEY_PADDING_MASK_KINDS,
     MASKED_SHAPE,
     QKV_LAYOUTS,
+    TESTS,
     assert_fully_masked_rows,
     assert_matches_reference,
     assert_nan_rows,
@@ -879,3 +882,24 @@ _ISA_SCRIPT = """
 @pytest.mark.parametrize("variant", CPU_VARIANTS)
 def test_isa_variants(variant):
     run_under_cpu_capability(_ISA_SCRIPT, variant)
+
+
+# The files whose bfloat16 tests run again on the emulated AVX512-BF16 variant.
+_BF16_FILES = ("test_attention.py", "test_attention_backward.py", "test_attention_features.py",
+               "test_varlen.py", "test_dropout.py", "test_block_sparse.py", "test_degenerate.py")
+
+
+@pytest.mark.slow
+def test_bfloat16_tests_on_the_emulated_variant():
+    # The pair products of bfloat16 (forward and backward, every option) on a CPU without AVX512-BF16 are
+    # tested here: every bfloat16 test of the attention files again, in a process whose kernels are the
+    # emulated variant (this process runs the machine's own). About a minute on two cores.
+    if torch.ops.attnx._cpu_capability() == "emulated_bf16":
+        pytest.skip("this process runs the emulated variant already")
+    files = [os.path.join(TESTS, name) for name in _BF16_FILES]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bfloat16 or bf16", "-m",
+         "not slow", *files],
+        capture_output=True, text=True, env=dict(os.environ, ATTNX_CPU_CAPABILITY="emulated_bf16"))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout.splitlines()[-1], result.stdout[-2000:]
