@@ -1174,6 +1174,13 @@ class AttentionCpu {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     const int64_t *ks = p_.k_stride, *vs = p_.v_stride;
     const bool paged = p_.page_size > 0;
+    // Key rows (nk, cols) gathered or packed in scratch as the score product's operand: as they are, or
+    // transposed into kt.
+    const auto key_operand = [&](op_t* rows, int64_t cols, op_t* kt) -> Operand<op_t> {
+      if (keys_as_rows) return {rows, cols};
+      transpose(rows, cols, kt, lds, nk, cols);
+      return {kt, lds};
+    };
     if constexpr (kPairs) {
       const int64_t D2 = (D + 1) / 2;
       if (D > 0) {
@@ -1185,12 +1192,7 @@ class AttentionCpu {
         } else {
           pack_pairs(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.kp, D2);
         }
-        if (keys_as_rows) {
-          ka = {ws.kp, D2};
-        } else {
-          transpose(ws.kp, D2, ws.ktp, lds, nk, D2);
-          ka = {ws.ktp, lds};
-        }
+        ka = key_operand(ws.kp, D2, ws.ktp);
       }
       if (Dv > 0) {
         if (paged) {
@@ -1212,12 +1214,7 @@ class AttentionCpu {
     } else if (paged) {
       if (D > 0) {
         gather_pages(p_, d_.block_table, b, k, ks, k0, nk, D, ws.k);
-        if (keys_as_rows) {
-          ka = {ws.k, D};
-        } else {
-          transpose(ws.k, D, ws.kt, lds, nk, D);
-          ka = {ws.kt, lds};
-        }
+        ka = key_operand(ws.k, D, ws.kt);
       }
       if (Dv > 0) {
         gather_pages(p_, d_.block_table, b, v, vs, k0, nk, Dv, ws.v);
