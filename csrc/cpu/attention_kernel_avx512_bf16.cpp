@@ -7,15 +7,7 @@
 #if ATTNX_CPU_X86_VARIANTS && ATTNX_CPU_MAX_VARIANT >= 3
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,avx,fma,f16c,bmi,bmi2,lzcnt,popcnt")
-// The pragma does not define the ISA macros that vec.h tests to pick its implementation.
-#define __AVX__ 1
-#define __AVX2__ 1
-#define __FMA__ 1
-#define __F16C__ 1
-#define __AVX512F__ 1
-#define __AVX512BW__ 1
-#define __AVX512VL__ 1
-#define __AVX512DQ__ 1
+#include "cpu/isa_avx512.h"
 #define __AVX512BF16__ 1
 #define CPU_CAPABILITY AVX512_BF16
 #define CPU_CAPABILITY_AVX512
