@@ -626,16 +626,12 @@ class AttentionBackwardCpu {
     for (int64_t l = r0; l < L; ++l) {
       ws.lse[l] = lse[l * ls[2]];
       if (plan_.whole_rows) continue;  // delta comes from the tile pair (run_pair)
+      // Read in place, whatever the products read: converting is exact.
       const scalar_t* o = out + l * os[2];
+      const scalar_t* g = dout + l * gs[2];
       acc_t sum = 0;
-      if constexpr (kPairs) {
-        const scalar_t* g = dout + l * gs[2];
-        for (int64_t j = 0; j < Dv; ++j)
-          sum += static_cast<acc_t>(g[j * gs[3]]) * static_cast<acc_t>(o[j * os[3]]);
-      } else {
-        const acc_t* g = ws.do_op.ptr + l * ws.do_op.ld;
-        for (int64_t j = 0; j < Dv; ++j) sum += g[j] * static_cast<acc_t>(o[j * os[3]]);
-      }
+      for (int64_t j = 0; j < Dv; ++j)
+        sum += static_cast<acc_t>(g[j * gs[3]]) * static_cast<acc_t>(o[j * os[3]]);
       ws.delta[l] = sum;
     }
   }
