@@ -46,12 +46,12 @@ constexpr int kBwdRows = kMmaTileKeys;  // a block's own rows in both passes: 64
 
 template <int kBucket>
 struct BwdShape {
-  static constexpr int kLd = mma_tile_ld(kBucket, 2);  // a staged row: bucket + one 16-byte unit
-  static constexpr int kOwn = kBwdRows * kLd;          // elements of one of the block's own tiles
+  static constexpr int kLd = mma_tile_ld(kBucket, 2);       // a staged row: bucket + one 16-byte unit
+  static constexpr int kOwn = kBwdRows * kLd;               // elements of one of the block's own tiles
   static constexpr int kRows = mma_backward_tile(kBucket);  // rows of a staged tile of the other operand
   static constexpr int kTile = kRows * kLd;                 // its elements
-  static constexpr int kKSteps = kBucket / 16;         // k-steps of S and dP over the head dim
-  static constexpr int kOTiles = kBucket / 8;          // n-tiles of a gradient row
+  static constexpr int kKSteps = kBucket / 16;              // k-steps of S and dP over the head dim
+  static constexpr int kOTiles = kBucket / 8;               // n-tiles of a gradient row
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two steps");
 };
 
@@ -159,10 +159,10 @@ __device__ __forceinline__ float mask_bias(const AttentionParams& p, const Atten
 __device__ __forceinline__ float dropout_factor(const AttentionParams& p, const BwdConsts& k, int64_t b,
                                                 int64_t h, int64_t l, int64_t s) {
   if (!p.dropout) return 1.0f;
-  const uint64_t e = (static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(p.q_len) +
-                      static_cast<uint64_t>(l)) *
-                         static_cast<uint64_t>(p.kv_len) +
-                     static_cast<uint64_t>(s);
+  const uint64_t e =
+      (static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(p.q_len) + static_cast<uint64_t>(l)) *
+          static_cast<uint64_t>(p.kv_len) +
+      static_cast<uint64_t>(s);
   return dropout_keep(e, p.dropout_threshold, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
                       p.dropout_offset[1])
              ? k.dropout_scale
@@ -184,9 +184,8 @@ __device__ __forceinline__ int b_lane(int lane, int ld) {
 // rows n0 + 8 j .. + 7 of `b_s` (an [n][k] tile): S or dP of a chunk.
 // kHeld: A's fragments are held in registers (`held`, a k-step's a row), not read from `a_s`.
 template <typename scalar_t, int kBucket, int kN, bool kHeld = false>
-__device__ __forceinline__ void rows_by_rows(float (&acc)[kN][4], const scalar_t* a_s,
-                                             const scalar_t* b_s, int a_at, int b_at,
-                                             const uint32_t (*held)[4] = nullptr) {
+__device__ __forceinline__ void rows_by_rows(float (&acc)[kN][4], const scalar_t* a_s, const scalar_t* b_s,
+                                             int a_at, int b_at, const uint32_t (*held)[4] = nullptr) {
   using Sh = BwdShape<kBucket>;
 #pragma unroll
   for (int ks = 0; ks < Sh::kKSteps; ks += 2) {
@@ -216,8 +215,7 @@ __device__ __forceinline__ void rows_by_rows(float (&acc)[kN][4], const scalar_t
 // `b_s` (a [k][n] tile, by ldmatrix.trans).
 template <typename scalar_t, int kBucket, int kN>
 __device__ __forceinline__ void accumulate(float (&grad)[BwdShape<kBucket>::kOTiles][4],
-                                           const float (&f)[kN][4], const scalar_t* b_s,
-                                           int b_at) {
+                                           const float (&f)[kN][4], const scalar_t* b_s, int b_at) {
   using Sh = BwdShape<kBucket>;
 #pragma unroll
   for (int kk = 0; kk < kN / 2; ++kk) {
@@ -353,223 +351,222 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
 
   // One (b, h, query tile).
   const auto item = [&](int64_t b, int64_t h, int64_t qt) {
-        const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
-        const int64_t hk = kv_head_of(p, h), bh = b * p.heads + h;
-        const int64_t q0 = qt * kBwdRows;
-        stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
-                                                  p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
-        stage_rows_mma<scalar_t, kBucket, kPlain>(
-            do_s, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0), bp.grad_out_stride[2],
-            bp.grad_out_stride[3], L - q0, Dv, plan.vector);
-        cp_async_commit();
+    const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
+    const int64_t hk = kv_head_of(p, h), bh = b * p.heads + h;
+    const int64_t q0 = qt * kBwdRows;
+    stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
+                                              p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
+    stage_rows_mma<scalar_t, kBucket, kPlain>(
+        do_s, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0), bp.grad_out_stride[2],
+        bp.grad_out_stride[3], L - q0, Dv, plan.vector);
+    cp_async_commit();
 
-        // The keys the block's rows see, in tiles from k_first, a multiple of kKeys. Key indices from here
-        // on are offsets from k_first (32-bit: mma_backward_supports bounds S), as the key pass's queries.
-        const int64_t rows = range_min(kBwdRows, L - q0);
-        const int64_t k_begin = range_key_begin(q0, L, Sb, p.window_left);
-        const int64_t k_end = range_key_end(q0 + rows - 1, L, Sb, p.window_right, p.is_causal);
-        const int64_t k_first = k_begin / kKeys * kKeys;
-        const int span = k_begin < k_end ? static_cast<int>(k_end - k_first) : 0;
-        const auto offset = [&](int64_t k) { return static_cast<int>(k - k_first); };
-        // This lane's rows l[r] = q0 + 16 warp + g + 8 r and their intervals: held in the plain
-        // instantiation, recomputed a tile in the general one (which has no registers to hold them); the
-        // warp's interior keys (seen by all 16 of its rows, all below L).
-        const int64_t w0 = q0 + 16 * warp;
-        const auto row_keys = [&](int r) {
-          const int64_t l = w0 + g + 8 * r;
-          return l < L ? TileRange{offset(range_key_begin(l, L, Sb, p.window_left)),
-                                   offset(range_key_end(l, L, Sb, p.window_right, p.is_causal))}
-                       : TileRange{0, 0};
-        };
-        const TileRange held[2] = {kPlain ? row_keys(0) : TileRange{}, kPlain ? row_keys(1) : TileRange{}};
-        const bool warp_in = w0 + 15 < L;
-        const int in_lo = warp_in ? offset(range_key_begin(w0 + 15, L, Sb, p.window_left)) : 0;
-        const int in_hi = warp_in ? offset(range_key_end(w0, L, Sb, p.window_right, p.is_causal)) : 0;
+    // The keys the block's rows see, in tiles from k_first, a multiple of kKeys. Key indices from here
+    // on are offsets from k_first (32-bit: mma_backward_supports bounds S), as the key pass's queries.
+    const int64_t rows = range_min(kBwdRows, L - q0);
+    const int64_t k_begin = range_key_begin(q0, L, Sb, p.window_left);
+    const int64_t k_end = range_key_end(q0 + rows - 1, L, Sb, p.window_right, p.is_causal);
+    const int64_t k_first = k_begin / kKeys * kKeys;
+    const int span = k_begin < k_end ? static_cast<int>(k_end - k_first) : 0;
+    const auto offset = [&](int64_t k) { return static_cast<int>(k - k_first); };
+    // This lane's rows l[r] = q0 + 16 warp + g + 8 r and their intervals: held in the plain
+    // instantiation, recomputed a tile in the general one (which has no registers to hold them); the
+    // warp's interior keys (seen by all 16 of its rows, all below L).
+    const int64_t w0 = q0 + 16 * warp;
+    const auto row_keys = [&](int r) {
+      const int64_t l = w0 + g + 8 * r;
+      return l < L ? TileRange{offset(range_key_begin(l, L, Sb, p.window_left)),
+                               offset(range_key_end(l, L, Sb, p.window_right, p.is_causal))}
+                   : TileRange{0, 0};
+    };
+    const TileRange held[2] = {kPlain ? row_keys(0) : TileRange{}, kPlain ? row_keys(1) : TileRange{}};
+    const bool warp_in = w0 + 15 < L;
+    const int in_lo = warp_in ? offset(range_key_begin(w0 + 15, L, Sb, p.window_left)) : 0;
+    const int in_hi = warp_in ? offset(range_key_end(w0, L, Sb, p.window_right, p.is_causal)) : 0;
 
-        // A block map (the general instantiation): the first key tile at or after `off` that some query
-        // block of the block's rows sees (span: none); EMPTY key blocks are stepped over whole.
-        const auto next_tile = [&](int off) {
-          if constexpr (!kPlain) {
-            if (p.has_block_map) {
-              const uint32_t bq = static_cast<uint32_t>(p.block_q);
-              const uint32_t qb_lo = static_cast<uint32_t>(q0) / bq;
-              const uint32_t qb_hi = static_cast<uint32_t>(q0 + rows - 1) / bq;
-              while (off < span) {
-                const uint32_t kb = static_cast<uint32_t>(k_first + off) / static_cast<uint32_t>(p.block_k);
-                bool seen = false;
-                for (uint32_t qb = qb_lo; qb <= qb_hi; ++qb) {
-                  seen = seen || block_map_entry(p, ptr.fwd, b, h, qb, kb) != kBlockEmpty;
-                }
-                if (seen) break;
-                off = static_cast<int>((int64_t{kb} + 1) * p.block_k - k_first);
-              }
+    // A block map (the general instantiation): the first key tile at or after `off` that some query
+    // block of the block's rows sees (span: none); EMPTY key blocks are stepped over whole.
+    const auto next_tile = [&](int off) {
+      if constexpr (!kPlain) {
+        if (p.has_block_map) {
+          const uint32_t bq = static_cast<uint32_t>(p.block_q);
+          const uint32_t qb_lo = static_cast<uint32_t>(q0) / bq;
+          const uint32_t qb_hi = static_cast<uint32_t>(q0 + rows - 1) / bq;
+          while (off < span) {
+            const uint32_t kb = static_cast<uint32_t>(k_first + off) / static_cast<uint32_t>(p.block_k);
+            bool seen = false;
+            for (uint32_t qb = qb_lo; qb <= qb_hi; ++qb) {
+              seen = seen || block_map_entry(p, ptr.fwd, b, h, qb, kb) != kBlockEmpty;
             }
-          }
-          return off;
-        };
-
-        const scalar_t* const key = rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, 0);
-        const scalar_t* const value = rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, 0);
-        const auto stage_keys = [&](int stage, int off) {
-          const int64_t k0 = k_first + off;
-          scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
-          stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s, key + k0 * p.k_stride[2], p.k_stride[2],
-                                                           p.k_stride[3], Sb - k0, D, plan.vector);
-          stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s + kTile, value + k0 * p.v_stride[2],
-                                                           p.v_stride[2], p.v_stride[3], Sb - k0, Dv,
-                                                           plan.vector);
-          cp_async_commit();
-        };
-        int off = next_tile(0);  // the tile at k_first + off
-        if (off < span) stage_keys(0, off);
-        if (off < span) {
-          cp_async_wait<1>();  // Q and dO, not the first key tile
-        } else {
-          cp_async_wait<0>();
-        }
-        __syncthreads();
-
-        // delta of this lane's rows: its quad's columns 2 t + 8 n (+ 1) of dO (staged) times O's, summed over
-        // the quad.
-        float lse2[2], row_delta[2];
-        const scalar_t* const out = rows_of<scalar_t>(ptr.fwd.out, p.out_stride, b, h, 0);
-        const float* const lse =
-            static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int rr = 16 * warp + g + 8 * r;
-          const int64_t l = q0 + rr;
-          float sum = 0.0f;
-          if (l < L) {
-            const scalar_t* const o_row = out + l * p.out_stride[2];
-            for (int c = 2 * t; c < Dv; c += 8) {
-              sum += to_acc(do_s[rr * kLd + c]) * to_acc(o_row[c * p.out_stride[3]]);
-              if (c + 1 < Dv) {
-                sum += to_acc(do_s[rr * kLd + c + 1]) * to_acc(o_row[(c + 1) * p.out_stride[3]]);
-              }
-            }
-          }
-          sum += __shfl_xor_sync(kFullMask, sum, 1);
-          sum += __shfl_xor_sync(kFullMask, sum, 2);
-          row_delta[r] = sum;
-          lse2[r] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
-          if (t == 0 && l < L) delta[bh * L + l] = sum;
-        }
-
-        // The plain instantiation holds the warp's Q and dO fragments in registers for the whole key loop
-        // (read once from the staged rows), where its tiles read them from shared memory for every key tile.
-        uint32_t q_held[kHoldRows ? Sh::kKSteps : 1][4], do_held[kHoldRows ? Sh::kKSteps : 1][4];
-        if constexpr (kHoldRows) {
-#pragma unroll
-          for (int ks = 0; ks < Sh::kKSteps; ++ks) {
-            ldmatrix_x4<false>(q_held[ks], q_s + a_at + 16 * ks);
-            ldmatrix_x4<false>(do_held[ks], do_s + a_at + 16 * ks);
+            if (seen) break;
+            off = static_cast<int>((int64_t{kb} + 1) * p.block_k - k_first);
           }
         }
-        float dq[Sh::kOTiles][4];
-#pragma unroll
-        for (int n = 0; n < Sh::kOTiles; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) dq[n][i] = 0.0f;
-        }
+      }
+      return off;
+    };
 
-        for (int stage = 0; off < span; stage ^= 1) {
-          const int off_next = next_tile(off + kKeys);
-          if (off_next < span) {
-            stage_keys(stage ^ 1, off_next);  // the other stage was last read before the previous barrier
-            cp_async_wait<1>();
-          } else {
-            cp_async_wait<0>();
-          }
-          __syncthreads();
-          const scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
-          const scalar_t* const v_s = k_s + kTile;
-          const int64_t k0 = k_first + off;
-          const bool interior = off >= in_lo && off + kKeys <= in_hi;
-          TileRange range[2];
+    const scalar_t* const key = rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, 0);
+    const scalar_t* const value = rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, 0);
+    const auto stage_keys = [&](int stage, int off) {
+      const int64_t k0 = k_first + off;
+      scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
+      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s, key + k0 * p.k_stride[2], p.k_stride[2],
+                                                       p.k_stride[3], Sb - k0, D, plan.vector);
+      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s + kTile, value + k0 * p.v_stride[2], p.v_stride[2],
+                                                       p.v_stride[3], Sb - k0, Dv, plan.vector);
+      cp_async_commit();
+    };
+    int off = next_tile(0);  // the tile at k_first + off
+    if (off < span) stage_keys(0, off);
+    if (off < span) {
+      cp_async_wait<1>();  // Q and dO, not the first key tile
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    // delta of this lane's rows: its quad's columns 2 t + 8 n (+ 1) of dO (staged) times O's, summed over
+    // the quad.
+    float lse2[2], row_delta[2];
+    const scalar_t* const out = rows_of<scalar_t>(ptr.fwd.out, p.out_stride, b, h, 0);
+    const float* const lse =
+        static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const TileRange keys = kPlain ? held[r] : row_keys(r);
-            range[r] = tile_range(keys.lo, keys.hi, off);
+    for (int r = 0; r < 2; ++r) {
+      const int rr = 16 * warp + g + 8 * r;
+      const int64_t l = q0 + rr;
+      float sum = 0.0f;
+      if (l < L) {
+        const scalar_t* const o_row = out + l * p.out_stride[2];
+        for (int c = 2 * t; c < Dv; c += 8) {
+          sum += to_acc(do_s[rr * kLd + c]) * to_acc(o_row[c * p.out_stride[3]]);
+          if (c + 1 < Dv) {
+            sum += to_acc(do_s[rr * kLd + c + 1]) * to_acc(o_row[(c + 1) * p.out_stride[3]]);
           }
+        }
+      }
+      sum += __shfl_xor_sync(kFullMask, sum, 1);
+      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      row_delta[r] = sum;
+      lse2[r] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
+      if (t == 0 && l < L) delta[bh * L + l] = sum;
+    }
+
+    // The plain instantiation holds the warp's Q and dO fragments in registers for the whole key loop
+    // (read once from the staged rows), where its tiles read them from shared memory for every key tile.
+    uint32_t q_held[kHoldRows ? Sh::kKSteps : 1][4], do_held[kHoldRows ? Sh::kKSteps : 1][4];
+    if constexpr (kHoldRows) {
+#pragma unroll
+      for (int ks = 0; ks < Sh::kKSteps; ++ks) {
+        ldmatrix_x4<false>(q_held[ks], q_s + a_at + 16 * ks);
+        ldmatrix_x4<false>(do_held[ks], do_s + a_at + 16 * ks);
+      }
+    }
+    float dq[Sh::kOTiles][4];
+#pragma unroll
+    for (int n = 0; n < Sh::kOTiles; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dq[n][i] = 0.0f;
+    }
+
+    for (int stage = 0; off < span; stage ^= 1) {
+      const int off_next = next_tile(off + kKeys);
+      if (off_next < span) {
+        stage_keys(stage ^ 1, off_next);  // the other stage was last read before the previous barrier
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
+      const scalar_t* const v_s = k_s + kTile;
+      const int64_t k0 = k_first + off;
+      const bool interior = off >= in_lo && off + kKeys <= in_hi;
+      TileRange range[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const TileRange keys = kPlain ? held[r] : row_keys(r);
+        range[r] = tile_range(keys.lo, keys.hi, off);
+      }
 #pragma unroll kChunkUnroll
-          for (int c0 = 0; c0 < kKeys; c0 += kChunk) {
-            float s[kN][4], dp[kN][4];
+      for (int c0 = 0; c0 < kKeys; c0 += kChunk) {
+        float s[kN][4], dp[kN][4];
 #pragma unroll
-            for (int j = 0; j < kN; ++j) {
+        for (int j = 0; j < kN; ++j) {
 #pragma unroll
-              for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
-            }
-            rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(s, q_s, k_s, a_at, b_at + c0 * kLd, q_held);
-            rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(dp, do_s, v_s, a_at, b_at + c0 * kLd, do_held);
-            // The keys of the chunk the block map removes from this lane's rows: bit c is key k0 + c0 + c,
-            // from the class of the warp's rows of the tile (one query block: block_q is a multiple of 16;
-            // one key block: block_k is a multiple of the tile; rows past L take the last row's). A chunk
-            // with a removed key takes the ranged path, whose scores are tested one by one anyway.
-            [[maybe_unused]] uint32_t removed[2] = {0u, 0u};
-            bool blocked = false;
-            if constexpr (!kPlain) {
-              if (p.has_block_map) {
-                const uint32_t bk = static_cast<uint32_t>(p.block_k);
-                const int32_t block_class =
-                    block_map_entry(p, ptr.fwd, b, h, block_of_row(p, w0), static_cast<uint32_t>(k0) / bk);
-                blocked = block_class != kBlockFull;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                  removed[r] = static_cast<uint32_t>(block_row_bits(p, ptr.fwd, block_class,
-                                                                    row_in_block(p, w0 + g + 8 * r),
-                                                                    static_cast<uint32_t>(k0) % bk + c0));
-                }
-              }
-            }
-            // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2), and dS
-            // goes to ds_s where attn_mask's gradient is asked for; `ranged`: each score tested against its
-            // row's key range (not on interior tiles).
-            const auto grads = [&](auto ranged) {
-#pragma unroll
-              for (int j = 0; j < kN; ++j) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                  const int r = i / 2, col = c0 + 8 * j + 2 * t + i % 2;
-                  bool seen = true;
-                  if constexpr (decltype(ranged)::value) {
-                    seen = col >= range[r].lo && col < range[r].hi;
-                    if constexpr (!kPlain) seen = seen && ((removed[r] >> (col - c0)) & 1u) == 0;
-                  }
-                  if constexpr (kPlain) {
-                    const float prob = fast_exp2(fmaf(s[j][i], consts.c, -lse2[r]));
-                    s[j][i] = seen ? prob * (dp[j][i] - row_delta[r]) : 0.0f;
-                  } else {
-                    const int64_t l = w0 + g + 8 * r, kk = k0 + col;
-                    const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
-                    const float z = seen ? dropout_factor(p, consts, b, h, l, kk) : 1.0f;
-                    const ScoreGrads sg =
-                        general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, z, seen, consts);
-                    s[j][i] = sg.ds;
-                    if (mask_grad != nullptr) {
-                      ds_s[(16 * warp + g + 8 * r) * (kKeys + 1) + col] = sg.ds_bias;
-                    }
-                  }
-                }
-              }
-            };
-            if (interior && !blocked) {
-              grads(std::false_type{});
-            } else {
-              grads(std::true_type{});
-            }
-            accumulate<scalar_t, kBucket, kN>(dq, s, k_s, t_at + c0 * kLd);
-          }
-          if constexpr (!kPlain) {
-            if (mask_grad != nullptr) {
-              __syncthreads();  // the tile's dS is in ds_s
-              add_mask_grad_tile<kKeys>(bp, mask_grad, ds_s, b, h, q0, k0);
-            }
-          }
-          __syncthreads();  // every warp is done with this stage (and ds_s) before it is refilled
-          off = off_next;
+          for (int i = 0; i < 4; ++i) s[j][i] = dp[j][i] = 0.0f;
         }
-        write_rows<scalar_t, kBucket>(dq, ptr.grad_query, bp.grad_query_stride, b, h, q0, L, D, consts.scale);
+        rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(s, q_s, k_s, a_at, b_at + c0 * kLd, q_held);
+        rows_by_rows<scalar_t, kBucket, kN, kHoldRows>(dp, do_s, v_s, a_at, b_at + c0 * kLd, do_held);
+        // The keys of the chunk the block map removes from this lane's rows: bit c is key k0 + c0 + c,
+        // from the class of the warp's rows of the tile (one query block: block_q is a multiple of 16;
+        // one key block: block_k is a multiple of the tile; rows past L take the last row's). A chunk
+        // with a removed key takes the ranged path, whose scores are tested one by one anyway.
+        [[maybe_unused]] uint32_t removed[2] = {0u, 0u};
+        bool blocked = false;
+        if constexpr (!kPlain) {
+          if (p.has_block_map) {
+            const uint32_t bk = static_cast<uint32_t>(p.block_k);
+            const int32_t block_class =
+                block_map_entry(p, ptr.fwd, b, h, block_of_row(p, w0), static_cast<uint32_t>(k0) / bk);
+            blocked = block_class != kBlockFull;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              removed[r] = static_cast<uint32_t>(block_row_bits(p, ptr.fwd, block_class,
+                                                                row_in_block(p, w0 + g + 8 * r),
+                                                                static_cast<uint32_t>(k0) % bk + c0));
+            }
+          }
+        }
+        // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2), and dS
+        // goes to ds_s where attn_mask's gradient is asked for; `ranged`: each score tested against its
+        // row's key range (not on interior tiles).
+        const auto grads = [&](auto ranged) {
+#pragma unroll
+          for (int j = 0; j < kN; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int r = i / 2, col = c0 + 8 * j + 2 * t + i % 2;
+              bool seen = true;
+              if constexpr (decltype(ranged)::value) {
+                seen = col >= range[r].lo && col < range[r].hi;
+                if constexpr (!kPlain) seen = seen && ((removed[r] >> (col - c0)) & 1u) == 0;
+              }
+              if constexpr (kPlain) {
+                const float prob = fast_exp2(fmaf(s[j][i], consts.c, -lse2[r]));
+                s[j][i] = seen ? prob * (dp[j][i] - row_delta[r]) : 0.0f;
+              } else {
+                const int64_t l = w0 + g + 8 * r, kk = k0 + col;
+                const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
+                const float z = seen ? dropout_factor(p, consts, b, h, l, kk) : 1.0f;
+                const ScoreGrads sg =
+                    general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, z, seen, consts);
+                s[j][i] = sg.ds;
+                if (mask_grad != nullptr) {
+                  ds_s[(16 * warp + g + 8 * r) * (kKeys + 1) + col] = sg.ds_bias;
+                }
+              }
+            }
+          }
+        };
+        if (interior && !blocked) {
+          grads(std::false_type{});
+        } else {
+          grads(std::true_type{});
+        }
+        accumulate<scalar_t, kBucket, kN>(dq, s, k_s, t_at + c0 * kLd);
+      }
+      if constexpr (!kPlain) {
+        if (mask_grad != nullptr) {
+          __syncthreads();  // the tile's dS is in ds_s
+          add_mask_grad_tile<kKeys>(bp, mask_grad, ds_s, b, h, q0, k0);
+        }
+      }
+      __syncthreads();  // every warp is done with this stage (and ds_s) before it is refilled
+      off = off_next;
+    }
+    write_rows<scalar_t, kBucket>(dq, ptr.grad_query, bp.grad_query_stride, b, h, q0, L, D, consts.scale);
   };
   // This block's batches, heads and query tiles: all of them along a dim the mask's gradient broadcasts
   // along, else the one blockIdx.x names (the plain instantiation: no mask, one item).
@@ -868,9 +865,9 @@ cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBack
                           const AttentionBackwardMmaPlan& plan, float* delta, cudaStream_t stream) {
   // The query pass first: the key pass reads the delta it writes.
   if (plan.queries.blocks > 0) {
-    const cudaError_t err = launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kPlain>,
-                                        plan.queries.blocks, plan.threads, plan.smem_bytes, stream, bp, ptr,
-                                        plan, delta);
+    const cudaError_t err =
+        launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kPlain>, plan.queries.blocks,
+                    plan.threads, plan.smem_bytes, stream, bp, ptr, plan, delta);
     if (err != cudaSuccess) return err;
   }
   if (plan.key_blocks > 0) {
