@@ -258,6 +258,63 @@ def assert_nan_rows(out, lse):
     assert not out[0, 0, :4].isnan().any()
 
 
+def tile_classes_mask():
+    """(L, S) = (70, 200) bool mask (True: removed) whose tiles of 16 query rows x 64 keys (the tensor-core
+    kernel's classes) are of every class: FULL (nothing removed), EMPTY (all removed) and PARTIAL, for some
+    warps of a block only, for a whole block (rows 64-69: keys 0-127, skipped), and in the last, partial key
+    tile."""
+    removed = torch.zeros(70, 200, dtype=torch.bool)
+    removed[0:16, 64:128] = True  # FULL, EMPTY, PARTIAL (key 150 below)
+    removed[5, 150] = True
+    removed[16:32, 0:64] = True  # EMPTY, FULL, FULL
+    removed[32:48, 64:] = True  # PARTIAL (key 10), EMPTY, EMPTY
+    removed[40, 10] = True
+    removed[48:64] = True  # rows that see no key
+    removed[64:, :128] = True  # EMPTY for the whole second block; FULL, then PARTIAL in the last tile
+    removed[66, 195] = True
+    return removed
+
+
+def tile_classes_case(case):
+    """Options of the tile-class tests (test_attention.py, test_attention_backward.py) for (B, H, L, S) = (2,
+    2, 70, 200)."""
+    removed = tile_classes_mask()
+    additive = torch.zeros(70, 200).masked_fill(removed, float("-inf"))
+    # Finite nonzero terms: a PARTIAL float tile for them alone (a FULL one as a bool mask), tiles with no 0
+    # at all, for one warp's rows and for a whole block's, and terms next to -inf.
+    additive[20, 100] = 0.75
+    additive[16:32, 128:] = -0.5
+    additive[64:, 128:192] = -0.25
+    additive[3, 130:140] = 0.75
+    other = torch.zeros(70, 200, dtype=torch.bool)
+    other[:, 64:128] = True  # EMPTY for every row
+    kpm = torch.zeros(2, 200, dtype=torch.bool)
+    kpm[1, 130:] = True
+    if case == "bool":
+        return {"attn_mask": removed}
+    if case == "float":
+        return {"attn_mask": additive}
+    if case == "per_batch":  # (B, H, L, S) with stride 0 over H: a slice per batch
+        return {"attn_mask": torch.stack([removed, other]).unsqueeze(1).expand(2, 2, 70, 200)}
+    if case == "per_head":  # every (b, h) a slice of its own
+        slices = [additive, additive.flip(1), additive.flip(0), additive.roll(64, 1)]
+        return {"attn_mask": torch.stack(slices).view(2, 2, 70, 200)}
+    if case == "strided":  # a bool mask whose keys are not contiguous (packed through its strides)
+        return {"attn_mask": removed.t().contiguous().t(), "key_padding_mask": kpm}
+    if case == "broadcast_rows":  # (B, 1, 1, S): classified on one row, the same for every query tile
+        rows = torch.zeros(2, 1, 1, 200, dtype=torch.bool)
+        rows[0, ..., 150:] = True
+        rows[1, ..., :64] = True
+        return {"attn_mask": rows}
+    if case == "window":  # tiles that start past key 0 and not on a multiple of 64 (shifted class bits)
+        return {"attn_mask": removed, "window_left": 20, "window_right": 40}
+    if case == "padding_causal":
+        return {"attn_mask": additive, "key_padding_mask": kpm, "is_causal": True}
+    if case == "softcap_sinks":
+        return {"attn_mask": removed, "softcap": 3.0, "sinks": make_sinks(2, torch.float32)}
+    raise ValueError(case)
+
+
 def key_tile_skipping_cases():
     """(q, k, v) of (B, H, L, S) = (2, 2, 20, 70) and two sets of masks for kernels with 32-key tiles: in
     batch 0, key_padding_mask removes the whole first tile (which the kernel skips) and part of the third; in

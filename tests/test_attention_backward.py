@@ -53,6 +53,8 @@ from attention_helpers import (
     run_python,
     run_under_cpu_capability,
     seed_of,
+    tile_classes_case,
+    tile_classes_mask,
     upcast,
     views,
 )
@@ -455,6 +457,48 @@ def test_key_ranges_across_64_row_tiles(device, window):
     kwargs = {"window_left": window[0], "window_right": window[1], "is_causal": window == (-1, 0),
               "key_lengths": _key_lengths([S, 100], torch.int64)}
     check_grads(device, (q, k, v), **kwargs)
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("case", ["bool", "float", "per_batch", "per_head", "strided", "broadcast_rows",
+                                  "window", "padding_causal", "softcap_sinks"])
+def test_attn_mask_tile_classes(device, case, head_dim):
+    # The forward's tile-class cases: tiles of 16 query rows x 64 keys that the masks remove whole (the
+    # tensor-core backward skips them in both passes), keep whole (no mask read) or in part (a bool mask's
+    # packed bits, a float mask's terms), with a float mask's gradient; at head dim 128 the query pass's key
+    # tiles and the key pass's query tiles are 32 rows, half a class tile.
+    options = tile_classes_case(case)
+    learn = ("attn_mask",) if options["attn_mask"].is_floating_point() else ()
+    if "sinks" in options:
+        learn += ("sinks",)
+    check_grads(device, make_qkv(2, 2, 70, 200, head_dim, head_dim, dtype=torch.float16), learn=learn,
+                **options)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=str)
+def test_empty_tiles_are_not_read(device, mask_dtype):
+    # Keys and values in tiles that the masks remove for every row (keys 64-127 by attn_mask, and batch 1's
+    # 128-191 by key_padding_mask) are never read by the tensor-core backward: NaN there changes no gradient
+    # bit (their keys' dK and dV are 0).
+    q, k, v = make_qkv(2, 2, 70, 200, 32, 32, dtype=torch.float16)
+    removed = tile_classes_mask()
+    removed[:, 64:128] = True
+    mask = removed if mask_dtype == torch.bool else torch.zeros(70, 200).masked_fill(removed, float("-inf"))
+    kpm = torch.zeros(2, 200, dtype=torch.bool)
+    kpm[1, 128:192] = True
+    kpm[0, 7] = True
+    options = {"attn_mask": mask, "key_padding_mask": kpm}
+    kernel, grads = check_grads(device, (q, k, v), **options)
+    if not kernel.startswith("cuda fused mma"):
+        pytest.skip(f"{kernel}: this checks the tensor-core backward's tile classes")
+    k_nan, v_nan = k.clone(), v.clone()
+    for key in (k_nan, v_nan):
+        key[:, :, 64:128] = float("nan")
+        key[1, :, 128:192] = float("nan")
+    nan_grads = _grads(attnx.attention, to_device((q, k_nan, v_nan), device), "contiguous",
+                       to_device(grad_out_for(q, v), device), on(device, options), ())
+    for name, g, g_nan in zip("qkv", grads, nan_grads, strict=True):
+        assert torch.equal(g, g_nan.cpu()), f"{kernel}: grad {name} read a removed tile"
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])

@@ -118,7 +118,13 @@ struct AttentionBackwardMmaPlan {
   QueryPassGrid queries;
   int64_t key_blocks;  // B * Hkv * k_tiles
   size_t smem_bytes;
-  size_t workspace_bytes;  // delta: B * H * L floats
+  // The general instantiation's mask tile classes (MaskTiles, kind kMaskNone where a mask is absent or the
+  // instantiation the plain one): the forward's pre-pass, over tiles of kMmaRowsPerWarp query rows (4 a
+  // query block) and kMmaTileKeys keys (a key block), with bool masks packed a bit per element; its blocks
+  // (0: no pre-pass). The words follow delta in the workspace.
+  MaskTiles attn_tiles, padding_tiles;
+  int64_t mask_blocks;
+  size_t workspace_bytes;  // delta (B * H * L floats), then the masks' words
 };
 
 inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
@@ -138,7 +144,21 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   plan.queries = query_pass_grid(bp, mask_grad, plan.q_tiles);
   plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
   plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket, mask_grad));
-  plan.workspace_bytes = static_cast<size_t>(p.batch * p.heads * p.q_len) * sizeof(float);
+  // The masks' words start at a multiple of 4 words (16 bytes) after delta, so that a packed row's two
+  // words of a tile are one aligned 8-byte load.
+  const int64_t delta_words = (p.batch * p.heads * p.q_len + 3) / 4 * 4;
+  int64_t words = delta_words;
+  if (!plan.plain && (p.attn_mask_kind != kMaskNone || p.key_padding_mask_kind != kMaskNone)) {
+    const int64_t row_tiles = plan.q_tiles * (kMmaTileKeys / kMmaRowsPerWarp);
+    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, p.attn_mask_stride, row_tiles, delta_words, true);
+    const int64_t* const kpm = p.key_padding_mask_stride;
+    const int64_t padding_stride[4] = {kpm[0], 0, 0, kpm[1]};
+    plan.padding_tiles =
+        plan_mask_tiles(p, p.key_padding_mask_kind, padding_stride, 1, plan.attn_tiles.end, true);
+    plan.mask_blocks = (plan.attn_tiles.warps + plan.padding_tiles.warps + kWarps - 1) / kWarps;
+    words = plan.padding_tiles.end;
+  }
+  plan.workspace_bytes = static_cast<size_t>(words) * sizeof(float);
   return plan;
 }
 

@@ -27,7 +27,10 @@
 //            dK).
 // Grouped KV heads are summed in the key pass's registers, K and V read in place. A tile where every row of
 // a warp sees every key of it (interior) tests no key range; elsewhere each score is tested against its
-// row's interval. The general instantiation reads both masks per score (mask_value), soft-caps with fast_tanh
+// row's interval. The general instantiation reads the masks through the forward's tile classes (its pre-pass
+// writes them into the workspace after delta): a tile no row sees is stepped over, a tile both masks keep for
+// a warp's rows reads no mask, and on the others a bool mask is its packed bits (a word per row and 32 keys,
+// routed as removed keys) and a float mask is read per score (mask_value). It soft-caps with fast_tanh
 // and applies its derivative, and regenerates dropout's keep decision per score from the forward's Philox
 // stream (attnx/philox.h); the plain one (mma_plain, vector loads) holds none of that code. A block-sparse
 // mask (the general instantiation; blocks of whole tiles: mma_block_map_fits): both passes step over the
@@ -35,6 +38,7 @@
 // score its block's bits remove is unseen, as one outside its row's range.
 #include "attnx/philox.h"
 #include "cuda/attention_backward_kernel.h"
+#include "cuda/attention_kernel.h"
 #include "cuda/common.cuh"
 
 namespace attnx::cuda {
@@ -167,6 +171,28 @@ __device__ __forceinline__ float dropout_factor(const AttentionParams& p, const 
                       p.dropout_offset[1])
              ? k.dropout_scale
              : 0.0f;
+}
+
+// The masks' tile classes (MaskTiles, the forward's pre-pass: cuda/attention_plan.h) of key tile n (keys
+// kMmaTileKeys n .. + 63) for query row tile lt (kMmaRowsPerWarp rows) of (b, h): bit 0 set where some term
+// is not -inf (clear: EMPTY), bit 1 where every term is 0 (FULL); 3 without the mask. A dim the mask
+// broadcasts along has one slice (index 0).
+__device__ __forceinline__ uint32_t tile_class(const MaskTiles& mt, const uint32_t* words, int64_t b,
+                                               int64_t h, int64_t lt, int64_t n) {
+  if (mt.kind == kMaskNone) return 3u;
+  const int64_t row =
+      mask_tile_row(mt, mt.stride[0] == 0 ? 0 : b, mt.stride[1] == 0 ? 0 : h, mt.stride[2] == 0 ? 0 : lt);
+  const int bit = static_cast<int>(n % 32);
+  return ((words[row + n / 32] >> bit) & 1u) | ((words[row + mt.words + n / 32] >> bit) & 1u) << 1;
+}
+// Word w of a packed bool mask's row l of (b, h) (MaskTiles::key_words != 0): bit i set where the mask
+// removes key 32 w + i.
+__device__ __forceinline__ const uint32_t* packed_words(const MaskTiles& mt, const uint32_t* words, int64_t b,
+                                                        int64_t h, int64_t l, int64_t w) {
+  return words +
+         mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, mt.stride[1] == 0 ? 0 : h,
+                         mt.stride[2] == 0 ? 0 : l) +
+         w;
 }
 
 // ldmatrix row addresses of this lane in a staged tile (cuda/attention_kernel_mma.cu uses the same): `a`
@@ -323,7 +349,8 @@ __device__ __forceinline__ void add_mask_grad_tile(const AttentionBackwardParams
 template <typename scalar_t, int kBucket, bool kPlain>
 __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
     attention_backward_mma_queries(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
-                                   const AttentionBackwardMmaPlan plan, float* const delta) {
+                                   const AttentionBackwardMmaPlan plan, float* const delta,
+                                   const uint32_t* const mask_tiles) {
   using Sh = BwdShape<kBucket>;
   // kKeys: a key tile's rows (mma_backward_tile); kChunk of them at a time.
   constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kKeys = Sh::kRows, kTile = Sh::kTile;
@@ -341,7 +368,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   // attn_mask's gradient (the general instantiation): the tile's dS, after the stages and the lse rows.
   float* const mask_grad = static_cast<float*>(ptr.grad_attn_mask);
   // (after the key pass's lse and delta rows and its votes)
-  [[maybe_unused]] float* const ds_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile) + 8 * kKeys + 4;
+  [[maybe_unused]] float* const ds_s = reinterpret_cast<float*>(smem + 2 * kOwn + 4 * kTile) + 8 * kKeys + 8;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
@@ -384,23 +411,39 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
     const int in_lo = warp_in ? offset(range_key_begin(w0 + 15, L, Sb, p.window_left)) : 0;
     const int in_hi = warp_in ? offset(range_key_end(w0, L, Sb, p.window_right, p.is_causal)) : 0;
 
-    // A block map (the general instantiation): the first key tile at or after `off` that some query
-    // block of the block's rows sees (span: none); EMPTY key blocks are stepped over whole.
+    // The general instantiation: the first key tile at or after `off` that some row of the block sees
+    // (span: none). A key block that the masks' classes leave EMPTY for all the block's row tiles, or
+    // that a block map leaves EMPTY for its query blocks, is stepped over whole.
+    const int64_t lt0 = q0 / kMmaRowsPerWarp;  // the block's first row tile; warp w's is lt0 + w
     const auto next_tile = [&](int off) {
       if constexpr (!kPlain) {
-        if (p.has_block_map) {
-          const uint32_t bq = static_cast<uint32_t>(p.block_q);
-          const uint32_t qb_lo = static_cast<uint32_t>(q0) / bq;
-          const uint32_t qb_hi = static_cast<uint32_t>(q0 + rows - 1) / bq;
-          while (off < span) {
-            const uint32_t kb = static_cast<uint32_t>(k_first + off) / static_cast<uint32_t>(p.block_k);
+        while (off < span && (plan.mask_blocks > 0 || p.has_block_map)) {
+          const int64_t k = k_first + off;
+          if (plan.mask_blocks > 0) {
+            const int64_t n = k / kMmaTileKeys;
+            uint32_t seen = 0;
+            for (int w = 0; w < kWarps; ++w)
+              seen |= tile_class(plan.attn_tiles, mask_tiles, b, h, lt0 + w, n);
+            seen &= tile_class(plan.padding_tiles, mask_tiles, b, 0, 0, n);
+            if ((seen & 1u) == 0) {
+              off = static_cast<int>((n + 1) * kMmaTileKeys - k_first);
+              continue;
+            }
+          }
+          if (p.has_block_map) {
+            const uint32_t bq = static_cast<uint32_t>(p.block_q);
+            const uint32_t kb = static_cast<uint32_t>(k) / static_cast<uint32_t>(p.block_k);
             bool seen = false;
-            for (uint32_t qb = qb_lo; qb <= qb_hi; ++qb) {
+            for (uint32_t qb = static_cast<uint32_t>(q0) / bq;
+                 qb <= static_cast<uint32_t>(q0 + rows - 1) / bq; ++qb) {
               seen = seen || block_map_entry(p, ptr.fwd, b, h, qb, kb) != kBlockEmpty;
             }
-            if (seen) break;
-            off = static_cast<int>((int64_t{kb} + 1) * p.block_k - k_first);
+            if (!seen) {
+              off = static_cast<int>((int64_t{kb} + 1) * p.block_k - k_first);
+              continue;
+            }
           }
+          break;
         }
       }
       return off;
@@ -483,6 +526,19 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       const scalar_t* const v_s = k_s + kTile;
       const int64_t k0 = k_first + off;
       const bool interior = off >= in_lo && off + kKeys <= in_hi;
+      // The masks on the warp's rows of this tile (the general instantiation): none where the classes
+      // say FULL (both masks' terms 0); otherwise a packed bool mask's bits a chunk (below), and a float
+      // mask's terms per score (`terms`).
+      [[maybe_unused]] bool full = true, terms = false;
+      if constexpr (!kPlain) {
+        if (plan.mask_blocks > 0) {
+          const int64_t n = k0 / kMmaTileKeys;
+          full = (tile_class(plan.attn_tiles, mask_tiles, b, h, lt0 + warp, n) &
+                  tile_class(plan.padding_tiles, mask_tiles, b, 0, 0, n) & 2u) != 0;
+          terms = !full && ((p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0) ||
+                            (p.key_padding_mask_kind != kMaskNone && plan.padding_tiles.key_words == 0));
+        }
+      }
       TileRange range[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -518,10 +574,29 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
                                                                 static_cast<uint32_t>(k0) % bk + c0));
             }
           }
+          // A packed bool mask's word of the chunk's 32 keys (k0 + c0 is a multiple of 32), on a tile that
+          // is not FULL: key_padding_mask's shared by the rows, attn_mask's a row (none past L).
+          const bool attn_bits = plan.attn_tiles.key_words != 0,
+                     padding_bits = plan.padding_tiles.key_words != 0;
+          if (!full && (attn_bits || padding_bits)) {
+            const int64_t word = (k0 + c0) / 32;
+            const uint32_t pad =
+                padding_bits ? *packed_words(plan.padding_tiles, mask_tiles, b, 0, 0, word) : 0u;
+            uint32_t any = 0;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int64_t l = w0 + g + 8 * r;
+              removed[r] |=
+                  pad | (attn_bits && l < L ? *packed_words(plan.attn_tiles, mask_tiles, b, h, l, word) : 0u);
+              any |= removed[r];
+            }
+            blocked = blocked || __any_sync(kFullMask, any != 0);
+          }
         }
         // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2), and dS
         // goes to ds_s where attn_mask's gradient is asked for; `ranged`: each score tested against its
-        // row's key range (not on interior tiles).
+        // row's key range and the removed bits, and the masks' terms read where `terms` (not on interior
+        // tiles, which a tile with `terms` never is).
         const auto grads = [&](auto ranged) {
 #pragma unroll
           for (int j = 0; j < kN; ++j) {
@@ -538,7 +613,10 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
                 s[j][i] = seen ? prob * (dp[j][i] - row_delta[r]) : 0.0f;
               } else {
                 const int64_t l = w0 + g + 8 * r, kk = k0 + col;
-                const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
+                float bias = 0.0f;
+                if constexpr (decltype(ranged)::value) {
+                  bias = seen && terms ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
+                }
                 const float z = seen ? dropout_factor(p, consts, b, h, l, kk) : 1.0f;
                 const ScoreGrads sg =
                     general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, z, seen, consts);
@@ -550,7 +628,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             }
           }
         };
-        if (interior && !blocked) {
+        if (interior && !blocked && !terms) {
           grads(std::false_type{});
         } else {
           grads(std::true_type{});
@@ -596,7 +674,8 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
 template <typename scalar_t, int kBucket, bool kPlain>
 __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
     attention_backward_mma_keys(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
-                                const AttentionBackwardMmaPlan plan, const float* const delta) {
+                                const AttentionBackwardMmaPlan plan, const float* const delta,
+                                const uint32_t* const mask_tiles) {
   using Sh = BwdShape<kBucket>;
   // kQueries: a query tile's rows (mma_backward_tile).
   constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kQueries = Sh::kRows, kTile = Sh::kTile;
@@ -653,7 +732,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
     query_hi[r] = offset(range_query_end(s, L, Sb, p.window_left));
   }
   const int in_lo = offset(range_query_begin(w0 + 15, L, Sb, p.window_right, p.is_causal));
-  const int in_hi = offset(range_query_end(w0, L, Sb, p.window_left));
+  int in_hi = offset(range_query_end(w0, L, Sb, p.window_left));
 
   // The steps: the group's query heads h (hk group <= h < h_end), for each the query tiles at offsets 0,
   // kQueries, .. < `span` from q_first (a step's head and offset are carried from the previous step's: no
@@ -663,9 +742,18 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
   // A block map (the general instantiation): the block's keys lie in one key block (block_kb); a step none
   // of whose query blocks sees it is stepped over (advance, below), and a staged tile's rows carry the bits
   // of the block's 64 keys (bits_s, two words a row and stage, after the votes), so that a score's test is
-  // one shared-memory word. Its numbers are computed where used: the loop holds no register for them.
+  // one shared-memory word. Its numbers are computed where used: the loop holds no register for them. A
+  // packed bool attn_mask's bits of the rows at the block's keys (key tile kt of the masks' classes) are
+  // OR-ed into the same words. The loop finds kt from w0 (key_tile), which it holds anyway.
+  [[maybe_unused]] const auto key_tile = [&] {
+    return static_cast<int64_t>(static_cast<uint64_t>(w0) / kMmaTileKeys);
+  };
   const auto block_kb = [&] { return static_cast<uint32_t>(w0) / static_cast<uint32_t>(p.block_k); };
   [[maybe_unused]] uint32_t* const bits_s = reinterpret_cast<uint32_t*>(rows_s + 4 * kQueries) + 4;
+  // A float attn_mask's classes of a staged tile's row tiles at the block's keys (key tile kt), a word a
+  // stage after bits_s: bit i set where row tile i is FULL. Staged rather than read a chunk from the
+  // classes, whose address took registers that bucket 128 does not have.
+  [[maybe_unused]] uint32_t* const classes_s = bits_s + 4 * kQueries;
   const auto stage_queries = [&](int stage, int h, int off) {
     const int64_t q0 = q_first + off;
     scalar_t* const q_s = smem + 2 * kOwn + 2 * stage * kTile;
@@ -684,57 +772,97 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       at[tid] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
       at[kQueries + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
       if constexpr (!kPlain) {
-        if (p.has_block_map) {  // the 64 keys' bits of the row (block_kb's block; past L: the last row's)
-          const int32_t block_class = block_map_entry(p, ptr.fwd, b, h, block_of_row(p, l), block_kb());
-          const uint32_t key =  // the block's first key in its key block
-              static_cast<uint32_t>(w0) % static_cast<uint32_t>(p.block_k) / kBwdRows * kBwdRows;
-          const uint64_t bits = block_row_bits(p, ptr.fwd, block_class, row_in_block(p, l), key);
+        const bool attn_bits = plan.attn_tiles.key_words != 0;
+        if (p.has_block_map || attn_bits) {  // the 64 keys' bits of the row (set: removed)
+          uint64_t bits = 0;
+          if (p.has_block_map) {  // block_kb's block; past L: the last row's
+            const int32_t block_class = block_map_entry(p, ptr.fwd, b, h, block_of_row(p, l), block_kb());
+            const uint32_t key =  // the block's first key in its key block
+                static_cast<uint32_t>(w0) % static_cast<uint32_t>(p.block_k) / kBwdRows * kBwdRows;
+            bits = block_row_bits(p, ptr.fwd, block_class, row_in_block(p, l), key);
+          }
+          if (attn_bits && l < L) {  // words 2 kt, 2 kt + 1 of the row (past L: no query, none)
+            const uint32_t* const at = packed_words(plan.attn_tiles, mask_tiles, b, h, l, 2 * key_tile());
+            bits |= uint64_t{at[1]} << 32 | at[0];
+          }
           bits_s[2 * (kQueries * stage + tid)] = static_cast<uint32_t>(bits);
           bits_s[2 * (kQueries * stage + tid) + 1] = static_cast<uint32_t>(bits >> 32);
         }
+      }
+    }
+    if constexpr (!kPlain) {
+      if (p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0 && warp == 0) {
+        const bool kept =
+            lane < kQueries / kMmaRowsPerWarp &&
+            (tile_class(plan.attn_tiles, mask_tiles, b, h, q0 / kMmaRowsPerWarp + lane, key_tile()) & 2u) !=
+                0;
+        const unsigned word = __ballot_sync(kFullMask, kept);
+        if (lane == 0) classes_s[stage] = word;
       }
     }
   };
   // The general instantiation: key_padding_mask's terms of this lane's two keys, the same for every query
   // and head, read once; where it removes all 64 keys of the block (a padded tile, EMPTY), no query sees
   // them and the loop is skipped: dK and dV are 0. The warps' votes meet in shared memory (a slot each).
+  // Where attn_mask is absent or bool (its terms 0 or -inf), a key the padding removes (-inf) sees no query:
+  // its range is made empty, and the warp's tiles are then not interior. Bit 1 of the warp's vote: some key
+  // of the warp has a term to add (not 0, nor removed so), read from `padding` on a chunk that reads the
+  // masks (kept in shared memory rather than a register through the loop: bucket 128 has none to spare).
   [[maybe_unused]] float padding[2] = {0.0f, 0.0f};
+  int* const votes = reinterpret_cast<int*>(rows_s + 4 * kQueries);
   bool skip = nq == 0;
   if constexpr (!kPlain) {
     if (p.key_padding_mask_kind != kMaskNone) {
-      bool removed = true;
+      const bool fold = p.attn_mask_kind == kMaskNone || p.attn_mask_kind == kMaskBool;
+      bool removed = true, folded = false, terms = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t s = w0 + g + 8 * r;
         padding[r] = s < p.kv_len ? padding_term(p, ptr.fwd, b, s) : -INFINITY;
         removed = removed && padding[r] == -INFINITY;
+        if (fold && padding[r] == -INFINITY) {
+          query_lo[r] = query_hi[r] = 0;
+          folded = true;
+        } else {
+          terms = terms || padding[r] != 0.0f;
+        }
       }
-      int* const votes = reinterpret_cast<int*>(rows_s + 4 * kQueries);
-      const int all = __all_sync(kFullMask, removed);
-      if (lane == 0) votes[warp] = all;
+      if (__any_sync(kFullMask, folded)) in_hi = 0;  // no tile is interior (off + kQueries > 0)
+      const int all = __all_sync(kFullMask, removed), adds = __any_sync(kFullMask, terms);
+      if (lane == 0) votes[warp] = all | adds << 1;
       __syncthreads();
-      skip = skip || (votes[0] && votes[1] && votes[2] && votes[3]);
+      skip = skip || (votes[0] & votes[1] & votes[2] & votes[3] & 1) != 0;
     }
   }
   const int h_end = hk * group + group;
+  // A step none of whose rows sees the block's keys (the general instantiation) is stepped over: attn_mask's
+  // classes EMPTY for each of its row tiles at key tile kt, or a block map's EMPTY for its query blocks.
   const auto advance = [&](int& h, int& off) {
     if constexpr (!kPlain) {
-      if (p.has_block_map) {
-        const uint32_t kb = block_kb();
-        while (h < h_end) {
-          const int64_t l0 = q_first + off;
-          const uint32_t qb_hi = block_of_row(p, l0 + kQueries - 1);
-          bool seen = false;
+      const bool classed = plan.attn_tiles.kind != kMaskNone;
+      while (h < h_end && (classed || p.has_block_map)) {
+        const int64_t l0 = q_first + off;
+        bool seen = true;
+        if (classed) {
+          uint32_t any = 0;
+          for (int i = 0; i < kQueries / kMmaRowsPerWarp; ++i) {
+            any |= tile_class(plan.attn_tiles, mask_tiles, b, h, l0 / kMmaRowsPerWarp + i, key_tile());
+          }
+          seen = (any & 1u) != 0;
+        }
+        if (seen && p.has_block_map) {
+          const uint32_t kb = block_kb(), qb_hi = block_of_row(p, l0 + kQueries - 1);
+          seen = false;
           for (uint32_t qb = block_of_row(p, l0); qb <= qb_hi; ++qb) {
             seen = seen || block_map_entry(p, ptr.fwd, b, h, qb, kb) != kBlockEmpty;
           }
-          if (seen) break;
-          if (off + kQueries >= span) {
-            off = 0;
-            ++h;
-          } else {
-            off += kQueries;
-          }
+        }
+        if (seen) break;
+        if (off + kQueries >= span) {
+          off = 0;
+          ++h;
+        } else {
+          off += kQueries;
         }
       }
     }
@@ -791,8 +919,15 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       // A chunk with a removed key takes the ranged path, whose scores are tested one by one anyway.
       [[maybe_unused]] uint32_t removed[kN][2] = {};
       bool blocked = false;
+      // `terms`: the chunk reads the masks' terms per score: a float attn_mask on a row tile its classes do
+      // not keep whole at the block's keys, or key_padding_mask's terms to add (its vote's bit 1).
+      [[maybe_unused]] bool terms = false;
       if constexpr (!kPlain) {
-        if (p.has_block_map) {
+        terms = p.key_padding_mask_kind != kMaskNone && (votes[warp] & 2) != 0;
+        if (p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0) {
+          terms = terms || ((classes_s[stage] >> (c0 / kMmaRowsPerWarp)) & 1u) == 0;
+        }
+        if (p.has_block_map || plan.attn_tiles.key_words != 0) {
           const int shift = 16 * (warp % 2) + g;
           uint32_t any = 0;
 #pragma unroll
@@ -807,7 +942,8 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
         }
       }
       // s becomes Z P and dp dS y' (element e of n-tile j: key s[e / 2], query q0 + c0 + 8 j + 2 t + e % 2);
-      // `ranged`: each score tested against its key's query range (not on interior tiles).
+      // `ranged`: each score tested against its key's query range and the removed bits, and the masks' terms
+      // read where `terms` (not on interior tiles, which a chunk with `terms` never is).
       const auto grads = [&](auto ranged) {
 #pragma unroll
         for (int j = 0; j < kN; ++j) {
@@ -826,7 +962,10 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
               dp[j][e] = seen ? prob * (dp[j][e] - row_delta) : 0.0f;
             } else {
               const int64_t l = q0 + col, key = w0 + g + 8 * r;
-              const float bias = seen ? mask_bias(p, ptr.fwd, b, h, l, key, &padding[r]) : 0.0f;
+              float bias = 0.0f;
+              if constexpr (decltype(ranged)::value) {
+                bias = seen && terms ? mask_bias(p, ptr.fwd, b, h, l, key, &padding[r]) : 0.0f;
+              }
               const float z = seen ? dropout_factor(p, consts, b, h, l, key) : 1.0f;
               const ScoreGrads sg = general_grads(s[j][e], dp[j][e], lse2, row_delta, bias, z, seen, consts);
               s[j][e] = sg.pz;
@@ -835,7 +974,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
           }
         }
       };
-      if (interior && !blocked) {
+      if (interior && !blocked && !terms) {
         grads(std::false_type{});
       } else {
         grads(std::true_type{});
@@ -862,17 +1001,18 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t, int kBucket, bool kPlain>
 cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
-                          const AttentionBackwardMmaPlan& plan, float* delta, cudaStream_t stream) {
+                          const AttentionBackwardMmaPlan& plan, float* delta, const uint32_t* mask_tiles,
+                          cudaStream_t stream) {
   // The query pass first: the key pass reads the delta it writes.
   if (plan.queries.blocks > 0) {
     const cudaError_t err =
         launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kPlain>, plan.queries.blocks,
-                    plan.threads, plan.smem_bytes, stream, bp, ptr, plan, delta);
+                    plan.threads, plan.smem_bytes, stream, bp, ptr, plan, delta, mask_tiles);
     if (err != cudaSuccess) return err;
   }
   if (plan.key_blocks > 0) {
     return launch_plan(&attention_backward_mma_keys<scalar_t, kBucket, kPlain>, plan.key_blocks, plan.threads,
-                       plan.smem_bytes, stream, bp, ptr, plan, static_cast<const float*>(delta));
+                       plan.smem_bytes, stream, bp, ptr, plan, static_cast<const float*>(delta), mask_tiles);
   }
   return cudaSuccess;
 }
@@ -888,9 +1028,17 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
   if (!params_consistent(p, ptr.fwd) || !mma_block_map_fits(p)) return cudaErrorInvalidValue;
   const AttentionBackwardMmaPlan plan = plan_attention_backward_mma(bp, dtype, ptr);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
-  if (plan.queries.blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
+  if (plan.queries.blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks || plan.mask_blocks > kMaxBlocks) {
+    return cudaErrorInvalidConfiguration;
+  }
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   float* const delta = static_cast<float*>(workspace);
+  uint32_t* const mask_tiles = static_cast<uint32_t*>(workspace);  // the classes' words follow delta's
+  if (plan.mask_blocks > 0) {
+    const cudaError_t err = launch_mask_tiles(p, ptr.fwd, plan.attn_tiles, plan.padding_tiles,
+                                              plan.mask_blocks, mask_tiles, stream);
+    if (err != cudaSuccess) return err;
+  }
   return dispatch_dtype(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     if constexpr (sizeof(scalar_t) != 2) {
@@ -898,8 +1046,8 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
     } else {
       return dispatch_bucket<32, 64, 128>(plan.bucket, [&](auto bucket) {
         constexpr int kBucket = decltype(bucket)::value;
-        return plan.plain ? launch_passes<scalar_t, kBucket, true>(bp, ptr, plan, delta, stream)
-                          : launch_passes<scalar_t, kBucket, false>(bp, ptr, plan, delta, stream);
+        return plan.plain ? launch_passes<scalar_t, kBucket, true>(bp, ptr, plan, delta, mask_tiles, stream)
+                          : launch_passes<scalar_t, kBucket, false>(bp, ptr, plan, delta, mask_tiles, stream);
       });
     }
   });

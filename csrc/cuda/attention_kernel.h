@@ -36,6 +36,12 @@ inline size_t attention_workspace_bytes(const AttentionParams& p, DType dtype, c
 // The tensor-core launcher (cuda/attention_kernel_mma.cu), called by launch_attention for Kernel::kMma.
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  void* workspace, cudaStream_t stream);
+
+// The masks' tile classes and packed bool masks (MaskTiles): the pre-pass of the tensor-core kernels' general
+// instantiations, forward and backward (cuda/attention_kernel_mma.cu), `blocks` blocks of kWarps warps, a
+// warp per word of attn's then padding's share, into `words` (the workspace, indexed from word 0).
+cudaError_t launch_mask_tiles(const AttentionParams& p, const AttentionPointers& ptr, const MaskTiles& attn,
+                              const MaskTiles& padding, int64_t blocks, uint32_t* words, cudaStream_t stream);
 #endif
 
 }  // namespace attnx::cuda

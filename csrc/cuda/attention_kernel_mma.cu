@@ -1109,7 +1109,8 @@ __device__ __forceinline__ void classify_mask(const AttentionParams& p, const Ma
   }
 }
 
-// The pre-pass of the general instantiation: attn_mask's warps, then key_padding_mask's (one launch).
+// The pre-pass of the general instantiations, forward and backward (launch_mask_tiles): attn_mask's warps,
+// then key_padding_mask's (one launch).
 __global__ void __launch_bounds__(kWarps* kWarpSize)
     attention_mask_tiles(const AttentionParams p, const AttentionPointers ptr, const MaskTiles attn,
                          const MaskTiles padding, uint32_t* const out) {
@@ -1142,6 +1143,13 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
 }  // namespace
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
+cudaError_t launch_mask_tiles(const AttentionParams& p, const AttentionPointers& ptr, const MaskTiles& attn,
+                              const MaskTiles& padding, int64_t blocks, uint32_t* words,
+                              cudaStream_t stream) {
+  return launch_plan(&attention_mask_tiles, blocks, kWarps * kWarpSize, 0, stream, p, ptr, attn, padding,
+                     words);
+}
+
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
                                  void* workspace, cudaStream_t stream) {
   if (!mma_supports(p, dtype) || !params_consistent(p, ptr) || !mma_block_map_fits(p)) {
@@ -1153,8 +1161,8 @@ cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const At
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   uint32_t* const mask_tiles = static_cast<uint32_t*>(workspace);
   if (plan.mask_blocks > 0) {
-    const cudaError_t err = launch_plan(&attention_mask_tiles, plan.mask_blocks, kWarps * kWarpSize, 0,
-                                        stream, p, ptr, plan.attn_tiles, plan.padding_tiles, mask_tiles);
+    const cudaError_t err =
+        launch_mask_tiles(p, ptr, plan.attn_tiles, plan.padding_tiles, plan.mask_blocks, mask_tiles, stream);
     if (err != cudaSuccess) return err;
   }
   return dispatch_dtype(dtype, [&](auto tag) {

@@ -215,17 +215,18 @@ constexpr bool mma_q_shared(int element_bytes, int bucket, int row_groups) {
   return row_groups > 1 || (element_bytes == 4 && bucket > kMmaTf32QRegs);
 }
 
-// The masks' tile classes, for the general instantiation: a pre-pass on the device (attention_mask_tiles in
-// cuda/attention_kernel_mma.cu) reads each mask once and writes, per slice of the mask that the call's heads
-// share and per tile of kMmaRowsPerWarp query rows (a warp's rows), two bit rows over the key tiles of
-// kMmaTileKeys keys from key 0: `seen` (bit n: some term of tile n is not -inf) and `kept` (every term of
-// tile n is 0). The tile loop skips a tile that no row of its block sees (EMPTY), runs the unmasked loop on
-// a tile both masks keep for the warp's rows (FULL) and reads the masks on the others (PARTIAL). A dimension
-// a mask broadcasts over (stride 0) is classified once: an (L, S) attn_mask once for every batch and head, a
-// key_padding_mask once per batch (a slice per batch, one query tile). A bool mask is also packed, a bit per
-// element (set: removed), so that a PARTIAL tile reads a row's 64 terms as one 8-byte load instead of 64
-// bytes through the strides: bit rows of `key_words` words (a multiple of 2, so that a tile's two words are
-// one aligned load) per slice and query row (one row where the mask broadcasts over L), after the classes.
+// The masks' tile classes, for the general instantiations (forward and backward): a pre-pass on the device
+// (attention_mask_tiles in cuda/attention_kernel_mma.cu) reads each mask once and writes, per slice of the
+// mask that the call's heads share and per tile of kMmaRowsPerWarp query rows (a warp's rows), two bit rows
+// over the key tiles of kMmaTileKeys keys from key 0: `seen` (bit n: some term of tile n is not -inf) and
+// `kept` (every term of tile n is 0). The tile loop skips a tile that no row of its block sees (EMPTY), runs
+// the unmasked loop on a tile both masks keep for the warp's rows (FULL) and reads the masks on the others
+// (PARTIAL). A dimension a mask broadcasts over (stride 0) is classified once: an (L, S) attn_mask once for
+// every batch and head, a key_padding_mask once per batch (a slice per batch, one query tile). A bool mask is
+// also packed, a bit per element (set: removed), so that a PARTIAL tile reads a row's 64 terms as one 8-byte
+// load instead of 64 bytes through the strides: bit rows of `key_words` words (a multiple of 2, so that a
+// tile's two words are one aligned load) per slice and query row (one row where the mask broadcasts over L),
+// after the classes.
 struct MaskTiles {
   int32_t kind;                // the mask's MaskKind; kMaskNone: no mask, nothing to classify
   int64_t stride[4];           // the mask's strides as (B, H, L, S), 0 on broadcast dims
@@ -443,12 +444,13 @@ constexpr int kMmaBackwardChunk = 32;
 
 // Shared memory of a block of either pass: the block's own two 64-row tiles and two stages of the other
 // operand's two tiles (mma_backward_tile rows), in the input type (rows of mma_tile_ld); the key pass's lse
-// and delta rows (two stages of a tile's rows each), its warps' 4 votes (16 bytes) and a block map's bits of
-// the tile's rows (two stages of two words a row); and with `mask_grad` the query pass's tile of attn_mask's
-// gradient (64 rows of tile + 1 floats).
+// and delta rows (two stages of a tile's rows each), its warps' 4 votes (16 bytes), a block map's or bool
+// attn_mask's bits of the tile's rows (two stages of two words a row) and a float attn_mask's classes (a
+// word a stage, 16 bytes with padding); and with `mask_grad` the query pass's tile of attn_mask's gradient
+// (64 rows of tile + 1 floats).
 constexpr int64_t mma_backward_smem_bytes(int bucket, bool mask_grad) {
   const int64_t tile = mma_backward_tile(bucket);
-  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 8 * tile * 4 + 16 +
+  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 8 * tile * 4 + 32 +
          (mask_grad ? kMmaTileKeys * (tile + 1) * 4 : 0);
 }
 

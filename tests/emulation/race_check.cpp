@@ -7,6 +7,8 @@
 // skipping and partial tiles; some add grouped KV heads, a window with per-batch key lengths (tile loops that
 // start past key 0), soft-capping, sinks and dropout. The backwards' launches (three SIMT, two on the tensor
 // cores) run after forwards of their own.
+#include "race_check.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -17,7 +19,6 @@
 
 #include "cuda/attention_backward_kernel.h"
 #include "cuda/attention_kernel.h"
-#include "race_check.h"
 
 namespace {
 
@@ -124,8 +125,10 @@ int run_backward(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_
   ptr.grad_key = grad_key.data();
   ptr.grad_value = grad_value.data();
   ptr.grad_attn_mask = mask_grad ? grad_mask.data() : nullptr;
-  const attnx::cuda::AttentionBackwardPlan plan = attnx::cuda::plan_attention_backward(bp, dtype, mask_grad);
-  std::vector<double> workspace(plan.workspace_bytes / sizeof(double) + 1);  // both kernels' delta
+  // delta, and the tensor-core kernels' mask tile classes after it
+  const size_t bytes = mma ? attnx::cuda::plan_attention_backward_mma(bp, dtype, ptr).workspace_bytes
+                           : attnx::cuda::plan_attention_backward(bp, dtype, mask_grad).workspace_bytes;
+  std::vector<double> workspace(bytes / sizeof(double) + 1);
   if (err == cudaSuccess) {
     err = mma ? attnx::cuda::launch_attention_backward_mma(bp, dtype, ptr, workspace.data(), nullptr)
               : attnx::cuda::launch_attention_backward(bp, dtype, ptr, workspace.data(), nullptr);
