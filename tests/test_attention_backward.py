@@ -525,13 +525,15 @@ def test_softcap_and_sinks(device, dtype):
     check_grads(device, (q, k, v), learn=("sinks",), softcap=3.0, sinks=make_sinks(4, dtype), is_causal=True)
 
 
+@pytest.mark.parametrize("S", [45, 96])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dropout(device, dtype):
+def test_dropout(device, dtype, S):
     # The keep mask is regenerated from the forward's Philox draws (never stored): the reference draws the
-    # same. On devices that run dropout's forward.
-    q, k, v = make_gqa(2, 4, 2, 20, 45, 16, 16, dtype=dtype)
+    # same. On devices that run dropout's forward. S = 96, a multiple of 4: each Philox block's 4 draws are
+    # one row's 4 keys, which the tensor-core backward's lanes share (a block drawn once for 4 scores).
+    q, k, v = make_gqa(2, 4, 2, 20, S, 16, 16, dtype=dtype)
     check_grads(device, (q, k, v), dropout_p=0.3, dropout_seed=seed_of(11, 5))
-    mask = torch.randn(2, 1, 20, 45, generator=torch.Generator().manual_seed(6)).to(dtype)
+    mask = torch.randn(2, 1, 20, S, generator=torch.Generator().manual_seed(6)).to(dtype)
     check_grads(device, (q, k, v), learn=("attn_mask", "sinks"), dropout_p=0.3, dropout_seed=seed_of(11, 5),
                 is_causal=True, softcap=3.0, sinks=make_sinks(4, dtype), attn_mask=mask)
 

@@ -139,9 +139,8 @@ __device__ __forceinline__ ScoreGrads general_grads(float x, float dp, float lse
   return {prob * z, ds * slope, ds};
 }
 
-// key_padding_mask's term of key s of batch b (0 without one); the masks' term of score (l, s) of (b, h), in
-// the reference's order (attn_mask + key_padding_mask); and the dropout factor of element ((b H + h) L + l) S
-// + s.
+// key_padding_mask's term of key s of batch b (0 without one); and the masks' term of score (l, s) of (b, h),
+// in the reference's order (attn_mask + key_padding_mask).
 __device__ __forceinline__ float padding_term(const AttentionParams& p, const AttentionPointers& ptr,
                                               int64_t b, int64_t s) {
   return p.key_padding_mask_kind == kMaskNone
@@ -160,17 +159,54 @@ __device__ __forceinline__ float mask_bias(const AttentionParams& p, const Atten
   }
   return bias;
 }
-__device__ __forceinline__ float dropout_factor(const AttentionParams& p, const BwdConsts& k, int64_t b,
-                                                int64_t h, int64_t l, int64_t s) {
-  if (!p.dropout) return 1.0f;
-  const uint64_t e =
-      (static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(p.q_len) + static_cast<uint64_t>(l)) *
-          static_cast<uint64_t>(p.kv_len) +
-      static_cast<uint64_t>(s);
-  return dropout_keep(e, p.dropout_threshold, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
-                      p.dropout_offset[1])
-             ? k.dropout_scale
-             : 0.0f;
+// Dropout's keep decisions for a lane's scores of a key-pass chunk (the transposed fragment: its rows are
+// keys): keys w0 + g + 8 r (r < 2), queries l0 + 8 j + 2 t + i (j < kN, i < 2); bit q = 2 (r kN + j) + i
+// set where score (query, key) is kept, by the Philox stream's element ((b H + h) L + l) S + key. The 4
+// lanes of a column (g = 4c .. 4c + 3, lanes 4 apart) hold 4 consecutive keys of each query, one Philox
+// block when S is a multiple of 4 (w0 is one of 16): lane g % 4 = u draws the blocks of kN of the 4 kN
+// (r, j, i), and the 4 lanes swap their 4-bit results (3 shuffles), a block a lane per 4 probabilities;
+// otherwise each lane draws a block per score.
+template <int kN>
+__device__ __forceinline__ uint32_t key_dropout_bits(const AttentionParams& p, int64_t bh, int64_t w0,
+                                                     int64_t l0, int lane) {
+  static_assert(4 * kN <= 32 && kN <= 8, "a bit per score of the lane, a nibble per draw");
+  const int g = lane / 4, t = lane % 4, u = g % 4;
+  const uint64_t S = static_cast<uint64_t>(p.kv_len);
+  const uint64_t row0 =
+      static_cast<uint64_t>(bh) * static_cast<uint64_t>(p.q_len) + static_cast<uint64_t>(l0);
+  const auto element = [&](int q, int key) {  // score q's element at key w0 + key
+    const int r = q / (2 * kN), j = q / 2 % kN, i = q % 2;
+    return (row0 + static_cast<uint64_t>(8 * j + 2 * t + i)) * S + static_cast<uint64_t>(w0 + key + 8 * r);
+  };
+  const auto draws = [&](uint64_t e) {
+    return dropout_block(e >> 2, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
+                         p.dropout_offset[1]);
+  };
+  const uint32_t threshold = p.dropout_threshold;
+  uint32_t kept = 0;
+  if ((S & 3) == 0) {
+    uint32_t mine = 0;  // nibble m: keys 4 (g / 4) .. + 3 of score u kN + m
+#pragma unroll 1
+    for (int m = 0; m < kN; ++m) {
+      const Philox4x32 block = draws(element(u * kN + m, g - u));
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        mine |= static_cast<uint32_t>(philox_word(block, w) < threshold) << (4 * m + w);
+    }
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {  // the nibbles of lane u ^ d: its scores' bits at this lane's key (bit u)
+      const uint32_t theirs = d == 0 ? mine : __shfl_xor_sync(kFullMask, mine, 4 * d);
+#pragma unroll
+      for (int m = 0; m < kN; ++m) kept |= ((theirs >> (4 * m + u)) & 1u) << ((u ^ d) * kN + m);
+    }
+  } else {
+#pragma unroll 1
+    for (int q = 0; q < 4 * kN; ++q) {
+      const uint64_t e = element(q, g);
+      kept |= static_cast<uint32_t>(philox_word(draws(e), static_cast<uint32_t>(e & 3)) < threshold) << q;
+    }
+  }
+  return kept;
 }
 
 // The masks' tile classes (MaskTiles, the forward's pre-pass: cuda/attention_plan.h) of key tile n (keys
@@ -414,7 +450,8 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
     // The general instantiation: the first key tile at or after `off` that some row of the block sees
     // (span: none). A key block that the masks' classes leave EMPTY for all the block's row tiles, or
     // that a block map leaves EMPTY for its query blocks, is stepped over whole.
-    const int64_t lt0 = q0 / kMmaRowsPerWarp;  // the block's first row tile; warp w's is lt0 + w
+    // The block's first row tile of the classes (warp w's is lt0() + w), computed where used.
+    const auto lt0 = [&] { return q0 / kMmaRowsPerWarp; };
     const auto next_tile = [&](int off) {
       if constexpr (!kPlain) {
         while (off < span && (plan.mask_blocks > 0 || p.has_block_map)) {
@@ -423,7 +460,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             const int64_t n = k / kMmaTileKeys;
             uint32_t seen = 0;
             for (int w = 0; w < kWarps; ++w)
-              seen |= tile_class(plan.attn_tiles, mask_tiles, b, h, lt0 + w, n);
+              seen |= tile_class(plan.attn_tiles, mask_tiles, b, h, lt0() + w, n);
             seen &= tile_class(plan.padding_tiles, mask_tiles, b, 0, 0, n);
             if ((seen & 1u) == 0) {
               off = static_cast<int>((n + 1) * kMmaTileKeys - k_first);
@@ -533,7 +570,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       if constexpr (!kPlain) {
         if (plan.mask_blocks > 0) {
           const int64_t n = k0 / kMmaTileKeys;
-          full = (tile_class(plan.attn_tiles, mask_tiles, b, h, lt0 + warp, n) &
+          full = (tile_class(plan.attn_tiles, mask_tiles, b, h, lt0() + warp, n) &
                   tile_class(plan.padding_tiles, mask_tiles, b, 0, 0, n) & 2u) != 0;
           terms = !full && ((p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0) ||
                             (p.key_padding_mask_kind != kMaskNone && plan.padding_tiles.key_words == 0));
@@ -593,6 +630,28 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             blocked = blocked || __any_sync(kFullMask, any != 0);
           }
         }
+        // Dropout (the general instantiation): the lane's scores' keep decisions, as the forward's tile draws
+        // them (the same fragment layout: bit 2 (r kN + j) + i % 2 of element i of n-tile j; the quad shares
+        // each Philox block where S is a multiple of 4, k0 + c0 being one of 32), applied to dP here: dS =
+        // P (Z dP - delta) is all this pass takes of Z, and the bits need no register through the scores.
+        if constexpr (!kPlain) {
+          if (p.dropout) {
+            const uint64_t S = static_cast<uint64_t>(p.kv_len);
+            const auto row_start = [&](int r) {
+              const uint64_t l = static_cast<uint64_t>(w0 + g + 8 * r);
+              return (static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L) + l) * S +
+                     static_cast<uint64_t>(k0 + c0);
+            };
+            const uint32_t kept = quad_dropout_bits<2, kN>(p, row_start, (S & 3) == 0, t);
+#pragma unroll
+            for (int j = 0; j < kN; ++j) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                dp[j][i] *= (kept >> (2 * ((i / 2) * kN + j) + i % 2)) & 1u ? consts.dropout_scale : 0.0f;
+              }
+            }
+          }
+        }
         // s becomes dS y' (element i of n-tile j: row l[i / 2], key k0 + c0 + 8 j + 2 t + i % 2), and dS
         // goes to ds_s where attn_mask's gradient is asked for; `ranged`: each score tested against its
         // row's key range and the removed bits, and the masks' terms read where `terms` (not on interior
@@ -617,9 +676,8 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
                 if constexpr (decltype(ranged)::value) {
                   bias = seen && terms ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
                 }
-                const float z = seen ? dropout_factor(p, consts, b, h, l, kk) : 1.0f;
-                const ScoreGrads sg =
-                    general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, z, seen, consts);
+                const ScoreGrads sg =  // dp is Z dP already: z = 1
+                    general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, 1.0f, seen, consts);
                 s[j][i] = sg.ds;
                 if (mask_grad != nullptr) {
                   ds_s[(16 * warp + g + 8 * r) * (kKeys + 1) + col] = sg.ds_bias;
@@ -941,6 +999,12 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
           blocked = __any_sync(kFullMask, any != 0);
         }
       }
+      // Dropout's keep decisions of the lane's scores of the chunk (the general instantiation): bit
+      // 2 (r kN + j) + e % 2 of element e of n-tile j.
+      [[maybe_unused]] uint32_t kept = 0;
+      if constexpr (!kPlain) {
+        if (p.dropout) kept = key_dropout_bits<kN>(p, b * p.heads + h, w0, q0 + c0, lane);
+      }
       // s becomes Z P and dp dS y' (element e of n-tile j: key s[e / 2], query q0 + c0 + 8 j + 2 t + e % 2);
       // `ranged`: each score tested against its key's query range and the removed bits, and the masks' terms
       // read where `terms` (not on interior tiles, which a chunk with `terms` never is).
@@ -966,7 +1030,9 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
               if constexpr (decltype(ranged)::value) {
                 bias = seen && terms ? mask_bias(p, ptr.fwd, b, h, l, key, &padding[r]) : 0.0f;
               }
-              const float z = seen ? dropout_factor(p, consts, b, h, l, key) : 1.0f;
+              const float z = !p.dropout || !seen                         ? 1.0f
+                              : (kept >> (2 * (r * kN + j) + e % 2)) & 1u ? consts.dropout_scale
+                                                                          : 0.0f;
               const ScoreGrads sg = general_grads(s[j][e], dp[j][e], lse2, row_delta, bias, z, seen, consts);
               s[j][e] = sg.pz;
               dp[j][e] = sg.ds;

@@ -206,51 +206,17 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // every backend): probability (l, key) of the tile at k0 is kept when its Philox draw is (attnx/philox.h:
   // element e = ((b H + h) L + l) S + key of the stream every backend draws) and scaled by 1 / (1 - p), before
   // P V. A lane's probabilities are its two rows' pairs of adjacent keys 8j + 2t, 8j + 2t + 1, decided into a
-  // bit each, then applied in place; the draws are made in loops that are not unrolled (the 10 rounds' code
-  // once rather than once per block). A Philox block is the draws of 4 consecutive elements, so where every
-  // row's tile starts on a block (S and k0 multiples of 4, the same for the whole block) the quad's 16 pairs
-  // of n-tiles 2m, 2m + 1 lie in 4 blocks, each half of one n-tile: lane t draws half t / 2 of n-tile
-  // 2m + t % 2, keeps the pair that is its own and passes the other to lane t ^ 1, whose own it is: a block a
-  // lane per 4 probabilities. Elsewhere each lane draws the block of each of its pairs, and the next one
-  // where the pair straddles two. (Generic, so that the plain instantiation never compiles it.)
+  // bit each by quad_dropout_bits (the quad's lanes share each Philox block where the rows' tiles start on
+  // one), then applied in place. (Generic, so that the plain instantiation never compiles it.)
   const auto apply_dropout = [&](auto& sg, int64_t k0) {
     static_assert(kPlain || (kGroups == 1 && kRows * kSTiles * 2 <= 32), "a bit per probability of the lane");
     const uint64_t S = static_cast<uint64_t>(p.kv_len);
     const uint64_t bh_row0 = static_cast<uint64_t>(b * p.heads + h) * static_cast<uint64_t>(L);
-    const uint32_t threshold = p.dropout_threshold;
-    const auto draws = [&](uint64_t e) {  // the block of element e
-      return dropout_block(e >> 2, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
-                           p.dropout_offset[1]);
-    };
     const auto row_start = [&](int r) {  // element of (row r, key k0)
       return (bh_row0 + static_cast<uint64_t>(r == 0 ? row(0) : row(1))) * S + static_cast<uint64_t>(k0);
     };
-    uint32_t kept = 0;  // bit 2 (r kSTiles + j) + i: probability i of the lane's pair in (row r, n-tile j)
-    if (((S | static_cast<uint64_t>(k0)) & 3) == 0) {
-      const int own = t % 2;  // lane t's block is in n-tile 2m + own; its partner's in the other
-#pragma unroll 1
-      for (int rm = 0; rm < kRows * kSTiles / 2; ++rm) {
-        const int r = rm / (kSTiles / 2), m = rm % (kSTiles / 2);
-        const Philox4x32 block = draws(row_start(r) + static_cast<uint64_t>(8 * (2 * m + own) + 4 * (t / 2)));
-        const uint32_t mine = static_cast<uint32_t>(philox_word(block, 2 * own) < threshold) |
-                              static_cast<uint32_t>(philox_word(block, 2 * own + 1) < threshold) << 1;
-        const uint32_t theirs = static_cast<uint32_t>(philox_word(block, 2 - 2 * own) < threshold) |
-                                static_cast<uint32_t>(philox_word(block, 3 - 2 * own) < threshold) << 1;
-        const uint32_t received = __shfl_xor_sync(kFullMask, theirs, 1);
-        kept |= mine << (2 * (r * kSTiles + 2 * m + own)) | received << (2 * (r * kSTiles + 2 * m + 1 - own));
-      }
-    } else {
-#pragma unroll 1
-      for (int pair = 0; pair < kRows * kSTiles; ++pair) {
-        const int r = pair / kSTiles, j = pair % kSTiles;
-        const uint64_t e = row_start(r) + static_cast<uint64_t>(8 * j + 2 * t);
-        const uint32_t w = static_cast<uint32_t>(e & 3);
-        const Philox4x32 block = draws(e);
-        const uint32_t second = w == 3 ? draws(e + 1).x : philox_word(block, w + 1);
-        kept |= static_cast<uint32_t>(philox_word(block, w) < threshold) << (2 * pair);
-        kept |= static_cast<uint32_t>(second < threshold) << (2 * pair + 1);
-      }
-    }
+    const uint32_t kept =
+        quad_dropout_bits<kRows, kSTiles>(p, row_start, ((S | static_cast<uint64_t>(k0)) & 3) == 0, t);
     const float dropout_scale = split_value<float>(p.dropout_scale, p.dropout_scale_lo);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {

@@ -24,6 +24,7 @@
 
 #include "attnx/key_range.h"
 #include "attnx/params.h"
+#include "attnx/philox.h"
 #include "attnx/softmax.h"
 #include "cuda/attention_plan.h"
 
@@ -607,6 +608,55 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
   return y;
 #endif
+}
+
+// Dropout's keep decisions for a lane's probabilities in an mma C fragment whose rows are queries (the
+// forward's tile, the backward's query pass): kRows rows r (row_start(r): the Philox stream's element
+// ((b H + h) L + l) S + k0 of the row's first key of the tile, attnx/philox.h) by kTiles n-tiles of 8 keys,
+// the lane's pair of adjacent keys 8 j + 2 t, 8 j + 2 t + 1 in each: bit 2 (r kTiles + j) + i is set where
+// key 8 j + 2 t + i of row r is kept. A Philox block is the draws of 4 consecutive elements, so where every
+// row's tile starts on a block (`aligned`: S and k0 multiples of 4) the quad's 16 pairs of n-tiles 2m,
+// 2m + 1 lie in 4 blocks, each half of one n-tile: lane t draws half t / 2 of n-tile 2m + t % 2, keeps the
+// pair that is its own and passes the other to lane t ^ 1, whose own it is: a block a lane per 4
+// probabilities. Elsewhere each lane draws the block of each of its pairs, and the next one where the pair
+// straddles two. The draws are made in loops that are not unrolled (the 10 rounds' code once rather than
+// once per block).
+template <int kRows, int kTiles, typename RowStart>
+__device__ __forceinline__ uint32_t quad_dropout_bits(const AttentionParams& p, RowStart row_start,
+                                                      bool aligned, int t) {
+  static_assert(kRows * kTiles * 2 <= 32 && kTiles % 2 == 0, "a bit per probability of the lane");
+  const uint32_t threshold = p.dropout_threshold;
+  const auto draws = [&](uint64_t e) {  // the block of element e
+    return dropout_block(e >> 2, p.dropout_seed[0], p.dropout_seed[1], p.dropout_offset[0],
+                         p.dropout_offset[1]);
+  };
+  uint32_t kept = 0;
+  if (aligned) {
+    const int own = t % 2;  // lane t's block is in n-tile 2m + own; its partner's in the other
+#pragma unroll 1
+    for (int rm = 0; rm < kRows * kTiles / 2; ++rm) {
+      const int r = rm / (kTiles / 2), m = rm % (kTiles / 2);
+      const Philox4x32 block = draws(row_start(r) + static_cast<uint64_t>(8 * (2 * m + own) + 4 * (t / 2)));
+      const uint32_t mine = static_cast<uint32_t>(philox_word(block, 2 * own) < threshold) |
+                            static_cast<uint32_t>(philox_word(block, 2 * own + 1) < threshold) << 1;
+      const uint32_t theirs = static_cast<uint32_t>(philox_word(block, 2 - 2 * own) < threshold) |
+                              static_cast<uint32_t>(philox_word(block, 3 - 2 * own) < threshold) << 1;
+      const uint32_t received = __shfl_xor_sync(kFullMask, theirs, 1);
+      kept |= mine << (2 * (r * kTiles + 2 * m + own)) | received << (2 * (r * kTiles + 2 * m + 1 - own));
+    }
+  } else {
+#pragma unroll 1
+    for (int pair = 0; pair < kRows * kTiles; ++pair) {
+      const int r = pair / kTiles, j = pair % kTiles;
+      const uint64_t e = row_start(r) + static_cast<uint64_t>(8 * j + 2 * t);
+      const uint32_t w = static_cast<uint32_t>(e & 3);
+      const Philox4x32 block = draws(e);
+      const uint32_t second = w == 3 ? draws(e + 1).x : philox_word(block, w + 1);
+      kept |= static_cast<uint32_t>(philox_word(block, w) < threshold) << (2 * pair);
+      kept |= static_cast<uint32_t>(second < threshold) << (2 * pair + 1);
+    }
+  }
+  return kept;
 }
 
 // soft_cap with fast_tanh: the tensor-core kernel's, whose probabilities are rounded to 16 bits anyway.
