@@ -51,10 +51,10 @@ KERNELS = {
                                      for t, _ in DTYPES.values()]
     + [f"attnx::cuda::attention_backward_{kind}<{t}, {b}>" for kind in ("keys", "queries")
        for t, _ in DTYPES.values() for b in BUCKETS],
-    "attention_backward_kernel_mma.cu": [f"attnx::cuda::attention_backward_mma_{kind}<{t}, {b}, {plain}>"
+    "attention_backward_kernel_mma.cu": [f"attnx::cuda::attention_backward_mma_{kind}<{t}, {b}, {variant}>"
                                          for kind in ("queries", "keys")
                                          for t in ("__half", "__nv_bfloat16") for b in (32, 64, 128)
-                                         for plain in ("true", "false")],
+                                         for variant in (0, 1, 2)],
 }
 
 

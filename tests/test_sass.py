@@ -407,11 +407,11 @@ def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
     assert found >= {(arch, dtype, f"bucket{b}") for arch in ("sm_80", "sm_90") for dtype in ("fp16", "bf16")
                      for b in (32, 64, 128)} | {
         (arch, "fp32", f"bucket{b}") for arch in ("sm_80", "sm_90") for b in (32, 64, 128)}, found
-    # the backward's passes: both instantiations, fp16/bf16 up to bucket 128, both archs
+    # the backward's passes: the three instantiations, fp16/bf16 up to bucket 128, both archs
     assert {(r["arch"], r["kernel"]) for r in backward} == {
         (arch, f"bwd {kind} {dtype} bucket{b} {variant}") for arch in ("sm_80", "sm_90")
         for kind in ("keys", "queries") for dtype in ("fp16", "bf16") for b in (32, 64, 128)
-        for variant in ("plain", "general")}
+        for variant in ("plain", "bits", "general")}
     for r in built:
         loop = r["loop"]
         assert loop is not None, f"{r['kernel']}: no loop holds HMMA"
@@ -487,7 +487,9 @@ def test_the_backward_anchor_and_the_backward_budgets(sass, built):
         ratio = r["loop"]["paths"]["steady"].per_hmma() / sass.anchor_for(r)["per_hmma"]
         assert ratio <= sass.MAX_BWD_XFA2[r["kernel"].split()[1]], (r["arch"], r["kernel"], ratio)
     assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_backward_mma_keys<__half, 64, "
-                           "true>(attnx::AttentionBackwardParams)") == "bwd keys fp16 bucket64 plain"
+                           "0>(attnx::AttentionBackwardParams)") == "bwd keys fp16 bucket64 plain"
+    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_backward_mma_queries<__half, 64, "
+                           "1>(attnx::AttentionBackwardParams)") == "bwd queries fp16 bucket64 bits"
 
 
 def test_the_build_meets_the_budgets(sass, built):

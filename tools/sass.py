@@ -139,9 +139,9 @@ PACKED_SOURCE = re.compile(r"\bpacked_words\b")
 # quarter of bucket 128's HMMA for the same work per score, is reported, not budgeted).
 MAX_BITS_RATIO = 1.3
 BITS_BUDGETED = re.compile(r"^mma (fp16|bf16) bucket(64|128) bits$")
-# Kernels with no jump table anywhere in the tile loop: the plain and bits instantiations (the general one
-# reads a float mask's elements through mask_value's switch).
-NO_BRX = re.compile(r"^mma (fp16|bf16|fp32) bucket\d+ (plain|bits)$")
+# Kernels with no jump table anywhere in the tile loop: the plain and bits instantiations, forward and
+# backward (the general one reads a float mask's elements through mask_value's switch).
+NO_BRX = re.compile(r"^(mma|bwd keys|bwd queries) (fp16|bf16|fp32) bucket\d+ (plain|bits)$")
 
 # ------------------------------------------------------------------------------------------------------------
 # Occupancy: the rules of the CUDA occupancy calculator, cuda_occupancy.h of CUDA 13.0
@@ -897,8 +897,8 @@ _DTYPE_NAMES = {"__half": "fp16", "half": "fp16", "cutlass::half_t": "fp16", "__
 # number is written after its name, a flag as its name when true; a pair names (true, false)).
 _ATTNX = {"attention_forward_mma": ("mma", [{"0": "plain", "1": "bits", "2": "general"}]),
           "attention_forward_simt": ("simt", ["rows"]),
-          "attention_backward_mma_queries": ("bwd queries", [("plain", "general")]),
-          "attention_backward_mma_keys": ("bwd keys", [("plain", "general")])}
+          "attention_backward_mma_queries": ("bwd queries", [{"0": "plain", "1": "bits", "2": "general"}]),
+          "attention_backward_mma_keys": ("bwd keys", [{"0": "plain", "1": "bits", "2": "general"}])}
 
 
 def _named(name, value: str) -> str:

@@ -111,7 +111,10 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
 //           and the query tiles that see them (reading the queries' delta).
 struct AttentionBackwardMmaPlan {
   int bucket;   // head-dim bucket (32, 64 or 128); 0 where mma_backward_supports() is false
-  bool plain;   // no mask, soft-cap or dropout, a scale in [2^-100, 2^100] and vector loads (mma_plain)
+  // MmaVariant, as the forward's: plain (mma_plain and vector loads: no mask, soft-cap or dropout), bits (the
+  // others where each mask is bool or absent: the masks read as the pre-pass's packed bits alone, so the
+  // loops hold no code for a float mask) and general (a float mask, read per score on the tiles it cuts).
+  int variant;
   bool vector;  // every row of q, k, v and grad_out moves as 16-byte vectors (cp.async)
   int threads;
   int64_t q_tiles, k_tiles;
@@ -137,7 +140,10 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   plan.vector = mma_rows_16(ptr.fwd.query, p.q_stride, p.head_dim, 2) &&
                 mma_vector_loads(p, ptr.fwd.key, ptr.fwd.value, 2) &&
                 mma_rows_16(ptr.grad_out, bp.grad_out_stride, p.v_head_dim, 2);
-  plan.plain = mma_plain(p) && plan.vector;
+  const auto bits = [](int32_t kind) { return kind == kMaskNone || kind == kMaskBool; };
+  plan.variant = mma_plain(p) && plan.vector                                  ? kMmaPlain
+                 : bits(p.attn_mask_kind) && bits(p.key_padding_mask_kind) ? kMmaBits
+                                                                               : kMmaGeneral;
   plan.threads = kWarps * kWarpSize;
   plan.q_tiles = (p.q_len + kMmaTileKeys - 1) / kMmaTileKeys;
   plan.k_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
@@ -148,7 +154,7 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   // words of a tile are one aligned 8-byte load.
   const int64_t delta_words = (p.batch * p.heads * p.q_len + 3) / 4 * 4;
   int64_t words = delta_words;
-  if (!plan.plain && (p.attn_mask_kind != kMaskNone || p.key_padding_mask_kind != kMaskNone)) {
+  if (plan.variant != kMmaPlain && (p.attn_mask_kind != kMaskNone || p.key_padding_mask_kind != kMaskNone)) {
     const int64_t row_tiles = plan.q_tiles * (kMmaTileKeys / kMmaRowsPerWarp);
     plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, p.attn_mask_stride, row_tiles, delta_words, true);
     const int64_t* const kpm = p.key_padding_mask_stride;

@@ -27,7 +27,10 @@
 //            dK).
 // Grouped KV heads are summed in the key pass's registers, K and V read in place. A tile where every row of
 // a warp sees every key of it (interior) tests no key range; elsewhere each score is tested against its
-// row's interval. The general instantiation reads the masks through the forward's tile classes (its pre-pass
+// row's interval. Three instantiations (MmaVariant, as the forward's): plain (no mask, soft-cap or dropout),
+// bits (each mask bool or absent: the loops read the masks only as packed bits and hold no code for a float
+// mask) and general (a float mask); "the general instantiation" below is either of the last two unless bits
+// is named. The general instantiation reads the masks through the forward's tile classes (its pre-pass
 // writes them into the workspace after delta): a tile no row sees is stepped over, a tile both masks keep for
 // a warp's rows reads no mask, and on the others a bool mask is its packed bits (a word per row and 32 keys,
 // routed as removed keys) and a float mask is read per score (mask_value). It soft-caps with fast_tanh
@@ -381,12 +384,13 @@ __device__ __forceinline__ void add_mask_grad_tile(const AttentionBackwardParams
 // gradient; a block loops over the batches, heads and query tiles whose mask gradients add into the same
 // elements (the dims of bp.grad_attn_mask_size that are 1), one after another. The general instantiation
 // states 2 blocks an SM for ptxas's register budget: left to itself it aims at 3 (168 registers) and spills
-// there on sm_80 and sm_90.
-template <typename scalar_t, int kBucket, bool kPlain>
-__global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
+// there on sm_80 and sm_90. kVariant: MmaVariant (cuda/attention_plan.h), as the forward's.
+template <typename scalar_t, int kBucket, int kVariant>
+__global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     attention_backward_mma_queries(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
                                    const AttentionBackwardMmaPlan plan, float* const delta,
                                    const uint32_t* const mask_tiles) {
+  constexpr bool kPlain = kVariant == kMmaPlain, kBits = kVariant == kMmaBits;
   using Sh = BwdShape<kBucket>;
   // kKeys: a key tile's rows (mma_backward_tile); kChunk of them at a time.
   constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kKeys = Sh::kRows, kTile = Sh::kTile;
@@ -572,8 +576,9 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
           const int64_t n = k0 / kMmaTileKeys;
           full = (tile_class(plan.attn_tiles, mask_tiles, b, h, lt0() + warp, n) &
                   tile_class(plan.padding_tiles, mask_tiles, b, 0, 0, n) & 2u) != 0;
-          terms = !full && ((p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0) ||
-                            (p.key_padding_mask_kind != kMaskNone && plan.padding_tiles.key_words == 0));
+          terms = !kBits && !full &&
+                  ((p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0) ||
+                   (p.key_padding_mask_kind != kMaskNone && plan.padding_tiles.key_words == 0));
         }
       }
       TileRange range[2];
@@ -673,13 +678,13 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
               } else {
                 const int64_t l = w0 + g + 8 * r, kk = k0 + col;
                 float bias = 0.0f;
-                if constexpr (decltype(ranged)::value) {
+                if constexpr (decltype(ranged)::value && !kBits) {
                   bias = seen && terms ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
                 }
                 const ScoreGrads sg =  // dp is Z dP already: z = 1
                     general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, 1.0f, seen, consts);
                 s[j][i] = sg.ds;
-                if (mask_grad != nullptr) {
+                if (!kBits && mask_grad != nullptr) {  // a float attn_mask's: not the bits instantiation's
                   ds_s[(16 * warp + g + 8 * r) * (kKeys + 1) + col] = sg.ds_bias;
                 }
               }
@@ -693,7 +698,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
         }
         accumulate<scalar_t, kBucket, kN>(dq, s, k_s, t_at + c0 * kLd);
       }
-      if constexpr (!kPlain) {
+      if constexpr (!kPlain && !kBits) {
         if (mask_grad != nullptr) {
           __syncthreads();  // the tile's dS is in ds_s
           add_mask_grad_tile<kKeys>(bp, mask_grad, ds_s, b, h, q0, k0);
@@ -729,11 +734,12 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
 
 // The key pass: dK and dV of one (b, kv head, 64 keys), over the group's query heads. The general
 // instantiation states 2 blocks an SM for ptxas's register budget, as the query pass.
-template <typename scalar_t, int kBucket, bool kPlain>
-__global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
+template <typename scalar_t, int kBucket, int kVariant>
+__global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     attention_backward_mma_keys(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
                                 const AttentionBackwardMmaPlan plan, const float* const delta,
                                 const uint32_t* const mask_tiles) {
+  constexpr bool kPlain = kVariant == kMmaPlain, kBits = kVariant == kMmaBits;
   using Sh = BwdShape<kBucket>;
   // kQueries: a query tile's rows (mma_backward_tile).
   constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kQueries = Sh::kRows, kTile = Sh::kTile;
@@ -848,7 +854,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
         }
       }
     }
-    if constexpr (!kPlain) {
+    if constexpr (!kPlain && !kBits) {
       if (p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0 && warp == 0) {
         const bool kept =
             lane < kQueries / kMmaRowsPerWarp &&
@@ -981,8 +987,8 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
       // not keep whole at the block's keys, or key_padding_mask's terms to add (its vote's bit 1).
       [[maybe_unused]] bool terms = false;
       if constexpr (!kPlain) {
-        terms = p.key_padding_mask_kind != kMaskNone && (votes[warp] & 2) != 0;
-        if (p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0) {
+        terms = !kBits && p.key_padding_mask_kind != kMaskNone && (votes[warp] & 2) != 0;
+        if (!kBits && p.attn_mask_kind != kMaskNone && plan.attn_tiles.key_words == 0) {
           terms = terms || ((classes_s[stage] >> (c0 / kMmaRowsPerWarp)) & 1u) == 0;
         }
         if (p.has_block_map || plan.attn_tiles.key_words != 0) {
@@ -1027,7 +1033,7 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
             } else {
               const int64_t l = q0 + col, key = w0 + g + 8 * r;
               float bias = 0.0f;
-              if constexpr (decltype(ranged)::value) {
+              if constexpr (decltype(ranged)::value && !kBits) {
                 bias = seen && terms ? mask_bias(p, ptr.fwd, b, h, l, key, &padding[r]) : 0.0f;
               }
               const float z = !p.dropout || !seen                         ? 1.0f
@@ -1065,20 +1071,21 @@ __global__ void __launch_bounds__(kBwdThreads, kPlain ? 0 : 2)
 }
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
-template <typename scalar_t, int kBucket, bool kPlain>
+template <typename scalar_t, int kBucket, int kVariant>
 cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
                           const AttentionBackwardMmaPlan& plan, float* delta, const uint32_t* mask_tiles,
                           cudaStream_t stream) {
   // The query pass first: the key pass reads the delta it writes.
   if (plan.queries.blocks > 0) {
     const cudaError_t err =
-        launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kPlain>, plan.queries.blocks,
+        launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kVariant>, plan.queries.blocks,
                     plan.threads, plan.smem_bytes, stream, bp, ptr, plan, delta, mask_tiles);
     if (err != cudaSuccess) return err;
   }
   if (plan.key_blocks > 0) {
-    return launch_plan(&attention_backward_mma_keys<scalar_t, kBucket, kPlain>, plan.key_blocks, plan.threads,
-                       plan.smem_bytes, stream, bp, ptr, plan, static_cast<const float*>(delta), mask_tiles);
+    return launch_plan(&attention_backward_mma_keys<scalar_t, kBucket, kVariant>, plan.key_blocks,
+                       plan.threads, plan.smem_bytes, stream, bp, ptr, plan, static_cast<const float*>(delta),
+                       mask_tiles);
   }
   return cudaSuccess;
 }
@@ -1112,8 +1119,11 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
     } else {
       return dispatch_bucket<32, 64, 128>(plan.bucket, [&](auto bucket) {
         constexpr int kBucket = decltype(bucket)::value;
-        return plan.plain ? launch_passes<scalar_t, kBucket, true>(bp, ptr, plan, delta, mask_tiles, stream)
-                          : launch_passes<scalar_t, kBucket, false>(bp, ptr, plan, delta, mask_tiles, stream);
+        return plan.variant == kMmaPlain
+                   ? launch_passes<scalar_t, kBucket, kMmaPlain>(bp, ptr, plan, delta, mask_tiles, stream)
+               : plan.variant == kMmaBits
+                   ? launch_passes<scalar_t, kBucket, kMmaBits>(bp, ptr, plan, delta, mask_tiles, stream)
+                   : launch_passes<scalar_t, kBucket, kMmaGeneral>(bp, ptr, plan, delta, mask_tiles, stream);
       });
     }
   });
