@@ -488,8 +488,8 @@ def test_the_backward_anchor_and_the_backward_budgets(sass, built):
         assert ratio <= sass.MAX_BWD_XFA2[r["kernel"].split()[1]], (r["arch"], r["kernel"], ratio)
     assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_backward_mma_keys<__half, 64, "
                            "0>(attnx::AttentionBackwardParams)") == "bwd keys fp16 bucket64 plain"
-    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_backward_mma_queries<__half, 64, "
-                           "1>(attnx::AttentionBackwardParams)") == "bwd queries fp16 bucket64 bits"
+    assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_backward_mma_queries<__half, "
+                           "64, 1>(attnx::AttentionBackwardParams)") == "bwd queries fp16 bucket64 bits"
 
 
 def test_the_build_meets_the_budgets(sass, built):

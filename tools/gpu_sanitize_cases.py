@@ -5,8 +5,8 @@ and float32, vector and element tile staging, partial tiles, dropout, the tensor
 the tiles it classifies), every feature (both masks, causal,
 grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256 composite; and the fused
 backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it): the SIMT kernels' every tile size, the
-tensor-core kernels' both instantiations and 64- and 32-row tiles, every feature, dropout and a float mask's
-gradient. Each launch is synchronised and printed with the kernel it takes, as the
+tensor-core kernels' three instantiations and 64- and 32-row tiles, their mask tile classes, every feature,
+dropout and a float mask's gradient. Each launch is synchronised and printed with the kernel it takes, as the
 library names it (attnx::_attention_kernel); the run fails if the cases no longer reach every kernel.
 
     python tools/gpu_sanitize_cases.py          # from the repository root, attnx importable
@@ -106,6 +106,19 @@ def backward_cases():
         "is_causal": True}
     yield "backward bf16 D=64 GQA, dropout, window (general)", gqa(2, 4, 2, 100, 140, 64, 64, dtype=BF), {
         "dropout_p": 0.2, "dropout_seed": torch.tensor([7, 8]), "window_left": 50, "window_right": 10}
+    # the tensor-core backward's tile classes: a causal bool mask and right padding (the bits instantiation:
+    # tiles skipped, run unmasked and read from the packed bits, in both passes; S a multiple of 4, so that
+    # dropout's Philox blocks are shared by 4 scores), then a float mask over the same tiles (general)
+    causal = torch.ones(130, 200, dtype=torch.bool).triu_(71)
+    padding = torch.zeros(2, 200, dtype=torch.bool)
+    padding[1, 150:] = True
+    kpm = to_device(padding, DEV)
+    yield "backward fp16 D=64 causal bool mask + padding, dropout: tile classes (bits)", qkv(
+        2, 2, 130, 200, 64, 64), {"attn_mask": to_device(causal, DEV), "key_padding_mask": kpm,
+                                  "dropout_p": 0.2, "dropout_seed": torch.tensor([9, 10])}
+    additive = to_device(torch.zeros(130, 200).masked_fill(causal, float("-inf")).half(), DEV)
+    yield "backward fp16 D=128 float causal mask + padding: tile classes (general, 32-row tiles)", qkv(
+        2, 2, 130, 200, 128, 128), {"attn_mask": additive, "key_padding_mask": kpm}
 
 
 def main():

@@ -107,7 +107,12 @@ int run_backward(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_
   ptr.fwd.key = k.data();
   ptr.fwd.value = v.data();
   ptr.fwd.attn_mask = mask_grad ? static_cast<const void*>(float_mask.data()) : bool_mask.data();
-  ptr.fwd.key_padding_mask = padding.data();
+  // with f.bool_padding, the same keys removed by a bool key_padding_mask (both masks bool: no float term)
+  std::vector<uint8_t> bool_padding(padding.size());
+  for (size_t i = 0; i < padding.size(); ++i) bool_padding[i] = padding[i] == -INFINITY;
+  if (f.bool_padding) p.key_padding_mask_kind = attnx::kMaskBool;
+  ptr.fwd.key_padding_mask = f.bool_padding ? static_cast<const void*>(bool_padding.data())
+                                            : static_cast<const void*>(padding.data());
   ptr.fwd.out = out.data();
   ptr.fwd.lse = lse.data();
   ptr.fwd.key_lengths = f.key_lengths.empty() ? nullptr : f.key_lengths.data();
@@ -173,6 +178,11 @@ int main() {
   failures += run_backward<__half>(DType::kFloat16, 1, 2, 150, 200, 64, true, false, {}, /*mma=*/true);
   failures += run_backward<__half>(DType::kFloat16, 2, 2, 70, 100, 32, false, true, {}, /*mma=*/true);
   failures += run_backward<__nv_bfloat16>(DType::kBFloat16, 2, 2, 70, 100, 40, false, false, f, /*mma=*/true);
+  // both masks bool (the bits instantiation: the masks' classes and packed bits), dropout with S a multiple
+  // of 4 (each Philox block shared by 4 lanes' scores in both passes)
+  Features bits;
+  bits.bool_padding = bits.dropout = true;
+  failures += run_backward<__half>(DType::kFloat16, 2, 2, 70, 100, 32, false, false, bits, /*mma=*/true);
   std::printf("%d failed launches\n", failures);
   return failures;
 }

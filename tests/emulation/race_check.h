@@ -27,7 +27,8 @@ struct Features {
   int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
   bool sinks = false;
-  bool dropout = false;  // p = 0.3
+  bool dropout = false;       // p = 0.3
+  bool bool_padding = false;  // key_padding_mask as bool (run_backward): the tensor-core bits instantiation
 };
 
 // The parameters of attention over contiguous (B, H, L, D) queries and out, (B, Hkv, S, D) keys and values,
