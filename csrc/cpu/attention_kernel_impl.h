@@ -1183,14 +1183,21 @@ class AttentionCpu {
     };
     if constexpr (kPairs) {
       const int64_t D2 = (D + 1) / 2;
-      if (D > 0) {
+      const scalar_t* const rows = paged ? k : k + k0 * ks[2];  // unpaged: the tile's first key row
+      if (D > 0 && keys_as_rows && !paged && D % 2 == 0 && ks[3] == 1 && ks[2] % 2 == 0 &&
+          reinterpret_cast<uintptr_t>(rows) % sizeof(uint32_t) == 0) {
+        // Decoding's key rows of an even number of contiguous elements, each starting on a 4-byte boundary,
+        // are pairs in memory already (pack_pairs's layout, the lower element in the low half): read in
+        // place, not copied a tile at a time.
+        ka = {reinterpret_cast<const uint32_t*>(rows), ks[2] / 2};
+      } else if (D > 0) {
         if (paged) {
           for_each_page_run(p_, d_.block_table, b, k, ks, k0, nk,
                             [&](const scalar_t* src, int64_t m, int64_t j) {
                               pack_pairs(src, ks[2], ks[3], m, D, ws.kp + j * D2, D2);
                             });
         } else {
-          pack_pairs(k + k0 * ks[2], ks[2], ks[3], nk, D, ws.kp, D2);
+          pack_pairs(rows, ks[2], ks[3], nk, D, ws.kp, D2);
         }
         ka = key_operand(ws.kp, D2, ws.ktp);
       }
