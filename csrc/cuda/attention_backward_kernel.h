@@ -150,8 +150,8 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   plan.queries = query_pass_grid(bp, mask_grad, plan.q_tiles);
   plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
   plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket, mask_grad));
-  // The masks' words start at a multiple of 4 words (16 bytes) after delta, so that a packed row's two
-  // words of a tile are one aligned 8-byte load.
+  // The masks' words start at a multiple of 4 words (16 bytes) after delta: plan_mask_tiles lays packed rows
+  // out from an even word, for the forward's 8-byte loads of a tile's two words.
   const int64_t delta_words = (p.batch * p.heads * p.q_len + 3) / 4 * 4;
   int64_t words = delta_words;
   if (plan.variant != kMmaPlain && (p.attn_mask_kind != kMaskNone || p.key_padding_mask_kind != kMaskNone)) {

@@ -615,9 +615,9 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 // ((b H + h) L + l) S + k0 of the row's first key of the tile, attnx/philox.h) by kTiles n-tiles of 8 keys,
 // the lane's pair of adjacent keys 8 j + 2 t, 8 j + 2 t + 1 in each: bit 2 (r kTiles + j) + i is set where
 // key 8 j + 2 t + i of row r is kept. A Philox block is the draws of 4 consecutive elements, so where every
-// row's tile starts on a block (`aligned`: S and k0 multiples of 4) the quad's 16 pairs of n-tiles 2m,
-// 2m + 1 lie in 4 blocks, each half of one n-tile: lane t draws half t / 2 of n-tile 2m + t % 2, keeps the
-// pair that is its own and passes the other to lane t ^ 1, whose own it is: a block a lane per 4
+// row's tile starts on a block (`aligned`: S and k0 multiples of 4) the quad's 8 pairs in n-tiles 2m and
+// 2m + 1 of a row lie in 4 blocks, each half of one n-tile: lane t draws half t / 2 of n-tile 2m + t % 2,
+// keeps the pair that is its own and passes the other to lane t ^ 1, whose own it is: a block a lane per 4
 // probabilities. Elsewhere each lane draws the block of each of its pairs, and the next one where the pair
 // straddles two. The draws are made in loops that are not unrolled (the 10 rounds' code once rather than
 // once per block).
