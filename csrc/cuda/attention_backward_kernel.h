@@ -108,7 +108,10 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
 //           broadcasts along B, H or L, a block loops over the batches, heads or query tiles that add into
 //           the same elements (as the SIMT query pass), so that no two blocks write the same memory.
 //   keys    one block per (b, kv head, 64 keys): dK and dV of its keys, summed over the group's query heads
-//           and the query tiles that see them (reading the queries' delta).
+//           and the query tiles that see them (reading the queries' lse log2(e) and delta).
+// The workspace starts with the rows' numbers the query pass writes for the key pass: lse log2(e) of each
+// (b, h) row, q_tiles 64-row tiles of them (rows past L: infinity), then delta of the same rows (past L: 0).
+// The key pass copies a tile's of both by cp.async: whole tiles of 16-byte chunks, no test of L.
 struct AttentionBackwardMmaPlan {
   int bucket;   // head-dim bucket (32, 64 or 128); 0 where mma_backward_supports() is false
   // MmaVariant, as the forward's: plain (mma_plain and vector loads: no mask, soft-cap or dropout), bits (the
@@ -124,10 +127,11 @@ struct AttentionBackwardMmaPlan {
   // The general instantiation's mask tile classes (MaskTiles, kind kMaskNone where a mask is absent or the
   // instantiation the plain one): the forward's pre-pass, over tiles of kMmaRowsPerWarp query rows (4 a
   // query block) and kMmaTileKeys keys (a key block), with bool masks packed a bit per element; its blocks
-  // (0: no pre-pass). The words follow delta in the workspace.
+  // (0: no pre-pass). The words follow the rows' numbers in the workspace.
   MaskTiles attn_tiles, padding_tiles;
   int64_t mask_blocks;
-  size_t workspace_bytes;  // delta (B * H * L floats), then the masks' words
+  int64_t row_words;       // lse log2(e), then delta: B * H * q_tiles * 64 floats each
+  size_t workspace_bytes;  // the rows' numbers (2 row_words floats), then the masks' words
 };
 
 inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
@@ -150,13 +154,14 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   plan.queries = query_pass_grid(bp, mask_grad, plan.q_tiles);
   plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
   plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket, mask_grad));
-  // The masks' words start at a multiple of 4 words (16 bytes) after delta: plan_mask_tiles lays packed rows
-  // out from an even word, for the forward's 8-byte loads of a tile's two words.
-  const int64_t delta_words = (p.batch * p.heads * p.q_len + 3) / 4 * 4;
-  int64_t words = delta_words;
+  // The masks' words start after the rows' numbers, at a multiple of 64 words: plan_mask_tiles lays packed
+  // rows out from an even word, for the forward's 8-byte loads of a tile's two words.
+  plan.row_words = p.batch * p.heads * plan.q_tiles * kMmaTileKeys;
+  const int64_t row_words = 2 * plan.row_words;
+  int64_t words = row_words;
   if (plan.variant != kMmaPlain && (p.attn_mask_kind != kMaskNone || p.key_padding_mask_kind != kMaskNone)) {
     const int64_t row_tiles = plan.q_tiles * (kMmaTileKeys / kMmaRowsPerWarp);
-    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, p.attn_mask_stride, row_tiles, delta_words, true);
+    plan.attn_tiles = plan_mask_tiles(p, p.attn_mask_kind, p.attn_mask_stride, row_tiles, row_words, true);
     const int64_t* const kpm = p.key_padding_mask_stride;
     const int64_t padding_stride[4] = {kpm[0], 0, 0, kpm[1]};
     plan.padding_tiles =

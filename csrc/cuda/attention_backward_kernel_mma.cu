@@ -15,30 +15,30 @@
 //
 // Two passes, so that every output element is written by one thread of one block, in a fixed order:
 //   queries  block = (b, h, 64 query rows), a warp 16 rows. Q and dO are staged once; delta = rowsum(dO * O)
-//            of the rows is computed from them and written to the workspace. Then over the key tiles the rows
-//            see (attnx/key_range.h), K and V in two stages of cp.async: S = Q K^T and dP = dO V^T (B
-//            fragments by ldmatrix from K's and V's rows), dS, and dQ += dS K (K's B fragments by
-//            ldmatrix.trans). The C fragments of two adjacent n-tiles of dS are the A fragment of one k-step.
-//   keys     block = (b, kv head, 64 keys), a warp 16 keys; launched after the query pass, whose delta it
-//            reads. K and V are staged once; then over the group's query heads and the query tiles that see
-//            the keys, Q and dO (and the tile's lse and delta) in two stages: the transposed products
-//            S^T = K Q^T and dP^T = V dO^T, then dV += (Z P)^T dO and dK += (dS y')^T Q, K's and V's A
-//            fragments by ldmatrix from their rows, Q's and dO's B fragments by ldmatrix (.trans for dV and
+//            of the rows is computed from them and written to the workspace with lse log2(e). Then over the
+//            key tiles the rows see (attnx/key_range.h), K and V in two stages of cp.async: S = Q K^T and
+//            dP = dO V^T (B fragments by ldmatrix from K's and V's rows), dS, and dQ += dS K (K's B fragments
+//            by ldmatrix.trans). The C fragments of two adjacent n-tiles of dS are the A fragment of one k-step.
+//   keys     block = (b, kv head, 64 keys), a warp 16 keys; launched after the query pass, whose numbers of
+//            the rows it reads. K and V are staged once; then over the group's query heads and the query
+//            tiles that see the keys, Q and dO (and the tile's lse and delta) in two stages: the transposed
+//            products S^T = K Q^T and dP^T = V dO^T, then dV += (Z P)^T dO and dK += (dS y')^T Q, K's and V's
+//            A fragments by ldmatrix from their rows, Q's and dO's B fragments by ldmatrix (.trans for dV and
 //            dK).
-// Grouped KV heads are summed in the key pass's registers, K and V read in place. A tile where every row of
-// a warp sees every key of it (interior) tests no key range; elsewhere each score is tested against its
-// row's interval. Three instantiations (MmaVariant, as the forward's): plain (no mask, soft-cap or dropout),
-// bits (each mask bool or absent: the loops read the masks only as packed bits and hold no code for a float
-// mask) and general (a float mask); "the general instantiation" below is either of the last two unless bits
-// is named. The general instantiation reads the masks through the forward's tile classes (its pre-pass
-// writes them into the workspace after delta): a tile no row sees is stepped over, a tile both masks keep for
-// a warp's rows reads no mask, and on the others a bool mask is its packed bits (a word per row and 32 keys,
-// routed as removed keys) and a float mask is read per score (mask_value). It soft-caps with fast_tanh
-// and applies its derivative, and regenerates dropout's keep decision per score from the forward's Philox
-// stream (attnx/philox.h); the plain one (mma_plain, vector loads) holds none of that code. A block-sparse
-// mask (the general instantiation; blocks of whole tiles: mma_block_map_fits): both passes step over the
-// tiles no query block of theirs sees (the map read per tile, never K, V, Q or dO of an EMPTY one), and a
-// score its block's bits remove is unseen, as one outside its row's range.
+// Grouped KV heads are summed in the key pass's registers, K and V read in place. A tile where every row of a
+// warp sees every key of it (interior) tests no key range; elsewhere each score is tested against its row's
+// interval. Three instantiations (MmaVariant, as the forward's): plain (no mask, soft-cap or dropout), bits
+// (each mask bool or absent: the loops read the masks only as packed bits and hold no code for a float mask)
+// and general (a float mask); "the general instantiation" below is either of the last two unless bits is
+// named. The general instantiation reads the masks through the forward's tile classes (its pre-pass writes
+// them into the workspace after the rows' numbers): a tile no row sees is stepped over, a tile both masks
+// keep for a warp's rows reads no mask, and on the others a bool mask is its packed bits (a word per row and
+// 32 keys, routed as removed keys) and a float mask is read per score (mask_value). It soft-caps with
+// fast_tanh and applies its derivative, and regenerates dropout's keep decision per score from the forward's
+// Philox stream (attnx/philox.h); the plain one (mma_plain, vector loads) holds none of that code. A
+// block-sparse mask (the general instantiation; blocks of whole tiles: mma_block_map_fits): both passes step
+// over the tiles no query block of theirs sees (the map read per tile, never K, V, Q or dO of an EMPTY one),
+// and a score its block's bits remove is unseen, as one outside its row's range.
 #include "attnx/philox.h"
 #include "cuda/attention_backward_kernel.h"
 #include "cuda/attention_kernel.h"
@@ -83,25 +83,44 @@ __device__ __forceinline__ BwdConsts bwd_consts_of(const AttentionParams& p) {
 // otherwise element by element (visible after the caller's barrier). A zero-filled row reads nothing, so a
 // tile may end past the tensor's last row. The plain instantiations always have 16-byte rows (kVector):
 // their copies compile without the element-wise path. (Copies at constant offsets from one pointer a row,
-// as the forward's, took registers that the bucket-128 loops do not have.)
+// as the forward's, took registers that the bucket-128 loops do not have.) The caller passes the thread's
+// first chunk, `at` = first_chunk(src, rs), rather than src: a tile loop carries it from tile to tile by a
+// constant, where the compiler would otherwise recompute its 64-bit product every tile rather than hold it.
+// A zero-filled copy names `base` (any address of the tensor) and reads nothing.
+template <int kBucket>
+struct StageChunks {
+  static constexpr int kVec = 8, kChunks = kBucket / kVec, kRowStep = kBwdThreads / kChunks;
+};
+template <int kBucket>
+__device__ __forceinline__ int64_t chunk_offset(int64_t rs) {
+  using C = StageChunks<kBucket>;
+  const int tid = static_cast<int>(threadIdx.x);
+  return tid / C::kChunks * rs + C::kVec * (tid % C::kChunks);
+}
+template <int kBucket, typename scalar_t>
+__device__ __forceinline__ const scalar_t* first_chunk(const scalar_t* src, int64_t rs) {
+  return src + chunk_offset<kBucket>(rs);
+}
 template <typename scalar_t, int kBucket, bool kVector, int kRows = kBwdRows>
-__device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* src, int64_t rs, int64_t cs,
-                                               int64_t valid, int cols, bool vector) {
-  constexpr int kLd = BwdShape<kBucket>::kLd, kVec = 8, kChunks = kBucket / kVec;
-  constexpr int kRowStep = kBwdThreads / kChunks, kCopies = kRows / kRowStep;
+__device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* at, const void* base,
+                                               int64_t rs, int64_t cs, int64_t valid, int cols, bool vector) {
+  constexpr int kLd = BwdShape<kBucket>::kLd, kVec = StageChunks<kBucket>::kVec;
+  constexpr int kChunks = StageChunks<kBucket>::kChunks, kRowStep = StageChunks<kBucket>::kRowStep;
+  constexpr int kCopies = kRows / kRowStep;
   static_assert(kRows % kRowStep == 0, "whole rounds of copies");
   const int tid = static_cast<int>(threadIdx.x);
   if (kVector || vector) {
     const int r0 = tid / kChunks, c = kVec * (tid % kChunks);
     const int64_t step = kRowStep * rs;
-    const scalar_t* at = src + r0 * rs + c;
+    at = opaque(at);  // not folded into the caller's advance of it either
 #pragma unroll
-    for (int i = 0; i < kCopies; ++i, at += step) {
+    for (int i = 0; i < kCopies; ++i, at = opaque(at + step)) {
       const int r = r0 + kRowStep * i;
       const bool ok = r < valid && c < cols;
-      cp_async_16(dst + r * kLd + c, ok ? at : src, ok);
+      cp_async_16(dst + r * kLd + c, ok ? static_cast<const void*>(at) : base, ok);
     }
   } else if constexpr (!kVector) {
+    const scalar_t* const src = at - chunk_offset<kBucket>(rs);
     const scalar_t zero = from_acc<scalar_t>(0.0f);
     for (int e = tid; e < kRows * kBucket; e += kBwdThreads) {
       const int r = e / kBucket, c = e % kBucket;
@@ -388,7 +407,7 @@ __device__ __forceinline__ void add_mask_grad_tile(const AttentionBackwardParams
 template <typename scalar_t, int kBucket, int kVariant>
 __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     attention_backward_mma_queries(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
-                                   const AttentionBackwardMmaPlan plan, float* const delta,
+                                   const AttentionBackwardMmaPlan plan, float* const lse_delta,
                                    const uint32_t* const mask_tiles) {
   constexpr bool kPlain = kVariant == kMmaPlain, kBits = kVariant == kMmaBits;
   using Sh = BwdShape<kBucket>;
@@ -421,11 +440,14 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     const int64_t Sb = batch_kv_len(p, ptr.fwd.key_lengths, b);
     const int64_t hk = kv_head_of(p, h), bh = b * p.heads + h;
     const int64_t q0 = qt * kBwdRows;
-    stage_rows_mma<scalar_t, kBucket, kPlain>(q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0),
-                                              p.q_stride[2], p.q_stride[3], L - q0, D, plan.vector);
+    const int64_t* const qs = p.q_stride;
+    const int64_t* const ds = bp.grad_out_stride;
     stage_rows_mma<scalar_t, kBucket, kPlain>(
-        do_s, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0), bp.grad_out_stride[2],
-        bp.grad_out_stride[3], L - q0, Dv, plan.vector);
+        q_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.query, qs, b, h, q0), qs[2]), ptr.fwd.query,
+        qs[2], qs[3], L - q0, D, plan.vector);
+    stage_rows_mma<scalar_t, kBucket, kPlain>(
+        do_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.grad_out, ds, b, h, q0), ds[2]), ptr.grad_out, ds[2],
+        ds[3], L - q0, Dv, plan.vector);
     cp_async_commit();
 
     // The keys the block's rows see, in tiles from k_first, a multiple of kKeys. Key indices from here
@@ -490,18 +512,25 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
       return off;
     };
 
-    const scalar_t* const key = rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, 0);
-    const scalar_t* const value = rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, 0);
+    // The thread's first chunks of the key tile at k_first + off (stage_rows_mma): the plain instantiation
+    // carries them from tile to tile, a constant apart (no multiply in the loop); the general one, whose
+    // tiles are not evenly spaced and whose loop has no registers for them, computes them a tile.
+    const scalar_t* key =
+        first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, k_first), p.k_stride[2]);
+    const scalar_t* value =
+        first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, k_first), p.v_stride[2]);
+    const int valid_keys = static_cast<int>(Sb - k_first);
     const auto stage_keys = [&](int stage, int off) {
-      const int64_t k0 = k_first + off;
       scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
-      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s, key + k0 * p.k_stride[2], p.k_stride[2],
-                                                       p.k_stride[3], Sb - k0, D, plan.vector);
-      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s + kTile, value + k0 * p.v_stride[2], p.v_stride[2],
-                                                       p.v_stride[3], Sb - k0, Dv, plan.vector);
+      const scalar_t* const k_at = kPlain ? key : key + off * p.k_stride[2];
+      const scalar_t* const v_at = kPlain ? value : value + off * p.v_stride[2];
+      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s, k_at, ptr.fwd.key, p.k_stride[2], p.k_stride[3],
+                                                       valid_keys - off, D, plan.vector);
+      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s + kTile, v_at, ptr.fwd.value, p.v_stride[2],
+                                                       p.v_stride[3], valid_keys - off, Dv, plan.vector);
       cp_async_commit();
     };
-    int off = next_tile(0);  // the tile at k_first + off
+    int off = next_tile(0);  // the tile at k_first + off (plain: 0)
     if (off < span) stage_keys(0, off);
     if (off < span) {
       cp_async_wait<1>();  // Q and dO, not the first key tile
@@ -511,7 +540,8 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     __syncthreads();
 
     // delta of this lane's rows: its quad's columns 2 t + 8 n (+ 1) of dO (staged) times O's, summed over
-    // the quad.
+    // the quad. It and lse2 go to the workspace for the key pass, every row of the tile (past L: a row that
+    // sees nothing, P = 0 and delta = 0).
     float lse2[2], row_delta[2];
     const scalar_t* const out = rows_of<scalar_t>(ptr.fwd.out, p.out_stride, b, h, 0);
     const float* const lse =
@@ -534,7 +564,11 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
       sum += __shfl_xor_sync(kFullMask, sum, 2);
       row_delta[r] = sum;
       lse2[r] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
-      if (t == 0 && l < L) delta[bh * L + l] = sum;
+      if (t == 0) {
+        float* const at = lse_delta + bh * plan.q_tiles * kBwdRows + l;
+        at[0] = lse2[r];
+        at[plan.row_words] = sum;
+      }
     }
 
     // The plain instantiation holds the warp's Q and dO fragments in registers for the whole key loop
@@ -556,6 +590,10 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
 
     for (int stage = 0; off < span; stage ^= 1) {
       const int off_next = next_tile(off + kKeys);
+      if constexpr (kPlain) {  // off_next = off + kKeys
+        key += kKeys * p.k_stride[2];
+        value += kKeys * p.v_stride[2];
+      }
       if (off_next < span) {
         stage_keys(stage ^ 1, off_next);  // the other stage was last read before the previous barrier
         cp_async_wait<1>();
@@ -737,7 +775,7 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
 template <typename scalar_t, int kBucket, int kVariant>
 __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     attention_backward_mma_keys(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
-                                const AttentionBackwardMmaPlan plan, const float* const delta,
+                                const AttentionBackwardMmaPlan plan, const float* const lse_delta,
                                 const uint32_t* const mask_tiles) {
   constexpr bool kPlain = kVariant == kMmaPlain, kBits = kVariant == kMmaBits;
   using Sh = BwdShape<kBucket>;
@@ -770,10 +808,12 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
   const BwdConsts consts = bwd_consts_of(p);
 
   // K and V rows at and past S_b are zero: never read (a static cache's unfilled slots may hold NaN).
-  stage_rows_mma<scalar_t, kBucket, kPlain>(k_s, rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, k0),
-                                            p.k_stride[2], p.k_stride[3], Sb - k0, D, plan.vector);
-  stage_rows_mma<scalar_t, kBucket, kPlain>(v_s, rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, k0),
-                                            p.v_stride[2], p.v_stride[3], Sb - k0, Dv, plan.vector);
+  stage_rows_mma<scalar_t, kBucket, kPlain>(
+      k_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, k0), p.k_stride[2]),
+      ptr.fwd.key, p.k_stride[2], p.k_stride[3], Sb - k0, D, plan.vector);
+  stage_rows_mma<scalar_t, kBucket, kPlain>(
+      v_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, k0), p.v_stride[2]),
+      ptr.fwd.value, p.v_stride[2], p.v_stride[3], Sb - k0, Dv, plan.vector);
 
   // The block's queries, in tiles from q_first, a multiple of kQueries. Query indices from here on are
   // offsets from q_first (32-bit, as mma_backward_supports bounds L: the loop holds fewer registers, and its
@@ -818,24 +858,64 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
   // stage after bits_s: bit i set where row tile i is FULL. Staged rather than read a chunk from the
   // classes, whose address took registers that bucket 128 does not have.
   [[maybe_unused]] uint32_t* const classes_s = bits_s + 4 * kQueries;
-  const auto stage_queries = [&](int stage, int h, int off) {
+  // A step: head h, the query tile at q_first + off, and the thread's first chunks of its rows in global
+  // memory (of Q and dO, as stage_rows_mma copies them; `nums`: of the tile's lse2 and delta, below). The
+  // plain instantiation carries them from step to step by constant increments (no multiply in the loop),
+  // with Q's and dO's of the head's first tile for the step to the next head; the general one, whose steps
+  // are not evenly spaced and whose loop has no registers for them, computes them a step.
+  struct Step {
+    int h, off;
+    const scalar_t *q, *dout, *q_head, *dout_head;
+    const float* nums;
+  };
+  const int64_t* const qs = p.q_stride;
+  const int64_t* const ds = bp.grad_out_stride;
+  const int64_t row_tiles = plan.q_tiles * kBwdRows;  // the workspace's rows of one (b, h)
+  // lse2 and delta of a tile's rows (the query pass wrote them for whole tiles): a 16-byte chunk a thread of
+  // the first kQueries / 2, lse2's for the first half of them, delta's (plan.row_words further) for the rest.
+  constexpr int kNumChunks = kQueries / 4;
+  const int h0 = hk * group;
+  const scalar_t* const q_at =
+      first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.query, qs, b, h0, q_first), qs[2]);
+  const scalar_t* const do_at =
+      first_chunk<kBucket>(rows_of<scalar_t>(ptr.grad_out, ds, b, h0, q_first), ds[2]);
+  const float* const nums_at = lse_delta + (int64_t{b} * p.heads + h0) * row_tiles + q_first +
+                               (tid / kNumChunks != 0 ? plan.row_words : 0) + 4 * (tid % kNumChunks);
+  const int back = span - kQueries;  // from a head's last tile to its first
+  const auto next_step = [&](Step& st) {
+    if (st.off + kQueries >= span) {
+      ++st.h;
+      st.off = 0;
+      st.q = st.q_head += qs[1];
+      st.dout = st.dout_head += ds[1];
+      st.nums += row_tiles - back;
+    } else {
+      st.off += kQueries;
+      st.q += kQueries * qs[2];
+      st.dout += kQueries * ds[2];
+      st.nums += kQueries;
+    }
+  };
+  const int valid_rows = static_cast<int>(L - q_first);
+  const auto stage_queries = [&](int stage, const Step& st) {
+    const int h = st.h, off = st.off;
     const int64_t q0 = q_first + off;
     scalar_t* const q_s = smem + 2 * kOwn + 2 * stage * kTile;
+    const int64_t dh = h - h0;
+    stage_rows_mma<scalar_t, kBucket, kPlain, kQueries>(q_s, kPlain ? st.q : q_at + dh * qs[1] + off * qs[2],
+                                                        ptr.fwd.query, qs[2], qs[3], valid_rows - off, D,
+                                                        plan.vector);
     stage_rows_mma<scalar_t, kBucket, kPlain, kQueries>(
-        q_s, rows_of<scalar_t>(ptr.fwd.query, p.q_stride, b, h, q0), p.q_stride[2], p.q_stride[3], L - q0, D,
-        plan.vector);
-    stage_rows_mma<scalar_t, kBucket, kPlain, kQueries>(
-        q_s + kTile, rows_of<scalar_t>(ptr.grad_out, bp.grad_out_stride, b, h, q0), bp.grad_out_stride[2],
-        bp.grad_out_stride[3], L - q0, Dv, plan.vector);
+        q_s + kTile, kPlain ? st.dout : do_at + dh * ds[1] + off * ds[2], ptr.grad_out, ds[2], ds[3],
+        valid_rows - off, Dv, plan.vector);
+    if (tid < 2 * kNumChunks) {
+      cp_async_16(rows_s + 2 * kQueries * stage + (tid / kNumChunks) * kQueries + 4 * (tid % kNumChunks),
+                  kPlain ? st.nums : nums_at + dh * row_tiles + off, true);
+    }
     cp_async_commit();
-    if (tid < kQueries) {
-      const int64_t l = q0 + tid;
-      const float* const lse =
-          static_cast<const float*>(ptr.fwd.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
-      float* const at = rows_s + 2 * kQueries * stage;
-      at[tid] = l < L ? lse[l * p.lse_stride[2]] * kLog2e : INFINITY;
-      at[kQueries + tid] = l < L ? delta[(b * p.heads + h) * L + l] : 0.0f;
-      if constexpr (!kPlain) {
+    if constexpr (!kPlain) {
+      if (tid < kQueries) {
+        const int64_t l = q0 + tid;
         const bool attn_bits = plan.attn_tiles.key_words != 0;
         if (p.has_block_map || attn_bits) {  // the 64 keys' bits of the row (set: removed)
           uint64_t bits = 0;
@@ -901,11 +981,12 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
   const int h_end = hk * group + group;
   // A step none of whose rows sees the block's keys (the general instantiation) is stepped over: attn_mask's
   // classes EMPTY for each of its row tiles at key tile kt, or a block map's EMPTY for its query blocks.
-  const auto advance = [&](int& h, int& off) {
+  const auto advance = [&](Step& st) {
     if constexpr (!kPlain) {
       const bool classed = plan.attn_tiles.kind != kMaskNone;
-      while (h < h_end && (classed || p.has_block_map)) {
-        const int64_t l0 = q_first + off;
+      while (st.h < h_end && (classed || p.has_block_map)) {
+        const int h = st.h;
+        const int64_t l0 = q_first + st.off;
         bool seen = true;
         if (classed) {
           uint32_t any = 0;
@@ -922,20 +1003,15 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
           }
         }
         if (seen) break;
-        if (off + kQueries >= span) {
-          off = 0;
-          ++h;
-        } else {
-          off += kQueries;
-        }
+        next_step(st);
       }
     }
   };
-  // The step being computed: head h, query tile at q_first + off (h = h_end: none left).
-  int h = skip ? h_end : hk * group, off = 0;
-  advance(h, off);
-  if (h < h_end) {
-    stage_queries(0, h, off);  // K and V's copies are in this group
+  // The step being computed (h = h_end: none left).
+  Step step = {skip ? h_end : h0, 0, q_at, do_at, q_at, do_at, nums_at};
+  advance(step);
+  if (step.h < h_end) {
+    stage_queries(0, step);  // K and V's copies are in this group
   } else {
     cp_async_commit();
   }
@@ -948,13 +1024,13 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
   }
   const int a_at = a_lane(lane, kLd) + 16 * warp * kLd, b_at = b_lane(lane, kLd), t_at = a_lane(lane, kLd);
 
-  for (int stage = 0; h < h_end; stage ^= 1) {
-    const bool wrap = off + kQueries >= span;
-    int h_next = wrap ? h + 1 : h;
-    int off_next = wrap ? 0 : off + kQueries;
-    advance(h_next, off_next);
-    if (h_next < h_end) {
-      stage_queries(stage ^ 1, h_next, off_next);  // the other stage was last read before the last barrier
+  for (int stage = 0; step.h < h_end; stage ^= 1) {
+    const int h = step.h, off = step.off;
+    Step next = step;
+    next_step(next);
+    advance(next);
+    if (next.h < h_end) {
+      stage_queries(stage ^ 1, next);  // the other stage was last read before the last barrier
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -1055,8 +1131,7 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
       accumulate<scalar_t, kBucket, kN>(dk, dp, q_s, t_at + c0 * kLd);
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
-    h = h_next;
-    off = off_next;
+    step = next;
   }
   cp_async_wait<0>();  // no copy in flight at exit (K and V's, when no query sees the keys)
   // The block's first key and its kv head again, from its index read anew: kept from before the loop, they
@@ -1073,19 +1148,19 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t, int kBucket, int kVariant>
 cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
-                          const AttentionBackwardMmaPlan& plan, float* delta, const uint32_t* mask_tiles,
+                          const AttentionBackwardMmaPlan& plan, float* lse_delta, const uint32_t* mask_tiles,
                           cudaStream_t stream) {
-  // The query pass first: the key pass reads the delta it writes.
+  // The query pass first: the key pass reads the rows' numbers it writes.
   if (plan.queries.blocks > 0) {
     const cudaError_t err =
         launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kVariant>, plan.queries.blocks,
-                    plan.threads, plan.smem_bytes, stream, bp, ptr, plan, delta, mask_tiles);
+                    plan.threads, plan.smem_bytes, stream, bp, ptr, plan, lse_delta, mask_tiles);
     if (err != cudaSuccess) return err;
   }
   if (plan.key_blocks > 0) {
     return launch_plan(&attention_backward_mma_keys<scalar_t, kBucket, kVariant>, plan.key_blocks,
-                       plan.threads, plan.smem_bytes, stream, bp, ptr, plan, static_cast<const float*>(delta),
-                       mask_tiles);
+                       plan.threads, plan.smem_bytes, stream, bp, ptr, plan,
+                       static_cast<const float*>(lse_delta), mask_tiles);
   }
   return cudaSuccess;
 }
@@ -1105,8 +1180,8 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
     return cudaErrorInvalidConfiguration;
   }
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
-  float* const delta = static_cast<float*>(workspace);
-  uint32_t* const mask_tiles = static_cast<uint32_t*>(workspace);  // the classes' words follow delta's
+  float* const lse_delta = static_cast<float*>(workspace);
+  uint32_t* const mask_tiles = static_cast<uint32_t*>(workspace);  // the classes' words follow the rows'
   if (plan.mask_blocks > 0) {
     const cudaError_t err = launch_mask_tiles(p, ptr.fwd, plan.attn_tiles, plan.padding_tiles,
                                               plan.mask_blocks, mask_tiles, stream);
@@ -1120,10 +1195,11 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
       return dispatch_bucket<32, 64, 128>(plan.bucket, [&](auto bucket) {
         constexpr int kBucket = decltype(bucket)::value;
         return plan.variant == kMmaPlain
-                   ? launch_passes<scalar_t, kBucket, kMmaPlain>(bp, ptr, plan, delta, mask_tiles, stream)
+                   ? launch_passes<scalar_t, kBucket, kMmaPlain>(bp, ptr, plan, lse_delta, mask_tiles, stream)
                : plan.variant == kMmaBits
-                   ? launch_passes<scalar_t, kBucket, kMmaBits>(bp, ptr, plan, delta, mask_tiles, stream)
-                   : launch_passes<scalar_t, kBucket, kMmaGeneral>(bp, ptr, plan, delta, mask_tiles, stream);
+                   ? launch_passes<scalar_t, kBucket, kMmaBits>(bp, ptr, plan, lse_delta, mask_tiles, stream)
+                   : launch_passes<scalar_t, kBucket, kMmaGeneral>(bp, ptr, plan, lse_delta, mask_tiles,
+                                                                   stream);
       });
     }
   });

@@ -545,6 +545,17 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool
 #endif
 }
 
+// `p`, hidden from the compiler's arithmetic: a pointer advanced by a run-time stride in an unrolled loop
+// stays a chain of 64-bit adds (2 instructions a step) where the compiler would otherwise rewrite each as
+// base + i stride, a 64-bit multiply a step.
+template <typename T>
+__device__ __forceinline__ T* opaque(T* p) {
+#if defined(__CUDA_ARCH__) && !defined(ATTNX_CUDA_EMULATION)
+  asm("" : "+l"(p));
+#endif
+  return p;
+}
+
 // One 16-byte store of shared memory to global memory, both addresses 16-byte aligned.
 __device__ __forceinline__ void store_16(void* global, const void* smem) {
 #if defined(ATTNX_CUDA_EMULATION)
