@@ -968,8 +968,16 @@ class AttentionBackwardCpu {
 
 void attention_backward_kernel(const AttentionBackwardParams& p, const AttentionBackwardPointers& ptr,
                                torch::headeronly::ScalarType dtype) {
+#if ATTNX_DOT_BF16 == 2
+  // As the forward's: the emulation's own kernel for bfloat16 alone, DEFAULT's for the other dtypes.
+  if (dtype != torch::headeronly::ScalarType::BFloat16) {
+    return DEFAULT::attention_backward_kernel(p, ptr, dtype);
+  }
+  AttentionBackwardCpu<torch::headeronly::BFloat16>(p, ptr).run();
+#else
   dispatch_float_types(dtype, "attnx::attention_backward",
                        [&](auto tag) { AttentionBackwardCpu<decltype(tag)>(p, ptr).run(); });
+#endif
 }
 
 }  // namespace CPU_CAPABILITY

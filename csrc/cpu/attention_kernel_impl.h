@@ -1276,8 +1276,15 @@ class AttentionCpu {
 
 void attention_kernel(const AttentionParams& p, const AttentionPointers& ptr,
                       torch::headeronly::ScalarType dtype) {
+#if ATTNX_DOT_BF16 == 2
+  // The emulation differs from DEFAULT in bfloat16's products alone: the other dtypes run DEFAULT's kernels,
+  // which this unit then does not compile again.
+  if (dtype != torch::headeronly::ScalarType::BFloat16) return DEFAULT::attention_kernel(p, ptr, dtype);
+  AttentionCpu<torch::headeronly::BFloat16>(p, ptr).run();
+#else
   dispatch_float_types(dtype, "attnx::attention",
                        [&](auto tag) { AttentionCpu<decltype(tag)>(p, ptr).run(); });
+#endif
 }
 
 }  // namespace CPU_CAPABILITY
