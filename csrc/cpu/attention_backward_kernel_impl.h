@@ -728,10 +728,12 @@ class AttentionBackwardCpu {
                 int64_t kv_len_b, const Operand<op_t>& ka, const Operand<op_t>& va, const acc_t* kb,
                 int32_t block, acc_t* dqt, acc_t* dk, acc_t* dv, BackwardScratch<acc_t>& ws) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, ld_q = plan_.ld_q, ld_t = plan_.ld_t;
-    // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T.
+    // S^T (nk, nq) = K (scale Q)^T;  dP^T (nk, nq) = V dO^T. With pairs the inner dims are D2 and Dv2 pairs,
+    // which are also ka's and va's row strides (pack_pairs's dense rows).
+    [[maybe_unused]] const int64_t D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2;
     if constexpr (kPairs) {
       if (D > 0)
-        gemm_pairs(nk, nq, ka.ld, ka.ptr, ka.ld, ws.qtp + q0, ld_q, ws.s, ld_t, /*add_c=*/false, scale_);
+        gemm_pairs(nk, nq, D2, ka.ptr, ka.ld, ws.qtp + q0, ld_q, ws.s, ld_t, /*add_c=*/false, scale_);
     } else if (D > 0) {
       tile_gemm(nk, nq, D, ka.ptr, ka.ld, ws.qt + q0, ld_q, ws.s, ld_t, /*add_c=*/false);
     }
@@ -745,7 +747,7 @@ class AttentionBackwardCpu {
     }
     if constexpr (kPairs) {
       if (Dv > 0)
-        gemm_pairs(nk, nq, va.ld, va.ptr, va.ld, ws.dotp + q0, ld_q, ws.dp, ld_t, /*add_c=*/false, 1.0f);
+        gemm_pairs(nk, nq, Dv2, va.ptr, va.ld, ws.dotp + q0, ld_q, ws.dp, ld_t, /*add_c=*/false, 1.0f);
     } else if (Dv > 0) {
       tile_gemm(nk, nq, Dv, va.ptr, va.ld, ws.dot + q0, ld_q, ws.dp, ld_t, /*add_c=*/false);
     }
