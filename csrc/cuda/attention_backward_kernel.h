@@ -111,7 +111,7 @@ inline AttentionBackwardPlan plan_attention_backward(const AttentionBackwardPara
 //           and the query tiles that see them (reading the queries' lse log2(e) and delta).
 // The workspace starts with the rows' numbers the query pass writes for the key pass: lse log2(e) of each
 // (b, h) row, q_tiles 64-row tiles of them (rows past L: infinity), then delta of the same rows (past L: 0).
-// The key pass copies a tile's of both by cp.async: whole tiles of 16-byte chunks, no test of L.
+// The key pass copies both for a tile by cp.async, in 16-byte chunks of whole tiles: no test of L.
 struct AttentionBackwardMmaPlan {
   int bucket;   // head-dim bucket (32, 64 or 128); 0 where mma_backward_supports() is false
   // MmaVariant, as the forward's: plain (mma_plain and vector loads: no mask, soft-cap or dropout), bits (the
