@@ -5,6 +5,9 @@
                  libtorch_python)
   attnx._C_cuda  the CUDA kernels and their glue, on the stable ABI too, when torch is a CUDA build and nvcc
                  is found; a library of its own because it needs the CUDA runtime, which a CPU torch lacks
+  attnx._C_nvrtc the CUDA kernels' sources (csrc/cuda/*.cu, embedded) and the compiler that builds them at
+                 run time with the user's NVRTC for their GPU, cached on disk (csrc/rtc/): built with the
+                 host compiler alone wherever torch is a CUDA build on Linux, it links nothing of CUDA
   attnx._C_mps   the MPS glue on macOS (with the Metal kernels of metal/*.metal embedded as source, compiled
                  at first use), on torch's regular ABI: it encodes on torch's MPS stream (at::mps::MPSStream)
                  and binds its parameters with setBytes, which the stable ABI has no equivalent of before
@@ -13,7 +16,8 @@
 attnx/_loader.py loads _C, then the backend libraries the running torch can take.
 
 Environment:
-  ATTNX_WITH_CUDA / ATTNX_WITH_MPS   auto (default) | 0 | 1 (1 fails the build when the backend is impossible)
+  ATTNX_WITH_CUDA / ATTNX_WITH_MPS   auto (default) | 0 | 1 (1 fails the build when the backend is impossible;
+                                     ATTNX_WITH_CUDA=0 leaves out _C_nvrtc too)
   ATTNX_DEBUG=1                      -O0 -g
   ATTNX_SANITIZE=1                   AddressSanitizer + UndefinedBehaviorSanitizer, any report fatal (`make
                                      sanitize` builds a CPU-only copy with it and runs the kernel tests)
@@ -127,6 +131,7 @@ def _write_build_info(backends):
         f.write(f"CUDA_VERSION = {torch.version.cuda if 'CUDA' in backends else None!r}\n")
         arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") if "CUDA" in backends else None
         f.write(f"CUDA_ARCH_LIST = {arch_list!r}\n")
+        f.write(f"NVRTC = {_with_nvrtc()!r}\n")
 
 
 def _openmp():
@@ -143,6 +148,24 @@ def _embed_metal_sources():
     subprocess.run([sys.executable, os.path.join(ROOT, "metal", "embed.py"),
                     os.path.join(out_dir, "attnx_metal_sources.h")], check=True)
     return out_dir
+
+
+def _embed_cuda_sources():
+    """Writes build/generated/attnx_cuda_sources.h (each csrc/cuda/*.cu with its headers, see
+    csrc/cuda/embed.py); returns its directory."""
+    out_dir = os.path.join(ROOT, "build", "generated")
+    subprocess.run([sys.executable, os.path.join(ROOT, CSRC, "cuda", "embed.py"),
+                    os.path.join(out_dir, "attnx_cuda_sources.h")], check=True)
+    return out_dir
+
+
+def _with_nvrtc():
+    """Whether to build attnx._C_nvrtc: torch is a CUDA build (it brings NVRTC) on Linux (dlopen), and
+    ATTNX_WITH_CUDA is not 0."""
+    import torch
+
+    return (torch.version.cuda is not None and sys.platform.startswith("linux")
+            and _flag("ATTNX_WITH_CUDA") != "0")
 
 
 def _extensions(backends):
@@ -199,6 +222,12 @@ def _extensions(backends):
         exts.append(cpp_extension.CUDAExtension(
             "attnx._C_cuda", sources("cuda/*.cu", "cuda/*.cpp", *COMMON),
             extra_compile_args={"cxx": stable, "nvcc": nvcc}, **kwargs()))
+    if _with_nvrtc():
+        rtc = kwargs()
+        rtc["include_dirs"].append(_embed_cuda_sources())
+        rtc["libraries"] = ["dl"]
+        exts.append(cpp_extension.CppExtension("attnx._C_nvrtc", sources("rtc/*.cpp"),
+                                               extra_compile_args={"cxx": stable}, **rtc))
     if "MPS" in backends:
         mps = kwargs()
         mps["include_dirs"].append(_embed_metal_sources())

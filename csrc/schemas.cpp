@@ -175,5 +175,17 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // ATTNX_CUDA_TORCH_FLASH=0, or after torch refused such a call. `on` sets it, for the benchmarks that time
   // attnx's own kernel beside torch's. CUDA builds only.
   m.def("_cuda_torch_flash(bool? on=None) -> bool");
+  // The CUDA kernels compiled at run time by the user's NVRTC (attnx._C_nvrtc, csrc/rtc/compiler.h), for the
+  // CUDA majors and GPUs the prebuilt library does not serve; python/attnx/_cuda_runtime.py calls these.
+  // configure: NVRTC, its headers' folders (':'-separated) and the disk cache -> [NVRTC's version, why the
+  // cache folder was refused or "", the embedded sources' hash]. compile: one kernel (a name expression of an
+  // embedded source) for sm_arch -> [where it came from: memory, disk or compiled; its cache key; its lowered
+  // name]. options: NVRTC's options for sm_arch. cache: [entries, bytes] of the disk cache in use, [] for
+  // none. driver: the CUDA driver's version; raises without one.
+  m.def("_cuda_runtime_configure(str nvrtc, str include_dirs, str cache_dir, int cache_max_bytes) -> str[]");
+  m.def("_cuda_runtime_compile(str source, str kernel, int arch) -> str[]");
+  m.def("_cuda_runtime_options(int arch) -> str[]");
+  m.def("_cuda_runtime_cache() -> int[]");
+  m.def("_cuda_runtime_driver() -> int");
 }
 // clang-format on

@@ -1,8 +1,8 @@
-"""attnx's stable-ABI libraries (``_C``, ``_C_cuda``) reach torch only through its stable C API: no undefined
-symbol of torch's C++ API (``at::``, ``c10::``, ``torch::``), which changes between releases, and no
-dependency on libtorch_python; ``_C`` needs no CUDA library either, so that one build loads under CPU and CUDA
-builds of torch alike. Checked on the libraries this process loaded (an editable build, or an installed
-wheel)."""
+"""attnx's stable-ABI libraries (``_C``, ``_C_cuda``, ``_C_nvrtc``) reach torch only through its stable C API:
+no undefined symbol of torch's C++ API (``at::``, ``c10::``, ``torch::``), which changes between releases, and
+no dependency on libtorch_python; ``_C`` needs no CUDA library either, so that one build loads under CPU and
+CUDA builds of torch alike, and ``_C_nvrtc`` none, so that it loads under a torch of any CUDA major. Checked
+on the libraries this process loaded (an editable build, or an installed wheel)."""
 
 import os
 import shutil
@@ -23,8 +23,9 @@ pytestmark = [
 
 def _libraries():
     found = [("_C", attnx._C.__file__)]
-    found += [("_C_cuda", path) for path in sorted(torch.ops.loaded_libraries)
-              if os.path.basename(path).startswith("_C_cuda.")]
+    for name in ("_C_cuda", "_C_nvrtc"):
+        found += [(name, path) for path in sorted(torch.ops.loaded_libraries)
+                  if os.path.basename(path).startswith(name + ".")]
     return found
 
 
@@ -51,11 +52,26 @@ def test_no_dependency_on_libtorch_python(name, path):
     assert not [lib for lib in needed if lib.startswith("libtorch_python")], needed
 
 
+CUDA_LIBS = ("libcudart", "libcuda.", "libnvrtc", "libc10_cuda", "libtorch_cuda")
+
+
 def test_the_main_library_needs_no_cuda():
     needed = _needed(attnx._C.__file__)
-    cuda_libs = ("libcudart", "libcuda.", "libc10_cuda", "libtorch_cuda")
-    cuda = [lib for lib in needed if lib.startswith(cuda_libs)]
+    cuda = [lib for lib in needed if lib.startswith(CUDA_LIBS)]
     assert cuda == [], needed
+
+
+def test_the_run_time_compiler_links_nothing_of_cuda():
+    # It opens NVRTC and the driver with dlopen, which loads under torch's CUDA 12 builds as under 13's.
+    from attnx import _cuda_runtime
+
+    path = _cuda_runtime.library()
+    if path is None:
+        pytest.skip("this build has no attnx._C_nvrtc (a CPU torch at build time, or not Linux)")
+    if torch.version.cuda is not None:
+        assert path in torch.ops.loaded_libraries  # loaded with attnx
+    needed = _needed(path)
+    assert [lib for lib in needed if lib.startswith(CUDA_LIBS)] == [], needed
 
 
 def test_the_checks_can_fail(tmp_path):

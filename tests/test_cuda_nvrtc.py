@@ -1,31 +1,36 @@
 """Every CUDA kernel compiles with NVRTC, the run-time compiler that CUDA torch wheels ship: no GPU needed.
 
-The kernel sources (csrc/cuda/*.cu) are compiled by nvcc into the wheel's CUDA library, for one CUDA major.
-NVRTC compiles the same sources to SASS for any GPU on the user's machine, with the user's own CUDA (12 or
-13): the way to serve every CUDA major and every architecture from one wheel. This test keeps that way open:
-each instantiation the launchers use, forward, tensor-core and backward, is compiled through the NVRTC
-library beside the installed torch (libnvrtc.so.13 from nvidia-cuda-nvrtc under torch 2.14, libnvrtc.so.12
-under the floor's torch 2.10), to PTX for compute_80, with attnx/rtc.h standing in for the C++ headers
-NVRTC lacks. It records how long each file takes: the front end's share of the first-call cost of compiling
-at run time (ptxas takes about three times as long again; docs/design/cuda.md has the whole, to SASS).
+The kernel sources (csrc/cuda/*.cu) are compiled by nvcc into the wheel's CUDA library, for one CUDA major,
+and embedded in attnx._C_nvrtc (csrc/cuda/embed.py), which compiles them at run time with the user's NVRTC
+(12 or 13) for their GPU: the way to serve every CUDA major and every architecture from one wheel. This test
+compiles every instantiation the launchers use, forward, tensor-core and backward, from the embedded sources
+(attnx/rtc.h first, standing in for the C++ headers NVRTC lacks) with the library's own options, through the
+NVRTC it is configured with (libnvrtc.so.13 from nvidia-cuda-nvrtc under torch 2.14, libnvrtc.so.12 under the
+floor's torch 2.10), to PTX for compute_80: all of a file's instantiations in one program, where the
+library compiles one at a time (tests/test_cuda_runtime.py compiles one of each file to SASS through it). It
+records how long each file takes: the front end's share of the cost.
 
 Skips, saying why, where torch has no NVRTC beside it (a CPU torch) or its headers (cuda_fp16.h) are missing.
 """
 
 import ctypes
 import glob
+import importlib.util
 import os
 import time
 
 import pytest
 import torch
 
+from attnx import _cuda_runtime
+
 pytestmark = pytest.mark.floor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
-TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-                      "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+_spec = importlib.util.spec_from_file_location("embed", os.path.join(CSRC, "cuda", "embed.py"))
+embed = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(embed)
 # To PTX for compute_80, the oldest arch the kernels are built for: NVRTC's own part is the front end and
 # NVVM (headers, templates, the inline PTX's constraints); ptxas, which turns PTX into SASS, is the same one
 # nvcc runs on these sources for sm_80 and sm_90 in every build, and would cost four times as much again here.
@@ -58,52 +63,44 @@ KERNELS = {
 }
 
 
-def _torch_nvidia_dirs():
-    """The lib and include dirs of the nvidia-* wheels beside torch (CUDA 13: nvidia/cu13; 12: nvidia/*)."""
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    roots = [os.path.join(site, "nvidia", "cu13"), *glob.glob(os.path.join(site, "nvidia", "cuda_*"))]
-    libs = [os.path.join(r, "lib") for r in roots if os.path.isdir(os.path.join(r, "lib"))]
-    incs = [os.path.join(r, "include") for r in roots if os.path.isdir(os.path.join(r, "include"))]
-    return libs, incs
-
-
 class Nvrtc:
-    def __init__(self):
-        if torch.version.cuda is None:
-            pytest.skip(f"torch {torch.__version__} is a CPU build: no NVRTC beside it")
-        major = torch.version.cuda.split(".")[0]
-        libs, incs = _torch_nvidia_dirs()
-        found = [p for d in libs for p in glob.glob(os.path.join(d, f"libnvrtc.so.{major}*"))]
-        if not found:
-            pytest.skip(f"no libnvrtc.so.{major} beside torch {torch.__version__} ({libs})")
-        self.include = [d for d in incs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
-        if not self.include:
-            pytest.skip(f"no cuda_fp16.h beside torch {torch.__version__} ({incs})")
-        # libnvrtc loads libnvrtc-builtins from its own directory by name: preload it there.
-        lib_dir = os.path.dirname(found[0])
-        for builtins in sorted(glob.glob(os.path.join(lib_dir, "libnvrtc-builtins.so.*"))):
-            if ".alt." not in builtins:
-                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-        self.lib = ctypes.CDLL(found[0])
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        major_v, minor_v = ctypes.c_int(), ctypes.c_int()
-        self.lib.nvrtcVersion(ctypes.byref(major_v), ctypes.byref(minor_v))
-        self.version = f"{major_v.value}.{minor_v.value}"
+    """The NVRTC attnx._C_nvrtc is configured with (python/attnx/_cuda_runtime.py finds it beside torch),
+    called through ctypes to compile many instantiations in one program, with the library's own options."""
 
-    def compile(self, path, arch, names):
-        """Compiles `path` to PTX for the virtual `arch` with `names` instantiated; returns (PTX bytes, the
-        lowered names, seconds, log)."""
+    def __init__(self):
+        if _cuda_runtime.library() is None:
+            pytest.skip(f"this build has no attnx._C_nvrtc (torch {torch.__version__} is a CPU build, or not "
+                        f"Linux)")
+        path, why = _cuda_runtime.nvrtc_library()
+        if path is None:
+            pytest.skip(why)
+        if not _cuda_runtime.include_dirs():
+            pytest.skip(f"no cuda_fp16.h beside torch {torch.__version__} ({_cuda_runtime._nvidia_roots()})")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ATTNX_CUDA_CACHE", "0")  # nothing written: this compiles through ctypes
+            self.state = _cuda_runtime.configure(reconfigure=True)
+        self.lib = ctypes.CDLL(path)  # the library configure opened, and its builtins beside it
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        self.version = self.state["nvrtc"]
+
+    def options(self, arch):
+        """The run-time compiler's options for sm_XY, for the virtual `arch` (compute_XY) instead."""
+        number = arch.removeprefix("compute_")
+        options = torch.ops.attnx._cuda_runtime_options(int(number))
+        assert f"--gpu-architecture=sm_{number}" in options, options
+        return [f"--gpu-architecture={arch}" if o.startswith("--gpu-architecture=") else o for o in options]
+
+    def compile(self, source, arch, names):
+        """Compiles the embedded `source` (as csrc/cuda/embed.py makes it) to PTX for the virtual `arch` with
+        `names` instantiated; returns (PTX bytes, the lowered names, seconds, log)."""
         lib = self.lib
         prog = ctypes.c_void_p()
-        with open(path, "rb") as f:
-            source = f.read()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, path.encode(), 0, None, None) == 0
+        text = embed.cuda_sources()[source].encode()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.encode(), 0, None, None) == 0
         try:
             for name in names:
                 assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0, name
-            options = ["-std=c++17", f"--gpu-architecture={arch}", "-I" + CSRC,
-                       "-I" + os.path.join(CSRC, "include"), *("-I" + d for d in self.include),
-                       "--pre-include=attnx/rtc.h", "-default-device", *TORCH_NVCC_DEFINES]
+            options = self.options(arch)
             argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
             start = time.perf_counter()
             result = lib.nvrtcCompileProgram(prog, len(options), argv)
@@ -113,8 +110,8 @@ class Nvrtc:
             log = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetProgramLog(prog, log)
             log = log.value.decode(errors="replace")
-            assert result == 0, f"{os.path.basename(path)} for {arch}: " \
-                                f"{lib.nvrtcGetErrorString(result).decode()}\n{log[-6000:]}"
+            error = lib.nvrtcGetErrorString(result).decode()
+            assert result == 0, f"{source} for {arch}: {error}\n{log[-6000:]}"
             lowered = []
             for name in names:
                 out = ctypes.c_char_p()
@@ -137,7 +134,7 @@ def nvrtc():
 @pytest.mark.parametrize("source", list(KERNELS))
 def test_every_kernel_compiles_with_nvrtc(nvrtc, source, arch, record_property):
     names = KERNELS[source]
-    ptx, lowered, seconds, _ = nvrtc.compile(os.path.join(CSRC, "cuda", source), arch, names)
+    ptx, lowered, seconds, _ = nvrtc.compile(source, arch, names)
     # Every instantiation is an entry of the PTX under the name NVRTC lowered it to (what a launcher would
     # look up).
     assert len(set(lowered)) == len(names)
@@ -147,6 +144,13 @@ def test_every_kernel_compiles_with_nvrtc(nvrtc, source, arch, record_property):
     record_property("seconds", round(seconds, 2))
     print(f"NVRTC {nvrtc.version}: {source} for {arch}, {len(names)} kernels, {seconds:.1f} s, "
           f"PTX {len(ptx) / 2**10:.0f} KiB")
+
+
+def test_the_library_embeds_these_sources(nvrtc):
+    # What this file compiles is what attnx._C_nvrtc holds: the sources as embed.py makes them now (a stale
+    # build fails here).
+    assert nvrtc.state["sources"] == embed.sources_hash(embed.cuda_sources())
+    assert sorted(embed.cuda_sources()) == sorted(KERNELS)
 
 
 def test_rtc_header_is_only_for_nvrtc():

@@ -260,3 +260,21 @@ def test_ops_flag_lists_every_op(report):
     assert "Autograd" not in info.kernels("attnx::_linear")
     assert {"CPU", "Meta", "Autograd"} <= set(info.kernels("attnx::_linear_autograd"))
     assert info.kernels("attnx::_cpu_capability") == ["CompositeExplicitAutograd"]
+
+
+def test_the_run_time_compiler_line(tmp_path):
+    from attnx import _cuda_runtime
+
+    (tmp_path / "a.cubin").write_bytes(b"x" * 3 * 2**20)
+    out = _info(ATTNX_CUDA_CACHE=str(tmp_path))
+    line = _line(out, "CUDA run-time compiler:")
+    if _cuda_runtime.library() is None:
+        assert line.endswith("not in this build (built where torch is a CUDA build on Linux)")
+        return
+    path, why = _cuda_runtime.nvrtc_library()
+    if path is None:
+        assert line == f"CUDA run-time compiler: no NVRTC ({why})"
+        return
+    assert f"NVRTC {torch.version.cuda.split('.')[0]}." in line and f"({path})" in line
+    assert f"cache {tmp_path} (1 kernels, 3.0 MiB)" in line
+    assert "no disk cache (ATTNX_CUDA_CACHE=0)" in _line(_info(ATTNX_CUDA_CACHE="0"), "CUDA run-time compiler:")

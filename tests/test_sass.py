@@ -496,3 +496,41 @@ def test_the_backward_anchor_and_the_backward_budgets(sass, built):
 def test_the_build_meets_the_budgets(sass, built):
     """`make sass`'s verdict on the built library: no kernel spills, and the budgeted ones meet theirs."""
     assert [p for r in built for p in sass.check_row(r)] == []
+
+
+# The instantiations compiled by the run-time compiler (attnx._C_nvrtc) for the check below, and how far their
+# steady path may be from the prebuilt library's (nvcc's) on the same arch. The forward's loops were the same
+# instruction for instruction once attnx/rtc.h's INFINITY was a constant NVRTC folds (1.0f / 0.0f had put 87
+# divisions in a kernel): held to 1%. The backward's plain loops take 4-7% more integer instructions through
+# NVRTC than through nvcc from the same source with the same compiler build (13.0.88; its PTX has more 64-bit
+# adds): held to 8%, so that a new difference shows.
+RUNTIME_PARITY = [
+    ("attention_kernel_mma.cu", "attnx::cuda::attention_forward_mma<__half, 64, 0>", 0.01),
+    ("attention_kernel_mma.cu", "attnx::cuda::attention_forward_mma<float, 64, 1>", 0.01),
+    ("attention_backward_kernel_mma.cu", "attnx::cuda::attention_backward_mma_keys<__half, 128, 0>", 0.08),
+    ("attention_backward_kernel_mma.cu", "attnx::cuda::attention_backward_mma_queries<__half, 64, 0>", 0.08),
+]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_run_time_compiled_kernels_issue_what_the_prebuilt_ones_do(sass, built, arch, tmp_path,
+                                                                       monkeypatch):
+    from attnx import _cuda_runtime
+
+    if _cuda_runtime.library() is None or _cuda_runtime.nvrtc_library()[0] is None:
+        pytest.skip("no attnx._C_nvrtc or no NVRTC beside torch")
+    monkeypatch.setenv("ATTNX_CUDA_CACHE", str(tmp_path))
+    _cuda_runtime.configure(reconfigure=True)
+    prebuilt = {r["kernel"]: r for r in built if r["arch"] == f"sm_{arch}"}
+    tools = {"cuobjdump": sass.gpu_check.find_tool("cuobjdump")}
+    tools["nvdisasm"] = sass.find_nvdisasm(tools["cuobjdump"])
+    for source, kernel, bound in RUNTIME_PARITY:
+        key = _cuda_runtime.compile(source, kernel, arch)[1]
+        cubin = tmp_path / f"{key}.image"
+        cubin.write_bytes((tmp_path / f"{key}.cubin").read_bytes().split(b"\n\n", 1)[1])
+        (row,) = [r for r in sass.analyse([str(cubin)], arch=None, tools=tools)
+                  if r["kernel"].startswith(("mma ", "bwd "))]
+        ours, theirs = (r["loop"]["paths"]["steady"] for r in (row, prebuilt[row["kernel"]]))
+        assert ours.classes["HMMA"] == theirs.classes["HMMA"], (arch, kernel)
+        assert abs(ours.instrs / theirs.instrs - 1) <= bound, (arch, kernel, ours.instrs, theirs.instrs)
+        assert sass.check_row(row) == [], (arch, kernel)

@@ -5,7 +5,8 @@ says what attnx needs and how to get it, instead of a missing symbol or library,
 stable ABI: built once, they load under every torch from ``MIN_TORCH`` on, CPU or CUDA build. ``_C_cuda``
 is loaded only under a CUDA build of torch whose CUDA major version is the one it was compiled with (it links
 that CUDA runtime, which torch brings). ``_C_mps`` is on torch's regular ABI (see setup.py) and loads only
-under the torch minor release it was built against. A backend library that this torch cannot take is left out
+under the torch minor release it was built against. ``_C_nvrtc`` (the run-time CUDA compiler) links nothing of
+CUDA and loads under every CUDA build of torch. A backend library that this torch cannot take is left out
 with a warning that says why: attnx then runs on the other backends.
 """
 
@@ -109,6 +110,16 @@ def _load() -> None:
                 f"attnx's {backend} library could not be loaded under torch {torch.__version__} (attnx was "
                 f"built against {built}): {error}. {REINSTALL}"
             ) from error
+    # The run-time CUDA compiler's ops (attnx._C_nvrtc, python/attnx/_cuda_runtime.py): loading it opens
+    # nothing of CUDA (NVRTC and the driver are opened when it is first configured), so it loads under every
+    # CUDA torch, of any CUDA major.
+    path = _library("_C_nvrtc") if getattr(info, "NVRTC", False) else None
+    if path is not None and torch.version.cuda is not None:
+        try:
+            torch.ops.load_library(path)
+        except (ImportError, OSError) as error:
+            warnings.warn(f"attnx's run-time CUDA compiler is not loaded: {error}", RuntimeWarning,
+                          stacklevel=3)
 
 
 def loaded_backends() -> tuple:

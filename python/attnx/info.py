@@ -7,6 +7,8 @@ keys.
 """
 
 import argparse
+import ctypes
+import glob
 import importlib.metadata
 import importlib.util
 import os
@@ -239,6 +241,33 @@ def cuda_lines() -> list[str]:
     return lines
 
 
+def runtime_compiler_line() -> str:
+    """The run-time CUDA compiler (attnx._C_nvrtc): the NVRTC it would use and its disk cache, read without
+    setting it up (nothing is created or compiled)."""
+    from attnx import _cuda_runtime
+
+    if _cuda_runtime.library() is None:
+        return "CUDA run-time compiler: not in this build (built where torch is a CUDA build on Linux)"
+    path, why = _cuda_runtime.nvrtc_library()
+    if path is None:
+        return f"CUDA run-time compiler: no NVRTC ({why})"
+    try:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        ctypes.CDLL(path).nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        nvrtc = f"NVRTC {major.value}.{minor.value} ({path})"
+    except OSError as error:
+        nvrtc = f"NVRTC at {path} does not load ({error})"
+    folder = _cuda_runtime.cache_dir()
+    if not folder:
+        cache = "no disk cache (ATTNX_CUDA_CACHE=0)"
+    else:
+        entries = glob.glob(os.path.join(folder, "*.cubin"))
+        size = sum(os.path.getsize(e) for e in entries)
+        cache = f"cache {folder} ({len(entries)} kernels, {size / 2**20:.1f} MiB)"
+    return (f"CUDA run-time compiler: {nvrtc}; {cache}; compiles the kernels for tests and checks, not yet a "
+            f"route for calls")
+
+
 def backward_lines() -> list[str]:
     """Whether attention's backward (which mha's calls) is a fused kernel on each backend attention has."""
     texts = {
@@ -307,7 +336,8 @@ def report(verbose: bool = False) -> str:
     backends each public op has kernels for; the CPU kernels' ISA level; the CUDA kernel each dtype takes on
     each visible GPU (or why none); whether the backward is fused on each backend; whether the SDPA takeover
     is on; the integrations' libraries found. ``verbose`` (``--ops``) adds every op's dispatch keys."""
-    lines = header_lines() + op_lines() + [cpu_line()] + cuda_lines() + backward_lines()
+    lines = header_lines() + op_lines() + [cpu_line()] + cuda_lines() + [runtime_compiler_line()]
+    lines += backward_lines()
     return "\n".join(lines + [sdpa_line(), integrations_line()] + (dispatch_lines() if verbose else []))
 
 
