@@ -17,7 +17,7 @@ attnx/_loader.py loads _C, then the backend libraries the running torch can take
 
 Environment:
   ATTNX_WITH_CUDA / ATTNX_WITH_MPS   auto (default) | 0 | 1 (1 fails the build when the backend is impossible;
-                                     ATTNX_WITH_CUDA=0 leaves out _C_nvrtc too)
+                                     without CUDA, _C_nvrtc is left out too)
   ATTNX_DEBUG=1                      -O0 -g
   ATTNX_SANITIZE=1                   AddressSanitizer + UndefinedBehaviorSanitizer, any report fatal (`make
                                      sanitize` builds a CPU-only copy with it and runs the kernel tests)
@@ -131,7 +131,7 @@ def _write_build_info(backends):
         f.write(f"CUDA_VERSION = {torch.version.cuda if 'CUDA' in backends else None!r}\n")
         arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") if "CUDA" in backends else None
         f.write(f"CUDA_ARCH_LIST = {arch_list!r}\n")
-        f.write(f"NVRTC = {_with_nvrtc()!r}\n")
+        f.write(f"NVRTC = {_with_nvrtc(CUDA_HOME)!r}\n")
 
 
 def _openmp():
@@ -159,16 +159,15 @@ def _embed_cuda_sources():
     return out_dir
 
 
-def _with_nvrtc():
-    """Whether to build attnx._C_nvrtc: torch is a CUDA build (it brings NVRTC) on Linux (dlopen), and
-    ATTNX_WITH_CUDA is not 0."""
+def _with_nvrtc(cuda_home):
+    """Whether to build attnx._C_nvrtc: torch is a CUDA build (it brings NVRTC) on Linux (dlopen), with a
+    CUDA toolkit's headers at `cuda_home` (the CUDA build's condition too)."""
     import torch
 
-    return (torch.version.cuda is not None and sys.platform.startswith("linux")
-            and _flag("ATTNX_WITH_CUDA") != "0")
+    return torch.version.cuda is not None and sys.platform.startswith("linux") and cuda_home is not None
 
 
-def _extensions(backends):
+def _extensions(backends, cuda_home):
     from torch.utils import cpp_extension
 
     def sources(*patterns):
@@ -222,12 +221,16 @@ def _extensions(backends):
         exts.append(cpp_extension.CUDAExtension(
             "attnx._C_cuda", sources("cuda/*.cu", "cuda/*.cpp", *COMMON),
             extra_compile_args={"cxx": stable, "nvcc": nvcc}, **kwargs()))
-    if _with_nvrtc():
+    if _with_nvrtc(cuda_home):
+        # The CUDA glue and csrc/cuda/*.cu's launchers (rtc/launchers.cpp) compiled by the host compiler,
+        # without the kernels (ATTNX_CUDA_HOST_ONLY), against the toolkit's headers for the runtime's types;
+        # torch_cuda for the current stream (the C shim's).
         rtc = kwargs()
-        rtc["include_dirs"].append(_embed_cuda_sources())
-        rtc["libraries"] = ["dl"]
-        exts.append(cpp_extension.CppExtension("attnx._C_nvrtc", sources("rtc/*.cpp"),
-                                               extra_compile_args={"cxx": stable}, **rtc))
+        rtc["include_dirs"] += [_embed_cuda_sources(), os.path.join(cuda_home, "include")]
+        rtc["libraries"] = ["torch_cuda", "dl"]
+        exts.append(cpp_extension.CppExtension(
+            "attnx._C_nvrtc", sources("rtc/*.cpp", "cuda/*.cpp", *COMMON),
+            extra_compile_args={"cxx": stable + ["-DATTNX_CUDA_HOST_ONLY"]}, **rtc))
     if "MPS" in backends:
         mps = kwargs()
         mps["include_dirs"].append(_embed_metal_sources())
@@ -237,7 +240,7 @@ def _extensions(backends):
     return exts
 
 
-backends, _ = _configure()
+backends, CUDA_HOME = _configure()
 _write_build_info(backends)
 
 from torch.utils.cpp_extension import BuildExtension  # noqa: E402  (after CUDA_HOME is settled)
@@ -264,7 +267,7 @@ class _BuildExtension(BuildExtension.with_options(use_ninja=True)):
 
 
 setup(
-    ext_modules=_extensions(backends),
+    ext_modules=_extensions(backends, CUDA_HOME),
     cmdclass={"build_ext": _BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -181,11 +181,13 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // cache folder was refused or "", the embedded sources' hash]. compile: one kernel (a name expression of an
   // embedded source) for sm_arch -> [where it came from: memory, disk or compiled; its cache key; its lowered
   // name]. options: NVRTC's options for sm_arch. cache: [entries, bytes] of the disk cache in use, [] for
-  // none. driver: the CUDA driver's version; raises without one.
+  // none. driver: the CUDA driver's version; raises without one. enable: registers the library's CUDA kernels
+  // (python/attnx/_loader.py, where the prebuilt library is not loaded) -> whether they were already.
   m.def("_cuda_runtime_configure(str nvrtc, str include_dirs, str cache_dir, int cache_max_bytes) -> str[]");
   m.def("_cuda_runtime_compile(str source, str kernel, int arch) -> str[]");
   m.def("_cuda_runtime_options(int arch) -> str[]");
   m.def("_cuda_runtime_cache() -> int[]");
   m.def("_cuda_runtime_driver() -> int");
+  m.def("_cuda_runtime_enable() -> bool");
 }
 // clang-format on

@@ -25,7 +25,7 @@ def test_dry_run_prints_the_plan_and_writes_the_summary(tmp_path):
     text = result.stdout
     assert "budget 300 s" in text
     for name, cap in [("build", 240), ("binary", 60), ("tests", 200), ("memcheck", 150), ("racecheck", 100),
-                      ("synccheck", 60), ("bench", 150)]:
+                      ("synccheck", 60), ("bench", 150), ("runtime", 200)]:
         assert f"{name:10s} cap {cap:3d} s" in text, name
     (md,) = sorted((tmp_path / "results").glob("gpu-check-*-h100-80gb-hbm3-dry-run.md"))
     summary = json.loads(md.with_suffix(".json").read_text())
@@ -195,3 +195,21 @@ def test_a_step_past_its_limit_is_killed(gpu_check, tmp_path):
     budget = gpu_check.Budget(100)
     assert budget.limit(60) == 60 and budget.limit(200) in (99 - gpu_check.RESERVE, 100 - gpu_check.RESERVE)
     assert gpu_check.Budget(20).limit(60) == 0  # too little left: the step is skipped
+
+
+def test_the_runtime_steps_line(gpu_check):
+    log = ("collected...\nruntime-route: " + json.dumps({
+        "compile": {"route": "run-time compiled", "first_s": 1.234, "warm_us": 40.0},
+        "disk_cache": {"route": "run-time compiled", "first_s": 0.05, "warm_us": 41.2},
+        "prebuilt": {"route": "prebuilt", "first_s": 0.01, "warm_us": 39.6},
+        "tests": {"passed": 1000, "failed": 1, "errors": 0, "skipped": 3}}) + "\n")
+    found = gpu_check.parse_runtime(log)
+    assert found["tests"]["failed"] == 1
+    assert gpu_check.runtime_detail(found) == (
+        "first call (compile) 1.23 s; first call (disk cache) 0.05 s; warm call 41 us (prebuilt 40 us); "
+        "1000 passed, 1 failed, 0 errors, 3 skipped")
+    assert gpu_check.parse_runtime("no line") == {}
+    assert gpu_check.runtime_detail({}) == "no runtime-route line"
+    failed = {"compile": {"error": ["RuntimeError: attnx: no CUDA driver"]}, "disk_cache": {}, "tests": None}
+    assert gpu_check.runtime_detail(failed).startswith(
+        "first call (compile): ['RuntimeError: attnx: no CUDA driver']; first call (disk cache): None")

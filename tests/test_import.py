@@ -125,3 +125,76 @@ def test_every_package_is_in_the_wheel():
         if "__init__.py" in files
     }
     assert found == listed
+
+
+def _cuda_build(cuda_version, *, broken_runtime_library=False):
+    """An ``edit`` for _import_copy: the copy says its CUDA library was built for ``cuda_version`` and that it
+    has the run-time compiler (attnx._C_nvrtc), whose file is garbage where ``broken_runtime_library``."""
+    if not os.path.exists(os.path.join(PACKAGE, "_build_info.py")):
+        pytest.skip("this build of attnx has no _build_info.py (not built by setup.py)")
+    if torch.version.cuda is None or not any(n.startswith("_C_nvrtc.") for n in os.listdir(PACKAGE)):
+        pytest.skip("needs a CUDA torch and a build with attnx._C_nvrtc")
+
+    def edit(copy):
+        info = (copy / "_build_info.py").read_text().splitlines()
+        kept = [line for line in info if not line.startswith(("CUDA_VERSION", "NVRTC"))]
+        (copy / "_build_info.py").write_text("\n".join(
+            kept + [f"CUDA_VERSION = {cuda_version!r}", "NVRTC = True"]) + "\n")
+        if broken_runtime_library:
+            for name in os.listdir(copy):
+                if name.startswith("_C_nvrtc."):
+                    (copy / name).write_bytes(b"not a shared library")
+
+    return edit
+
+
+ROUTE = ("import warnings, torch, attnx; from attnx import _loader; "
+         "print(_loader.cuda_route(), _loader.loaded_backends(), "
+         "sorted(p.rsplit('/', 1)[1].split('.')[0] for p in torch.ops.loaded_libraries))")
+
+
+@pytest.mark.parametrize("route_env, expected", [
+    (None, "run-time compiled ('CPU', 'CUDA') ['_C_nvrtc']"),
+    ("1", "run-time compiled ('CPU', 'CUDA') ['_C_nvrtc']"),
+    ("0", "None ('CPU',) ['_C_nvrtc']"),
+])
+def test_the_run_time_compiled_kernels_serve_another_cuda_major(tmp_path, monkeypatch, route_env, expected):
+    # The prebuilt library, built for CUDA 99, does not load under this torch: the run-time compiled kernels
+    # serve CUDA instead, silently, unless ATTNX_CUDA_RUNTIME_COMPILE=0 says not to (then a warning says why).
+    monkeypatch.setenv("ATTNX_CUDA_CACHE", str(tmp_path / "cache"))
+    if route_env is None:
+        monkeypatch.delenv("ATTNX_CUDA_RUNTIME_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("ATTNX_CUDA_RUNTIME_COMPILE", route_env)
+    result = _import_copy(tmp_path, _cuda_build("99.0"), ROUTE, python_flags=("-W", "always"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected, result.stdout
+    if route_env == "0":
+        assert ("attnx's CUDA kernels are not loaded: they were built for CUDA 99 and torch "
+                f"{torch.__version__} uses CUDA {torch.version.cuda} (ATTNX_CUDA_RUNTIME_COMPILE=0)") \
+            in result.stderr, result.stderr
+    else:
+        assert "RuntimeWarning" not in result.stderr, result.stderr
+
+
+def test_the_run_time_compiled_kernels_can_be_asked_for(tmp_path, monkeypatch):
+    # Where the prebuilt library loads, ATTNX_CUDA_RUNTIME_COMPILE=1 leaves it out for the run-time route.
+    monkeypatch.setenv("ATTNX_CUDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ATTNX_CUDA_RUNTIME_COMPILE", "1")
+    result = _import_copy(tmp_path, _cuda_build(torch.version.cuda), ROUTE, python_flags=("-W", "always"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "run-time compiled ('CPU', 'CUDA') ['_C_nvrtc']", result.stdout
+    monkeypatch.delenv("ATTNX_CUDA_RUNTIME_COMPILE")
+    result = _import_copy(tmp_path / "prebuilt", _cuda_build(torch.version.cuda), ROUTE)
+    if any(n.startswith("_C_cuda.") for n in os.listdir(PACKAGE)):
+        assert result.stdout.strip() == "prebuilt ('CPU', 'CUDA') ['_C_cuda', '_C_nvrtc']", result.stdout
+
+
+def test_neither_cuda_library_is_a_warning_that_says_why(tmp_path):
+    result = _import_copy(tmp_path, _cuda_build("99.0", broken_runtime_library=True), ROUTE,
+                          python_flags=("-W", "always"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "None ('CPU',) []", result.stdout
+    assert ("attnx's CUDA kernels are not loaded: they were built for CUDA 99 and torch "
+            f"{torch.__version__} uses CUDA {torch.version.cuda} (the run-time compiler's library does not "
+            "load: ") in result.stderr, result.stderr

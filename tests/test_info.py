@@ -265,7 +265,7 @@ def test_ops_flag_lists_every_op(report):
 def test_the_run_time_compiler_line(tmp_path):
     from attnx import _cuda_runtime
 
-    (tmp_path / "a.cubin").write_bytes(b"x" * 3 * 2**20)
+    (tmp_path / "a.kernel").write_bytes(b"x" * 3 * 2**20)
     out = _info(ATTNX_CUDA_CACHE=str(tmp_path))
     line = _line(out, "CUDA run-time compiler:")
     if _cuda_runtime.library() is None:
@@ -277,4 +277,7 @@ def test_the_run_time_compiler_line(tmp_path):
         return
     assert f"NVRTC {torch.version.cuda.split('.')[0]}." in line and f"({path})" in line
     assert f"cache {tmp_path} (1 kernels, 3.0 MiB)" in line
-    assert "no disk cache (ATTNX_CUDA_CACHE=0)" in _line(_info(ATTNX_CUDA_CACHE="0"), "CUDA run-time compiler:")
+    if _loader.cuda_route() == "prebuilt":
+        assert line.endswith("; not used: the prebuilt library serves CUDA")
+    forced = _line(_info(ATTNX_CUDA_CACHE="0", ATTNX_CUDA_RUNTIME_COMPILE="1"), "CUDA run-time compiler:")
+    assert "no disk cache (ATTNX_CUDA_CACHE=0)" in forced and forced.endswith("; serves CUDA in this process")

@@ -527,7 +527,7 @@ def test_the_run_time_compiled_kernels_issue_what_the_prebuilt_ones_do(sass, bui
     for source, kernel, bound in RUNTIME_PARITY:
         key = _cuda_runtime.compile(source, kernel, arch)[1]
         cubin = tmp_path / f"{key}.image"
-        cubin.write_bytes((tmp_path / f"{key}.cubin").read_bytes().split(b"\n\n", 1)[1])
+        cubin.write_bytes((tmp_path / f"{key}.kernel").read_bytes().split(b"\n\n", 1)[1])
         (row,) = [r for r in sass.analyse([str(cubin)], arch=None, tools=tools)
                   if r["kernel"].startswith(("mma ", "bwd "))]
         ours, theirs = (r["loop"]["paths"]["steady"] for r in (row, prebuilt[row["kernel"]]))

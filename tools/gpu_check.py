@@ -16,6 +16,9 @@ found (no network). Steps, each capped (seconds) and together held to the budget
     bench        python -m benchmarks --device cuda --only cuda --only eval --quick                cap 150
     backward     the same with ATTNX_CUDA_FUSED_BACKWARD=1 --only backward --only train: the fused
                  backward (opt-in until it has run on a GPU) against SDPA's and nn.MHA's            cap 150
+    runtime      the kernels compiled at run time (ATTNX_CUDA_RUNTIME_COMPILE=1, tools/gpu_runtime.py):
+                 the first call's compile, a disk-cache hit and a warm call beside the prebuilt
+                 library's, then pytest -m cuda through them                                       cap 200
 
 The tests and the three sanitizers run side by side (the sanitizers one after another); the benchmarks run
 last, alone on the GPU. A step that fails or times out does not stop the later ones; one the budget can no
@@ -75,6 +78,8 @@ STEPS = [
     Step("bench", 150, "python -m benchmarks --device cuda --only cuda --only eval --quick"),
     Step("backward", 150, "ATTNX_CUDA_FUSED_BACKWARD=1 python -m benchmarks --device cuda --only backward "
                           "--only train --quick"),
+    Step("runtime", 200, "ATTNX_CUDA_RUNTIME_COMPILE=1: first-call compile, cache hit, warm call; pytest -m "
+                         "cuda (tools/gpu_runtime.py)"),
 ]
 STEP_NAMES = [s.name for s in STEPS]
 CAPS = {s.name: s.cap for s in STEPS}
@@ -319,6 +324,29 @@ def benchmark_ratios(results: dict) -> dict:
                              "peak_over_unavoidable": _round(peak / unavoidable) if peak and unavoidable
                              else None}
     return out
+
+
+def parse_runtime(log: str) -> dict:
+    """tools/gpu_runtime.py's `runtime-route: {json}` line, or {} where it printed none."""
+    lines = [line for line in log.splitlines() if line.startswith("runtime-route: ")]
+    return json.loads(lines[-1][len("runtime-route: "):]) if lines else {}
+
+
+def runtime_detail(found: dict) -> str:
+    """The runtime step's one line: the first call's compile, the disk-cache hit, the warm call against the
+    prebuilt library's, the tests."""
+    if not found:
+        return "no runtime-route line"
+    parts = []
+    for key, label in (("compile", "first call (compile)"), ("disk_cache", "first call (disk cache)")):
+        r = found.get(key, {})
+        parts.append(f"{label} {r['first_s']:.2f} s" if "first_s" in r else f"{label}: {r.get('error')}")
+    warm, prebuilt = found.get("disk_cache", {}).get("warm_us"), found.get("prebuilt", {}).get("warm_us")
+    if warm is not None and prebuilt is not None:
+        parts.append(f"warm call {warm:.0f} us (prebuilt {prebuilt:.0f} us)")
+    tests = found.get("tests")
+    parts.append(", ".join(f"{v} {k}" for k, v in tests.items()) if tests else "no JUnit XML")
+    return "; ".join(parts)
 
 
 def benchmark_files(log: str) -> list:
@@ -623,6 +651,19 @@ class Check:
 
         self.step("backward", cmd, env=dict(self.env, ATTNX_CUDA_FUSED_BACKWARD="1"), detail=detail)
 
+    # the kernels compiled at run time --------------------------------------------------------------------
+    def runtime_step(self):
+        xml = os.path.join(self.work, "runtime.xml")
+        cmd = [PY, os.path.join(ROOT, "tools", "gpu_runtime.py"), "--cache",
+               os.path.join(self.work, "rtc-cache"), "--junit", xml]
+
+        def detail(log):
+            found = parse_runtime(log)
+            self.extra["runtime"] = found
+            return runtime_detail(found)
+
+        self.step("runtime", cmd, detail=detail)
+
     # the whole run --------------------------------------------------------------------------------------
     def run(self) -> int:
         self.env_step()
@@ -639,8 +680,10 @@ class Check:
                 self.bench_step()
             if self.wanted("backward"):
                 self.backward_step()
+            if self.wanted("runtime"):
+                self.runtime_step()
         else:
-            for name in ["tests", *SANITIZERS, "bench", "backward"]:
+            for name in ["tests", *SANITIZERS, "bench", "backward", "runtime"]:
                 if self.wanted(name):
                     self.record(Result(name, "SKIPPED", 0, CAPS[name], "no CUDA device"))
         return self.finish()

@@ -22,6 +22,7 @@
 #include "cuda/attention_composite.h"
 #include "cuda/attention_kernel.h"
 #include "cuda/device.h"
+#include "cuda/impls.h"
 
 namespace attnx::cuda {
 
@@ -207,16 +208,26 @@ bool cuda_torch_flash(std::optional<bool> on) {
   return cuda::torch_flash_enabled() && !cuda::torch_flash_refused();
 }
 
-}  // namespace attnx
-
-STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
-  m.impl("_attention", &attnx::attention_op<attnx::run_attention_cuda>);
-  m.impl("_attention_autograd", &attnx::attention_op<attnx::run_attention_cuda>);
-  m.impl("_attention_kernel", &attnx::attention_op<attnx::attention_kernel_cuda>);
+void attention_cuda_impls(StableLibrary& cuda) {
+  cuda.impl("_attention", &attention_op<run_attention_cuda>);
+  cuda.impl("_attention_autograd", &attention_op<run_attention_cuda>);
+  cuda.impl("_attention_kernel", &attention_op<attention_kernel_cuda>);
 }
 
 // Without tensor arguments: the CompositeExplicitAutograd kernel is the one a call reaches.
-STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
-  m.impl("_cuda_torch_flash", TORCH_BOX(&attnx::cuda_torch_flash));
+void cuda_composite_impls(StableLibrary& composite) {
+  composite.impl("_cuda_torch_flash", TORCH_BOX(&cuda_torch_flash));
 }
+
+}  // namespace attnx
+
+#if !defined(ATTNX_CUDA_HOST_ONLY)  // the run-time compiled library registers when its route is chosen
+STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
+  attnx::attention_cuda_impls(m);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
+  attnx::cuda_composite_impls(m);
+}
+#endif
 #endif

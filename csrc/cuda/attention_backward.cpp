@@ -20,6 +20,7 @@
 #include "common/stable.h"
 #include "cuda/attention.h"
 #include "cuda/attention_backward_kernel.h"
+#include "cuda/impls.h"
 #include "cuda/device.h"
 
 namespace attnx::cuda {
@@ -77,9 +78,15 @@ void run_attention_backward_cuda(AttentionBackwardProblem& pb) {
   cuda::run_attention_backward(pb, cuda::target(device), cuda::current_stream(device));
 }
 
+void attention_backward_cuda_impls(StableLibrary& cuda) {
+  cuda.impl("attention_backward", &attention_op<run_attention_backward_cuda>);
+}
+
 }  // namespace attnx
 
+#if !defined(ATTNX_CUDA_HOST_ONLY)  // the run-time compiled library registers when its route is chosen
 STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
-  m.impl("attention_backward", &attnx::attention_op<attnx::run_attention_backward_cuda>);
+  attnx::attention_backward_cuda_impls(m);
 }
+#endif
 #endif

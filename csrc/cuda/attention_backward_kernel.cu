@@ -27,6 +27,7 @@
 
 namespace attnx::cuda {
 namespace {
+#if ATTNX_CUDA_DEVICE_CODE  // the kernels (cuda/common.cuh); the launchers follow
 
 // Blocks per SM the launch bounds ask ptxas for. Stated, although 1 is what it means without it: left to
 // itself, ptxas holds some query-pass kernels to 128-168 registers on sm_80 and spills 4-32 bytes there
@@ -473,6 +474,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks)
   }
 }
 
+#endif  // ATTNX_CUDA_DEVICE_CODE
+
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t>
 cudaError_t launch_backward(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
@@ -480,23 +483,24 @@ cudaError_t launch_backward(const AttentionBackwardParams& bp, const AttentionBa
   using acc_t = typename AccType<scalar_t>::type;
   acc_t* const delta = static_cast<acc_t*>(workspace);
   if (plan.delta_blocks > 0) {
-    const cudaError_t err = launch_plan(&attention_backward_delta<scalar_t>, plan.delta_blocks, plan.threads,
-                                        0, stream, bp, ptr, delta);
+    const cudaError_t err = launch_plan(ATTNX_KERNEL(attention_backward_delta, scalar_t), plan.delta_blocks,
+                                        plan.threads, 0, stream, bp, ptr, delta);
     if (err != cudaSuccess) return err;
   }
   return dispatch_bucket<32, 64, 128, 256>(plan.bucket, [&](auto bucket) {
     constexpr int kBucket = decltype(bucket)::value;
-    if (plan.tile != Shape<scalar_t, kBucket>::kTile)
+    if (plan.tile != backward_tile(kBucket, static_cast<int>(sizeof(acc_t))))
       return cudaErrorInvalidValue;  // plan and kernel disagree
     if (plan.key_blocks > 0) {
       const cudaError_t err =
-          launch_plan(&attention_backward_keys<scalar_t, kBucket>, plan.key_blocks, plan.threads,
+          launch_plan(ATTNX_KERNEL(attention_backward_keys, scalar_t, kBucket), plan.key_blocks, plan.threads,
                       plan.smem_bytes, stream, bp, ptr, plan, static_cast<const acc_t*>(delta));
       if (err != cudaSuccess) return err;
     }
     if (plan.queries.blocks > 0 && bp.fwd.q_len > 0) {
-      return launch_plan(&attention_backward_queries<scalar_t, kBucket>, plan.queries.blocks, plan.threads,
-                         plan.smem_bytes, stream, bp, ptr, plan, static_cast<const acc_t*>(delta));
+      return launch_plan(ATTNX_KERNEL(attention_backward_queries, scalar_t, kBucket), plan.queries.blocks,
+                         plan.threads, plan.smem_bytes, stream, bp, ptr, plan,
+                         static_cast<const acc_t*>(delta));
     }
     return cudaSuccess;
   });

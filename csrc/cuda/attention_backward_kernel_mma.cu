@@ -46,6 +46,7 @@
 
 namespace attnx::cuda {
 namespace {
+#if ATTNX_CUDA_DEVICE_CODE  // the kernels (cuda/common.cuh); the launchers follow
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kBwdThreads = kWarps * kWarpSize;
@@ -1145,6 +1146,8 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
                                 1.0f);
 }
 
+#endif  // ATTNX_CUDA_DEVICE_CODE
+
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t, int kBucket, int kVariant>
 cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBackwardPointers& ptr,
@@ -1152,14 +1155,14 @@ cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBack
                           cudaStream_t stream) {
   // The query pass first: the key pass reads the rows' numbers it writes.
   if (plan.queries.blocks > 0) {
-    const cudaError_t err =
-        launch_plan(&attention_backward_mma_queries<scalar_t, kBucket, kVariant>, plan.queries.blocks,
-                    plan.threads, plan.smem_bytes, stream, bp, ptr, plan, lse_delta, mask_tiles);
+    const cudaError_t err = launch_plan(
+        ATTNX_KERNEL(attention_backward_mma_queries, scalar_t, kBucket, kVariant), plan.queries.blocks,
+        plan.threads, plan.smem_bytes, stream, bp, ptr, plan, lse_delta, mask_tiles);
     if (err != cudaSuccess) return err;
   }
   if (plan.key_blocks > 0) {
-    return launch_plan(&attention_backward_mma_keys<scalar_t, kBucket, kVariant>, plan.key_blocks,
-                       plan.threads, plan.smem_bytes, stream, bp, ptr, plan,
+    return launch_plan(ATTNX_KERNEL(attention_backward_mma_keys, scalar_t, kBucket, kVariant),
+                       plan.key_blocks, plan.threads, plan.smem_bytes, stream, bp, ptr, plan,
                        static_cast<const float*>(lse_delta), mask_tiles);
   }
   return cudaSuccess;

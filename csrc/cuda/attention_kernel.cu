@@ -35,6 +35,7 @@
 
 namespace attnx::cuda {
 namespace {
+#if ATTNX_CUDA_DEVICE_CODE  // the kernels (cuda/common.cuh); the launchers follow
 
 // Blocks per SM the launch bounds ask ptxas for (0: none). Left to itself, ptxas keeps the float64 kernels
 // under 128 registers on some arches and spills there (sm_80: 8 and 12 bytes at head dims 32 and 256); 3
@@ -253,6 +254,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize, simt_min_blocks<typename Ac
   }
 }
 
+#endif  // ATTNX_CUDA_DEVICE_CODE
+
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t>
 cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, const AttentionPlan& plan,
@@ -262,7 +265,7 @@ cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, 
     constexpr int kBucket = decltype(bucket)::value;
     constexpr int R = rows_per_warp(static_cast<int>(sizeof(acc_t)), kBucket);
     if (plan.rows_per_warp != R) return cudaErrorInvalidValue;  // plan and kernel disagree
-    return launch_plan(&attention_forward_simt<scalar_t, kBucket, R>, plan.blocks, plan.threads,
+    return launch_plan(ATTNX_KERNEL(attention_forward_simt, scalar_t, kBucket, R), plan.blocks, plan.threads,
                        plan.smem_bytes, stream, p, ptr, plan);
   });
 }

@@ -49,6 +49,7 @@
 
 namespace attnx::cuda {
 namespace {
+#if ATTNX_CUDA_DEVICE_CODE  // the kernels (cuda/common.cuh); the launchers follow
 
 // Three instantiations (MmaVariant, chosen by plan_attention_mma). kPlain (no mask, no soft-cap, no dropout,
 // a scale in range, vector loads) keeps the scores unscaled through the tile loop: the row maxima are taken
@@ -1090,17 +1091,20 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
   }
 }
 
+#endif  // ATTNX_CUDA_DEVICE_CODE
+
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 template <typename scalar_t>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        uint32_t* mask_tiles, cudaStream_t stream) {
   const auto launch = [&](auto bucket) {
     constexpr int kBucket = decltype(bucket)::value;
-    return launch_plan(plan.variant == kMmaPlain  ? &attention_forward_mma<scalar_t, kBucket, kMmaPlain>
-                       : plan.variant == kMmaBits ? &attention_forward_mma<scalar_t, kBucket, kMmaBits>
-                                                  : &attention_forward_mma<scalar_t, kBucket, kMmaGeneral>,
-                       plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan,
-                       static_cast<const uint32_t*>(mask_tiles));
+    return launch_plan(
+        plan.variant == kMmaPlain  ? ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaPlain)
+        : plan.variant == kMmaBits ? ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaBits)
+                                   : ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaGeneral),
+        plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan,
+        static_cast<const uint32_t*>(mask_tiles));
   };
   return dispatch_bucket<32, 64, 128>(plan.bucket, launch);  // kMmaMaxHeadDim and kMmaMaxHeadDimTf32
 }
@@ -1112,8 +1116,8 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
 cudaError_t launch_mask_tiles(const AttentionParams& p, const AttentionPointers& ptr, const MaskTiles& attn,
                               const MaskTiles& padding, int64_t blocks, uint32_t* words,
                               cudaStream_t stream) {
-  return launch_plan(&attention_mask_tiles, blocks, kWarps * kWarpSize, 0, stream, p, ptr, attn, padding,
-                     words);
+  return launch_plan(ATTNX_KERNEL_FN(attention_mask_tiles), blocks, kWarps * kWarpSize, 0, stream, p, ptr,
+                     attn, padding, words);
 }
 
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,

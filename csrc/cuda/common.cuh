@@ -21,12 +21,42 @@
 // g++ compiles this file for the CPU: threadIdx, __syncthreads, warp shuffles and the launch are emulated.
 #include "cuda_shim.h"
 #endif
+#if defined(ATTNX_CUDA_HOST_ONLY)
+// The host compiler compiles the launchers alone, for the run-time compiled library (csrc/rtc/launch.h): the
+// kernels and their device functions are left out (ATTNX_CUDA_DEVICE_CODE), NVRTC compiles them when a
+// launch first needs them.
+#include "rtc/launch.h"
+#endif
 
 #include "attnx/key_range.h"
 #include "attnx/params.h"
 #include "attnx/philox.h"
 #include "attnx/softmax.h"
 #include "cuda/attention_plan.h"
+
+// Whether this compile holds the kernels (every one but the run-time compiled library's host side).
+#if defined(ATTNX_CUDA_HOST_ONLY)
+#define ATTNX_CUDA_DEVICE_CODE 0
+#else
+#define ATTNX_CUDA_DEVICE_CODE 1
+#endif
+
+// A launcher's kernel: the instantiation's address (nvcc, NVRTC, the emulation), or in the run-time compiled
+// library its name expression, a KernelRef made once per instantiation (the lambda's static: one per
+// enclosing template instantiation). ATTNX_KERNEL for a kernel template (`name<args...>`), ATTNX_KERNEL_FN
+// for a kernel that is no template.
+#if defined(ATTNX_CUDA_HOST_ONLY)
+#define ATTNX_RTC_KERNEL_(name, ...)                                                         \
+  ([]() -> ::attnx::rtc::KernelRef& {                                                        \
+    static ::attnx::rtc::KernelRef kernel_ref(__FILE__, "attnx::cuda::" #name, __VA_ARGS__); \
+    return kernel_ref;                                                                       \
+  }())
+#define ATTNX_KERNEL(name, ...) ATTNX_RTC_KERNEL_(name, ::attnx::rtc::template_arguments<__VA_ARGS__>())
+#define ATTNX_KERNEL_FN(name) ATTNX_RTC_KERNEL_(name, std::string())
+#else
+#define ATTNX_KERNEL(name, ...) (&name<__VA_ARGS__>)
+#define ATTNX_KERNEL_FN(name) (&name)
+#endif
 
 namespace attnx::cuda {
 
@@ -38,7 +68,7 @@ using ::attnx_emu::launch_kernel;
   extern __shared__ __align__(16) unsigned char attnx_smem_[]; \
   T* name = reinterpret_cast<T*>(attnx_smem_)
 
-#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only
+#if !defined(__CUDACC_RTC__) && ATTNX_CUDA_DEVICE_CODE  // nvcc's host code
 // kernel<<<grid, block, smem, stream>>>(args...), then the launch's error, as C10_CUDA_KERNEL_LAUNCH_CHECK
 // reads it.
 template <typename... Params, typename... Args>
@@ -53,11 +83,16 @@ inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 bloc
 #endif
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only
+#if ATTNX_CUDA_DEVICE_CODE
 // A kernel's launch over `blocks` 1-D blocks of `threads` threads with `smem` bytes of dynamic shared memory:
 // above 48 KiB a kernel must opt in first, and a device with less shared memory per block fails there.
 template <typename... Params, typename... Args>
 inline cudaError_t launch_plan(void (*kernel)(Params...), int64_t blocks, int threads, size_t smem,
                                cudaStream_t stream, Args&&... args) {
+  // The run-time compiled library's launches (below), from the same launchers, pass the arguments' addresses
+  // as the kernel's parameters: each must be of its parameter's type, which this build checks.
+  static_assert((std::is_same<typename std::decay<Args>::type, Params>::value && ...),
+                "a launch passes each kernel parameter's own type");
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
@@ -67,6 +102,17 @@ inline cudaError_t launch_plan(void (*kernel)(Params...), int64_t blocks, int th
   return launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), smem, stream,
                        std::forward<Args>(args)...);
 }
+
+#else
+// The run-time compiled library's launch (rtc/launch.h): the driver takes the arguments' addresses.
+template <typename... Args>
+inline cudaError_t launch_plan(::attnx::rtc::KernelRef& kernel, int64_t blocks, int threads, size_t smem,
+                               cudaStream_t stream, Args&&... args) {
+  void* argv[] = {const_cast<void*>(static_cast<const void*>(&args))...};
+  ::attnx::rtc::launch(kernel, blocks, threads, smem, stream, argv);
+  return cudaSuccess;
+}
+#endif
 
 // f(std::integral_constant<int, B>{}) for the B among kBuckets that equals `bucket` (a head-dim bucket a
 // kernel is instantiated for); cudaErrorInvalidValue when none does.
@@ -97,6 +143,7 @@ inline cudaError_t dispatch_dtype(DType dtype, F&& f) {
 }
 #endif
 
+#if ATTNX_CUDA_DEVICE_CODE
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -674,5 +721,7 @@ __device__ __forceinline__ uint32_t quad_dropout_bits(const AttentionParams& p, 
 __device__ __forceinline__ float soft_cap_fast(float x, SoftCap<float> c) {
   return c.cap * fast_tanh(x * c.inv_cap);
 }
+
+#endif  // ATTNX_CUDA_DEVICE_CODE
 
 }  // namespace attnx::cuda

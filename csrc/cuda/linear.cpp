@@ -2,6 +2,7 @@
 // cuBLAS, the one F.linear uses, so the only difference from F.linear is that no layout forces a detour. On
 // the LibTorch stable ABI: the device guard is the shim's accelerator-generic one, not c10::cuda's.
 #include "common/linear.h"
+#include "cuda/impls.h"
 
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -20,9 +21,15 @@ torch::stable::Tensor linear_cuda(const torch::stable::Tensor& input, const torc
   return linear_via_gemm(input, weight, bias);
 }
 
+void linear_cuda_impls(StableLibrary& cuda) {
+  cuda.impl("_linear", TORCH_BOX(&linear_cuda));
+  cuda.impl("_linear_autograd", TORCH_BOX(&linear_cuda));
+}
+
 }  // namespace attnx
 
+#if !defined(ATTNX_CUDA_HOST_ONLY)  // the run-time compiled library registers when its route is chosen
 STABLE_TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
-  m.impl("_linear", TORCH_BOX(&attnx::linear_cuda));
-  m.impl("_linear_autograd", TORCH_BOX(&attnx::linear_cuda));
+  attnx::linear_cuda_impls(m);
 }
+#endif

@@ -91,7 +91,7 @@ std::string prepare_cache_dir(const std::string& dir) {
 DiskCache::DiskCache(std::string dir, uint64_t max_bytes)
     : dir_(std::move(dir)), max_bytes_(max_bytes), refusal_(prepare_cache_dir(dir_)) {}
 
-std::optional<Cubin> DiskCache::load(const std::string& key) const {
+std::optional<KernelImage> DiskCache::load(const std::string& key) const {
   if (!usable()) return std::nullopt;
   const std::string file = path(key);
   const int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
@@ -109,14 +109,14 @@ std::optional<Cubin> DiskCache::load(const std::string& key) const {
     const std::string_view image = view.substr(at + 1);
     if (sha256_hex(image) == *hash) {
       ::utimensat(AT_FDCWD, file.c_str(), nullptr, 0);  // used now: evicted last
-      return Cubin{std::string(*name), std::string(image)};
+      return KernelImage{std::string(*name), std::string(image)};
     }
   }
   ::unlink(file.c_str());  // not an entry of this key as written: compiled again
   return std::nullopt;
 }
 
-bool DiskCache::store(const std::string& key, const Cubin& cubin) const {
+bool DiskCache::store(const std::string& key, const KernelImage& kernel) const {
   if (!usable()) return false;
   static std::atomic<uint64_t> counter{0};
   const std::string temp = dir_ + "/.tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) +
@@ -124,8 +124,8 @@ bool DiskCache::store(const std::string& key, const Cubin& cubin) const {
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return false;
   std::string head(kMagic);
-  head += "key " + key + "\nname " + cubin.lowered + "\nsha256 " + sha256_hex(cubin.image) + "\n\n";
-  const bool written = write_all(fd, head) && write_all(fd, cubin.image);
+  head += "key " + key + "\nname " + kernel.lowered + "\nsha256 " + sha256_hex(kernel.image) + "\n\n";
+  const bool written = write_all(fd, head) && write_all(fd, kernel.image);
   const bool closed = ::close(fd) == 0;
   if (!written || !closed || ::rename(temp.c_str(), path(key).c_str()) != 0) {
     ::unlink(temp.c_str());
@@ -143,7 +143,7 @@ struct Entry {
   int64_t used;  // mtime in ns: load() touches an entry it returns
 };
 
-// The entries in `dir`: its regular files named *.cubin (not the temporary files of writes under way).
+// The entries in `dir`: its regular files named *.kernel (not the temporary files of writes under way).
 std::vector<Entry> entries(const std::string& dir) {
   std::vector<Entry> out;
   DIR* d = ::opendir(dir.c_str());

@@ -31,6 +31,10 @@ struct Nvrtc::Api {
   nvrtcResult (*GetLoweredName)(nvrtcProgram, const char*, const char**);
   nvrtcResult (*GetCUBINSize)(nvrtcProgram, size_t*);
   nvrtcResult (*GetCUBIN)(nvrtcProgram, char*);
+  nvrtcResult (*GetPTXSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*GetPTX)(nvrtcProgram, char*);
+  nvrtcResult (*GetNumSupportedArchs)(int*);
+  nvrtcResult (*GetSupportedArchs)(int*);
 };
 
 namespace {
@@ -80,20 +84,33 @@ Nvrtc::Nvrtc(const std::string& library) {
   bind(handle, api->GetLoweredName, "nvrtcGetLoweredName", library);
   bind(handle, api->GetCUBINSize, "nvrtcGetCUBINSize", library);
   bind(handle, api->GetCUBIN, "nvrtcGetCUBIN", library);
+  bind(handle, api->GetPTXSize, "nvrtcGetPTXSize", library);
+  bind(handle, api->GetPTX, "nvrtcGetPTX", library);
+  bind(handle, api->GetNumSupportedArchs, "nvrtcGetNumSupportedArchs", library);
+  bind(handle, api->GetSupportedArchs, "nvrtcGetSupportedArchs", library);
   int major = 0, minor = 0;
   if (api->Version(&major, &minor) != 0)
     throw std::runtime_error("attnx: nvrtcVersion failed (" + library + ")");
   version_ = std::to_string(major) + "." + std::to_string(minor);
+  int count = 0;
+  if (api->GetNumSupportedArchs(&count) == 0 && count > 0) {
+    archs_.resize(static_cast<size_t>(count));
+    if (api->GetSupportedArchs(archs_.data()) != 0) archs_.clear();
+  }
   api_ = std::move(api);
 }
 
-Cubin Nvrtc::compile(const std::string& source, const std::string& kernel,
-                     const std::vector<std::string>& options) const {
+KernelImage Nvrtc::compile(const std::string& source, const std::string& kernel,
+                           const std::vector<std::string>& options) const {
   const char* text = nullptr;
   for (const EmbeddedSource& s : kSources) {
     if (source == s.name) text = s.text;
   }
   if (text == nullptr) throw std::runtime_error("attnx: no CUDA source named '" + source + "' is embedded");
+  std::string target;  // sm_XY (a cubin) or compute_XY (PTX)
+  for (const std::string& o : options) {
+    if (o.rfind("--gpu-architecture=", 0) == 0) target = o.substr(std::strlen("--gpu-architecture="));
+  }
   const Api& api = *api_;
   const auto check = [&](nvrtcResult result, const char* what) {
     if (result != 0) {
@@ -121,32 +138,35 @@ Cubin Nvrtc::compile(const std::string& source, const std::string& kernel,
       log.resize(std::strlen(log.c_str()));
     }
     if (log.size() > 8000) log = "..." + log.substr(log.size() - 8000);
-    std::string arch;
-    for (const std::string& o : options) {
-      if (o.rfind("--gpu-architecture=", 0) == 0)
-        arch = " for " + o.substr(std::strlen("--gpu-architecture="));
-    }
     throw std::runtime_error("attnx: NVRTC " + version_ + " could not compile " + kernel + " (" + source +
-                             ")" + arch + ": " + api.GetErrorString(result) + "\n" + log);
+                             ") for " + target + ": " + api.GetErrorString(result) + "\n" + log);
   }
   const char* lowered = nullptr;
   check(api.GetLoweredName(prog, kernel.c_str(), &lowered), "nvrtcGetLoweredName");
-  Cubin cubin;
-  cubin.lowered = lowered;
+  KernelImage compiled;
+  compiled.lowered = lowered;
   size_t size = 0;
-  check(api.GetCUBINSize(prog, &size), "nvrtcGetCUBINSize");
-  cubin.image.resize(size);
-  check(api.GetCUBIN(prog, cubin.image.data()), "nvrtcGetCUBIN");
-  return cubin;
+  if (target.rfind("sm_", 0) == 0) {
+    check(api.GetCUBINSize(prog, &size), "nvrtcGetCUBINSize");
+    compiled.image.resize(size);
+    check(api.GetCUBIN(prog, compiled.image.data()), "nvrtcGetCUBIN");
+  } else {  // a virtual arch (compute_XY): PTX, with its terminating NUL, which the driver wants
+    check(api.GetPTXSize(prog, &size), "nvrtcGetPTXSize");
+    compiled.image.resize(size);
+    check(api.GetPTX(prog, compiled.image.data()), "nvrtcGetPTX");
+  }
+  return compiled;
 }
 
-std::vector<std::string> compile_options(int arch, const std::vector<std::string>& include_dirs) {
+std::vector<std::string> compile_options(const std::string& target,
+                                         const std::vector<std::string>& include_dirs) {
   // As the prebuilt library's nvcc is given them (setup.py, torch's CUDAExtension): torch's half-precision
-  // defines and line info; SASS for the exact GPU (sm_XY: NVRTC's output is a cubin). -default-device makes
-  // every unannotated function a device one, which is what nvcc's relaxed constexpr gives the kernels (the
-  // constexpr host functions of attention_plan.h they call); NVRTC has no such option.
+  // defines and line info; SASS for the exact GPU (target sm_XY: a cubin), or PTX for the newest
+  // architecture NVRTC knows below it (compute_XY), which the driver compiles for a GPU newer than NVRTC.
+  // -default-device makes every unannotated function a device one, which is what nvcc's relaxed constexpr
+  // gives the kernels (the constexpr host functions of attention_plan.h they call); NVRTC has no such option.
   std::vector<std::string> options = {"-std=c++17",
-                                      "--gpu-architecture=sm_" + std::to_string(arch),
+                                      "--gpu-architecture=" + target,
                                       "-default-device",
                                       "-lineinfo",
                                       "-D__CUDA_NO_HALF_OPERATORS__",
@@ -192,28 +212,52 @@ std::string Compiler::nvrtc_version() const {
   return nvrtc_ ? nvrtc_->version() : "";
 }
 
+std::string Nvrtc::target(int arch) const {
+  int best = 0;
+  for (const int a : archs_) {
+    if (a == arch) return "sm_" + std::to_string(arch);
+    if (a < arch) best = std::max(best, a);
+  }
+  if (best == 0) {
+    throw std::runtime_error("attnx: NVRTC " + version_ + " compiles for no architecture at or below sm_" +
+                             std::to_string(arch));
+  }
+  return "compute_" + std::to_string(best);
+}
+
+std::string Compiler::target(int arch) const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (!nvrtc_) throw std::runtime_error("attnx: the CUDA run-time compiler has no NVRTC (not configured)");
+  return nvrtc_->target(arch);
+}
+
 std::vector<std::string> Compiler::include_dirs() const {
   const std::lock_guard<std::mutex> lock(mutex_);
   return include_dirs_;
 }
 
 std::string Compiler::key(const std::string& source, const std::string& kernel, int arch) const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return key_locked(source, kernel, arch);
+}
+
+std::string Compiler::key_locked(const std::string& source, const std::string& kernel, int arch) const {
   Sha256 h;
   h.update("attnx-rtc 1").update(std::string_view("\0", 1)).update(kSourcesHash);
   h.update(std::string_view("\0", 1)).update(nvrtc_ ? nvrtc_->version() : "");
-  for (const std::string& o : compile_options(arch, include_dirs_))
+  for (const std::string& o : compile_options(nvrtc_ ? nvrtc_->target(arch) : "", include_dirs_))
     h.update(std::string_view("\0", 1)).update(o);
   h.update(std::string_view("\0", 1)).update(source).update(std::string_view("\0", 1)).update(kernel);
   return h.hex();
 }
 
-std::pair<std::shared_ptr<const Cubin>, Origin> Compiler::kernel(const std::string& source,
-                                                                 const std::string& kernel, int arch) {
+std::pair<std::shared_ptr<const KernelImage>, Origin> Compiler::kernel(const std::string& source,
+                                                                       const std::string& kernel, int arch) {
   // One lock for the whole: a kernel is compiled once per process however many threads ask for it, and
   // compiles are rare (the first call of each instantiation).
   const std::lock_guard<std::mutex> lock(mutex_);
   if (!nvrtc_) throw std::runtime_error("attnx: the CUDA run-time compiler has no NVRTC (not configured)");
-  const std::string k = key(source, kernel, arch);
+  const std::string k = key_locked(source, kernel, arch);
   for (auto it = recent_.begin(); it != recent_.end(); ++it) {
     if (it->first == k) {
       recent_.splice(recent_.begin(), recent_, it);
@@ -221,13 +265,13 @@ std::pair<std::shared_ptr<const Cubin>, Origin> Compiler::kernel(const std::stri
     }
   }
   Origin origin = Origin::kDisk;
-  std::optional<Cubin> cubin = cache_ ? cache_->load(k) : std::nullopt;
-  if (!cubin) {
+  std::optional<KernelImage> compiled = cache_ ? cache_->load(k) : std::nullopt;
+  if (!compiled) {
     origin = Origin::kCompiled;
-    cubin = nvrtc_->compile(source, kernel, compile_options(arch, include_dirs_));
-    if (cache_) cache_->store(k, *cubin);
+    compiled = nvrtc_->compile(source, kernel, compile_options(nvrtc_->target(arch), include_dirs_));
+    if (cache_) cache_->store(k, *compiled);
   }
-  auto shared = std::make_shared<const Cubin>(std::move(*cubin));
+  auto shared = std::make_shared<const KernelImage>(std::move(*compiled));
   recent_.emplace_front(k, shared);
   if (recent_.size() > kMemoryEntries) recent_.pop_back();
   return {shared, origin};

@@ -29,20 +29,27 @@ class Nvrtc {
 
   const std::string& version() const { return version_; }  // "13.0"
 
+  // What to compile for a GPU of compute capability `arch` (90): "sm_90" where NVRTC knows it, else the
+  // newest virtual architecture it knows below ("compute_90" for a newer GPU: PTX, which the driver
+  // compiles for it); throws where it knows none.
+  std::string target(int arch) const;
+
   // The name expression `kernel` (attnx::cuda::attention_forward_mma<__half, 64, 0>) of the embedded source
   // `source` (attention_kernel_mma.cu) compiled with `options` to SASS; throws with NVRTC's log.
-  Cubin compile(const std::string& source, const std::string& kernel,
-                const std::vector<std::string>& options) const;
+  KernelImage compile(const std::string& source, const std::string& kernel,
+                      const std::vector<std::string>& options) const;
 
  private:
   struct Api;
   std::shared_ptr<const Api> api_;
   std::string version_;
+  std::vector<int> archs_;  // the architectures NVRTC compiles for (nvrtcGetSupportedArchs)
 };
 
-// The options NVRTC is given for sm_`arch`: the AOT build's (torch's half-precision defines, line info) and
-// the folders holding cuda_fp16.h and cuda_bf16.h.
-std::vector<std::string> compile_options(int arch, const std::vector<std::string>& include_dirs);
+// The options NVRTC is given for `target` (Nvrtc::target): the AOT build's (torch's half-precision defines,
+// line info) and the folders holding cuda_fp16.h and cuda_bf16.h.
+std::vector<std::string> compile_options(const std::string& target,
+                                         const std::vector<std::string>& include_dirs);
 
 // Where a kernel came from: this process's memory, the disk cache, or NVRTC just now.
 enum class Origin { kMemory, kDisk, kCompiled };
@@ -61,25 +68,28 @@ class Compiler {
 
   // `kernel` of `source` for sm_`arch`, and where it came from. Throws where NVRTC is not configured or
   // the compile fails.
-  std::pair<std::shared_ptr<const Cubin>, Origin> kernel(const std::string& source, const std::string& kernel,
-                                                         int arch);
+  std::pair<std::shared_ptr<const KernelImage>, Origin> kernel(const std::string& source,
+                                                               const std::string& kernel, int arch);
 
   // The cache key of (`source`, `kernel`, `arch`): a hash of the embedded sources, the NVRTC version, the
   // options and the instantiation.
   std::string key(const std::string& source, const std::string& kernel, int arch) const;
 
   std::string nvrtc_version() const;
+  std::string target(int arch) const;
   std::vector<std::string> include_dirs() const;
   const DiskCache* cache() const { return cache_.get(); }
 
   static constexpr size_t kMemoryEntries = 64;
 
  private:
+  std::string key_locked(const std::string& source, const std::string& kernel, int arch) const;
+
   mutable std::mutex mutex_;
   std::unique_ptr<Nvrtc> nvrtc_;
   std::vector<std::string> include_dirs_;
   std::unique_ptr<DiskCache> cache_;
-  std::list<std::pair<std::string, std::shared_ptr<const Cubin>>> recent_;  // most recent first
+  std::list<std::pair<std::string, std::shared_ptr<const KernelImage>>> recent_;  // most recent first
 };
 
 }  // namespace attnx::rtc

@@ -7,21 +7,26 @@
 
 namespace attnx::rtc {
 
+std::string Driver::error(const char* what, Result result) const {
+  const char* text = nullptr;
+  if (GetErrorString != nullptr && GetErrorString(result, &text) == 0 && text != nullptr) {
+    return std::string("attnx: ") + what + ": " + text;
+  }
+  return std::string("attnx: ") + what + ": CUresult " + std::to_string(result);
+}
+
+void Driver::check(Result result, const char* what) const {
+  if (result != 0) throw std::runtime_error(error(what, result));
+}
+
 namespace {
 
-using CUresult = int;
-
-struct Driver {
-  CUresult (*Init)(unsigned);
-  CUresult (*DriverGetVersion)(int*);
-  CUresult (*GetErrorString)(CUresult, const char**);
-  int version = 0;
-};
-
-std::string result_text(const Driver& d, CUresult result) {
-  const char* text = nullptr;
-  if (d.GetErrorString != nullptr && d.GetErrorString(result, &text) == 0 && text != nullptr) return text;
-  return "CUresult " + std::to_string(result);
+template <typename F>
+void bind(void* handle, F& fn, const char* name) {
+  fn = reinterpret_cast<F>(::dlsym(handle, name));
+  if (fn == nullptr) {
+    throw std::runtime_error(std::string("attnx: libcuda.so.1 has no ") + name + " (not a CUDA driver)");
+  }
 }
 
 Driver open_driver() {
@@ -33,26 +38,27 @@ Driver open_driver() {
                              "); the run-time compiled CUDA kernels need an NVIDIA driver");
   }
   Driver d{};
-  d.Init = reinterpret_cast<decltype(d.Init)>(::dlsym(handle, "cuInit"));
-  d.DriverGetVersion = reinterpret_cast<decltype(d.DriverGetVersion)>(::dlsym(handle, "cuDriverGetVersion"));
-  d.GetErrorString = reinterpret_cast<decltype(d.GetErrorString)>(::dlsym(handle, "cuGetErrorString"));
-  if (d.Init == nullptr || d.DriverGetVersion == nullptr) {
-    throw std::runtime_error("attnx: libcuda.so.1 lacks cuInit or cuDriverGetVersion (not a CUDA driver)");
-  }
-  if (const CUresult result = d.Init(0); result != 0) {
-    throw std::runtime_error("attnx: the CUDA driver does not initialise: " + result_text(d, result));
-  }
-  if (const CUresult result = d.DriverGetVersion(&d.version); result != 0) {
-    throw std::runtime_error("attnx: cuDriverGetVersion failed: " + result_text(d, result));
-  }
+  bind(handle, d.Init, "cuInit");
+  bind(handle, d.DriverGetVersion, "cuDriverGetVersion");
+  bind(handle, d.GetErrorString, "cuGetErrorString");
+  bind(handle, d.DeviceGet, "cuDeviceGet");
+  bind(handle, d.DeviceGetAttribute, "cuDeviceGetAttribute");
+  bind(handle, d.CtxGetCurrent, "cuCtxGetCurrent");
+  bind(handle, d.CtxGetDevice, "cuCtxGetDevice");
+  bind(handle, d.ModuleLoadData, "cuModuleLoadData");
+  bind(handle, d.ModuleGetFunction, "cuModuleGetFunction");
+  bind(handle, d.FuncSetAttribute, "cuFuncSetAttribute");
+  bind(handle, d.LaunchKernel, "cuLaunchKernel");
+  d.check(d.Init(0), "the CUDA driver does not initialise (cuInit)");
+  d.check(d.DriverGetVersion(&d.version), "cuDriverGetVersion");
   return d;
 }
 
 }  // namespace
 
-int driver_version() {
-  static const Driver driver = open_driver();  // a failure is thrown again at the next call
-  return driver.version;
+const Driver& driver() {
+  static const Driver opened = open_driver();  // a failure is thrown again at the next call
+  return opened;
 }
 
 }  // namespace attnx::rtc

@@ -1,17 +1,19 @@
-// attnx: attnx._C_nvrtc, the library of the CUDA kernels compiled at run time (compiler.h), loaded by
-// python/attnx/_cuda_runtime.py. Its ops configure the compiler, compile (or find) one kernel for an
-// architecture, and report the disk cache and the driver: for `python -m attnx.info` and the tests, which
-// run them on machines without a GPU.
+// attnx: attnx._C_nvrtc, the library of the CUDA kernels compiled at run time (compiler.h), loaded with
+// attnx. Its ops configure the compiler, compile (or find) one kernel for an architecture, report the disk
+// cache and the driver (python/attnx/_cuda_runtime.py, `python -m attnx.info` and the tests, which run them
+// on machines without a GPU), and register its CUDA kernels where the loader chooses this route.
 #include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "attnx_cuda_sources.h"  // kSourcesHash
 #include "common/stable.h"
+#include "cuda/impls.h"
 #include "rtc/compiler.h"
 #include "rtc/driver.h"
 
@@ -53,16 +55,18 @@ std::vector<std::string> configure(std::string nvrtc, std::string include_dirs, 
 std::vector<std::string> compile(std::string source, std::string kernel, int64_t arch) {
   return raising([&] {
     Compiler& compiler = Compiler::get();
-    const auto [cubin, origin] = compiler.kernel(source, kernel, static_cast<int>(arch));
+    const auto [image, origin] = compiler.kernel(source, kernel, static_cast<int>(arch));
     return std::vector<std::string>{origin_name(origin), compiler.key(source, kernel, static_cast<int>(arch)),
-                                    cubin->lowered};
+                                    image->lowered};
   });
 }
 
-// attnx::_cuda_runtime_options: the options NVRTC is given for sm_`arch` (with the configured include
-// folders).
+// attnx::_cuda_runtime_options: the options NVRTC is given for a GPU of compute capability `arch`.
 std::vector<std::string> options(int64_t arch) {
-  return compile_options(static_cast<int>(arch), Compiler::get().include_dirs());
+  return raising([&] {
+    const Compiler& compiler = Compiler::get();
+    return compile_options(compiler.target(static_cast<int>(arch)), compiler.include_dirs());
+  });
 }
 
 // attnx::_cuda_runtime_cache: [its folder's entries, their bytes]; [] where no cache is in use.
@@ -74,8 +78,27 @@ std::vector<int64_t> cache() {
 }
 
 // attnx::_cuda_runtime_driver: the CUDA driver's version (12080 for 12.8); raises where there is none.
-int64_t driver() {
+int64_t installed_driver() {
   return raising([] { return static_cast<int64_t>(driver_version()); });
+}
+
+// attnx::_cuda_runtime_enable: registers this library's CUDA kernels of attnx's ops (the glue of csrc/cuda/,
+// launching through rtc/launch.h), once; returns whether they were registered before. The loader calls it
+// where the prebuilt library is not loaded: one library serves CUDA.
+bool enable() {
+  static std::mutex mutex;
+  static StableLibrary* cuda = nullptr;
+  static StableLibrary* composite = nullptr;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (cuda != nullptr) return true;
+  cuda = new StableLibrary(StableLibrary::Kind::IMPL, "attnx", "CUDA", __FILE__, __LINE__);
+  composite =
+      new StableLibrary(StableLibrary::Kind::IMPL, "attnx", "CompositeExplicitAutograd", __FILE__, __LINE__);
+  linear_cuda_impls(*cuda);
+  attention_cuda_impls(*cuda);
+  attention_backward_cuda_impls(*cuda);
+  cuda_composite_impls(*composite);
+  return false;
 }
 
 }  // namespace
@@ -87,5 +110,6 @@ STABLE_TORCH_LIBRARY_IMPL(attnx, CompositeExplicitAutograd, m) {
   m.impl("_cuda_runtime_compile", TORCH_BOX(&attnx::rtc::compile));
   m.impl("_cuda_runtime_options", TORCH_BOX(&attnx::rtc::options));
   m.impl("_cuda_runtime_cache", TORCH_BOX(&attnx::rtc::cache));
-  m.impl("_cuda_runtime_driver", TORCH_BOX(&attnx::rtc::driver));
+  m.impl("_cuda_runtime_driver", TORCH_BOX(&attnx::rtc::installed_driver));
+  m.impl("_cuda_runtime_enable", TORCH_BOX(&attnx::rtc::enable));
 }

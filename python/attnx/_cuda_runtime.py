@@ -7,6 +7,8 @@ the user's NVRTC, for the exact GPU, once per machine: the way to serve a CUDA m
 driver itself (dlopen): nothing of CUDA is linked into it.
 
 Environment:
+  ATTNX_CUDA_RUNTIME_COMPILE  1: these kernels serve CUDA even where the prebuilt library would load (tests);
+                              0: never (the prebuilt library or none); unset: where the prebuilt one does not
   ATTNX_CUDA_CACHE            the folder of the compiled kernels (default: $XDG_CACHE_HOME/attnx/cuda, else
                               ~/.cache/attnx/cuda); ``0`` or empty: no disk cache (compiled in each process)
   ATTNX_CUDA_CACHE_MAX_BYTES  its bound (default 1 GiB): past it the least recently used kernels are removed
@@ -105,6 +107,10 @@ def configure(reconfigure=False):
     nvrtc, why = nvrtc_library()
     if nvrtc is None:
         raise RuntimeError(f"attnx's run-time CUDA compiler has no NVRTC: {why}")
+    if not include_dirs():
+        raise RuntimeError(f"attnx's run-time CUDA compiler has no cuda_fp16.h beside torch "
+                           f"{torch.__version__} or in $CUDA_HOME (pip install nvidia-cuda-runtime-cu"
+                           f"{torch.version.cuda.split('.')[0]}, or set CUDA_HOME)")
     folder = cache_dir()
     version, refused, sources = torch.ops.attnx._cuda_runtime_configure(
         nvrtc, os.pathsep.join(include_dirs()), folder, _cache_max_bytes())
@@ -113,8 +119,22 @@ def configure(reconfigure=False):
                       f"by each process; set ATTNX_CUDA_CACHE to a folder of your own.", RuntimeWarning,
                       stacklevel=2)
     _state = {"nvrtc": version, "nvrtc_path": nvrtc, "cache": "" if refused else folder, "refused": refused,
-              "sources": sources}
+              "sources": sources, "enabled": bool(_state and _state.get("enabled"))}
     return _state
+
+
+def enable():
+    """Sets the compiler up (configure) and registers attnx._C_nvrtc's CUDA kernels of attnx's ops, which
+    then serve CUDA; the loader calls it where the prebuilt library is not loaded. Raises RuntimeError where
+    they cannot serve (no NVRTC, no headers)."""
+    configure()
+    torch.ops.attnx._cuda_runtime_enable()
+    _state["enabled"] = True
+
+
+def enabled():
+    """Whether attnx._C_nvrtc's CUDA kernels serve CUDA in this process."""
+    return bool(_state and _state.get("enabled"))
 
 
 def compile(source, kernel, arch):

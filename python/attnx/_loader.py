@@ -89,6 +89,8 @@ def _load() -> None:
         ) from error
     if info is None:
         return
+    route = os.environ.get("ATTNX_CUDA_RUNTIME_COMPILE", "").strip()
+    cuda_missing = None  # why the prebuilt CUDA library is not loaded
     for backend, name in (("CUDA", "_C_cuda"), ("MPS", "_C_mps")):
         if backend not in info.BACKENDS:
             continue
@@ -97,9 +99,12 @@ def _load() -> None:
         path = _library(name)
         if why == "" and path is None:
             why = f"its library ({name}) is missing from {_PACKAGE}"
+        if backend == "CUDA" and route == "1" and not why:
+            why = "ATTNX_CUDA_RUNTIME_COMPILE=1 asks for the kernels compiled at run time"
         if why:
-            # A CPU torch has no CUDA to run: nothing to say.
-            if not (backend == "CUDA" and torch.version.cuda is None):
+            if backend == "CUDA":
+                cuda_missing = why  # the run-time compiled kernels may serve instead (below)
+            else:
                 warnings.warn(f"attnx's {backend} kernels are not loaded: {why}. attnx runs on the other "
                               f"backends. {REBUILD}", RuntimeWarning, stacklevel=3)
             continue
@@ -110,23 +115,56 @@ def _load() -> None:
                 f"attnx's {backend} library could not be loaded under torch {torch.__version__} (attnx was "
                 f"built against {built}): {error}. {REINSTALL}"
             ) from error
-    # The run-time CUDA compiler's ops (attnx._C_nvrtc, python/attnx/_cuda_runtime.py): loading it opens
-    # nothing of CUDA (NVRTC and the driver are opened when it is first configured), so it loads under every
-    # CUDA torch, of any CUDA major.
+    if torch.version.cuda is None:
+        return  # a CPU torch has no CUDA to run: nothing to say
+    # The run-time compiled CUDA kernels (attnx._C_nvrtc, python/attnx/_cuda_runtime.py): loading the library
+    # opens nothing of CUDA, so it loads under every CUDA torch; its kernels serve CUDA where the prebuilt
+    # library does not (another CUDA major) or ATTNX_CUDA_RUNTIME_COMPILE=1 asks, unless it is 0.
     path = _library("_C_nvrtc") if getattr(info, "NVRTC", False) else None
-    if path is not None and torch.version.cuda is not None:
+    no_runtime = "this build has no run-time compiler"
+    if path is not None:
         try:
             torch.ops.load_library(path)
         except (ImportError, OSError) as error:
-            warnings.warn(f"attnx's run-time CUDA compiler is not loaded: {error}", RuntimeWarning,
-                          stacklevel=3)
+            path = None
+            no_runtime = f"the run-time compiler's library does not load: {error}"
+            if cuda_missing is None:
+                warnings.warn(f"attnx's {no_runtime}", RuntimeWarning, stacklevel=3)
+    if cuda_missing is None:
+        return
+    if path is None or route == "0":
+        no_runtime = "ATTNX_CUDA_RUNTIME_COMPILE=0" if route == "0" else no_runtime
+        warnings.warn(f"attnx's CUDA kernels are not loaded: {cuda_missing} ({no_runtime}). attnx runs on "
+                      f"the other backends. {REBUILD}", RuntimeWarning, stacklevel=3)
+        return
+    from attnx import _cuda_runtime
+
+    try:
+        _cuda_runtime.enable()
+    except RuntimeError as error:
+        warnings.warn(f"attnx's CUDA kernels are not loaded: {cuda_missing}, and the run-time compiled ones "
+                      f"cannot serve: {error}. attnx runs on the other backends.", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _loaded(lib: str) -> bool:
+    return any(os.path.basename(path).startswith(lib + ".") for path in torch.ops.loaded_libraries)
+
+
+def cuda_route() -> str | None:
+    """What serves attnx's CUDA kernels in this process: "prebuilt" (attnx._C_cuda), "run-time compiled"
+    (attnx._C_nvrtc's, python/attnx/_cuda_runtime.py) or None."""
+    if _loaded("_C_cuda"):
+        return "prebuilt"
+    from attnx import _cuda_runtime
+
+    return "run-time compiled" if _cuda_runtime.enabled() else None
 
 
 def loaded_backends() -> tuple:
     """The backends whose kernels are loaded in this process."""
     return tuple(name for name, lib in (("CPU", "_C"), ("CUDA", "_C_cuda"), ("MPS", "_C_mps"))
-                 if lib == "_C" or any(os.path.basename(path).startswith(lib + ".")
-                                       for path in torch.ops.loaded_libraries))
+                 if lib == "_C" or _loaded(lib) or (name == "CUDA" and cuda_route() is not None))
 
 
 _load()

@@ -224,6 +224,9 @@ def cuda_lines() -> list[str]:
         return [f"CUDA attention: none ({why})"]
     archs = build.get("CUDA_ARCH_LIST")
     built = f"kernels built for CUDA archs {archs}" if archs else "CUDA archs of the build not recorded"
+    if _loader.cuda_route() == "run-time compiled":
+        archs = None  # NVRTC compiles for whichever GPU a call runs on
+        built = "kernels compiled at run time for each GPU"
     if not torch.cuda.is_available():
         return [f"CUDA attention: no CUDA device visible ({built})"]
     lines = []
@@ -261,11 +264,13 @@ def runtime_compiler_line() -> str:
     if not folder:
         cache = "no disk cache (ATTNX_CUDA_CACHE=0)"
     else:
-        entries = glob.glob(os.path.join(folder, "*.cubin"))
+        entries = glob.glob(os.path.join(folder, "*.kernel"))
         size = sum(os.path.getsize(e) for e in entries)
         cache = f"cache {folder} ({len(entries)} kernels, {size / 2**20:.1f} MiB)"
-    return (f"CUDA run-time compiler: {nvrtc}; {cache}; compiles the kernels for tests and checks, not yet a "
-            f"route for calls")
+    serves = ("serves CUDA in this process" if _loader.cuda_route() == "run-time compiled"
+              else "not used: the prebuilt library serves CUDA" if _loader.cuda_route() == "prebuilt"
+              else "not serving CUDA")
+    return f"CUDA run-time compiler: {nvrtc}; {cache}; {serves}"
 
 
 def backward_lines() -> list[str]:
