@@ -68,14 +68,10 @@ class Nvrtc:
     called through ctypes to compile many instantiations in one program, with the library's own options."""
 
     def __init__(self):
-        if _cuda_runtime.library() is None:
-            pytest.skip(f"this build has no attnx._C_nvrtc (torch {torch.__version__} is a CPU build, or not "
-                        f"Linux)")
-        path, why = _cuda_runtime.nvrtc_library()
-        if path is None:
+        why = _cuda_runtime.missing()
+        if why:
             pytest.skip(why)
-        if not _cuda_runtime.include_dirs():
-            pytest.skip(f"no cuda_fp16.h beside torch {torch.__version__} ({_cuda_runtime._nvidia_roots()})")
+        path = _cuda_runtime.nvrtc_library()[0]
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("ATTNX_CUDA_CACHE", "0")  # nothing written: this compiles through ctypes
             self.state = _cuda_runtime.configure(reconfigure=True)

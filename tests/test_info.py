@@ -268,13 +268,11 @@ def test_the_run_time_compiler_line(tmp_path):
     (tmp_path / "a.kernel").write_bytes(b"x" * 3 * 2**20)
     out = _info(ATTNX_CUDA_CACHE=str(tmp_path))
     line = _line(out, "CUDA run-time compiler:")
-    if _cuda_runtime.library() is None:
-        assert line.endswith("not in this build (built where torch is a CUDA build on Linux)")
+    why = _cuda_runtime.missing()
+    if why:
+        assert line == f"CUDA run-time compiler: none ({why})"
         return
-    path, why = _cuda_runtime.nvrtc_library()
-    if path is None:
-        assert line == f"CUDA run-time compiler: no NVRTC ({why})"
-        return
+    path = _cuda_runtime.nvrtc_library()[0]
     assert f"NVRTC {torch.version.cuda.split('.')[0]}." in line and f"({path})" in line
     assert f"cache {tmp_path} (1 kernels, 3.0 MiB)" in line
     if _loader.cuda_route() == "prebuilt":

@@ -1,8 +1,9 @@
 // attnx: the CUDA runtime functions the CUDA glue calls (cuda/device.h, cuda/attention.cpp), on the driver:
 // the run-time compiled library links no CUDA runtime, so that it loads under a torch of any CUDA major.
-// Hidden
-// (-fvisibility=hidden): the library's calls bind to these, never to the runtime torch has loaded.
+// Hidden (-fvisibility=hidden): the library's calls bind to these, never to the runtime torch has loaded.
 #include <cuda_runtime_api.h>
+
+#include <exception>
 
 #include "rtc/driver.h"
 

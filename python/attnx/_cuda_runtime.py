@@ -84,6 +84,21 @@ def library():
     return _library("_C_nvrtc")
 
 
+def missing():
+    """Why the run-time compiler cannot work here, or "" where it can: this build has no attnx._C_nvrtc, or
+    there is no NVRTC of torch's CUDA major or no cuda_fp16.h."""
+    if library() is None:
+        return (f"this build has no attnx._C_nvrtc (torch {torch.__version__} is a CPU build, not Linux, or "
+                f"the build had no CUDA toolkit)")
+    nvrtc, why = nvrtc_library()
+    if nvrtc is None:
+        return why
+    if not include_dirs():
+        return (f"no cuda_fp16.h beside torch {torch.__version__} or in $CUDA_HOME (pip install "
+                f"nvidia-cuda-runtime-cu{torch.version.cuda.split('.')[0]}, or set CUDA_HOME)")
+    return ""
+
+
 def load():
     """Loads attnx._C_nvrtc (its ops); raises RuntimeError where this build has none."""
     path = library()
@@ -103,14 +118,11 @@ def configure(reconfigure=False):
     global _state
     if _state is not None and not reconfigure:
         return _state
+    why = missing()
+    if why:
+        raise RuntimeError(f"attnx's run-time CUDA compiler cannot work here: {why}")
     load()
-    nvrtc, why = nvrtc_library()
-    if nvrtc is None:
-        raise RuntimeError(f"attnx's run-time CUDA compiler has no NVRTC: {why}")
-    if not include_dirs():
-        raise RuntimeError(f"attnx's run-time CUDA compiler has no cuda_fp16.h beside torch "
-                           f"{torch.__version__} or in $CUDA_HOME (pip install nvidia-cuda-runtime-cu"
-                           f"{torch.version.cuda.split('.')[0]}, or set CUDA_HOME)")
+    nvrtc = nvrtc_library()[0]
     folder = cache_dir()
     version, refused, sources = torch.ops.attnx._cuda_runtime_configure(
         nvrtc, os.pathsep.join(include_dirs()), folder, _cache_max_bytes())

@@ -141,7 +141,7 @@ def _load() -> None:
 
     try:
         _cuda_runtime.enable()
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:  # ValueError: a malformed ATTNX_CUDA_CACHE_MAX_BYTES
         warnings.warn(f"attnx's CUDA kernels are not loaded: {cuda_missing}, and the run-time compiled ones "
                       f"cannot serve: {error}. attnx runs on the other backends.", RuntimeWarning,
                       stacklevel=3)

@@ -249,11 +249,10 @@ def runtime_compiler_line() -> str:
     setting it up (nothing is created or compiled)."""
     from attnx import _cuda_runtime
 
-    if _cuda_runtime.library() is None:
-        return "CUDA run-time compiler: not in this build (built where torch is a CUDA build on Linux)"
-    path, why = _cuda_runtime.nvrtc_library()
-    if path is None:
-        return f"CUDA run-time compiler: no NVRTC ({why})"
+    why = _cuda_runtime.missing()
+    if why:
+        return f"CUDA run-time compiler: none ({why})"
+    path = _cuda_runtime.nvrtc_library()[0]
     try:
         major, minor = ctypes.c_int(), ctypes.c_int()
         ctypes.CDLL(path).nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
