@@ -5,9 +5,10 @@
                  libtorch_python)
   attnx._C_cuda  the CUDA kernels and their glue, on the stable ABI too, when torch is a CUDA build and nvcc
                  is found; a library of its own because it needs the CUDA runtime, which a CPU torch lacks
-  attnx._C_nvrtc the CUDA kernels' sources (csrc/cuda/*.cu, embedded) and the compiler that builds them at
-                 run time with the user's NVRTC for their GPU, cached on disk (csrc/rtc/): built with the
-                 host compiler alone wherever torch is a CUDA build on Linux, it links nothing of CUDA
+  attnx._C_nvrtc the CUDA glue and launchers without the kernels, whose sources (csrc/cuda/*.cu) it embeds
+                 and compiles at run time with the user's NVRTC for their GPU, cached on disk (csrc/rtc/):
+                 built by the host compiler where the CUDA library is (a toolkit's headers are enough for
+                 it), it links nothing of CUDA and serves CUDA where _C_cuda does not load
   attnx._C_mps   the MPS glue on macOS (with the Metal kernels of metal/*.metal embedded as source, compiled
                  at first use), on torch's regular ABI: it encodes on torch's MPS stream (at::mps::MPSStream)
                  and binds its parameters with setBytes, which the stable ABI has no equivalent of before

@@ -338,8 +338,9 @@ def dispatch_lines() -> list[str]:
 def report(verbose: bool = False) -> str:
     """What ``python -m attnx.info`` prints: attnx's and torch's versions, the build and the devices; the
     backends each public op has kernels for; the CPU kernels' ISA level; the CUDA kernel each dtype takes on
-    each visible GPU (or why none); whether the backward is fused on each backend; whether the SDPA takeover
-    is on; the integrations' libraries found. ``verbose`` (``--ops``) adds every op's dispatch keys."""
+    each visible GPU (or why none); the run-time CUDA compiler's NVRTC, cache and use; whether the backward is
+    fused on each backend; whether the SDPA takeover is on; the integrations' libraries found. ``verbose``
+    (``--ops``) adds every op's dispatch keys."""
     lines = header_lines() + op_lines() + [cpu_line()] + cuda_lines() + [runtime_compiler_line()]
     lines += backward_lines()
     return "\n".join(lines + [sdpa_line(), integrations_line()] + (dispatch_lines() if verbose else []))
