@@ -59,12 +59,14 @@ void* KernelRef::function(int device) {
 }
 
 void KernelRef::reserve_smem(int device, void* function, size_t bytes) {
+  // Every launch above 48 KiB asks: one atomic load once the attribute is set, the lock only to set it.
+  if (smem_[device].load(std::memory_order_acquire) >= bytes) return;
   const std::lock_guard<std::mutex> lock(mutex_);
-  if (smem_[device] >= bytes) return;
+  if (smem_[device].load(std::memory_order_relaxed) >= bytes) return;
   const Driver& d = driver();
   d.check(d.FuncSetAttribute(function, kMaxDynamicSharedBytes, static_cast<int>(bytes)),
           ("reserving " + std::to_string(bytes) + " bytes of shared memory for " + expression_).c_str());
-  smem_[device] = bytes;
+  smem_[device].store(bytes, std::memory_order_release);
 }
 
 void launch(KernelRef& kernel, int64_t blocks, int threads, size_t smem, cudaStream_t stream, void** argv) {

@@ -51,7 +51,7 @@ class KernelRef {
   std::string source_;      // attention_kernel_mma.cu
   std::string expression_;  // attnx::cuda::attention_forward_mma<__half, 64, 0>
   std::array<std::atomic<void*>, kMaxDevices> functions_{};
-  std::array<size_t, kMaxDevices> smem_{};
+  std::array<std::atomic<size_t>, kMaxDevices> smem_{};  // the attribute set, per device
   std::mutex mutex_;
 };
 
