@@ -175,6 +175,11 @@ STABLE_TORCH_LIBRARY(attnx, m) {
   // ATTNX_CUDA_TORCH_FLASH=0, or after torch refused such a call. `on` sets it, for the benchmarks that time
   // attnx's own kernel beside torch's. CUDA builds only.
   m.def("_cuda_torch_flash(bool? on=None) -> bool");
+  // The tile shape the tensor-core forward's unmasked instantiation runs in ("32x64 w4 s2": query rows a warp
+  // x keys a tile, warps a block, pipeline stages; cuda/attention_plan.h, MmaShape), or "" for each dtype
+  // and head dim's default. `shape` sets it, for gpu-check's sweep of the family; shapes other than the
+  // defaults run on the kernels compiled at run time. CUDA builds only.
+  m.def("_cuda_mma_shape(str? shape=None) -> str");
   // The CUDA kernels compiled at run time by the user's NVRTC (attnx._C_nvrtc, csrc/rtc/compiler.h), for the
   // CUDA majors and GPUs the prebuilt library does not serve; python/attnx/_cuda_runtime.py calls these.
   // configure: NVRTC, its headers' folders (':'-separated) and the disk cache -> [NVRTC's version, why the

@@ -184,3 +184,86 @@ def test_the_backward_choice_fits_the_device(capability, kernel):
     q, k, v = make_qkv(1, 2, 20, 30, 128, 128, dtype=torch.float16)
     with backends.enabled("cuda-emu", capability=capability):
         assert torch.ops.attnx._attention_kernel(q, k, v, backward=True) == kernel
+
+
+# The tensor-core forward's tile-shape family (cuda/attention_plan.h, MmaShape): the unmasked instantiation in
+# every shape the emulation builds (all of them, as the run-time compiled library does), chosen by the shape
+# asked for (attnx::_cuda_mma_shape; here the emulated device's), checked against the reference. L and S
+# leave partial tiles at both ends, S spans more tiles than the deepest pipeline holds, and the heads are
+# grouped, the keys' lengths and the window cut rows short, so that every path of the loop runs.
+SHAPES = [f"{rows}x{keys} w{warps} s{stages}" for rows in (16, 32) for keys in (64, 128) for warps in (4, 8)
+          for stages in (2, 3)]
+DEFAULT_SHAPES = {(torch.float16, 32): "32x64 w4 s2", (torch.float16, 64): "32x64 w4 s2",
+                  (torch.float16, 128): "16x64 w4 s2", (torch.float32, 64): "16x64 w4 s2"}
+
+
+def _family_cases():
+    # every shape at fp16 bucket 64 where it has it; then another dtype and bucket: 32 rows a warp or 128 keys
+    # a tile (16-bit types up to bucket 64 only) at bf16 bucket 32, 16 x 64 at bf16 bucket 128 and float32
+    for shape in SHAPES:
+        if shape.startswith("32x128"):
+            continue  # spills: not in the family (test_shapes_outside_the_family_run_the_default)
+        yield shape, torch.float16, 64
+        if shape.startswith("32x") or "x128 " in shape:
+            yield shape, torch.bfloat16, 32
+        else:
+            yield shape, torch.bfloat16, 128
+            yield shape, torch.float32, 64
+
+
+def _emulated_cuda():
+    from emulation import backends
+
+    try:
+        backends.load("cuda-emu")
+    except backends.Unavailable as e:
+        pytest.skip(f"CUDA emulation unavailable: {e}")
+    return backends
+
+
+@pytest.mark.parametrize("shape,dtype,bucket", list(_family_cases()))
+def test_every_tile_shape_of_the_unmasked_forward(shape, dtype, bucket):
+    from attention_helpers import assert_matches_reference, make_gqa
+
+    backends = _emulated_cuda()
+    D = {32: 24, 64: 64, 128: 72}[bucket]
+    q, k, v = make_gqa(2, 4, 2, 37, 299, D, D, dtype=dtype, layout="blhd")
+    cases = [{}, {"is_causal": True, "key_lengths": torch.tensor([299, 150])},
+             {"window_left": 100, "window_right": 20, "sinks": torch.linspace(-1.0, 1.0, 4)}]
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    expected = f"cuda mma {name} bucket {bucket}"
+    if shape != DEFAULT_SHAPES.get((torch.float16 if dtype == torch.bfloat16 else dtype, bucket)):
+        expected += f" {shape}"
+    with backends.enabled("cuda-emu", mma_shape=shape):
+        for options in cases:
+            assert torch.ops.attnx._attention_kernel(q, k, v, **options) == expected
+            out, lse = attnx.attention(q, k, v, **options)
+            assert_matches_reference(out, lse, q, k, v, **options)
+        # a masked call takes the default shape: its tile classes are 16 x 64 (the name has no shape)
+        mask = torch.rand(37, 299, generator=torch.Generator().manual_seed(0)) < 0.3
+        masked = torch.ops.attnx._attention_kernel(q, k, v, attn_mask=mask)
+        assert masked == f"cuda mma {name} bucket {bucket} bits"
+
+
+def test_the_tile_shape_is_one_of_the_family():
+    backends = _emulated_cuda()
+    with pytest.raises(RuntimeError, match='no tile shape "32x64 w2 s2"'):
+        with backends.enabled("cuda-emu", mma_shape="32x64 w2 s2"):
+            pass
+
+
+@pytest.mark.parametrize("shape,dtype,D,capability", [
+    ("32x128 w4 s2", torch.float16, 64, 90),   # two row groups of 128-key tiles: not in the family (spills)
+    ("16x128 w8 s3", torch.float16, 128, 90),  # 128-key tiles above bucket 64: likewise
+    ("32x64 w8 s2", torch.float32, 64, 90),    # two row groups: 16-bit types only
+    ("16x64 w4 s3", torch.float32, 128, 90),   # 231 KiB of shared memory: more than any device has
+    ("16x64 w4 s3", torch.float16, 128, 86),   # 102 KiB: more than sm_86's 99 KiB
+])
+def test_shapes_outside_the_family_run_the_default(shape, dtype, D, capability):
+    from attention_helpers import make_qkv
+
+    backends = _emulated_cuda()
+    q, k, v = make_qkv(1, 2, 20, 30, D, D, dtype=dtype)
+    name = {torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    with backends.enabled("cuda-emu", capability=capability, mma_shape=shape):
+        assert torch.ops.attnx._attention_kernel(q, k, v) == f"cuda mma {name} bucket {D}"

@@ -357,6 +357,11 @@ int main() {
                            : plan.variant == kMmaBits ? "bits" : "general";
         if (plan.bucket) std::printf("%s %d %s %zu\\n", names[d], bucket, name, plan.smem_bytes);
       }
+  // the forward's tile shapes each element size and bucket has (mma_shape_valid)
+  for (int element = 2; element <= 4; element += 2)
+    for (int bucket = 32; bucket <= 128; bucket *= 2)
+      for (const int code : kMmaShapes)
+        std::printf("shape %d %d %d %d\\n", element, bucket, code, mma_shape_valid(element, bucket, code));
   // the tensor-core backward's blocks, without attn_mask's gradient (both passes)
   for (int bucket = 32; bucket <= 128; bucket *= 2)
     std::printf("bwd %d %lld\\n", bucket, static_cast<long long>(mma_backward_smem_bytes(bucket, false)));
@@ -366,7 +371,12 @@ int main() {
     subprocess.run([cxx, "-std=c++17", "-I", os.path.join(ROOT, "csrc"), "-I",
                     os.path.join(ROOT, "csrc", "include"), str(src), "-o", str(exe)], check=True, timeout=120)
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
-    plans = [line.split() for line in lines if line and not line.startswith("bwd ")]
+    plans = [line.split() for line in lines if line and not line.startswith(("bwd ", "shape "))]
+    shapes = [[int(x) for x in line.split()[1:]] for line in lines if line.startswith("shape ")]
+    assert len(shapes) == 2 * 3 * 16
+    assert sorted({code for _, _, code, _ in shapes}) == sorted(sass.FAMILY_SHAPES)
+    for element, bucket, code, valid in shapes:
+        assert sass.mma_shape_valid(element, bucket, code) == bool(valid), (element, bucket, code)
     backward = [line.split() for line in lines if line.startswith("bwd ")]
     assert len(plans) == 27  # fp16, bf16, fp32 up to bucket 128; each plain, bits and general
     assert len(backward) == 3
@@ -534,3 +544,30 @@ def test_the_run_time_compiled_kernels_issue_what_the_prebuilt_ones_do(sass, bui
         assert ours.classes["HMMA"] == theirs.classes["HMMA"], (arch, kernel)
         assert abs(ours.instrs / theirs.instrs - 1) <= bound, (arch, kernel, ours.instrs, theirs.instrs)
         assert sass.check_row(row) == [], (arch, kernel)
+
+
+# The forward's tile-shape family (cuda/attention_plan.h, MmaShape): the shapes the prebuilt library does not
+# carry run on the run-time compiler's kernels, compiled from the same source; each must be spill-free and
+# keep the plain loop's limits (no jump table, global load, 64-bit multiply or soft-cap branch in it).
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_tile_shape_is_spill_free(sass, arch):
+    from attnx import _cuda_runtime
+
+    if _cuda_runtime.library() is None or _cuda_runtime.nvrtc_library()[0] is None:
+        pytest.skip("no attnx._C_nvrtc or no NVRTC beside torch")
+    tools = {"cuobjdump": sass.gpu_check.find_tool("cuobjdump")}
+    tools["nvdisasm"] = sass.find_nvdisasm(tools["cuobjdump"])
+    if not all(tools.values()):
+        pytest.skip("no cuobjdump or nvdisasm")
+    rows = sass.family_rows([arch], tools)
+    assert len(rows) == len(sass.family_kernels())
+    assert all(sass.FAMILY.match(r["kernel"]) for r in rows), [r["kernel"] for r in rows]
+    assert [p for r in rows for p in sass.check_row(r)] == []
+    for r in rows:  # the shape is the kernel's: its HMMA a tile follow from rows, keys and the bucket
+        m = re.search(r"bucket(\d+) plain (\d+)x(\d+)", r["kernel"])
+        bucket, rows_a_warp, keys = (int(x) for x in m.groups())
+        k = 16 if "fp16" in r["kernel"] else 8
+        tf32 = 3 if "fp32" in r["kernel"] else 1  # 3xTF32: three mma a product
+        expected = tf32 * (rows_a_warp // 16) * ((keys // 8) * (bucket // k) + (keys // k) * (bucket // 8))
+        assert r["loop"]["paths"]["steady"].classes["HMMA"] == expected, r["kernel"]

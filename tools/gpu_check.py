@@ -80,6 +80,8 @@ STEPS = [
                           "--only train --quick"),
     Step("runtime", 200, "ATTNX_CUDA_RUNTIME_COMPILE=1: first-call compile, cache hit, warm call; pytest -m "
                          "cuda (tools/gpu_runtime.py)"),
+    Step("family", 200, "the forward's tile shapes x fp16/bf16/fp32 x D 64/128 x L 1024/4096, checked and "
+                        "timed beside SDPA's backends (tools/gpu_family.py)"),
 ]
 STEP_NAMES = [s.name for s in STEPS]
 CAPS = {s.name: s.cap for s in STEPS}
@@ -664,6 +666,21 @@ class Check:
 
         self.step("runtime", cmd, detail=detail)
 
+    # the forward's tile-shape family --------------------------------------------------------------------
+    def family_step(self):
+        cmd = [PY, os.path.join(ROOT, "tools", "gpu_family.py"), "--results-dir", self.args.results_dir]
+
+        def detail(log):
+            lines = [line for line in log.splitlines() if line.startswith("family-sweep: ")]
+            if not lines:
+                return "no family-sweep line"
+            best = json.loads(lines[-1][len("family-sweep: "):])
+            self.extra["family"] = best
+            return "; ".join(f"{k}: {v['shape']} {v['tflops']} TFLOP/s" for k, v in best.items()
+                             if "shape" in v)
+
+        self.step("family", cmd, env=dict(self.env, ATTNX_CUDA_RUNTIME_COMPILE="1"), detail=detail)
+
     # the whole run --------------------------------------------------------------------------------------
     def run(self) -> int:
         self.env_step()
@@ -682,8 +699,10 @@ class Check:
                 self.backward_step()
             if self.wanted("runtime"):
                 self.runtime_step()
+            if self.wanted("family"):
+                self.family_step()
         else:
-            for name in ["tests", *SANITIZERS, "bench", "backward", "runtime"]:
+            for name in ["tests", *SANITIZERS, "bench", "backward", "runtime", "family"]:
                 if self.wanted(name):
                     self.record(Result(name, "SKIPPED", 0, CAPS[name], "no CUDA device"))
         return self.finish()

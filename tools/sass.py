@@ -142,6 +142,9 @@ BITS_BUDGETED = re.compile(r"^mma (fp16|bf16) bucket(64|128) bits$")
 # Kernels with no jump table anywhere in the tile loop: the plain and bits instantiations, forward and
 # backward (the general one reads a float mask's elements through mask_value's switch).
 NO_BRX = re.compile(r"^(mma|bwd keys|bwd queries) (fp16|bf16|fp32) bucket\d+ (plain|bits)$")
+# The forward's other tile shapes (--family): the plain loop's limits, nowhere in the loop a jump table, a
+# global load, a 64-bit multiply or a soft-cap branch; their instructions per HMMA are reported.
+FAMILY = re.compile(r"^mma (fp16|bf16|fp32) bucket\d+ plain \d+x\d+ w\d s\d$")
 
 # ------------------------------------------------------------------------------------------------------------
 # Occupancy: the rules of the CUDA occupancy calculator, cuda_occupancy.h of CUDA 13.0
@@ -903,6 +906,17 @@ _ATTNX = {"attention_forward_mma": ("mma", [{"0": "plain", "1": "bits", "2": "ge
           "attention_backward_mma_keys": ("bwd keys", [{"0": "plain", "1": "bits", "2": "general"}])}
 
 
+def mma_shape(code: int) -> tuple:
+    """(row groups, warps, keys, stages) of a forward tile shape's code (attention_plan.h, mma_shape_code)."""
+    return code // 1000, code // 100 % 10, code // 10 % 10 * 64, code % 10
+
+
+def mma_default_shape(element: int, bucket: int, plain: bool) -> int:
+    """attention_plan.h's mma_default_shape: 4 warps, 64 keys, 2 stages, two row groups for the plain 16-bit
+    kernels up to bucket 64."""
+    return (2 if plain and element == 2 and bucket <= 64 else 1) * 1000 + 412
+
+
 def _named(name, value: str) -> str:
     if isinstance(name, dict):  # an enumeration's values by name
         return name.get(value, f"variant={value}")
@@ -963,6 +977,15 @@ def short_name(demangled: str) -> str:
         short, extra = _ATTNX[base]
         words = [short, _DTYPE_NAMES.get(args[0], strip[0]), f"bucket{args[1]}"]
         rest = strip[2:]
+        if base == "attention_forward_mma" and len(rest) == 2 and rest[1].isdigit():
+            # kShape: written as attnx::_cuda_mma_shape names it ("32x128 w4 s3") where not the default
+            element = 4 if words[1] == "fp32" else 2
+            code = int(rest[1])
+            if code == mma_default_shape(element, int(args[1]), rest[0] == "0"):
+                rest = rest[:1]
+            else:
+                groups, warps, keys, stages = mma_shape(code)
+                rest = [rest[0], f"{16 * groups}x{keys} w{warps} s{stages}"]
         words += [_named(n, v) for n, v in zip(extra, rest, strict=False)] + rest[len(extra):]
         return " ".join(words)
     if base == "flash_fwd_kernel" and args:
@@ -997,14 +1020,20 @@ def dynamic_smem(short: str, demangled: str) -> int | None:
         bucket = int(m.group(1))
         tile = 32 if bucket > 64 else 64  # mma_backward_tile
         return (2 * 64 + 4 * tile) * (bucket + 8) * 2 + 8 * tile * 4 + 32
-    m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)", short)
+    m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)(?: (plain|bits|general))?(?: (\d+)x(\d+) w(\d) s(\d))?$",
+                 short)
     if m:
         element = 4 if m.group(1) == "fp32" else 2
         bucket = int(m.group(2))
-        q_rows = (128 if short.endswith(" plain") and element == 2 and bucket <= 64
-                  else 64 if element == 4 and bucket > 64 else 0)
-        mask_tile = 64 * (64 + 8) * 4 if short.endswith(" general") else 0  # kMmaBiasLd floats a row
-        return (2 * 2 * 64 + q_rows) * (bucket + 16 // element) * element + mask_tile
+        plain = m.group(3) == "plain"
+        if m.group(4):  # a shape of the family
+            groups, keys, warps, stages = (int(m.group(4)) // 16, int(m.group(5)), int(m.group(6)),
+                                           int(m.group(7)))
+        else:
+            groups, warps, keys, stages = mma_shape(mma_default_shape(element, bucket, plain))
+        q_rows = 16 * groups * warps if groups > 1 or (element == 4 and bucket > 64) else 0  # mma_q_shared
+        mask_tile = 64 * (64 + 8) * 4 if m.group(3) == "general" else 0  # kMmaBiasLd floats a row
+        return (stages * 2 * keys + q_rows) * (bucket + 16 // element) * element + mask_tile
     m = re.search(r"Flash_fwd_kernel_traits<\s*(\d+),\s*(\d+),\s*(\d+),\s*\d+,\s*(\w+),\s*(\w+)", demangled)
     if m:
         d, bm, bn, share = int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(5) == "true"
@@ -1219,6 +1248,10 @@ def check_row(row: dict) -> list:
             problems.append(f"{where}: {per_hmma} instructions per HMMA on the steady path > {limit} x "
                             f"FlashAttention-2's backward's {anchor['per_hmma']}")
         return problems + body_problems(where, loop["body"], ("brx", "ldg", "imul64"))
+    if FAMILY.match(row["kernel"]):
+        if loop is None or "steady" not in loop["paths"]:
+            return problems + [f"{where}: no tile loop (no loop holds HMMA)"]
+        return problems + body_problems(where, loop["body"], ("brx", "ldg", "imul64", "softcap_branches"))
     m = BUDGETED.match(row["kernel"])
     if not m:
         if NO_BRX.match(row["kernel"]) and loop is not None:
@@ -1384,6 +1417,66 @@ def analyse(paths: list, arch=None, kernel=None, simt=False, tools=None) -> list
     return sorted(rows, key=lambda r: (r["arch"], r["kernel"]))
 
 
+# The forward's tile-shape family (attention_plan.h: kMmaShapes, mma_shape_valid): its plain instantiation in
+# every shape but the defaults, which the prebuilt library does not carry; compiled here by the run-time
+# compiler (attnx._C_nvrtc) from the same sources. fp16 stands for bf16 (the same instructions); float32
+# has one row group a warp and 64-key tiles (mma_shape_valid).
+FAMILY_SHAPES = [g * 1000 + w * 100 + k * 10 + s
+                 for g in (1, 2) for w in (4, 8) for k in (1, 2) for s in (2, 3)]
+
+
+def mma_shape_valid(element: int, bucket: int, code: int) -> bool:
+    """attention_plan.h's mma_shape_valid for the family's codes: two row groups a warp, or 128-key tiles
+    (with one), for the 16-bit types up to bucket 64 only. tests/test_sass.py checks it against the header."""
+    groups, _, keys, _ = mma_shape(code)
+    wide = groups == 2 or keys == 128
+    return not wide or (element == 2 and bucket <= 64 and not (groups == 2 and keys == 128))
+
+
+def family_kernels() -> list:
+    """The name expressions of the family's shapes other than the defaults, fp16 and fp32 at buckets 32, 64
+    and 128."""
+    out = []
+    for scalar, element in (("__half", 2), ("float", 4)):
+        for bucket in (32, 64, 128):
+            default = mma_default_shape(element, bucket, True)
+            for code in FAMILY_SHAPES:
+                if mma_shape_valid(element, bucket, code) and code != default:
+                    out.append(f"attnx::cuda::attention_forward_mma<{scalar}, {bucket}, 0, {code}>")
+    return out
+
+
+def family_rows(archs, tools) -> list:
+    """Rows of family_kernels() compiled by attnx._C_nvrtc for each arch (80, 90); [] without it."""
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    from attnx import _cuda_runtime
+
+    if _cuda_runtime.library() is None or _cuda_runtime.nvrtc_library()[0] is None:
+        return []
+    rows = []
+    saved = os.environ.get("ATTNX_CUDA_CACHE")
+    with tempfile.TemporaryDirectory(prefix="attnx-family-") as work:
+        os.environ["ATTNX_CUDA_CACHE"] = work  # a fresh cache: its entries are the images read here
+        try:
+            _cuda_runtime.configure(reconfigure=True)
+            for arch in archs:
+                for kernel in family_kernels():
+                    key = _cuda_runtime.compile("attention_kernel_mma.cu", kernel, arch)[1]
+                    cubin = os.path.join(work, f"{key}.image")
+                    with open(os.path.join(work, f"{key}.kernel"), "rb") as f:
+                        image = f.read().split(b"\n\n", 1)[1]
+                    with open(cubin, "wb") as f:
+                        f.write(image)
+                    rows += [r for r in analyse([cubin], tools=tools) if r["kernel"].startswith("mma ")]
+        finally:
+            if saved is None:
+                os.environ.pop("ATTNX_CUDA_CACHE", None)
+            else:
+                os.environ["ATTNX_CUDA_CACHE"] = saved
+            _cuda_runtime.configure(reconfigure=True)
+    return sorted(rows, key=lambda r: (r["arch"], r["kernel"]))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*",
@@ -1397,6 +1490,9 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the table (and the budget verdict) to this file")
     p.add_argument("--sources", metavar="REV", help="read the source lines the soft-cap test looks at from "
                    "this git revision (the one the binary was built from) rather than the working tree")
+    p.add_argument("--family", action="store_true", help="add the forward's tile-shape family (every shape "
+                   "of its unmasked instantiation but the defaults), compiled for sm_80 and sm_90 by "
+                   "attnx._C_nvrtc")
     return p.parse_args(argv)
 
 
@@ -1415,6 +1511,13 @@ def main(argv=None) -> int:
         print(f"sass: {', '.join(missing)} not found (the CUDA toolkit's, or triton's beside torch)")
         return 0 if args.report else 2
     rows = analyse(inputs, args.arch, args.kernel, args.simt, tools)
+    if args.family:
+        archs = [int(args.arch[3:])] if args.arch else [80, 90]
+        family = family_rows(archs, tools)
+        if not family:
+            print("sass: --family needs attnx._C_nvrtc and NVRTC beside torch")
+            return 0 if args.report else 2
+        rows = sorted(rows + family, key=lambda r: (r["arch"], r["kernel"]))
     if not rows:
         print("sass: no kernel matched")
         return 0 if args.report else 2

@@ -131,8 +131,9 @@ void run_attention(AttentionProblem& pb, const Target& target, cudaStream_t stre
     const int64_t words[1] = {static_cast<int64_t>(bytes / sizeof(int32_t))};
     workspace = aten::empty(words, torch::headeronly::ScalarType::Int, pb.lse.device());
   }
+  const int shape = kernel == Kernel::kMma ? mma_plan(pb.params, dtype, pb.ptr, target).shape : 0;
   const cudaError_t err = launch_attention(pb.params, dtype, pb.ptr, stream, kernel,
-                                           workspace ? workspace->mutable_data_ptr() : nullptr);
+                                           workspace ? workspace->mutable_data_ptr() : nullptr, shape);
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: CUDA kernel launch failed (B=", pb.params.batch,
               ", H=", pb.params.heads, ", Hkv=", pb.params.kv_heads, ", L=", pb.params.q_len,
               ", S=", pb.params.kv_len, ", D=", pb.params.head_dim, ", Dv=", pb.params.v_head_dim, ", ",
@@ -159,10 +160,14 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   }
   switch (forward_kernel(pb.call, dtype, target)) {
     case Kernel::kMma:
-      // the instantiation: plain (no suffix), " bits" (bool masks or none) or " general" (a float mask)
-      switch (plan_attention_mma(p, dtype, pb.call.ptr).variant) {
+      // the instantiation: plain (no suffix, or its shape where not the default), " bits" (bool masks or
+      // none) or " general" (a float mask)
+      switch (const AttentionMmaPlan plan = mma_plan(p, dtype, pb.call.ptr, target); plan.variant) {
         case kMmaPlain:
           pb.kernel = "cuda mma " + bucket;
+          if (plan.shape != mma_default_shape(mma_element_bytes(dtype), plan.bucket, true)) {
+            pb.kernel += " " + mma_shape_name(plan.shape);
+          }
           break;
         case kMmaBits:
           pb.kernel = "cuda mma " + bucket + " bits";
@@ -208,6 +213,24 @@ bool cuda_torch_flash(std::optional<bool> on) {
   return cuda::torch_flash_enabled() && !cuda::torch_flash_refused();
 }
 
+// attnx::_cuda_mma_shape: sets (`shape`: a name of mma_shape_name's, or "" for the default) and returns the
+// tile shape the tensor-core forward's plain instantiation runs in where the call's dtype and bucket have it
+// (the kernel choice names the shape that runs). The family's other shapes are in the run-time compiled
+// library alone (kMmaFamily).
+std::string cuda_mma_shape(std::optional<std::string> shape) {
+  if (shape) {
+    const int code = shape->empty() ? 0 : cuda::mma_shape_parse(*shape);
+    ATTNX_CHECK(code >= 0, "attnx::_cuda_mma_shape: expected \"\" or a shape like \"32x64 w4 s2\" (rows a "
+                "warp 16 or 32, keys a tile 64 or 128, 4 or 8 warps, 2 or 3 stages), got \"", *shape, "\"");
+    ATTNX_CHECK(code == 0 || cuda::kMmaFamily, "attnx::_cuda_mma_shape: this process's CUDA kernels are the "
+                "prebuilt ones, which have each dtype and head dim's default shape alone; the others run on "
+                "the kernels compiled at run time (ATTNX_CUDA_RUNTIME_COMPILE=1)");
+    cuda::mma_shape_selected() = code;
+  }
+  const int code = cuda::mma_shape_selected();
+  return code == 0 ? std::string() : cuda::mma_shape_name(code);
+}
+
 void attention_cuda_impls(StableLibrary& cuda) {
   cuda.impl("_attention", &attention_op<run_attention_cuda>);
   cuda.impl("_attention_autograd", &attention_op<run_attention_cuda>);
@@ -217,6 +240,7 @@ void attention_cuda_impls(StableLibrary& cuda) {
 // Without tensor arguments: the CompositeExplicitAutograd kernel is the one a call reaches.
 void cuda_composite_impls(StableLibrary& composite) {
   composite.impl("_cuda_torch_flash", TORCH_BOX(&cuda_torch_flash));
+  composite.impl("_cuda_mma_shape", TORCH_BOX(&cuda_mma_shape));
 }
 
 }  // namespace attnx

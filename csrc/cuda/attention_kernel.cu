@@ -275,8 +275,8 @@ cudaError_t launch_simt(const AttentionParams& p, const AttentionPointers& ptr, 
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                             cudaStream_t stream, Kernel kernel, void* workspace) {
-  if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, workspace, stream);
+                             cudaStream_t stream, Kernel kernel, void* workspace, int mma_shape) {
+  if (kernel == Kernel::kMma) return launch_attention_mma(p, dtype, ptr, workspace, stream, mma_shape);
   if (kernel != Kernel::kSimt || !params_consistent(p, ptr) || p.has_block_map != 0) {
     return cudaErrorInvalidValue;  // the SIMT kernel reads no block map
   }

@@ -21,9 +21,11 @@ namespace attnx::cuda {
 // or the params are inconsistent (!params_consistent(p, ptr)). The caller checks
 // that an sm80+ device runs kMma.
 // `workspace`: attention_workspace_bytes(p, dtype, ptr, kernel) bytes on the device, 8-byte aligned, or
-// nullptr when that is 0 (the launch is refused without one where it is not).
+// nullptr when that is 0 (the launch is refused without one where it is not). `mma_shape`: kMma's plain
+// instantiation's shape (plan_attention_mma's `shape`; mma_plan's for a Target).
 cudaError_t launch_attention(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                             cudaStream_t stream, Kernel kernel = Kernel::kSimt, void* workspace = nullptr);
+                             cudaStream_t stream, Kernel kernel = Kernel::kSimt, void* workspace = nullptr,
+                             int mma_shape = 0);
 
 // The device memory a launch of `kernel` needs besides its operands: the mma kernel's mask tile classes and
 // packed bool masks (AttentionMmaPlan::workspace_bytes); 0 for the others.
@@ -35,7 +37,7 @@ inline size_t attention_workspace_bytes(const AttentionParams& p, DType dtype, c
 
 // The tensor-core launcher (cuda/attention_kernel_mma.cu), called by launch_attention for Kernel::kMma.
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                                 void* workspace, cudaStream_t stream);
+                                 void* workspace, cudaStream_t stream, int shape = 0);
 
 // The masks' tile classes and packed bool masks (MaskTiles): the pre-pass of the tensor-core kernels' general
 // instantiations, forward and backward (cuda/attention_kernel_mma.cu), `blocks` blocks of kWarps warps, a

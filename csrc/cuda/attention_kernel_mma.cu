@@ -29,6 +29,9 @@
 // PARTIAL tile's rows read two words of their block's bits, OR-ed with a bool attn_mask's packed ones (the
 // general instantiation stages them as -inf terms, so that there, as under a float mask's -inf, a removed
 // key whose score is NaN stays NaN).
+// That is the default tile shape; the plain instantiation also runs in the others of a family (MmaShape,
+// cuda/attention_plan.h: 16 or 32 rows a warp, 4 or 8 warps, 64 or 128 keys a tile, 2 or 3 stages), which
+// `make gpu-check` measures.
 // Grouped KV heads index the kv head in place; soft-capping is one fast_tanh per score; sinks join the
 // denominator at the end (softmax_finish); dropout keeps each probability by its Philox draw, as every
 // backend, before P V (apply_dropout).
@@ -135,8 +138,9 @@ constexpr int mma_min_blocks(int element_bytes, int bucket, int variant) {
   return element_bytes == 4 && bucket > kMmaTf32QRegs ? 1 : bucket == 32 && variant != kMmaPlain ? 2 : 0;
 }
 
-template <typename scalar_t, int kBucket, int kVariant>
-__global__ void __launch_bounds__(kWarps* kWarpSize,
+template <typename scalar_t, int kBucket, int kVariant,
+          int kShape = mma_default_shape(static_cast<int>(sizeof(scalar_t)), kBucket, kVariant == kMmaPlain)>
+__global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
                                   mma_min_blocks(static_cast<int>(sizeof(scalar_t)), kBucket, kVariant))
     attention_forward_mma(const AttentionParams p, const AttentionPointers ptr, const AttentionMmaPlan plan,
                           const uint32_t* const mask_tiles) {
@@ -147,20 +151,30 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // kMmaGeneral: a float mask; both masks' terms of a tile that reads them staged by each lane for its own
   // scores (stage_kpm_terms, stage_mask_terms).
   constexpr bool kGeneral = kVariant == kMmaGeneral;
-  constexpr int kThreads = kWarps * kWarpSize;
-  // The warp's m16 row groups (mma_row_groups): each K and V fragment feeds the mma of every group.
-  constexpr int kGroups = mma_row_groups(static_cast<int>(sizeof(scalar_t)), kBucket, kPlain);
+  // The tile shape (MmaShape): the plain instantiation's is any of the family's, the others' the default.
+  constexpr MmaShape kSh = mma_shape_of(kShape);
+  static_assert(mma_shape_valid(static_cast<int>(sizeof(scalar_t)), kBucket, kShape),
+                "a shape of the family");
+  static_assert(kPlain || kShape == mma_default_shape(static_cast<int>(sizeof(scalar_t)), kBucket, false),
+                "the masks' tile classes are those of the default shape");
+  constexpr int kBlockWarps = kSh.warps;
+  constexpr int kKeys = kSh.keys;      // keys a tile
+  constexpr int kStages = kSh.stages;  // tiles staged at once: the copies run kStages - 1 tiles ahead
+  constexpr int kThreads = kBlockWarps * kWarpSize;
+  // The warp's m16 row groups (mma_row_groups by default): each K and V fragment feeds the mma of every
+  // group.
+  constexpr int kGroups = kSh.groups;
   constexpr int kRows = 2 * kGroups;  // query rows of this lane: row R is group R / 2's g (+ 8 for R odd)
   constexpr int kRowsPerWarp = kMmaRowsPerWarp * kGroups;
-  constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
+  constexpr int kRowsPerBlock = kBlockWarps * kRowsPerWarp;
   constexpr int kVec = 16 / static_cast<int>(sizeof(scalar_t));  // elements per 16-byte chunk
   constexpr int kK = kTf32 ? 8 : 16;                             // the mma's k
   constexpr int kKSteps = kBucket / kK;       // k-steps of Q K^T over the (padded) head dim
-  constexpr int kSTiles = kMmaTileKeys / 8;   // n-tiles of 8 keys in a score tile
-  constexpr int kPSteps = kMmaTileKeys / kK;  // k-steps of P V over the tile's keys
+  constexpr int kSTiles = kKeys / 8;          // n-tiles of 8 keys in a score tile
+  constexpr int kPSteps = kKeys / kK;         // k-steps of P V over the tile's keys
   constexpr int kOTiles = kBucket / 8;        // n-tiles of 8 output columns
   constexpr int kLd = mma_tile_ld(kBucket, static_cast<int>(sizeof(scalar_t)));
-  constexpr int kTile = kMmaTileKeys * kLd;  // elements of one staged K or V tile
+  constexpr int kTile = kKeys * kLd;  // elements of one staged K or V tile
   constexpr float kNegInf = -INFINITY;
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two k-steps / two n-tiles");
@@ -171,7 +185,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // where registers are short.
   constexpr bool kQShared = mma_q_shared(static_cast<int>(sizeof(scalar_t)), kBucket, kGroups);
 
-  // Stage s: K at smem + 2 s kTile, V right after; zero past D (Dv) and past the tile's last key.
+  // Stage s: K at smem + 2 s kTile, V right after; zero past D (Dv) and past the tile's last key. Q's rows
+  // (kQShared) and the general instantiation's mask tile follow the kStages stages.
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -236,27 +251,27 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   const int64_t kv_begin = range_key_begin(q0, L, Sb, p.window_left);
   const int64_t kv_end = range_key_end(q0 + rows_in_block - 1, L, Sb, p.window_right, p.is_causal);
   const auto tile_keys = [&](int64_t k0) {
-    return kv_end - k0 < kMmaTileKeys ? static_cast<int>(kv_end - k0) : kMmaTileKeys;
+    return kv_end - k0 < kKeys ? static_cast<int>(kv_end - k0) : kKeys;
   };
   // Where the masks are classified per tile (below), some tile may be skipped, and the loop reads the masks
   // only on tiles whose terms are not all 0.
   const bool masked = !kPlain && (p.key_padding_mask_kind != kMaskNone || p.attn_mask_kind != kMaskNone ||
                                   p.has_block_map != 0);
-  // The tiles start at tile0: kv_begin, or with the masks' tile classes the multiple of kMmaTileKeys at or
+  // The tiles start at tile0: kv_begin, or with the masks' tile classes the multiple of kKeys at or
   // below it, where the classes' tiles start (keys before kv_begin are then tested out like any key outside
   // a row's interval).
-  const int64_t tile0 = masked ? kv_begin / kMmaTileKeys * kMmaTileKeys : kv_begin;
+  const int64_t tile0 = masked ? kv_begin / kKeys * kKeys : kv_begin;
 
-  // Every tile starts at tile0 + kMmaTileKeys n. The interior tiles of this warp, n_lo <= n < n_hi, hold
-  // 64 keys that every one of its rows (all below L) sees: they need no per-element key-range test. Found
+  // Every tile starts at tile0 + kKeys n. The interior tiles of this warp, n_lo <= n < n_hi, hold
+  // kKeys keys that every one of its rows (all below L) sees: they need no per-element key-range test. Found
   // once here, so that a tile's test is one unsigned compare of its 32-bit index (a key range of 2^37 keys
   // is beyond any tensor a GPU holds).
   int n_lo = 0, n_hi = 0;
   if (warp_row0 + kRowsPerWarp <= L) {
     const int64_t in_lo = range_key_begin(warp_row0 + kRowsPerWarp - 1, L, Sb, p.window_left);
     const int64_t in_hi = range_key_end(warp_row0, L, Sb, p.window_right, p.is_causal);
-    n_lo = static_cast<int>((range_max(in_lo - tile0, 0) + kMmaTileKeys - 1) / kMmaTileKeys);
-    n_hi = static_cast<int>(range_max(in_hi - tile0, 0) / kMmaTileKeys);
+    n_lo = static_cast<int>((range_max(in_lo - tile0, 0) + kKeys - 1) / kKeys);
+    n_hi = static_cast<int>(range_max(in_hi - tile0, 0) / kKeys);
     n_hi = n_hi > n_lo ? n_hi : n_lo;
   }
 
@@ -272,7 +287,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // key_padding_mask alone: past the first window every tile reads attn_mask (the classes' reads in the
   // loop cost the loop registers it does not have, and an (L, S) mask over more than 64 Ki keys is rare).
   constexpr int kWindowTiles = kWarpSize * 32;
-  constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kMmaTileKeys;
+  constexpr int64_t kWindowKeys = int64_t{kWindowTiles} * kKeys;
   int64_t window_k0 = tile0;
   uint32_t tiles_seen = 0, tiles_kept = 0;
   // A block map's classes of the tiles of a window from w0 (a tile start: block_k is a multiple of the
@@ -280,14 +295,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // block) and tiles_kept (the warp's query block sees every key of it: FULL). Read from the map itself, a
   // few entries a tile once a window: its classes are what the pre-pass computes for the other masks.
   const auto block_classes = [&](int64_t w0) {
-    const uint32_t tiles_per_block = static_cast<uint32_t>(p.block_k / kMmaTileKeys);
-    const uint32_t first = static_cast<uint32_t>(w0 / kMmaTileKeys) + 32 * static_cast<uint32_t>(lane);
+    const uint32_t tiles_per_block = static_cast<uint32_t>(p.block_k / kKeys);
+    const uint32_t first = static_cast<uint32_t>(w0 / kKeys) + 32 * static_cast<uint32_t>(lane);
     uint32_t seen = 0, kept = 0;
 #pragma unroll 1
-    for (int w = 0; w < 32 && int64_t{first + w} * kMmaTileKeys < kv_end; ++w) {
+    for (int w = 0; w < 32 && int64_t{first + w} * kKeys < kv_end; ++w) {
       const uint32_t kb = (first + w) / tiles_per_block;
 #pragma unroll
-      for (int i = 0; i < kWarps; ++i) {  // warp i's rows' query block (some may repeat)
+      for (int i = 0; i < kBlockWarps; ++i) {  // warp i's rows' query block (some may repeat)
         const int32_t entry = block_map_entry(p, ptr, b, h, block_of_row(p, q0 + i * kMmaRowsPerWarp), kb);
         seen |= static_cast<uint32_t>(entry != kBlockEmpty) << w;
         if (i == warp) kept |= static_cast<uint32_t>(entry == kBlockFull) << w;
@@ -303,8 +318,8 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
     tiles_kept = ~0u;
     if constexpr (decltype(first)::value) {
       // The pre-pass's bits of tiles g0 + 32 lane .. + 31 (tile n: keys 64 n .. + 63) of a bit row: w0 =
-      // tile0 is a multiple of kMmaTileKeys, not always of 32 tiles.
-      const int64_t g0 = w0 / kMmaTileKeys;
+      // tile0 is a multiple of kKeys, not always of 32 tiles.
+      const int64_t g0 = w0 / kKeys;
       const int shift = static_cast<int>(g0 % 32);
       const auto bits = [&](const MaskTiles& mt, int64_t row) {
         const int64_t word = g0 / 32 + lane;
@@ -322,7 +337,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         const int64_t rows = mask_tile_row(mt, bm, hm, per_row ? q0 / kMmaRowsPerWarp : 0);
         uint32_t seen = 0;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) seen |= bits(mt, rows + w * step);
+        for (int w = 0; w < kBlockWarps; ++w) seen |= bits(mt, rows + w * step);
         tiles_seen = seen;
         tiles_kept = bits(mt, rows + warp * step + mt.words);
       }
@@ -352,7 +367,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
                                        kpm_base + key * p.key_padding_mask_stride[1]);
             }
           }
-          const int tile = static_cast<int>(c - w0) / kMmaTileKeys;
+          const int tile = static_cast<int>(c - w0) / kKeys;
           const unsigned seen = __ballot_sync(kFullMask, key < w_end && term != kNegInf);
           const unsigned zero = __ballot_sync(kFullMask, term == 0.0f);
           if (lane == tile / 32) {
@@ -367,7 +382,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   };
   // Whether both masks' terms are all 0 on the warp's rows of the tile at k0, of the window classified last.
   const auto tile_kept = [&](int64_t k0) {
-    const int tile = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
+    const int tile = static_cast<int>(k0 - window_k0) / kKeys;
     return ((__shfl_sync(kFullMask, tiles_kept, tile / 32) >> (tile % 32)) & 1u) != 0;
   };
   // The first tile at or after k0 (a tile start) that the masks do not remove entirely; kv_end when none.
@@ -377,7 +392,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       if (masked) {
         for (; k0 < kv_end; k0 = window_k0 + kWindowKeys) {
           if (k0 >= window_k0 + kWindowKeys) scan_window(k0, std::false_type{});
-          const int first = static_cast<int>(k0 - window_k0) / kMmaTileKeys;
+          const int first = static_cast<int>(k0 - window_k0) / kKeys;
           const uint32_t mine = lane < first / 32    ? 0u
                                 : lane == first / 32 ? tiles_seen & (~0u << (first % 32))
                                                      : tiles_seen;
@@ -385,7 +400,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
           if (lanes != 0) {
             const int owner = __ffs(static_cast<int>(lanes)) - 1;
             const uint32_t word = __shfl_sync(kFullMask, mine, owner);
-            return window_k0 + int64_t{32 * owner + __ffs(static_cast<int>(word)) - 1} * kMmaTileKeys;
+            return window_k0 + int64_t{32 * owner + __ffs(static_cast<int>(word)) - 1} * kKeys;
           }
         }
         return kv_end;
@@ -395,20 +410,22 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   };
   if (masked && kv_begin < kv_end) scan_window(tile0, std::true_type{});
 
-  // Staging with cp.async (plan.vector_loads): the two threads of a row copy its 16-byte chunks alternately,
-  // this one chunks c_first + 2i of row j_copy of both K and V, so that its copies of a tile are at constant
-  // offsets from one source pointer for K and one for V (no address arithmetic per copy), and a tile's
-  // pointers are the last one's plus a constant. A quarter-warp's 8 lanes store one chunk of 8 consecutive
-  // rows (no bank conflict: a staged row is an odd number of chunks long) and a row's two lanes read
-  // adjacent chunks (whole 32-byte sectors). A chunk past D (Dv) is zero-filled and reads nothing.
+  // Staging with cp.async (plan.vector_loads): the kRowThreads threads of a row (1, 2 or 4: the block's
+  // threads over the tile's keys) copy its 16-byte chunks in turn, this one chunks c_first / kVec +
+  // kRowThreads i of row j_copy of both K and V, so that its copies of a tile are at constant offsets from
+  // one source pointer for K and one for V (no address arithmetic per copy), and a tile's pointers are the
+  // last one's plus a constant. A quarter-warp's 8 lanes store one chunk of 8 consecutive rows (no bank
+  // conflict: a staged row is an odd number of chunks long) and a row's lanes read adjacent chunks (whole
+  // 32-byte sectors). A chunk past D (Dv) is zero-filled and reads nothing.
   constexpr int kChunks = kBucket / kVec;  // 16-byte chunks per row
-  constexpr int kRowThreads = 2;
+  constexpr int kRowThreads = kThreads / kKeys;
   constexpr int kCopies = kChunks / kRowThreads;  // chunks of a K (V) row this thread copies
-  static_assert(kThreads == kRowThreads * kMmaTileKeys && kChunks % kRowThreads == 0,
-                "two threads a row stage one tile");
-  const int j_copy = (kWarpSize / kRowThreads) * warp + lane % 8 + 8 * (lane / 16);
-  const int c_first = kVec * ((lane / 8) % 2);  // the first column this thread copies
-  // Columns past D read nothing: copy i is valid where c_first + 2 kVec i < D, i.e. 2 kVec i < k_cols.
+  static_assert(kThreads % kKeys == 0 && kWarpSize % (8 * kRowThreads) == 0 && kChunks % kRowThreads == 0,
+                "the block's threads stage one tile, whole quarter-warps a chunk");
+  const int j_copy = (kWarpSize / kRowThreads) * warp + lane % 8 + 8 * (lane / (8 * kRowThreads));
+  const int c_first = kVec * ((lane / 8) % kRowThreads);  // the first column this thread copies
+  // Columns past D read nothing: copy i is valid where c_first + kRowThreads kVec i < D, i.e.
+  // kRowThreads kVec i < k_cols.
   const int k_cols = D - c_first, v_cols = Dv - c_first;
   const int64_t k_key = p.k_stride[2], v_key = p.v_stride[2];
   const scalar_t* const k_chunk0 = k + j_copy * k_key + c_first;  // key 0's first chunk
@@ -434,7 +451,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         cp_async_16(v_s + dst + col, v_src + col, row_valid && col < v_cols);
       }
     } else if constexpr (!kPlain) {
-      for (int j = warp; j < kMmaTileKeys; j += kWarps) {
+      for (int j = warp; j < kKeys; j += kBlockWarps) {
         const bool valid = j < nk;
         const scalar_t* ksrc = k + (k0 + j) * p.k_stride[2];
         const scalar_t* vsrc = v + (k0 + j) * p.v_stride[2];
@@ -449,9 +466,9 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // k_src and v_src for the tile at k1, the tile after the one at k0: a constant step when it is the next
   // one (always, but where key_padding_mask skips tiles).
   const auto advance_src = [&](int64_t k0, int64_t k1) {
-    if (kPlain || k1 == k0 + kMmaTileKeys) {
-      k_src += kMmaTileKeys * k_key;
-      v_src += kMmaTileKeys * v_key;
+    if (kPlain || k1 == k0 + kKeys) {
+      k_src += kKeys * k_key;
+      v_src += kKeys * v_key;
     } else {
       k_src = k_chunk0 + k1 * k_key;
       v_src = v_chunk0 + k1 * v_key;
@@ -459,7 +476,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   };
 
   int64_t k0 = kv_begin < kv_end ? next_tile(tile0) : kv_end;
-  int n_tile = static_cast<int>((k0 - tile0) / kMmaTileKeys);  // k0 = tile0 + kMmaTileKeys n_tile
+  int n_tile = static_cast<int>((k0 - tile0) / kKeys);  // k0 = tile0 + kKeys n_tile
   if (k0 < kv_end) {
     k_src = k_chunk0 + k0 * k_key;
     v_src = v_chunk0 + k0 * v_key;
@@ -471,10 +488,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   // in qa and its small part in qs. Loaded while the first tile's copies are in flight.
   uint32_t qa[kQShared ? 1 : kGroups][kQShared ? 1 : kKSteps][4];
   uint32_t qs[kTf32 && !kQShared ? kKSteps : 1][4];
-  scalar_t* const q_s = smem + 4 * kTile + warp * kRowsPerWarp * kLd;  // this warp's rows (kQShared)
+  scalar_t* const q_s =
+      smem + 2 * kStages * kTile + warp * kRowsPerWarp * kLd;  // this warp's rows (kQShared)
   // kGeneral: this warp's rows of the mask tile, after the stages and Q's rows.
   [[maybe_unused]] float* const mask_s =
-      reinterpret_cast<float*>(smem + 4 * kTile + (kQShared ? kRowsPerBlock * kLd : 0)) +
+      reinterpret_cast<float*>(smem + 2 * kStages * kTile + (kQShared ? kRowsPerBlock * kLd : 0)) +
       warp * kRowsPerWarp * kMmaBiasLd;
   if constexpr (kQShared) {
     if (plan.q_vector) {
@@ -494,6 +512,21 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
         q_s[rr * kLd + col] = qrow < L && col < D ? q[qrow * p.q_stride[2] + col * p.q_stride[3]] : zero;
       }
       __syncwarp();  // ldmatrix reads rows other lanes wrote
+    }
+  }
+  // With more stages, the tiles after the first up to kStages - 2 are in flight before the loop too, a group
+  // each (empty past the last tile: the loop's waits count groups). The plain instantiation alone has more
+  // than 2: its tiles follow one another.
+  static_assert(kStages == 2 || kPlain, "tiles a constant step apart");
+#pragma unroll
+  for (int i = 1; i + 1 < kStages; ++i) {
+    const int64_t k1 = k0 + i * kKeys;
+    if (k1 < kv_end) {
+      k_src += kKeys * k_key;
+      v_src += kKeys * v_key;
+      stage_tile(i, k1, tile_keys(k1));
+    } else {
+      cp_async_commit();
     }
   }
   if constexpr (!kQShared) {
@@ -542,7 +575,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
   const int k_lane = (lane % 8) * kLd + kVec * (lane / 8);
   const int v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kLd + 8 * (lane / 16);
 
-  for (int stage = 0; k0 < kv_end; stage ^= 1) {
+  for (int stage = 0; k0 < kv_end; stage = kStages == 2 ? stage ^ 1 : stage + 1 == kStages ? 0 : stage + 1) {
     const int nk = tile_keys(k0);
     // Before next_tile, which may classify the next window.
     bool masks_read = false;
@@ -558,14 +591,28 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
                                       static_cast<uint32_t>(k0) / static_cast<uint32_t>(p.block_k));
       }
     }
-    const int64_t k_next = next_tile(k0 + kMmaTileKeys);
-    if (k_next < kv_end) {
-      // The other stage was last read in the previous iteration, which ended with a barrier.
-      advance_src(k0, k_next);
-      stage_tile(stage ^ 1, k_next, tile_keys(k_next));
-      cp_async_wait<1>();
+    const int64_t k_next = next_tile(k0 + kKeys);
+    if constexpr (kStages == 2) {
+      if (k_next < kv_end) {
+        // The other stage was last read in the previous iteration, which ended with a barrier.
+        advance_src(k0, k_next);
+        stage_tile(stage ^ 1, k_next, tile_keys(k_next));
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
     } else {
-      cp_async_wait<0>();
+      // The tile kStages - 1 ahead, into the stage the previous iteration read (it ended with a barrier);
+      // then this tile's group is complete when at most kStages - 1 are pending.
+      const int64_t k_fetch = k0 + (kStages - 1) * kKeys;
+      if (k_fetch < kv_end) {
+        k_src += kKeys * k_key;
+        v_src += kKeys * v_key;
+        stage_tile(stage == 0 ? kStages - 1 : stage - 1, k_fetch, tile_keys(k_fetch));
+      } else {
+        cp_async_commit();
+      }
+      cp_async_wait<kStages - 1>();
     }
     __syncthreads();  // this tile is in shared memory for the whole block
     const scalar_t* const k_s = smem + 2 * stage * kTile;
@@ -744,7 +791,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
           // The row's keys in this tile, [lo, hi) in tile coordinates (32-bit: the per-element tests are
           // against the unrolled constants jj). Rows past L, and rows whose key interval misses the tile,
           // read no mask.
-          int lo = 0, hi = kMmaTileKeys;
+          int lo = 0, hi = kKeys;
           bool row_reads = true;
           if constexpr (decltype(ranged)::value) {
             const int64_t key_lo = range_key_begin(row(r), L, Sb, p.window_left);
@@ -959,8 +1006,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize,
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
-    n_tile = kPlain || k_next == k0 + kMmaTileKeys ? n_tile + 1
-                                                   : static_cast<int>((k_next - tile0) / kMmaTileKeys);
+    n_tile = kPlain || k_next == k0 + kKeys ? n_tile + 1 : static_cast<int>((k_next - tile0) / kKeys);
     k0 = k_next;
   }
 
@@ -1094,17 +1140,47 @@ __global__ void __launch_bounds__(kWarps* kWarpSize)
 #endif  // ATTNX_CUDA_DEVICE_CODE
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
+// f(std::integral_constant<int, S>{}) for the shape S of the plain instantiation (kMmaShapes) that equals
+// `shape`, among those this build has for the element size and bucket (mma_shape_built);
+// cudaErrorInvalidValue for another.
+template <int kBytes, int kBucket, typename F, size_t... I>
+cudaError_t dispatch_shape(int shape, F&& f, std::index_sequence<I...>) {
+  cudaError_t err = cudaErrorInvalidValue;
+  const auto one = [&](auto s) {
+    if constexpr (mma_shape_built(kBytes, kBucket, decltype(s)::value)) {
+      if (shape == decltype(s)::value) {
+        err = f(s);
+        return true;
+      }
+    }
+    return false;
+  };
+  (void)(one(std::integral_constant<int, kMmaShapes[I]>{}) || ...);
+  return err;
+}
+
 template <typename scalar_t>
 cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, const AttentionMmaPlan& plan,
                        uint32_t* mask_tiles, cudaStream_t stream) {
   const auto launch = [&](auto bucket) {
     constexpr int kBucket = decltype(bucket)::value;
-    return launch_plan(
-        plan.variant == kMmaPlain  ? ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaPlain)
-        : plan.variant == kMmaBits ? ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaBits)
-                                   : ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaGeneral),
-        plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan,
-        static_cast<const uint32_t*>(mask_tiles));
+    const auto run = [&](auto&& kernel) {
+      return launch_plan(kernel, plan.blocks, plan.threads, plan.smem_bytes, stream, p, ptr, plan,
+                         static_cast<const uint32_t*>(mask_tiles));
+    };
+    if (plan.variant == kMmaBits)
+      return run(ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaBits));
+    if (plan.variant != kMmaPlain) {
+      return run(ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaGeneral));
+    }
+    constexpr int kBytes = static_cast<int>(sizeof(scalar_t));
+    return dispatch_shape<kBytes, kBucket>(
+        plan.shape,
+        [&](auto shape) {
+          constexpr int kShape = decltype(shape)::value;
+          return run(ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaPlain, kShape));
+        },
+        std::make_index_sequence<sizeof(kMmaShapes) / sizeof(kMmaShapes[0])>{});
   };
   return dispatch_bucket<32, 64, 128>(plan.bucket, launch);  // kMmaMaxHeadDim and kMmaMaxHeadDimTf32
 }
@@ -1121,11 +1197,11 @@ cudaError_t launch_mask_tiles(const AttentionParams& p, const AttentionPointers&
 }
 
 cudaError_t launch_attention_mma(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
-                                 void* workspace, cudaStream_t stream) {
+                                 void* workspace, cudaStream_t stream, int shape) {
   if (!mma_supports(p, dtype) || !params_consistent(p, ptr) || !mma_block_map_fits(p)) {
     return cudaErrorInvalidValue;
   }
-  const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr);
+  const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr, shape);
   if (plan.blocks == 0) return cudaSuccess;
   if (plan.blocks > kMaxBlocks || plan.mask_blocks > kMaxBlocks) return cudaErrorInvalidConfiguration;
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;

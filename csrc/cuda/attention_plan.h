@@ -207,6 +207,65 @@ constexpr int mma_row_groups(int element_bytes, int bucket, bool plain) {
   return plain && element_bytes == 2 && bucket <= 64 ? 2 : 1;
 }
 
+// The tile shape of the mma kernel's plain instantiation, a family of template parameters (FlashAttention-2's
+// kernel traits): m16 row groups a warp (1 or 2: 16 or 32 query rows), warps a block (4 or 8), keys a tile
+// (64 or 128) and cp.async pipeline stages (2 or 3). The masked instantiations take the default shape alone:
+// their tile classes, packed bits and mask tile are those of 16-row x 64-key tiles, 4 warps a block.
+struct MmaShape {
+  int groups, warps, keys, stages;
+};
+
+// A shape as one integer (the kernel's template argument, as its SASS names it): groups, warps, keys / 64
+// and stages as decimal digits, e.g. 2412 for 32 rows a warp, 4 warps, 64 keys, 2 stages.
+constexpr int mma_shape_code(MmaShape s) {
+  return s.groups * 1000 + s.warps * 100 + s.keys / 64 * 10 + s.stages;
+}
+constexpr MmaShape mma_shape_of(int code) {
+  return MmaShape{code / 1000, code / 100 % 10, code / 10 % 10 * 64, code % 10};
+}
+
+// The default shape: 4 warps, 64 keys, 2 stages, and mma_row_groups' rows a warp.
+constexpr int mma_default_shape(int element_bytes, int bucket, bool plain) {
+  return mma_shape_code(
+      MmaShape{mma_row_groups(element_bytes, bucket, plain), kWarps, kMmaTileKeys, kMmaStages});
+}
+
+// The shapes of the family (mma_shape_code), each dimension's values crossed; mma_shape_valid says which an
+// (element size, bucket) has.
+constexpr int kMmaShapes[] = {1412, 1413, 1422, 1423, 1812, 1813, 1822, 1823,
+                              2412, 2413, 2422, 2423, 2812, 2813, 2822, 2823};
+
+// Whether the plain instantiation has shape `code` for an element size and bucket: the shapes ptxas compiles
+// within 255 registers without spilling (tools/sass.py --family; tests/test_sass.py). Two row groups a warp
+// for the 16-bit types up to bucket 64 only (float32's split Q and bucket 128's O leave no registers for a
+// second group's S), and 128-key tiles for one row group of a 16-bit type up to bucket 64 only (their S takes
+// 64 registers a row group: 32 x 128 spills 52-84 local accesses, as FlashAttention-2's kernel with that warp
+// tile does at head dim 64).
+constexpr bool mma_shape_valid(int element_bytes, int bucket, int code) {
+  const MmaShape s = mma_shape_of(code);
+  if (s.groups != 1 && s.groups != 2) return false;
+  if (s.warps != 4 && s.warps != 8) return false;
+  if (s.keys != 64 && s.keys != 128) return false;
+  if (s.stages != 2 && s.stages != 3) return false;
+  if (s.groups == 2 && (element_bytes != 2 || bucket > 64)) return false;
+  return s.keys == 64 || (s.groups == 1 && element_bytes == 2 && bucket <= 64);
+}
+
+// Whether this build's launcher has the family's other shapes: the run-time compiled library, which compiles
+// the shapes it launches, and the CPU emulation (every shape tested); the prebuilt library carries each
+// element size and bucket's default alone (its build time is every user's), and takes no other.
+#if defined(ATTNX_CUDA_HOST_ONLY) || defined(ATTNX_CUDA_EMULATION)
+constexpr bool kMmaFamily = true;
+#else
+constexpr bool kMmaFamily = false;
+#endif
+
+// Whether the plain instantiation of this build has shape `code` for an element size and bucket.
+constexpr bool mma_shape_built(int element_bytes, int bucket, int code) {
+  return mma_shape_valid(element_bytes, bucket, code) &&
+         (kMmaFamily || code == mma_default_shape(element_bytes, bucket, true));
+}
+
 // Whether the mma kernel stages Q in shared memory (after the K and V stages) and reads its fragments from
 // there a k-step at a time, as FlashAttention-2 does where registers are short: with two row groups a warp
 // (the 16-bit plain kernels up to bucket 64), and for float32 above kMmaTf32QRegs (Q's big and small parts
@@ -289,8 +348,9 @@ struct AttentionMmaPlan {
   int bucket;  // head-dim bucket (32, 64 or 128); 0 when mma_supports() is false
   bool plain;  // mma_plain() and vector_loads: the kernel's instantiation without masks and soft-cap
   int variant;  // MmaVariant: kMmaPlain where `plain`
+  int shape;    // mma_shape_code of the kernel's MmaShape: the default's but where a plain call asked another
   int threads;
-  int rows_per_block;  // kWarps * kMmaRowsPerWarp * mma_row_groups()
+  int rows_per_block;  // warps * kMmaRowsPerWarp * row groups
   int64_t q_blocks;    // ceil(L / rows_per_block)
   int64_t bh;
   int64_t blocks;     // grid.x
@@ -305,10 +365,11 @@ struct AttentionMmaPlan {
   size_t workspace_bytes;  // the masks' bit rows, which the caller allocates (0: no workspace)
 };
 
+// `shape`: the plain instantiation's MmaShape (mma_shape_code) where the build has it (mma_shape_built), 0 or
+// any other for the default.
 inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype,
-                                           const AttentionPointers& ptr) {
+                                           const AttentionPointers& ptr, int shape = 0) {
   AttentionMmaPlan plan{};
-  plan.threads = kWarps * kWarpSize;
   plan.bh = p.batch * p.heads;
   const int element_bytes = mma_element_bytes(dtype);
   const bool supported = mma_supports(p, dtype);
@@ -323,15 +384,19 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
                    : bits(p.attn_mask_kind) && bits(p.key_padding_mask_kind) ? kMmaBits
                                                                                  : kMmaGeneral;
   }
-  plan.rows_per_block = kMmaRowsPerBlock * mma_row_groups(element_bytes, plan.bucket, plan.plain);
+  plan.shape = plan.plain && mma_shape_built(element_bytes, plan.bucket, shape)
+                   ? shape
+                   : mma_default_shape(element_bytes, plan.bucket, plan.plain);
+  const MmaShape sh = mma_shape_of(plan.shape);
+  plan.threads = sh.warps * kWarpSize;
+  plan.rows_per_block = sh.warps * kMmaRowsPerWarp * sh.groups;
   plan.q_blocks = (p.q_len + plan.rows_per_block - 1) / plan.rows_per_block;
   plan.blocks = plan.q_blocks * plan.bh;
   if (!supported) return plan;
-  // kMmaStages * (K tile + V tile), and Q's rows where the kernel stages them (mma_q_shared: its kQShared)
+  // stages * (K tile + V tile), and Q's rows where the kernel stages them (mma_q_shared: its kQShared)
   const int ld = mma_tile_ld(plan.bucket, element_bytes);
-  const int groups = plan.rows_per_block / kMmaRowsPerBlock;
-  const int q_rows = mma_q_shared(element_bytes, plan.bucket, groups) ? plan.rows_per_block : 0;
-  plan.smem_bytes = static_cast<size_t>(kMmaStages * 2 * kMmaTileKeys * ld + q_rows * ld) * element_bytes;
+  const int q_rows = mma_q_shared(element_bytes, plan.bucket, sh.groups) ? plan.rows_per_block : 0;
+  plan.smem_bytes = static_cast<size_t>(sh.stages * 2 * sh.keys * ld + q_rows * ld) * element_bytes;
   if (plan.variant == kMmaGeneral) {  // its mask tile, after the stages and Q's rows
     plan.smem_bytes += static_cast<size_t>(plan.rows_per_block) * kMmaBiasLd * sizeof(float);
   }
@@ -363,7 +428,18 @@ struct Target {
   bool fused_backward;
   bool torch_flash;  // torch's flash kernel may take the calls it computes as attnx does (see below)
   int64_t max_smem;  // the shared memory a block may opt into, bytes (227 KiB on sm_90, 99 KiB on sm_89)
+  int mma_shape = 0;  // the plain mma instantiation's MmaShape asked for (attnx::_cuda_mma_shape); 0: default
 };
+
+// The mma kernel's plan for a call on `target`: the plain instantiation in the shape the process asked for
+// where the build has it and the device has the shared memory its block takes, the default otherwise.
+inline AttentionMmaPlan mma_plan(const AttentionParams& p, DType dtype, const AttentionPointers& ptr,
+                                 const Target& target) {
+  const AttentionMmaPlan plan = plan_attention_mma(p, dtype, ptr, target.mma_shape);
+  return target.mma_shape == 0 || static_cast<int64_t>(plan.smem_bytes) <= target.max_smem
+             ? plan
+             : plan_attention_mma(p, dtype, ptr);
+}
 
 enum class Kernel {
   kSimt,        // cuda/attention_kernel.cu: every dtype, head dims up to kMaxHeadDim
@@ -419,7 +495,7 @@ inline Kernel choose_kernel(const AttentionParams& p, DType dtype, const Attenti
   }
   if (head_dim_bucket(p.head_dim, p.v_head_dim) == 0) return Kernel::kComposite;
   if (target.mma && target.capability >= 80 && mma_supports(p, dtype) &&
-      static_cast<int64_t>(plan_attention_mma(p, dtype, ptr).smem_bytes) <= target.max_smem) {
+      static_cast<int64_t>(mma_plan(p, dtype, ptr, target).smem_bytes) <= target.max_smem) {
     return Kernel::kMma;
   }
   return Kernel::kSimt;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "common/stable.h"
 #include "cuda/attention_plan.h"
@@ -64,6 +65,29 @@ inline std::atomic<bool>& torch_flash_refused() {
   return refused;
 }
 
+// A tile shape's name, as attnx::_cuda_mma_shape takes it and the kernel choice prints it: "32x64 w4 s2" for
+// 32 query rows a warp, 64 keys a tile, 4 warps, 2 stages.
+inline std::string mma_shape_name(int code) {
+  const MmaShape s = mma_shape_of(code);
+  return std::to_string(s.groups * kMmaRowsPerWarp) + "x" + std::to_string(s.keys) + " w" +
+         std::to_string(s.warps) + " s" + std::to_string(s.stages);
+}
+
+// The shape (mma_shape_code) a name of mma_shape_name's names, -1 where it names none of the family.
+inline int mma_shape_parse(const std::string& name) {
+  for (const int code : kMmaShapes) {
+    if (mma_shape_name(code) == name) return code;
+  }
+  return -1;
+}
+
+// The plain mma instantiation's shape the process asked for (mma_shape_code; 0: the default), which
+// attnx::_cuda_mma_shape sets: gpu-check's sweep times the family with it.
+inline std::atomic<int>& mma_shape_selected() {
+  static std::atomic<int> shape{0};
+  return shape;
+}
+
 // The Target of `device` (cuda/attention_plan.h): its compute capability and the shared memory a block may
 // opt into; the process's ATTNX_CUDA_MMA (any value but 0 leaves the tensor cores on) and
 // ATTNX_CUDA_FUSED_BACKWARD (1 turns the fused backward on), read once per process; and whether torch's flash
@@ -86,7 +110,7 @@ inline Target target(int32_t device) {
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention: cannot read the compute capability of device ", device,
               ": ", cudaGetErrorString(err));
   const bool torch_flash = torch_flash_enabled() && !torch_flash_refused();
-  return Target{major * 10 + minor, mma, fused_backward, torch_flash, smem};
+  return Target{major * 10 + minor, mma, fused_backward, torch_flash, smem, mma_shape_selected()};
 }
 
 }  // namespace attnx::cuda

@@ -7,10 +7,12 @@
 #include <torch/csrc/stable/library.h>
 
 #include <cstdint>
+#include <string>
 
 #include "backend.h"
 #include "common/attention.h"
 #include "cuda/attention.h"
+#include "cuda/device.h"
 
 namespace {
 
@@ -38,7 +40,7 @@ void attention_kernel(AttentionKernelProblem& pb) {
 
 // attnx_emu_cuda::enable: the emulated CUDA backend on (for a device of compute `capability`, with the
 // process's ATTNX_CUDA_MMA, ATTNX_CUDA_FUSED_BACKWARD and ATTNX_CUDA_TORCH_FLASH as `mma`, `fused_backward`
-// and `torch_flash`) or off.
+// and `torch_flash`, and attnx::_cuda_mma_shape's `mma_shape`) or off.
 // The shared memory a block of a device of `capability` may opt into (the CUDA programming guide's table).
 int64_t max_smem(int64_t capability) {
   if (capability >= 90 && capability != 120) return 227 * 1024;
@@ -47,8 +49,13 @@ int64_t max_smem(int64_t capability) {
   return 64 * 1024;
 }
 
-bool enable(bool on, int64_t capability, bool mma, bool fused_backward, bool torch_flash) {
-  if (on) target = {static_cast<int>(capability), mma, fused_backward, torch_flash, max_smem(capability)};
+bool enable(bool on, int64_t capability, bool mma, bool fused_backward, bool torch_flash,
+            std::string mma_shape) {
+  if (on) {
+    const int shape = mma_shape.empty() ? 0 : attnx::cuda::mma_shape_parse(mma_shape);
+    ATTNX_CHECK(shape >= 0, "attnx_emu_cuda::enable: no tile shape \"", mma_shape, "\"");
+    target = {static_cast<int>(capability), mma, fused_backward, torch_flash, max_smem(capability), shape};
+  }
   return attnx_emu::override_cpu_kernels(library, on, [](attnx_emu::Library& m) {
     m.impl("_attention", &attnx::attention_op<run_attention>);
     m.impl("_attention_autograd", &attnx::attention_op<run_attention>);
@@ -60,8 +67,9 @@ bool enable(bool on, int64_t capability, bool mma, bool fused_backward, bool tor
 }  // namespace
 
 STABLE_TORCH_LIBRARY(attnx_emu_cuda, m) {
-  m.def("enable(bool on, int capability=90, bool mma=True, bool fused_backward=True, bool torch_flash=False) "
-        "-> bool");
+  m.def(
+      "enable(bool on, int capability=90, bool mma=True, bool fused_backward=True, bool torch_flash=False, "
+      "str mma_shape=\"\") -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(attnx_emu_cuda, CompositeExplicitAutograd, m) {
