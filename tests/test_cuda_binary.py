@@ -27,8 +27,10 @@ SIMT = {("simt", dtype, bucket) for dtype in ("fp32", "fp64", "fp16", "bf16")
 MMA = {("mma", dtype, bucket) for dtype in ("fp16", "bf16", "fp32") for bucket in (32, 64, 128)}
 BACKWARD = {(kind, dtype, bucket) for kind in ("backward_keys", "backward_queries")
             for dtype in ("fp32", "fp64", "fp16", "bf16") for bucket in (32, 64, 128, 256)}
+# float32's (3xTF32) up to bucket 64 (kMmaBackwardMaxHeadDimTf32)
 BACKWARD_MMA = {(kind, dtype, bucket) for kind in ("backward_mma_keys", "backward_mma_queries")
-                for dtype in ("fp16", "bf16") for bucket in (32, 64, 128)}
+                for dtype in ("fp16", "bf16", "fp32") for bucket in (32, 64, 128)
+                if dtype != "fp32" or bucket <= 64}
 
 
 def _cuda_library():

@@ -186,6 +186,25 @@ def test_the_backward_choice_fits_the_device(capability, kernel):
         assert torch.ops.attnx._attention_kernel(q, k, v, backward=True) == kernel
 
 
+# float32's tensor-core backward (3xTF32) is its plain instantiation up to bucket 64: calls with a mask, a
+# soft-cap or dropout, or larger head dims, take the SIMT backward (mma_backward_supports).
+@pytest.mark.parametrize("D,options,kernel", [
+    (64, {}, "cuda fused mma fp32 bucket 64"),
+    (24, {"is_causal": True}, "cuda fused mma fp32 bucket 32"),
+    (128, {}, "cuda fused simt fp32 bucket 128"),
+    (64, {"attn_mask": torch.ones(20, 30, dtype=torch.bool)}, "cuda fused simt fp32 bucket 64"),
+    (64, {"softcap": 30.0}, "cuda fused simt fp32 bucket 64"),
+    (64, {"dropout_p": 0.1, "dropout_seed": torch.tensor([1, 2])}, "cuda fused simt fp32 bucket 64"),
+])
+def test_the_float32_backward_on_tensor_cores_is_the_unmasked_one(D, options, kernel):
+    from attention_helpers import make_qkv
+
+    backends = _emulated_cuda()
+    q, k, v = make_qkv(1, 2, 20, 30, D, D)
+    with backends.enabled("cuda-emu"):
+        assert torch.ops.attnx._attention_kernel(q, k, v, backward=True, **options) == kernel
+
+
 # The tensor-core forward's tile-shape family (cuda/attention_plan.h, MmaShape): the unmasked instantiation in
 # every shape the emulation builds (all of them, as the run-time compiled library does), chosen by the shape
 # asked for (attnx::_cuda_mma_shape; here the emulated device's), checked against the reference. L and S

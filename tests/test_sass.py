@@ -364,7 +364,9 @@ int main() {
         std::printf("shape %d %d %d %d\\n", element, bucket, code, mma_shape_valid(element, bucket, code));
   // the tensor-core backward's blocks, without attn_mask's gradient (both passes)
   for (int bucket = 32; bucket <= 128; bucket *= 2)
-    std::printf("bwd %d %lld\\n", bucket, static_cast<long long>(mma_backward_smem_bytes(bucket, false)));
+    for (int element = 2; element <= 4; element += 2)
+      std::printf("bwd %d %d %lld\\n", element, bucket,
+                  static_cast<long long>(mma_backward_smem_bytes(bucket, element, false)));
 }
 """)
     exe = tmp_path / "plan"
@@ -379,10 +381,11 @@ int main() {
         assert sass.mma_shape_valid(element, bucket, code) == bool(valid), (element, bucket, code)
     backward = [line.split() for line in lines if line.startswith("bwd ")]
     assert len(plans) == 27  # fp16, bf16, fp32 up to bucket 128; each plain, bits and general
-    assert len(backward) == 3
-    for _, bucket, smem in backward:
+    assert len(backward) == 6
+    for _, element, bucket, smem in backward:
+        dtype = "fp32" if element == "4" else "fp16"
         for kind in ("keys", "queries"):
-            assert sass.dynamic_smem(f"bwd {kind} fp16 bucket{bucket} plain", "") == int(smem), bucket
+            assert sass.dynamic_smem(f"bwd {kind} {dtype} bucket{bucket} plain", "") == int(smem), bucket
     assert {variant for _, _, variant, _ in plans} == {"plain", "bits", "general"}
     for dtype, bucket, variant, smem in plans:
         short = f"mma {dtype} bucket{bucket} {variant}"
@@ -417,11 +420,14 @@ def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
     assert found >= {(arch, dtype, f"bucket{b}") for arch in ("sm_80", "sm_90") for dtype in ("fp16", "bf16")
                      for b in (32, 64, 128)} | {
         (arch, "fp32", f"bucket{b}") for arch in ("sm_80", "sm_90") for b in (32, 64, 128)}, found
-    # the backward's passes: the three instantiations, fp16/bf16 up to bucket 128, both archs
+    # the backward's passes: the three instantiations, fp16/bf16 up to bucket 128, float32's plain one up to
+    # bucket 64, both archs
     assert {(r["arch"], r["kernel"]) for r in backward} == {
         (arch, f"bwd {kind} {dtype} bucket{b} {variant}") for arch in ("sm_80", "sm_90")
         for kind in ("keys", "queries") for dtype in ("fp16", "bf16") for b in (32, 64, 128)
-        for variant in ("plain", "bits", "general")}
+        for variant in ("plain", "bits", "general")} | {
+        (arch, f"bwd {kind} fp32 bucket{b} plain") for arch in ("sm_80", "sm_90")
+        for kind in ("keys", "queries") for b in (32, 64)}
     for r in built:
         loop = r["loop"]
         assert loop is not None, f"{r['kernel']}: no loop holds HMMA"
@@ -431,7 +437,9 @@ def test_every_tensor_core_kernel_has_a_tile_loop(sass, built):
         words = r["kernel"].split()
         bucket = int(next(w for w in words if w.startswith("bucket"))[len("bucket"):])
         assert steady.classes.get("HMMA", 0) >= 2 * bucket // 16, r["kernel"]
-        assert steady.classes.get("LDSM", 0) > 0 and steady.classes.get("LDGSTS", 0) > 0, r["kernel"]
+        # operands from shared memory (float32's backward reads them element by element: LDS), by cp.async
+        reads = steady.classes.get("LDSM", 0) + (steady.classes.get("LDS/STS", 0) if "fp32" in words else 0)
+        assert reads > 0 and steady.classes.get("LDGSTS", 0) > 0, r["kernel"]
         assert 2 <= steady.per_hmma() <= 40, (r["kernel"], steady.per_hmma())
         assert steady.instrs <= loop["paths"]["max"].instrs and steady.instrs >= loop["paths"]["min"].instrs
         assert r["registers"] > 0 and r["threads"] % 32 == 0

@@ -5,9 +5,10 @@ and float32, vector and element tile staging, partial tiles, dropout, the tensor
 the tiles it classifies), every feature (both masks, causal,
 grouped KV heads, windows, key_lengths, soft-capping, sinks) and the head-dim > 256 composite; and the fused
 backward (ATTNX_CUDA_FUSED_BACKWARD=1, set here before attnx reads it): the SIMT kernels' every tile size, the
-tensor-core kernels' three instantiations and 64- and 32-row tiles, their mask tile classes, every feature,
-dropout and a float mask's gradient. Each launch is synchronised and printed with the kernel it takes, as the
-library names it (attnx::_attention_kernel); the run fails if the cases no longer reach every kernel.
+tensor-core kernels' three instantiations and 64- and 32-row tiles, float32's 3xTF32 ones, their mask tile
+classes, every feature, dropout and a float mask's gradient. Each launch is synchronised and printed with the
+kernel it takes, as the library names it (attnx::_attention_kernel); the run fails if the cases no longer
+reach every kernel.
 
     python tools/gpu_sanitize_cases.py          # from the repository root, attnx importable
 """
@@ -104,6 +105,12 @@ def backward_cases():
         "attn_mask": to_device(torch.randn(1, 3, 1, 33, generator=GEN).bfloat16(), DEV)}
     yield "backward fp16 D=128 causal, several tiles (plain, 32-row tiles)", qkv(2, 2, 130, 150, 128, 128), {
         "is_causal": True}
+    # float32 on tensor cores (3xTF32): the plain instantiation, 16-byte rows and strided ones
+    yield "backward fp32 D=64 GQA, causal, sinks (3xTF32, 32-row tiles)", gqa(2, 4, 2, 70, 100, 64, 64,
+                                                                            dtype=F32, layout="blhd"), {
+        "is_causal": True, "sinks": to_device(torch.linspace(-1.0, 1.0, 4), DEV)}
+    yield "backward fp32 D=20 strided (3xTF32, element staging)", qkv(2, 2, 70, 90, 20, 20, dtype=F32,
+                                                                          layout="strided_last"), {}
     yield "backward bf16 D=64 GQA, dropout, window (general)", gqa(2, 4, 2, 100, 140, 64, 64, dtype=BF), {
         "dropout_p": 0.2, "dropout_seed": torch.tensor([7, 8]), "window_left": 50, "window_right": 10}
     # the tensor-core backward's tile classes: a causal bool mask and right padding (the bits instantiation:

@@ -1014,12 +1014,12 @@ def dynamic_smem(short: str, demangled: str) -> int | None:
     72 floats); FA2's, per its
     Kernel_traits::kSmemSize (Q tile + 2 x (K or V tile), in 16-bit elements, when Q and K do not share).
     tests/test_sass.py checks the attnx formula against attention_plan.h."""
-    m = re.match(r"bwd (?:keys|queries) (?:fp16|bf16) bucket(\d+)", short)
+    m = re.match(r"bwd (?:keys|queries) (fp16|bf16|fp32) bucket(\d+)", short)
     if m:  # mma_backward_smem_bytes without attn_mask's gradient: own tiles, two stages, lse rows, votes,
         # a block map's or bool attn_mask's bits (two words a row and stage), a float mask's classes (16 B)
-        bucket = int(m.group(1))
-        tile = 32 if bucket > 64 else 64  # mma_backward_tile
-        return (2 * 64 + 4 * tile) * (bucket + 8) * 2 + 8 * tile * 4 + 32
+        element, bucket = 4 if m.group(1) == "fp32" else 2, int(m.group(2))
+        tile = 32 if bucket > 64 or (element == 4 and bucket > 32) else 64  # mma_backward_tile
+        return (2 * 64 + 4 * tile) * (bucket + 16 // element) * element + 8 * tile * 4 + 32
     m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)(?: (plain|bits|general))?(?: (\d+)x(\d+) w(\d) s(\d))?$",
                  short)
     if m:

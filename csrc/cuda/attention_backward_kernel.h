@@ -141,19 +141,22 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
   if (!mma_backward_supports(p, dtype)) return plan;
   const bool mask_grad = ptr.grad_attn_mask != nullptr;
   plan.bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
-  plan.vector = mma_rows_16(ptr.fwd.query, p.q_stride, p.head_dim, 2) &&
-                mma_vector_loads(p, ptr.fwd.key, ptr.fwd.value, 2) &&
-                mma_rows_16(ptr.grad_out, bp.grad_out_stride, p.v_head_dim, 2);
+  const int element = mma_element_bytes(dtype);
+  plan.vector = mma_rows_16(ptr.fwd.query, p.q_stride, p.head_dim, element) &&
+                mma_vector_loads(p, ptr.fwd.key, ptr.fwd.value, element) &&
+                mma_rows_16(ptr.grad_out, bp.grad_out_stride, p.v_head_dim, element);
   const auto bits = [](int32_t kind) { return kind == kMaskNone || kind == kMaskBool; };
-  plan.variant = mma_plain(p) && plan.vector                                  ? kMmaPlain
+  // float32's plain instantiation also stages rows that are not 16-byte vectors (element by element): it has
+  // no other (mma_backward_supports).
+  plan.variant = mma_plain(p) && (plan.vector || dtype == DType::kFloat32) ? kMmaPlain
                  : bits(p.attn_mask_kind) && bits(p.key_padding_mask_kind) ? kMmaBits
-                                                                               : kMmaGeneral;
+                                                                            : kMmaGeneral;
   plan.threads = kWarps * kWarpSize;
   plan.q_tiles = (p.q_len + kMmaTileKeys - 1) / kMmaTileKeys;
   plan.k_tiles = (p.kv_len + kMmaTileKeys - 1) / kMmaTileKeys;
   plan.queries = query_pass_grid(bp, mask_grad, plan.q_tiles);
   plan.key_blocks = p.batch * p.kv_heads * plan.k_tiles;
-  plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket, mask_grad));
+  plan.smem_bytes = static_cast<size_t>(mma_backward_smem_bytes(plan.bucket, element, mask_grad));
   // The masks' words start after the rows' numbers, at a multiple of 64 words: plan_mask_tiles lays packed
   // rows out from an even word, for the forward's 8-byte loads of a tile's two words.
   plan.row_words = p.batch * p.heads * plan.q_tiles * kMmaTileKeys;

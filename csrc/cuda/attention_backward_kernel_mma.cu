@@ -18,7 +18,8 @@
 //            of the rows is computed from them and written to the workspace with lse log2(e). Then over the
 //            key tiles the rows see (attnx/key_range.h), K and V in two stages of cp.async: S = Q K^T and
 //            dP = dO V^T (B fragments by ldmatrix from K's and V's rows), dS, and dQ += dS K (K's B fragments
-//            by ldmatrix.trans). The C fragments of two adjacent n-tiles of dS are the A fragment of one k-step.
+//            by ldmatrix.trans). The C fragments of two adjacent n-tiles of dS are the A fragment of one
+//            k-step.
 //   keys     block = (b, kv head, 64 keys), a warp 16 keys; launched after the query pass, whose numbers of
 //            the rows it reads. K and V are staged once; then over the group's query heads and the query
 //            tiles that see the keys, Q and dO (and the tile's lse and delta) in two stages: the transposed
@@ -52,14 +53,18 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kBwdThreads = kWarps * kWarpSize;
 constexpr int kBwdRows = kMmaTileKeys;  // a block's own rows in both passes: 64 queries, 64 keys
 
-template <int kBucket>
+template <typename scalar_t, int kBucket>
 struct BwdShape {
-  static constexpr int kLd = mma_tile_ld(kBucket, 2);       // a staged row: bucket + one 16-byte unit
+  static constexpr int kBytes = sizeof(scalar_t);
+  static constexpr bool kTf32 = kBytes == 4;                // float32: 3xTF32 on mma.m16n8k8
+  static constexpr int kLd = mma_tile_ld(kBucket, kBytes);  // a staged row: bucket + one 16-byte unit
   static constexpr int kOwn = kBwdRows * kLd;               // elements of one of the block's own tiles
-  static constexpr int kRows = mma_backward_tile(kBucket);  // rows of a staged tile of the other operand
-  static constexpr int kTile = kRows * kLd;                 // its elements
-  static constexpr int kKSteps = kBucket / 16;              // k-steps of S and dP over the head dim
-  static constexpr int kOTiles = kBucket / 8;               // n-tiles of a gradient row
+  static constexpr int kRows =
+      mma_backward_tile(kBucket, kBytes);    // rows of a staged tile of the other operand
+  static constexpr int kTile = kRows * kLd;  // its elements
+  static constexpr int kKSteps =
+      kBucket / 16;  // k-steps of 16 of S and dP over the head dim (float32: pairs of 8)
+  static constexpr int kOTiles = kBucket / 8;  // n-tiles of a gradient row
   static_assert(kKSteps % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 serves two steps");
 };
 
@@ -82,31 +87,33 @@ __device__ __forceinline__ BwdConsts bwd_consts_of(const AttentionParams& p) {
 // run time: mma_rows_16 holds for the operand) by cp.async in the caller's open group, a thread the 16-byte
 // chunks of one column kRowStep rows apart, from one pointer advanced by a constant (no multiply per copy);
 // otherwise element by element (visible after the caller's barrier). A zero-filled row reads nothing, so a
-// tile may end past the tensor's last row. The plain instantiations always have 16-byte rows (kVector):
-// their copies compile without the element-wise path. (Copies at constant offsets from one pointer a row,
+// tile may end past the tensor's last row. The 16-bit plain instantiations always have 16-byte rows
+// (kVector): their copies compile without the element-wise path. (Copies at constant offsets from one pointer a row,
 // as the forward's, took registers that the bucket-128 loops do not have.) The caller passes the thread's
 // first chunk, `at` = first_chunk(src, rs), rather than src: a tile loop carries it from tile to tile by a
 // constant, where the compiler would otherwise recompute its 64-bit product every tile rather than hold it.
 // A zero-filled copy names `base` (any address of the tensor) and reads nothing.
-template <int kBucket>
+template <typename scalar_t, int kBucket>
 struct StageChunks {
-  static constexpr int kVec = 8, kChunks = kBucket / kVec, kRowStep = kBwdThreads / kChunks;
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(scalar_t)), kChunks = kBucket / kVec,
+                       kRowStep = kBwdThreads / kChunks;
 };
-template <int kBucket>
+template <typename scalar_t, int kBucket>
 __device__ __forceinline__ int64_t chunk_offset(int64_t rs) {
-  using C = StageChunks<kBucket>;
+  using C = StageChunks<scalar_t, kBucket>;
   const int tid = static_cast<int>(threadIdx.x);
   return tid / C::kChunks * rs + C::kVec * (tid % C::kChunks);
 }
 template <int kBucket, typename scalar_t>
 __device__ __forceinline__ const scalar_t* first_chunk(const scalar_t* src, int64_t rs) {
-  return src + chunk_offset<kBucket>(rs);
+  return src + chunk_offset<scalar_t, kBucket>(rs);
 }
 template <typename scalar_t, int kBucket, bool kVector, int kRows = kBwdRows>
 __device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* at, const void* base,
                                                int64_t rs, int64_t cs, int64_t valid, int cols, bool vector) {
-  constexpr int kLd = BwdShape<kBucket>::kLd, kVec = StageChunks<kBucket>::kVec;
-  constexpr int kChunks = StageChunks<kBucket>::kChunks, kRowStep = StageChunks<kBucket>::kRowStep;
+  using C = StageChunks<scalar_t, kBucket>;
+  constexpr int kLd = BwdShape<scalar_t, kBucket>::kLd, kVec = C::kVec, kChunks = C::kChunks,
+                kRowStep = C::kRowStep;
   constexpr int kCopies = kRows / kRowStep;
   static_assert(kRows % kRowStep == 0, "whole rounds of copies");
   const int tid = static_cast<int>(threadIdx.x);
@@ -121,7 +128,7 @@ __device__ __forceinline__ void stage_rows_mma(scalar_t* dst, const scalar_t* at
       cp_async_16(dst + r * kLd + c, ok ? static_cast<const void*>(at) : base, ok);
     }
   } else if constexpr (!kVector) {
-    const scalar_t* const src = at - chunk_offset<kBucket>(rs);
+    const scalar_t* const src = at - chunk_offset<scalar_t, kBucket>(rs);
     const scalar_t zero = from_acc<scalar_t>(0.0f);
     for (int e = tid; e < kRows * kBucket; e += kBwdThreads) {
       const int r = e / kBucket, c = e % kBucket;
@@ -145,15 +152,17 @@ __device__ __forceinline__ TileRange tile_range(int lo, int hi, int at) {
 // Z P, dS y' (before the scale) and dS (attn_mask's gradient) of one score of the general instantiation, from
 // x = q.k, dp = dO.v, the row's lse2 = lse log2(e) and delta, the masks' term `bias`, the dropout factor z (1
 // without) and whether the row sees the key at all. Where it does not, all are 0 whatever x is (a NaN of an
-// unseen key included).
+// unseen key included). kTanhf: the soft-cap's tanh by tanhf (float32, as the forward's float32 takes it)
+// rather than fast_tanh.
 struct ScoreGrads {
   float pz, ds, ds_bias;
 };
+template <bool kTanhf>
 __device__ __forceinline__ ScoreGrads general_grads(float x, float dp, float lse2, float delta, float bias,
                                                     float z, bool seen, const BwdConsts& k) {
   float y = x * k.scale, slope = 1.0f;
   if (k.cap.cap > 0.0f) {
-    const float th = fast_tanh(y * k.cap.inv_cap);
+    const float th = kTanhf ? tanhf(y * k.cap.inv_cap) : fast_tanh(y * k.cap.inv_cap);
     y = k.cap.cap * th;
     slope = 1.0f - th * th;
   }
@@ -265,55 +274,120 @@ __device__ __forceinline__ int b_lane(int lane, int ld) {
   return (lane % 8) * ld + 8 * (lane / 8);
 }
 
+// This lane's offsets in a staged tile (row stride ld) for rows_by_rows (`a`: its A fragments, the warp's 16
+// rows included; `b`: its B fragments) and accumulate (`t`: its B fragments). 16-bit types: the ldmatrix
+// addresses above. float32: element by element, A's and B's at row g, column t of an 8-column k-step,
+// accumulate's B at rows 2 t, 2 t + 1 (the permuted k order, below) and column g: each on 32 distinct banks
+// (ld = bucket + 4).
+struct LaneAt {
+  int a, b, t;
+};
+template <typename scalar_t>
+__device__ __forceinline__ LaneAt lane_at(int lane, int warp, int ld) {
+  const int g = lane / 4, t = lane % 4;
+  if constexpr (sizeof(scalar_t) == 4) {
+    return {(16 * warp + g) * ld + t, g * ld + t, 2 * t * ld + g};
+  } else {
+    return {a_lane(lane, ld) + 16 * warp * ld, b_lane(lane, ld), a_lane(lane, ld)};
+  }
+}
+
 // acc[j] += A B over the head dim for n-tiles j < kN: A the warp's 16 rows of `a_s` (an [m][k] tile), B the
 // rows n0 + 8 j .. + 7 of `b_s` (an [n][k] tile): S or dP of a chunk.
-// kHeld: A's fragments are held in registers (`held`, a k-step's a row), not read from `a_s`.
+// kHeld: A's fragments are held in registers (`held`, a k-step's a row), not read from `a_s` (16-bit types).
+// float32: a pair of 8-column k-steps at a time, A's 8 elements split once into their big and small parts
+// for all of the chunk's n-tiles, B's split in mma_m16n8k8_3xtf32.
 template <typename scalar_t, int kBucket, int kN, bool kHeld = false>
 __device__ __forceinline__ void rows_by_rows(float (&acc)[kN][4], const scalar_t* a_s, const scalar_t* b_s,
                                              int a_at, int b_at, const uint32_t (*held)[4] = nullptr) {
-  using Sh = BwdShape<kBucket>;
+  using Sh = BwdShape<scalar_t, kBucket>;
+  if constexpr (Sh::kTf32) {
+    static_assert(!kHeld, "float32's fragments are not held");
+    // A k-step at a time, A's and B's elements read one by one (both on 32 distinct banks), so that few
+    // registers hold them: the loop around holds dQ or dK and dV. `fresh`: the rows are the same for every
+    // chunk of a tile, and the compiler would otherwise read and split them once (2 bucket registers) for
+    // the chunks' loop.
+    const scalar_t* const a = fresh(a_s + a_at);
 #pragma unroll
-  for (int ks = 0; ks < Sh::kKSteps; ks += 2) {
-    uint32_t a[2][4];
-    if constexpr (kHeld) {
+    for (int ks = 0; ks < 2 * Sh::kKSteps; ++ks) {
+      uint32_t big[4], small[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        a[0][i] = held[ks][i];
-        a[1][i] = held[ks + 1][i];
+        const Tf32Split x = split_tf32(a[(i % 2) * 8 * Sh::kLd + 8 * ks + (i / 2) * 4]);
+        big[i] = x.big;
+        small[i] = x.small;
       }
-    } else {
-      ldmatrix_x4<false>(a[0], a_s + a_at + 16 * ks);
-      ldmatrix_x4<false>(a[1], a_s + a_at + 16 * (ks + 1));
-    }
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      uint32_t bf[4];
-      ldmatrix_x4<false>(bf, b_s + b_at + 8 * j * Sh::kLd + 16 * ks);
-      mma_m16n8k16<scalar_t>(acc[j], a[0], {bf[0], bf[1]});
-      mma_m16n8k16<scalar_t>(acc[j], a[1], {bf[2], bf[3]});
+      for (int j = 0; j < kN; ++j) {
+        const scalar_t* const row = b_s + b_at + 8 * j * Sh::kLd + 8 * ks;
+        mma_m16n8k8_3xtf32(acc[j], big, small, {float_bits(row[0]), float_bits(row[4])});
+      }
+    }
+  } else {
+#pragma unroll
+    for (int ks = 0; ks < Sh::kKSteps; ks += 2) {
+      uint32_t a[2][4];
+      if constexpr (kHeld) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          a[0][i] = held[ks][i];
+          a[1][i] = held[ks + 1][i];
+        }
+      } else {
+        ldmatrix_x4<false>(a[0], a_s + a_at + 16 * ks);
+        ldmatrix_x4<false>(a[1], a_s + a_at + 16 * (ks + 1));
+      }
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        uint32_t bf[4];
+        ldmatrix_x4<false>(bf, b_s + b_at + 8 * j * Sh::kLd + 16 * ks);
+        mma_m16n8k16<scalar_t>(acc[j], a[0], {bf[0], bf[1]});
+        mma_m16n8k16<scalar_t>(acc[j], a[1], {bf[2], bf[3]});
+      }
     }
   }
 }
 
 // grad[n] += F B for the gradient's n-tiles: F the chunk's element-wise results (C fragments of S's n-tiles,
 // rounded to the input type: two adjacent n-tiles are one k-step's A fragment), B rows k0 + 16 kk .. + 15 of
-// `b_s` (a [k][n] tile, by ldmatrix.trans).
+// `b_s` (a [k][n] tile, by ldmatrix.trans). float32: F as it is (3xTF32), each n-tile one 8-row k-step in a
+// permuted k order, as the forward's P V: A's columns t, t + 4 are the n-tile's columns 2 t, 2 t + 1 (its C
+// fragment's elements 0, 2 and 1, 3), so B's rows t, t + 4 are b_s's rows 2 t, 2 t + 1 (lane_at's `t`),
+// read element by element (ldmatrix.trans moves 16-bit elements only).
 template <typename scalar_t, int kBucket, int kN>
-__device__ __forceinline__ void accumulate(float (&grad)[BwdShape<kBucket>::kOTiles][4],
+__device__ __forceinline__ void accumulate(float (&grad)[BwdShape<scalar_t, kBucket>::kOTiles][4],
                                            const float (&f)[kN][4], const scalar_t* b_s, int b_at) {
-  using Sh = BwdShape<kBucket>;
+  using Sh = BwdShape<scalar_t, kBucket>;
+  if constexpr (Sh::kTf32) {
 #pragma unroll
-  for (int kk = 0; kk < kN / 2; ++kk) {
-    const uint32_t a[4] = {pack2_rn<scalar_t>(f[2 * kk][0], f[2 * kk][1]),
-                           pack2_rn<scalar_t>(f[2 * kk][2], f[2 * kk][3]),
-                           pack2_rn<scalar_t>(f[2 * kk + 1][0], f[2 * kk + 1][1]),
-                           pack2_rn<scalar_t>(f[2 * kk + 1][2], f[2 * kk + 1][3])};
+    for (int kk = 0; kk < kN; ++kk) {
+      uint32_t big[4], small[4];
 #pragma unroll
-    for (int n = 0; n < Sh::kOTiles; n += 2) {
-      uint32_t bf[4];
-      ldmatrix_x4<true>(bf, b_s + b_at + 16 * kk * Sh::kLd + 8 * n);
-      mma_m16n8k16<scalar_t>(grad[n], a, {bf[0], bf[1]});
-      mma_m16n8k16<scalar_t>(grad[n + 1], a, {bf[2], bf[3]});
+      for (int i = 0; i < 4; ++i) {
+        const Tf32Split x = split_tf32(f[kk][i == 1 ? 2 : i == 2 ? 1 : i]);
+        big[i] = x.big;
+        small[i] = x.small;
+      }
+      const scalar_t* const row = b_s + b_at + 8 * kk * Sh::kLd;
+#pragma unroll
+      for (int n = 0; n < Sh::kOTiles; ++n) {
+        mma_m16n8k8_3xtf32(grad[n], big, small, {float_bits(row[8 * n]), float_bits(row[Sh::kLd + 8 * n])});
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < kN / 2; ++kk) {
+      const uint32_t a[4] = {pack2_rn<scalar_t>(f[2 * kk][0], f[2 * kk][1]),
+                             pack2_rn<scalar_t>(f[2 * kk][2], f[2 * kk][3]),
+                             pack2_rn<scalar_t>(f[2 * kk + 1][0], f[2 * kk + 1][1]),
+                             pack2_rn<scalar_t>(f[2 * kk + 1][2], f[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < Sh::kOTiles; n += 2) {
+        uint32_t bf[4];
+        ldmatrix_x4<true>(bf, b_s + b_at + 16 * kk * Sh::kLd + 8 * n);
+        mma_m16n8k16<scalar_t>(grad[n], a, {bf[0], bf[1]});
+        mma_m16n8k16<scalar_t>(grad[n + 1], a, {bf[2], bf[3]});
+      }
     }
   }
 }
@@ -350,9 +424,9 @@ __device__ __forceinline__ const scalar_t* rows_of(const void* base, const int64
 // written. The thread's coordinates are read anew from threadIdx: values derived from them before the tile
 // loop and kept through it took registers the loop needs (ptxas spilled them at bucket 128).
 template <typename scalar_t, int kBucket>
-__device__ __forceinline__ void write_rows(const float (&grad)[BwdShape<kBucket>::kOTiles][4], void* base,
-                                           const int64_t* stride, int64_t b, int64_t h, int64_t r0,
-                                           int64_t rows, int cols, float factor) {
+__device__ __forceinline__ void write_rows(const float (&grad)[BwdShape<scalar_t, kBucket>::kOTiles][4],
+                                           void* base, const int64_t* stride, int64_t b, int64_t h,
+                                           int64_t r0, int64_t rows, int cols, float factor) {
   const int tid = static_cast<int>(thread_index());
   const int lane = tid % kWarpSize, g = lane / 4, t = lane % 4;
   r0 += 16 * (tid / kWarpSize);
@@ -362,7 +436,7 @@ __device__ __forceinline__ void write_rows(const float (&grad)[BwdShape<kBucket>
     const int64_t r = r0 + g + 8 * half;
     if (r >= rows) continue;
 #pragma unroll
-    for (int n = 0; n < BwdShape<kBucket>::kOTiles; ++n) {
+    for (int n = 0; n < BwdShape<scalar_t, kBucket>::kOTiles; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int c = 8 * n + 2 * t + e;
@@ -406,12 +480,12 @@ __device__ __forceinline__ void add_mask_grad_tile(const AttentionBackwardParams
 // states 2 blocks an SM for ptxas's register budget: left to itself it aims at 3 (168 registers) and spills
 // there on sm_80 and sm_90. kVariant: MmaVariant (cuda/attention_plan.h), as the forward's.
 template <typename scalar_t, int kBucket, int kVariant>
-__global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
+__global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain && sizeof(scalar_t) == 2 ? 0 : 2)
     attention_backward_mma_queries(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
                                    const AttentionBackwardMmaPlan plan, float* const lse_delta,
                                    const uint32_t* const mask_tiles) {
   constexpr bool kPlain = kVariant == kMmaPlain, kBits = kVariant == kMmaBits;
-  using Sh = BwdShape<kBucket>;
+  using Sh = BwdShape<scalar_t, kBucket>;
   // kKeys: a key tile's rows (mma_backward_tile); kChunk of them at a time.
   constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kKeys = Sh::kRows, kTile = Sh::kTile;
   constexpr int kChunk = kMmaBackwardChunk, kN = kChunk / 8;
@@ -420,7 +494,10 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
   [[maybe_unused]] constexpr int kChunkUnroll = kPlain ? kKeys / kChunk : 1;
   // Q's and dO's fragments held in registers through the key loop (rows_by_rows's kHeld), bucket / 2
   // registers a thread: the plain instantiation (the general one has no registers for them).
-  constexpr bool kHoldRows = kPlain;
+  constexpr bool kHoldRows = kPlain && !Sh::kTf32;
+  // Rows staged by cp.async alone: the 16-bit plain instantiation (float32's also takes rows that are not
+  // 16-byte vectors: plan_attention_backward_mma).
+  constexpr bool kVectorRows = kPlain && !Sh::kTf32;
   const AttentionParams& p = bp.fwd;
   ATTNX_DYNAMIC_SHARED(scalar_t, smem);
   scalar_t* const q_s = smem;
@@ -434,7 +511,8 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
   const int D = static_cast<int>(p.head_dim), Dv = static_cast<int>(p.v_head_dim);
   const int64_t L = p.q_len;
   const BwdConsts consts = bwd_consts_of(p);
-  const int a_at = a_lane(lane, kLd) + 16 * warp * kLd, b_at = b_lane(lane, kLd), t_at = a_lane(lane, kLd);
+  const LaneAt at_lane = lane_at<scalar_t>(lane, warp, kLd);
+  const int a_at = at_lane.a, b_at = at_lane.b, t_at = at_lane.t;
 
   // One (b, h, query tile).
   const auto item = [&](int64_t b, int64_t h, int64_t qt) {
@@ -443,10 +521,10 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     const int64_t q0 = qt * kBwdRows;
     const int64_t* const qs = p.q_stride;
     const int64_t* const ds = bp.grad_out_stride;
-    stage_rows_mma<scalar_t, kBucket, kPlain>(
+    stage_rows_mma<scalar_t, kBucket, kVectorRows>(
         q_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.query, qs, b, h, q0), qs[2]), ptr.fwd.query,
         qs[2], qs[3], L - q0, D, plan.vector);
-    stage_rows_mma<scalar_t, kBucket, kPlain>(
+    stage_rows_mma<scalar_t, kBucket, kVectorRows>(
         do_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.grad_out, ds, b, h, q0), ds[2]), ptr.grad_out, ds[2],
         ds[3], L - q0, Dv, plan.vector);
     cp_async_commit();
@@ -525,9 +603,9 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
       scalar_t* const k_s = smem + 2 * kOwn + 2 * stage * kTile;
       const scalar_t* const k_at = kPlain ? key : key + off * p.k_stride[2];
       const scalar_t* const v_at = kPlain ? value : value + off * p.v_stride[2];
-      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s, k_at, ptr.fwd.key, p.k_stride[2], p.k_stride[3],
+      stage_rows_mma<scalar_t, kBucket, kVectorRows, kKeys>(k_s, k_at, ptr.fwd.key, p.k_stride[2], p.k_stride[3],
                                                        valid_keys - off, D, plan.vector);
-      stage_rows_mma<scalar_t, kBucket, kPlain, kKeys>(k_s + kTile, v_at, ptr.fwd.value, p.v_stride[2],
+      stage_rows_mma<scalar_t, kBucket, kVectorRows, kKeys>(k_s + kTile, v_at, ptr.fwd.value, p.v_stride[2],
                                                        p.v_stride[3], valid_keys - off, Dv, plan.vector);
       cp_async_commit();
     };
@@ -721,7 +799,8 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
                   bias = seen && terms ? mask_bias(p, ptr.fwd, b, h, l, kk) : 0.0f;
                 }
                 const ScoreGrads sg =  // dp is Z dP already: z = 1
-                    general_grads(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, 1.0f, seen, consts);
+                    general_grads<Sh::kTf32>(s[j][i], dp[j][i], lse2[r], row_delta[r], bias, 1.0f, seen,
+                                             consts);
                 s[j][i] = sg.ds;
                 if (!kBits && mask_grad != nullptr) {  // a float attn_mask's: not the bits instantiation's
                   ds_s[(16 * warp + g + 8 * r) * (kKeys + 1) + col] = sg.ds_bias;
@@ -774,12 +853,13 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
 // The key pass: dK and dV of one (b, kv head, 64 keys), over the group's query heads. The general
 // instantiation states 2 blocks an SM for ptxas's register budget, as the query pass.
 template <typename scalar_t, int kBucket, int kVariant>
-__global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
+__global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain && sizeof(scalar_t) == 2 ? 0 : 2)
     attention_backward_mma_keys(const AttentionBackwardParams bp, const AttentionBackwardPointers ptr,
                                 const AttentionBackwardMmaPlan plan, const float* const lse_delta,
                                 const uint32_t* const mask_tiles) {
   constexpr bool kPlain = kVariant == kMmaPlain, kBits = kVariant == kMmaBits;
-  using Sh = BwdShape<kBucket>;
+  using Sh = BwdShape<scalar_t, kBucket>;
+  constexpr bool kVectorRows = kPlain && !Sh::kTf32;  // as the query pass's
   // kQueries: a query tile's rows (mma_backward_tile).
   constexpr int kLd = Sh::kLd, kOwn = Sh::kOwn, kQueries = Sh::kRows, kTile = Sh::kTile;
   // Queries a chunk: kMmaBackwardChunk, and 16 in the general instantiation and at bucket 128, where dK and
@@ -809,10 +889,10 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
   const BwdConsts consts = bwd_consts_of(p);
 
   // K and V rows at and past S_b are zero: never read (a static cache's unfilled slots may hold NaN).
-  stage_rows_mma<scalar_t, kBucket, kPlain>(
+  stage_rows_mma<scalar_t, kBucket, kVectorRows>(
       k_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.key, p.k_stride, b, hk, k0), p.k_stride[2]),
       ptr.fwd.key, p.k_stride[2], p.k_stride[3], Sb - k0, D, plan.vector);
-  stage_rows_mma<scalar_t, kBucket, kPlain>(
+  stage_rows_mma<scalar_t, kBucket, kVectorRows>(
       v_s, first_chunk<kBucket>(rows_of<scalar_t>(ptr.fwd.value, p.v_stride, b, hk, k0), p.v_stride[2]),
       ptr.fwd.value, p.v_stride[2], p.v_stride[3], Sb - k0, Dv, plan.vector);
 
@@ -903,10 +983,10 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
     const int64_t q0 = q_first + off;
     scalar_t* const q_s = smem + 2 * kOwn + 2 * stage * kTile;
     const int64_t dh = h - h0;
-    stage_rows_mma<scalar_t, kBucket, kPlain, kQueries>(q_s, kPlain ? st.q : q_at + dh * qs[1] + off * qs[2],
+    stage_rows_mma<scalar_t, kBucket, kVectorRows, kQueries>(q_s, kPlain ? st.q : q_at + dh * qs[1] + off * qs[2],
                                                         ptr.fwd.query, qs[2], qs[3], valid_rows - off, D,
                                                         plan.vector);
-    stage_rows_mma<scalar_t, kBucket, kPlain, kQueries>(
+    stage_rows_mma<scalar_t, kBucket, kVectorRows, kQueries>(
         q_s + kTile, kPlain ? st.dout : do_at + dh * ds[1] + off * ds[2], ptr.grad_out, ds[2], ds[3],
         valid_rows - off, Dv, plan.vector);
     if (tid < 2 * kNumChunks) {
@@ -1023,7 +1103,8 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
 #pragma unroll
     for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.0f;
   }
-  const int a_at = a_lane(lane, kLd) + 16 * warp * kLd, b_at = b_lane(lane, kLd), t_at = a_lane(lane, kLd);
+  const LaneAt at_lane = lane_at<scalar_t>(lane, warp, kLd);
+  const int a_at = at_lane.a, b_at = at_lane.b, t_at = at_lane.t;
 
   for (int stage = 0; step.h < h_end; stage ^= 1) {
     const int h = step.h, off = step.off;
@@ -1116,7 +1197,8 @@ __global__ void __launch_bounds__(kBwdThreads, kVariant == kMmaPlain ? 0 : 2)
               const float z = !p.dropout || !seen                         ? 1.0f
                               : (kept >> (2 * (r * kN + j) + e % 2)) & 1u ? consts.dropout_scale
                                                                           : 0.0f;
-              const ScoreGrads sg = general_grads(s[j][e], dp[j][e], lse2, row_delta, bias, z, seen, consts);
+              const ScoreGrads sg =
+                  general_grads<Sh::kTf32>(s[j][e], dp[j][e], lse2, row_delta, bias, z, seen, consts);
               s[j][e] = sg.pz;
               dp[j][e] = sg.ds;
             }
@@ -1192,17 +1274,26 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DTy
   }
   return dispatch_dtype(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    if constexpr (sizeof(scalar_t) != 2) {
-      return cudaErrorInvalidValue;  // float16/bfloat16 only (mma_backward_supports refuses the others)
+    if constexpr (sizeof(scalar_t) == 8) {
+      return cudaErrorInvalidValue;  // no float64 (mma_backward_supports refuses it)
     } else {
       return dispatch_bucket<32, 64, 128>(plan.bucket, [&](auto bucket) {
         constexpr int kBucket = decltype(bucket)::value;
-        return plan.variant == kMmaPlain
-                   ? launch_passes<scalar_t, kBucket, kMmaPlain>(bp, ptr, plan, lse_delta, mask_tiles, stream)
-               : plan.variant == kMmaBits
-                   ? launch_passes<scalar_t, kBucket, kMmaBits>(bp, ptr, plan, lse_delta, mask_tiles, stream)
-                   : launch_passes<scalar_t, kBucket, kMmaGeneral>(bp, ptr, plan, lse_delta, mask_tiles,
-                                                                   stream);
+        if constexpr (sizeof(scalar_t) == 4) {  // the plain instantiation up to kMmaBackwardMaxHeadDimTf32
+          if constexpr (kBucket <= kMmaBackwardMaxHeadDimTf32) {
+            if (plan.variant == kMmaPlain) {
+              return launch_passes<scalar_t, kBucket, kMmaPlain>(bp, ptr, plan, lse_delta, mask_tiles, stream);
+            }
+          }
+          return cudaErrorInvalidValue;  // mma_backward_supports refuses the others
+        } else {
+          return plan.variant == kMmaPlain
+                     ? launch_passes<scalar_t, kBucket, kMmaPlain>(bp, ptr, plan, lse_delta, mask_tiles, stream)
+                 : plan.variant == kMmaBits
+                     ? launch_passes<scalar_t, kBucket, kMmaBits>(bp, ptr, plan, lse_delta, mask_tiles, stream)
+                     : launch_passes<scalar_t, kBucket, kMmaGeneral>(bp, ptr, plan, lse_delta, mask_tiles,
+                                                                     stream);
+        }
       });
     }
   });

@@ -501,17 +501,23 @@ inline Kernel choose_kernel(const AttentionParams& p, DType dtype, const Attenti
   return Kernel::kSimt;
 }
 
-// The tensor-core backward (cuda/attention_backward_kernel_mma.cu): float16/bfloat16 up to bucket 128 on
-// sm80+, in two passes over tiles of 64 query rows x 64 keys, a warp 16 rows of its pass's own (queries, or
-// keys), and the other operand's 64 rows in chunks of kMmaBackwardChunk.
+// The tensor-core backward (cuda/attention_backward_kernel_mma.cu): float16 and bfloat16 up to bucket 128,
+// float32 (3xTF32) up to kMmaBackwardMaxHeadDimTf32, on sm80+, in two passes over tiles of 64 query rows x 64
+// keys, a warp 16 rows of its pass's own (queries, or keys), and the other operand's rows in chunks of
+// kMmaBackwardChunk.
 constexpr int kMmaBackwardMaxHeadDim = 128;
+// float32 takes the plain instantiation (no mask, soft-cap or dropout: mma_plain) up to bucket 64 alone:
+// there its passes hold every value in registers; its masked instantiations, and its plain ones at bucket
+// 128, spilled 8-280 bytes a thread (the split operands' registers on top of the 16-bit kernels' loops).
+constexpr int kMmaBackwardMaxHeadDimTf32 = 64;
 
 // Rows of the other operand (keys in the query pass, queries in the key pass) a block stages at a time: 64,
 // and 32 at bucket 128, where the key pass's dK and dV (16 x 128 floats each) take 128 registers of a thread:
 // its S and dP then take 32 queries (kMmaBackwardChunk) a tile, with no inner loop, and both passes' blocks
-// fit the 99 KiB of an sm_86/89/120 device.
-constexpr int mma_backward_tile(int bucket) {
-  return bucket > 64 ? 32 : 64;
+// fit the 99 KiB of an sm_86/89/120 device. float32 (4-byte elements) stages 32 from bucket 64, where its
+// blocks then fit those 99 KiB too.
+constexpr int mma_backward_tile(int bucket, int element_bytes) {
+  return bucket > 64 || (element_bytes == 4 && bucket > 32) ? 32 : 64;
 }
 
 // Rows of the other operand a warp's S and dP take at a time (of a staged tile): 32. With 64, S and dP take
@@ -524,20 +530,22 @@ constexpr int kMmaBackwardChunk = 32;
 // attn_mask's bits of the tile's rows (two stages of two words a row) and a float attn_mask's classes (a
 // word a stage, 16 bytes with padding); and with `mask_grad` the query pass's tile of attn_mask's gradient
 // (64 rows of tile + 1 floats).
-constexpr int64_t mma_backward_smem_bytes(int bucket, bool mask_grad) {
-  const int64_t tile = mma_backward_tile(bucket);
-  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, 2) * 2 + 8 * tile * 4 + 32 +
+constexpr int64_t mma_backward_smem_bytes(int bucket, int element_bytes, bool mask_grad) {
+  const int64_t tile = mma_backward_tile(bucket, element_bytes);
+  return (2 * kMmaTileKeys + 4 * tile) * mma_tile_ld(bucket, element_bytes) * element_bytes + 8 * tile * 4 + 32 +
          (mask_grad ? kMmaTileKeys * (tile + 1) * 4 : 0);
 }
 
-// True when the tensor-core backward covers the call: float16/bfloat16, max(D, Dv) <= kMmaBackwardMaxHeadDim,
-// not packed sequences, L and S below 2^30 (the kernels' tile loops count rows and keys in 32 bits; a key or
-// query range that long is beyond any tensor a GPU holds).
+// True when the tensor-core backward covers the call: float16 or bfloat16 with max(D, Dv) <=
+// kMmaBackwardMaxHeadDim, or float32 without a mask, soft-cap or dropout (mma_plain) and max(D, Dv) <=
+// kMmaBackwardMaxHeadDimTf32; not packed sequences, L and S below 2^30 (the kernels' tile loops count rows
+// and keys in 32 bits; a key or query range that long is beyond any tensor a GPU holds).
 constexpr bool mma_backward_supports(const AttentionParams& p, DType dtype) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
-  return (dtype == DType::kFloat16 || dtype == DType::kBFloat16) && bucket != 0 &&
-         bucket <= kMmaBackwardMaxHeadDim && p.varlen == 0 && p.q_len < (int64_t{1} << 30) &&
-         p.kv_len < (int64_t{1} << 30);
+  const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+  const bool tf32 = dtype == DType::kFloat32 && mma_plain(p) && bucket <= kMmaBackwardMaxHeadDimTf32;
+  return (half || tf32) && bucket != 0 && bucket <= kMmaBackwardMaxHeadDim && p.varlen == 0 &&
+         p.q_len < (int64_t{1} << 30) && p.kv_len < (int64_t{1} << 30);
 }
 
 enum class BackwardKernel {
@@ -549,14 +557,15 @@ enum class BackwardKernel {
 // attention_backward's kernel: the fused kernels when the process asked for them (they are opt-in until they
 // have run on a GPU) and the head dims are within kMaxHeadDim: the tensor-core ones where they cover the
 // call, the tensor cores are on and the device has the shared memory of their largest block (with attn_mask's
-// gradient: 77 KiB at bucket 128, so that the choice does not depend on whether it is asked for; every sm80+
-// device has it), the SIMT ones otherwise; the whole-tensor math for the rest. A block map is read by the
-// tensor-core kernels alone (mma_block_map_fits): elsewhere the choice is the math, which refuses it.
+// gradient, so that the choice does not depend on whether it is asked for: 77 KiB at bucket 128, which every
+// sm80+ device has), the SIMT ones otherwise (float32 with a mask, soft-cap or dropout among them); the
+// whole-tensor math for the rest. A block map is read by the tensor-core kernels alone
+// (mma_block_map_fits): elsewhere the choice is the math, which refuses it.
 constexpr BackwardKernel choose_backward(const AttentionParams& p, DType dtype, const Target& target) {
   const int bucket = head_dim_bucket(p.head_dim, p.v_head_dim);
   if (!target.fused_backward || bucket == 0) return BackwardKernel::kMath;
   if (target.mma && target.capability >= 80 && mma_backward_supports(p, dtype) && mma_block_map_fits(p) &&
-      mma_backward_smem_bytes(bucket, /*mask_grad=*/true) <= target.max_smem) {
+      mma_backward_smem_bytes(bucket, mma_element_bytes(dtype), /*mask_grad=*/true) <= target.max_smem) {
     return BackwardKernel::kMma;
   }
   return p.has_block_map ? BackwardKernel::kMath : BackwardKernel::kSimt;

@@ -603,6 +603,17 @@ __device__ __forceinline__ T* opaque(T* p) {
   return p;
 }
 
+// `p`, as a new value at every call (volatile): loads through it stay where the call is, never hoisted out of
+// a loop whose iterations read the same addresses (where holding what they read would take the loop's
+// registers).
+template <typename T>
+__device__ __forceinline__ T* fresh(T* p) {
+#if defined(__CUDA_ARCH__) && !defined(ATTNX_CUDA_EMULATION)
+  asm volatile("" : "+l"(p));
+#endif
+  return p;
+}
+
 // One 16-byte store of shared memory to global memory, both addresses 16-byte aligned.
 __device__ __forceinline__ void store_16(void* global, const void* smem) {
 #if defined(ATTNX_CUDA_EMULATION)

@@ -64,11 +64,15 @@ void plan_limits() {
     }
   }
   // The tensor-core backward's blocks (both passes, attn_mask's gradient asked for): within the 99 KiB of
-  // sm_86/89/120 at every bucket it has.
-  for (int d : {32, 64, 128}) {
-    const int64_t bytes = attnx::cuda::mma_backward_smem_bytes(d, /*mask_grad=*/true);
-    std::printf("mma backward d=%d: %lld bytes of shared memory\n", d, static_cast<long long>(bytes));
-    check(bytes <= 99 * 1024, "mma backward shared memory within 99 KiB", d, bytes);
+  // sm_86/89/120 at every bucket it has, float32's (up to kMmaBackwardMaxHeadDimTf32) included.
+  for (int element : {2, 4}) {
+    for (int d : {32, 64, 128}) {
+      if (element == 4 && d > attnx::cuda::kMmaBackwardMaxHeadDimTf32) continue;
+      const int64_t bytes = attnx::cuda::mma_backward_smem_bytes(d, element, /*mask_grad=*/true);
+      std::printf("mma backward %d-byte d=%d: %lld bytes of shared memory\n", element, d,
+                  static_cast<long long>(bytes));
+      check(bytes <= 99 * 1024, "mma backward shared memory within 99 KiB", d, bytes);
+    }
   }
   AttentionParams p = unmasked(300, 300, 300, 40, 1, 8, 8);
   const attnx::cuda::AttentionPlan plan = attnx::cuda::plan_attention(p, DType::kFloat32);
