@@ -50,16 +50,17 @@ void run_attention_backward(AttentionBackwardProblem& pb, const Target& target, 
     mask_grad = aten::new_zeros(pb.lse, pb.params.grad_attn_mask_size);
     pb.ptr.grad_attn_mask = mask_grad->mutable_data_ptr();
   }
-  // The workspace: delta, one accumulator per query row.
-  const size_t bytes = kernel == BackwardKernel::kMma
-                           ? plan_attention_backward_mma(pb.params, dtype, pb.ptr).workspace_bytes
+  // The workspace: the rows' numbers (and the tensor cores' mask classes), from the plan the launch runs.
+  const std::optional<AttentionBackwardMmaPlan> mma =
+      kernel == BackwardKernel::kMma ? std::optional(plan_attention_backward_mma(pb.params, dtype, pb.ptr))
+                                     : std::nullopt;
+  const size_t bytes = mma ? mma->workspace_bytes
                            : plan_attention_backward(pb.params, dtype, pb.grad_attn_mask).workspace_bytes;
   const int64_t rows[1] = {static_cast<int64_t>(bytes / acc_bytes(dtype))};
   const Tensor workspace = aten::new_empty(pb.lse, rows);
-  const cudaError_t err =
-      kernel == BackwardKernel::kMma
-          ? launch_attention_backward_mma(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream)
-          : launch_attention_backward(pb.params, dtype, pb.ptr, workspace.mutable_data_ptr(), stream);
+  void* const ws = workspace.mutable_data_ptr();
+  const cudaError_t err = mma ? launch_attention_backward_mma(pb.params, dtype, pb.ptr, *mma, ws, stream)
+                              : launch_attention_backward(pb.params, dtype, pb.ptr, ws, stream);
   const AttentionParams& p = pb.params.fwd;
   ATTNX_CHECK(err == cudaSuccess, "attnx::attention_backward: CUDA kernel launch failed (B=", p.batch,
               ", H=", p.heads, ", Hkv=", p.kv_heads, ", L=", p.q_len, ", S=", p.kv_len, ", D=", p.head_dim,

@@ -179,12 +179,14 @@ inline AttentionBackwardMmaPlan plan_attention_backward_mma(const AttentionBackw
 #if !defined(__CUDACC_RTC__)
 // Runs attention_backward on `stream` with the tensor-core kernels: grad_query, grad_key and grad_value
 // (every element written), and adds attn_mask's gradient into ptr.grad_attn_mask when it is not null (a
-// zeroed float buffer of bp.grad_attn_mask_size). `workspace`: plan.workspace_bytes, 16-byte aligned, any
-// content. Returns the first launch error, cudaSuccess when there is nothing to compute, and
+// zeroed float buffer of bp.grad_attn_mask_size). `plan`: plan_attention_backward_mma(bp, dtype, ptr), which
+// the caller sized the workspace from (computed once a call). `workspace`: plan.workspace_bytes, 16-byte
+// aligned, any content. Returns the first launch error, cudaSuccess when there is nothing to compute, and
 // cudaErrorInvalidValue when the kernels do not cover the problem (mma_backward_supports, inconsistent
 // params).
 cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
-                                          const AttentionBackwardPointers& ptr, void* workspace,
+                                          const AttentionBackwardPointers& ptr,
+                                          const AttentionBackwardMmaPlan& plan, void* workspace,
                                           cudaStream_t stream);
 
 // Runs attention_backward on `stream`: grad_query, grad_key and grad_value (every element written), and adds

@@ -1255,11 +1255,11 @@ cudaError_t launch_passes(const AttentionBackwardParams& bp, const AttentionBack
 
 #if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles the kernels only (see attnx/rtc.h)
 cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& bp, DType dtype,
-                                          const AttentionBackwardPointers& ptr, void* workspace,
+                                          const AttentionBackwardPointers& ptr,
+                                          const AttentionBackwardMmaPlan& plan, void* workspace,
                                           cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
   if (!params_consistent(p, ptr.fwd) || !mma_block_map_fits(p)) return cudaErrorInvalidValue;
-  const AttentionBackwardMmaPlan plan = plan_attention_backward_mma(bp, dtype, ptr);
   if (plan.bucket == 0) return cudaErrorInvalidValue;
   if (plan.queries.blocks > kMaxBlocks || plan.key_blocks > kMaxBlocks || plan.mask_blocks > kMaxBlocks) {
     return cudaErrorInvalidConfiguration;

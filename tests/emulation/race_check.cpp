@@ -131,11 +131,12 @@ int run_backward(DType dtype, int64_t B, int64_t H, int64_t L, int64_t S, int64_
   ptr.grad_value = grad_value.data();
   ptr.grad_attn_mask = mask_grad ? grad_mask.data() : nullptr;
   // delta, and the tensor-core kernels' mask tile classes after it
-  const size_t bytes = mma ? attnx::cuda::plan_attention_backward_mma(bp, dtype, ptr).workspace_bytes
+  const attnx::cuda::AttentionBackwardMmaPlan plan = attnx::cuda::plan_attention_backward_mma(bp, dtype, ptr);
+  const size_t bytes = mma ? plan.workspace_bytes
                            : attnx::cuda::plan_attention_backward(bp, dtype, mask_grad).workspace_bytes;
   std::vector<double> workspace(bytes / sizeof(double) + 1);
   if (err == cudaSuccess) {
-    err = mma ? attnx::cuda::launch_attention_backward_mma(bp, dtype, ptr, workspace.data(), nullptr)
+    err = mma ? attnx::cuda::launch_attention_backward_mma(bp, dtype, ptr, plan, workspace.data(), nullptr)
               : attnx::cuda::launch_attention_backward(bp, dtype, ptr, workspace.data(), nullptr);
   }
   if (err != cudaSuccess) std::fprintf(stderr, "backward launch failed: %d\n", static_cast<int>(err));
