@@ -213,3 +213,23 @@ def test_the_runtime_steps_line(gpu_check):
     failed = {"compile": {"error": ["RuntimeError: attnx: no CUDA driver"]}, "disk_cache": {}, "tests": None}
     assert gpu_check.runtime_detail(failed).startswith(
         "first call (compile): ['RuntimeError: attnx: no CUDA driver']; first call (disk cache): None")
+
+
+def test_the_family_sweep_takes_the_family_s_shapes():
+    # tools/gpu_family.py (gpu-check's family step) imports, and sweeps each dtype and head dim's shapes as
+    # sass.mma_shape_valid (checked against the header in test_sass.py) has them; in a process of its own
+    # (it sets ATTNX_CUDA_RUNTIME_COMPILE before attnx loads).
+    script = """
+import sys, torch
+sys.path.insert(0, "tools")
+import gpu_family
+counts = {(d, D): sum(gpu_family.valid(s, d, D) for s in gpu_family.SHAPES)
+          for d in (torch.float16, torch.float32) for D in (64, 128)}
+assert counts == {(torch.float16, 64): 12, (torch.float16, 128): 4, (torch.float32, 64): 4,
+                  (torch.float32, 128): 4}, counts
+assert not gpu_family.valid("32x128 w4 s2", torch.float16, 64)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -12,7 +12,11 @@ bench step times them.
 
 Writes the table (markdown and JSON) into RESULTS and prints one line `family-sweep: {json}` (the best shape
 per dtype and head dim, against the default and the best SDPA backend) that tools/gpu_check.py reads. The
-table is what sets each (dtype, head dim)'s default shape (mma_default_shape).
+table is what sets each (dtype, head dim)'s default shape (mma_default_shape). Where Nsight Compute's `ncu`
+is found (PATH, or the toolkit's bin), it also profiles one call of the default kernel (prebuilt, float16,
+B=1, H=16, L=S=4096, D=64: the shape of the earlier record, ncu-2026-11-26-h100-d866bd9.txt) into
+RESULTS/ncu-<date>-<card>.txt: issue slots, IPC, occupancy, warp stalls and executed instructions, which
+tools/sass.py's static count per tile is checked against.
 
     python tools/gpu_family.py --results-dir benchmarks/results
 """
@@ -22,6 +26,8 @@ import datetime
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 os.environ.setdefault("ATTNX_CUDA_RUNTIME_COMPILE", "1")
@@ -78,6 +84,37 @@ def sdpa_ms(q, k, v, causal) -> dict:
         except RuntimeError:
             pass
     return out
+
+
+# One call of the default forward kernel, the second of two (the first warms up), for ncu.
+PROFILED = """
+import torch, attnx
+q = torch.randn(1, 16, 4096, 64, device="cuda", dtype=torch.float16)
+for _ in range(2):
+    attnx.attention(q, q, q)
+torch.cuda.synchronize()
+"""
+
+
+def ncu_profile(path: str) -> str:
+    """Profiles PROFILED's second attention_forward_mma launch with ncu into `path`; a line saying what
+    happened."""
+    toolkit = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ncu")
+    ncu = shutil.which("ncu") or (toolkit if os.path.exists(toolkit) else None)
+    if ncu is None:
+        return "ncu: not found"
+    env = dict(os.environ, ATTNX_CUDA_RUNTIME_COMPILE="0", ATTNX_CUDA_TORCH_FLASH="0")
+    cmd = [ncu, "--kernel-name", "regex:attention_forward_mma", "--launch-skip", "1", "--launch-count", "1",
+           "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "Occupancy",
+           "--section", "SchedulerStats", "--section", "WarpStateStats", "--section", "InstructionStats",
+           sys.executable, "-c", PROFILED]
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "ncu: timed out"
+    with open(path, "w") as f:
+        f.write(out.stdout + out.stderr)
+    return f"ncu: rc {out.returncode}, {path}"
 
 
 def main(argv=None) -> int:
@@ -138,6 +175,7 @@ def main(argv=None) -> int:
             f.write(f"| {r['dtype']} | {r['head_dim']} | {r['B']} x {r['H']} x {r['L']} | {r['causal']} | "
                     f"{r['shape']} | {r['kernel']} | {r['ms']} | {r['tflops']} | {r['max_abs_error']:.2e} | "
                     f"{times} |\n")
+    print(ncu_profile(os.path.join(args.results_dir, f"ncu-{date}-{card}.txt")), flush=True)
     print("family-sweep: " + json.dumps(best), flush=True)
     return 0
 
