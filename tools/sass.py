@@ -779,8 +779,10 @@ def loop_paths(cfg: Cfg, loop: Loop, loops: list) -> dict:
     latches = set(loop.latches)
     skips = _skips(cfg, loop, edges, order)
     # The blocks that load a bool mask's packed bits (PACKED_SOURCE), for the "bits" path.
-    packed = {b for b in loop.body if any(i.base == "LDG" and PACKED_SOURCE.search(_source_line(i.source))
-                                          for i in cfg.blocks[b].instrs)}
+    def packed_load(i):
+        return i.base == "LDG" and PACKED_SOURCE.search(_source_line(i.source))
+
+    packed = {b for b in loop.body if any(packed_load(i) for i in cfg.blocks[b].instrs)}
 
     def cost(b, kind, edge=None, entry=0):
         blk = cfg.blocks[b]
@@ -788,8 +790,10 @@ def loop_paths(cfg: Cfg, loop: Loop, loops: list) -> dict:
         if kind in ("steady", "bits"):
             calls = sum(i.addr in cfg.calls for i in blk.instrs)
             steady = (-blk.count("HMMA"), -blk.count("LDGSTS"), entry, calls, int(edge in skips), n)
-            # bits: first, no other global load (a mask element read: the bool mask alone, packed)
-            return steady if kind == "steady" else (blk.count("LDG") - int(b in packed), *steady)
+            # bits: first, no other global load (a mask element read: the bool mask alone, packed; a block may
+            # hold the packed loads of both of a lane's rows)
+            other = sum(i.base == "LDG" and not packed_load(i) for i in blk.instrs)
+            return steady if kind == "steady" else (other, *steady)
         return (n if kind == "min" else -n,)
 
     def add(a, b):
