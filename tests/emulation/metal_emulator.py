@@ -59,7 +59,9 @@ def compiler():
 
 
 def has_thread_sanitizer():
-    return cuda_emulator.has_thread_sanitizer(compiler())
+    # Without clang++ there is nothing to ask (the CUDA tier's compiler is not this tier's).
+    cxx = compiler()
+    return cxx is not None and cuda_emulator.has_thread_sanitizer(cxx)
 
 
 def build(extra_flags=(), sources=SOURCES, shared=True, metal_sources=None, link=()):
