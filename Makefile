@@ -168,8 +168,9 @@ wheel-venv-test:
 SANITIZE_TESTS ?= -m "kernel and not slow and (not emulated or sanitize)"
 # The CPU kernels' x86 variants this machine runs (torch's level), no wider: a wider one could not run here.
 SANITIZE_CPU_VARIANT = $(shell $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability().lower(); \
-	bf16 = 'avx512_bf16' in open('/proc/cpuinfo').read(); \
-	print(c if c in ('default', 'avx2') else 'avx512_bf16' if bf16 else 'avx512')")
+	flags = open('/proc/cpuinfo').read(); \
+	print(c if c in ('default', 'avx2') else 'amx_bf16' if 'amx_bf16' in flags else \
+	      'avx512_bf16' if 'avx512_bf16' in flags else 'avx512')")
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 # The copy, built (`make sanitize-build`, which .ci/run starts while `make test` runs); again when a file it

@@ -22,9 +22,9 @@ Environment:
   ATTNX_DEBUG=1                      -O0 -g
   ATTNX_SANITIZE=1                   AddressSanitizer + UndefinedBehaviorSanitizer, any report fatal (`make
                                      sanitize` builds a CPU-only copy with it and runs the kernel tests)
-  ATTNX_CPU_MAX_VARIANT              avx512_bf16 (default) | avx512 | avx2 | default: the widest x86
-                                     variant of the CPU kernels built (`make sanitize` builds those its
-                                     machine runs)
+  ATTNX_CPU_MAX_VARIANT              amx_bf16 (default) | avx512_bf16 | avx512 | avx2 | default: the
+                                     widest x86 variant of the CPU kernels built (`make sanitize` builds
+                                     those its machine runs)
   CUDA_HOME                          toolkit root; by default read from `nvcc --dryrun`
                                      (nvcc may be a wrapper)
   TORCH_CUDA_ARCH_LIST               default "8.0;9.0+PTX" when no GPU is visible
@@ -196,7 +196,7 @@ def _extensions(backends, cuda_home):
         link += sanitizers
     variant = os.environ.get("ATTNX_CPU_MAX_VARIANT")
     if variant:
-        levels = {"default": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+        levels = {"default": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx_bf16": 4}
         if variant not in levels:
             sys.exit(f"ATTNX_CPU_MAX_VARIANT={variant!r}: expected one of {', '.join(levels)}")
         cxx.append(f"-DATTNX_CPU_MAX_VARIANT={levels[variant]}")

@@ -477,8 +477,9 @@ def run_python(script, **kwargs):
 
 
 # The CPU kernels' variants that a process can be asked for (ATTNX_CPU_CAPABILITY), by the name
-# torch.ops.attnx._cpu_capability gives them; AVX512-BF16 is the process's own where the CPU has it.
-CPU_VARIANTS = ["default", "avx2", "avx512", "emulated_bf16"]
+# torch.ops.attnx._cpu_capability gives them. The widest the CPU has (AMX-BF16, or AVX512-BF16) is the
+# process's own, which every other test runs.
+CPU_VARIANTS = ["default", "avx2", "avx512", "avx512_bf16", "emulated_bf16", "emulated_amx"]
 
 
 def run_under_cpu_capability(script, variant):
@@ -491,8 +492,10 @@ def run_under_cpu_capability(script, variant):
     level = torch.backends.cpu.get_cpu_capability()
     if variant == "avx2" and level not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
-    if variant == "avx512" and (level != "AVX512" or own not in ("avx512", "avx512_bf16")):
+    if variant == "avx512" and (level != "AVX512" or own not in ("avx512", "avx512_bf16", "amx_bf16")):
         pytest.skip("this CPU (or this build) has no AVX-512 variant")
+    if variant == "avx512_bf16" and (level != "AVX512" or own != "amx_bf16"):
+        pytest.skip("this CPU (or this build) has no AVX512-BF16 variant beside its own")
     preamble = textwrap.dedent(
         f"""
         import sys, torch

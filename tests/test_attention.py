@@ -835,16 +835,17 @@ _BF16_FILES = ("test_attention.py", "test_attention_backward.py", "test_attentio
 
 
 @pytest.mark.slow
-def test_bfloat16_tests_on_the_emulated_variant():
-    # The pair products of bfloat16 (forward and backward, every option) on a CPU without AVX512-BF16 are
-    # tested here: every bfloat16 test of the attention files again, in a process whose kernels are the
-    # emulated variant (this process runs the machine's own). About a minute on two cores.
-    if torch.ops.attnx._cpu_capability() == "emulated_bf16":
+@pytest.mark.parametrize("variant", ["emulated_bf16", "emulated_amx"])
+def test_bfloat16_tests_on_the_emulated_variant(variant):
+    # The pair products of bfloat16 (forward and backward, every option) on a CPU without AVX512-BF16 or
+    # AMX-BF16 are tested here: every bfloat16 test of the attention files again, in a process whose kernels
+    # are the emulated variant's (this process runs the machine's own). About a minute each on two cores.
+    if torch.ops.attnx._cpu_capability() == variant:
         pytest.skip("this process runs the emulated variant already")
     files = [os.path.join(TESTS, name) for name in _BF16_FILES]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "bfloat16 or bf16", "-m",
          "not slow", *files],
-        capture_output=True, text=True, env=dict(os.environ, ATTNX_CPU_CAPABILITY="emulated_bf16"))
+        capture_output=True, text=True, env=dict(os.environ, ATTNX_CPU_CAPABILITY=variant))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout.splitlines()[-1], result.stdout[-2000:]

@@ -1,8 +1,8 @@
-"""The AVX512-BF16 instructions' scalar definitions (csrc/cpu/dot16.h), which the emulated CPU variant runs
-on: known answers on any machine, and bit for bit against the instructions where the CPU has them
-(tests/cpu/dot16_check.cpp). The kernels built on them are tested through the emulated variant
-(test_isa_variants in test_attention.py, test_attention_backward.py and test_dropout.py) and, on a CPU with
-AVX512-BF16, natively by the whole suite."""
+"""The AVX512-BF16 and AMX-BF16 instructions' scalar definitions (csrc/cpu/dot16.h, csrc/cpu/tiles.h), which
+the emulated CPU variants run on: known answers on any machine, and bit for bit against the instructions where
+the CPU has them (tests/cpu/dot16_check.cpp, tests/cpu/tiles_check.cpp). The kernels built on them are tested
+through the emulated variants (test_isa_variants in test_attention.py, test_attention_backward.py and
+test_dropout.py) and, on a CPU with AVX512-BF16 or AMX-BF16, natively by the whole suite."""
 
 import os
 import shutil
@@ -24,3 +24,19 @@ def test_dot16_definitions_match_the_instructions(tmp_path):
         pytest.skip("known answers checked; this CPU has no AVX512-BF16 to compare the definitions with")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("checked 9600000 cases"), result.stdout
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or clang++)")
+def test_tile_definitions_match_the_instructions(tmp_path):
+    """AMX-BF16's tdpbf16ps as csrc/cpu/tiles.h defines it for the emulated_amx variant
+    (tests/cpu/tiles_check.cpp): known answers anywhere (the even and odd halves of the pairs summed apart,
+    denormals flushed), and bit for bit against the instruction over 2.56 M random and special cases where
+    the CPU has AMX."""
+    exe = tmp_path / "tiles_check"
+    subprocess.run([CXX, "-O2", "-std=c++20", "-I", os.path.join(ROOT, "csrc"),
+                    os.path.join(ROOT, "tests", "cpu", "tiles_check.cpp"), "-o", str(exe)], check=True)
+    result = subprocess.run([str(exe), "10000", "1"], capture_output=True, text=True)
+    if result.returncode == 77:
+        pytest.skip("known answers checked; this CPU has no AMX-BF16 (or no tile state) to compare with")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("checked 2560000 cases"), result.stdout

@@ -119,11 +119,11 @@ def test_cpu_isa_line(asked):
     torch_level = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(out.splitlines()[0].strip(), "baseline")
     line = _line(out, "CPU attention kernels:")
     isa = line.removeprefix("CPU attention kernels:").split("(")[0].strip()
-    # attnx follows torch's rule (AVX-512 with its bfloat16 products where the CPU has them), or stays at
-    # baseline where its wider variants are not built.
+    # attnx follows torch's rule (AVX-512 with its bfloat16 products, on AMX tiles or AVX512-BF16, where the
+    # CPU has them), or stays at baseline where its wider variants are not built.
     levels = {torch_level, "baseline"}
     if torch_level == "AVX-512":
-        levels.add("AVX-512 with AVX512-BF16")
+        levels |= {"AVX-512 with AVX512-BF16", "AVX-512 with AMX-BF16"}
     assert isa in levels, line
     if asked == "default":
         assert isa == "baseline"
@@ -133,7 +133,7 @@ def test_cpu_isa_line(asked):
         assert isa == info.cpu_isa()
 
 
-@pytest.mark.parametrize("asked", ["emulated_bf16", "avx512", "no_such_level"])
+@pytest.mark.parametrize("asked", ["emulated_bf16", "emulated_amx", "avx512", "no_such_level"])
 def test_cpu_isa_line_asked_of_attnx(asked):
     # ATTNX_CPU_CAPABILITY: the emulation anywhere, a level no higher than the CPU's, an unknown name ignored.
     out = _run(["-c", "from attnx import info; info.main([])"], ATTNX_CPU_CAPABILITY=asked)
@@ -142,6 +142,8 @@ def test_cpu_isa_line_asked_of_attnx(asked):
     isa = line.removeprefix("CPU attention kernels:").split("(")[0].strip()
     if asked == "emulated_bf16":
         assert isa == "AVX512-BF16 emulated on the baseline ISA"
+    elif asked == "emulated_amx":
+        assert isa == "AMX-BF16 emulated on the baseline ISA"
     elif asked == "avx512":
         assert isa in {"AVX-512", "AVX2", "baseline"}
     else:

@@ -10,6 +10,14 @@
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "cpu/attention_backward_kernel.h"
 #include "cpu/attention_kernel.h"
 
@@ -23,11 +31,30 @@ namespace attnx {
 
 namespace {
 
+#if ATTNX_CPU_X86_VARIANTS
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and the tile state granted to the process: Linux
+// enables it only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once for every thread;
+// where that is refused (an older kernel, a sandbox) the variant below it runs.
+bool amx_bf16_usable() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+#ifdef __linux__
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
 cpu::CpuCapability detect_cpu_capability() {
   using cpu::CpuCapability;
   const char* forced = std::getenv("ATTNX_CPU_CAPABILITY");
-  // The emulation runs on any CPU, and is built everywhere.
+  // The emulations run on any CPU, and are built everywhere.
   if (forced && std::strcmp(forced, "emulated_bf16") == 0) return CpuCapability::kEmulatedBf16;
+  if (forced && std::strcmp(forced, "emulated_amx") == 0) return CpuCapability::kEmulatedAmx;
 #if ATTNX_CPU_X86_VARIANTS
   __builtin_cpu_init();
   CpuCapability level = CpuCapability::kDefault;
@@ -43,11 +70,12 @@ cpu::CpuCapability detect_cpu_capability() {
   }
   if (level == CpuCapability::kAvx512 && __builtin_cpu_supports("avx512bf16")) {
     level = CpuCapability::kAvx512Bf16;
+    if (amx_bf16_usable()) level = CpuCapability::kAmxBf16;
   }
   // ATTNX_CPU_CAPABILITY picks any level up to the CPU's.
   if (forced) {
-    const char* names[] = {"default", "avx2", "avx512", "avx512_bf16"};
-    for (int i = 0; i < 4; ++i) {
+    const char* names[] = {"default", "avx2", "avx512", "avx512_bf16", "amx_bf16"};
+    for (int i = 0; i < 5; ++i) {
       if (std::strcmp(forced, names[i]) == 0) {
         level = std::min(level, static_cast<CpuCapability>(i));
       }
@@ -71,8 +99,12 @@ cpu::CpuCapability cpu::cpu_capability() {
 // torch's levels).
 std::string cpu_capability_name() {
   switch (cpu::cpu_capability()) {
+    case cpu::CpuCapability::kEmulatedAmx:
+      return "emulated_amx";
     case cpu::CpuCapability::kEmulatedBf16:
       return "emulated_bf16";
+    case cpu::CpuCapability::kAmxBf16:
+      return "amx_bf16";
     case cpu::CpuCapability::kAvx512Bf16:
       return "avx512_bf16";
     case cpu::CpuCapability::kAvx512:

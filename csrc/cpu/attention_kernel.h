@@ -3,11 +3,11 @@
 // cpu/attention_kernel_impl.h holds the kernel. cpu/attention.cpp compiles it for the baseline ISA (namespace
 // DEFAULT) and cpu/attention_kernel_avx2.cpp / cpu/attention_kernel_avx512.cpp for AVX2 and AVX-512, each in
 // its own namespace named after torch's CPU_CAPABILITY, as torch does for its own kernels;
-// cpu/attention_kernel_avx512_bf16.cpp compiles the AVX-512 one again with bfloat16 products on AVX512-BF16,
-// and cpu/attention_kernel_bf16_emulated.cpp those products emulated on the baseline ISA (cpu/dot16.h).
-// ATTNX_CPU_VARIANT picks one at run time (cpu_capability(): torch's rule, so that
-// ATEN_CPU_CAPABILITY=avx2|default selects the lower levels, then AVX512-BF16 where the CPU has it;
-// ATTNX_CPU_CAPABILITY chooses any level the CPU runs, and the emulation).
+// cpu/attention_kernel_avx512_bf16.cpp compiles the AVX-512 one again with bfloat16 products on AVX512-BF16
+// or AMX-BF16 tiles, and cpu/attention_kernel_bf16_emulated.cpp those products emulated on the baseline ISA
+// (cpu/dot16.h, cpu/tiles.h). ATTNX_CPU_VARIANT picks one at run time (cpu_capability(): torch's rule, so
+// that ATEN_CPU_CAPABILITY=avx2|default selects the lower levels, then AVX512-BF16 and AMX where the CPU has
+// them; ATTNX_CPU_CAPABILITY chooses any level the CPU runs, and the emulations).
 //
 // Every header the kernel needs is included here, before an ISA TU raises its target: inline functions from
 // these headers are then compiled for the baseline ISA in every TU, and only the kernel and its SIMD layer
@@ -57,12 +57,12 @@
 #define ATTNX_CPU_X86_VARIANTS 0
 #endif
 
-// The widest x86 variant built: 3 (AVX-512 with AVX512-BF16, every build users get), 2 (AVX-512), 1 (AVX2)
-// or 0 (DEFAULT alone). A build whose kernels only ever run on the machine that built it (`make sanitize`'s)
-// leaves out the variants that machine cannot run (setup.py's ATTNX_CPU_MAX_VARIANT). The emulated variant
-// runs anywhere and is always built.
+// The widest x86 variant built: 4 (AVX-512 with AVX512-BF16 and AMX-BF16, every build users get), 3 (the same
+// without AMX), 2 (AVX-512), 1 (AVX2) or 0 (DEFAULT alone). A build whose kernels only ever run on the
+// machine that built it (`make sanitize`'s) leaves out the variants that machine cannot run (setup.py's
+// ATTNX_CPU_MAX_VARIANT). The emulated variants run anywhere and are always built.
 #ifndef ATTNX_CPU_MAX_VARIANT
-#define ATTNX_CPU_MAX_VARIANT 3
+#define ATTNX_CPU_MAX_VARIANT 4
 #endif
 
 namespace attnx::cpu {
@@ -71,15 +71,26 @@ namespace attnx::cpu {
 using AttentionKernel = void (*)(const AttentionParams&, const AttentionPointers&,
                                  torch::headeronly::ScalarType);
 
-// The ISA levels the kernels are compiled for, numbered as ATTNX_CPU_MAX_VARIANT, and the emulated one.
-enum class CpuCapability { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kEmulatedBf16 = 4 };
+// The ISA levels the kernels run at, numbered as ATTNX_CPU_MAX_VARIANT, and the emulated ones. kAmxBf16 is
+// the AVX512-BF16 kernels with their bfloat16 pair products on AMX tiles (cpu/tiles.h), kEmulatedAmx the
+// same in the emulation's kernels: the tiles are a run-time switch inside those two compilations.
+enum class CpuCapability {
+  kDefault = 0,
+  kAvx2 = 1,
+  kAvx512 = 2,
+  kAvx512Bf16 = 3,
+  kAmxBf16 = 4,
+  kEmulatedBf16 = 5,
+  kEmulatedAmx = 6,
+};
 
 // The variant the kernels run: the level torch's own CPU kernels run at
 // (torch.backends.cpu.get_cpu_capability()), by torch's rule: the highest the CPU supports (AVX-512 with VL,
 // BW, DQ and FMA; AVX2 with FMA), lowered by ATEN_CPU_CAPABILITY (default, avx2, avx512), so that one
 // environment variable moves torch and attnx together (the stable ABI has no at::get_cpu_capability); then
-// AVX512-BF16 where AVX-512 is chosen and the CPU has it. ATTNX_CPU_CAPABILITY (default, avx2, avx512,
-// avx512_bf16: a level no higher than that; emulated_bf16: the emulation) overrides the choice; other values
+// AVX512-BF16 where AVX-512 is chosen and the CPU has it, and AMX-BF16 on top where the CPU has it and the OS
+// grants the process its tile state. ATTNX_CPU_CAPABILITY (default, avx2, avx512, avx512_bf16, amx_bf16: a
+// level no higher than that; emulated_bf16, emulated_amx: the emulations) overrides the choice; other values
 // are ignored, as torch ignores them. Read once per process; kDefault where the variants are not built.
 CpuCapability cpu_capability();
 
@@ -89,8 +100,10 @@ Kernel pick_variant(Kernel portable, [[maybe_unused]] Kernel avx2, [[maybe_unuse
                     [[maybe_unused]] Kernel avx512_bf16, Kernel emulated_bf16) {
   switch (cpu_capability()) {
     case CpuCapability::kEmulatedBf16:
+    case CpuCapability::kEmulatedAmx:
       return emulated_bf16;
     case CpuCapability::kAvx512Bf16:
+    case CpuCapability::kAmxBf16:
       return avx512_bf16;
     case CpuCapability::kAvx512:
       return avx512;

@@ -23,6 +23,7 @@
 #include "cpu/vec.h"
 // dot16.h and gemm.h after vec.h: they are built on Vec<float>, and gemm.h's pair products on dot16.h.
 #include "cpu/dot16.h"
+#include "cpu/tiles.h"
 #include "cpu/gemm.h"
 
 namespace attnx::cpu {

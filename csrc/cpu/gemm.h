@@ -20,6 +20,7 @@
 // One driver serves two kinds of product (a Product below): float32 elements (FloatProduct: a step of the
 // depth is one k, an FMA per lane) and, where the TU has them (dot16.h), bfloat16 pairs (PairProduct: a step
 // is two k, A's element a pair and B's row k the (k, k + 1) pairs of its columns, one vdpbf16ps per lane).
+// In the amx_bf16 and emulated_amx variants, the pair products run on AMX tiles instead (tiles.h).
 #pragma once
 
 #ifndef CPU_CAPABILITY
@@ -220,10 +221,25 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 }
 
 #if ATTNX_DOT_BF16
+// Whether the pair products run on tiles: the variant the process runs (cpu_capability()) is this TU's
+// tile variant.
+inline bool use_tiles() {
+#if ATTNX_TILE_BF16
+  static const bool on = cpu_capability() == (ATTNX_TILE_BF16 == 1 ? CpuCapability::kAmxBf16
+                                                                    : CpuCapability::kEmulatedAmx);
+  return on;
+#else
+  return false;
+#endif
+}
+
 // C (M, N) = alpha A (M, 2 K) @ B (2 K, N), or C += A @ B when add_c (alpha 1), in float32 from bfloat16
 // pairs (dot16.h): A's rows are K pairs (lda in pairs), B is (K, N) pairs (ldb in pairs).
 inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda, const uint32_t* B,
                        int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha) {
+#if ATTNX_TILE_BF16
+  if (use_tiles()) return tiles::gemm_pairs(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
+#endif
   gemm_detail::gemm_steps<gemm_detail::PairProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
 }
 #endif

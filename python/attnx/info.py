@@ -54,8 +54,10 @@ COMPOSITE_NEEDS = {
 }
 
 # attnx::_cpu_capability's answers (ATEN_CPU_CAPABILITY's spelling) as the report names them.
-ISA_NAMES = {"avx512_bf16": "AVX-512 with AVX512-BF16", "avx512": "AVX-512", "avx2": "AVX2",
-             "default": "baseline", "emulated_bf16": "AVX512-BF16 emulated on the baseline ISA"}
+ISA_NAMES = {"amx_bf16": "AVX-512 with AMX-BF16", "avx512_bf16": "AVX-512 with AVX512-BF16",
+             "avx512": "AVX-512", "avx2": "AVX2", "default": "baseline",
+             "emulated_bf16": "AVX512-BF16 emulated on the baseline ISA",
+             "emulated_amx": "AMX-BF16 emulated on the baseline ISA"}
 
 # The libraries attnx.integrations adapts, by import name, with the distribution that installs each.
 INTEGRATIONS = (("transformers", "transformers"), ("timm", "timm"), ("open_clip", "open_clip_torch"))
@@ -99,10 +101,12 @@ def op_backends(op: str) -> dict[str, str]:
 
 def cpu_isa() -> str:
     """The ISA level attnx's CPU attention kernels (forward and backward) run at in this process: ``AVX-512
-    with AVX512-BF16`` (bfloat16 products on vdpbf16ps), ``AVX-512``, ``AVX2`` or ``baseline``, or the
-    emulation that ATTNX_CPU_CAPABILITY=emulated_bf16 asks for. The library's own answer (cpu_capability() in
-    csrc/cpu/attention_kernel.h): torch's rule, ATEN_CPU_CAPABILITY included, then AVX512-BF16 where the CPU
-    has it, ATTNX_CPU_CAPABILITY's choice, and baseline where the wider variants are not built."""
+    with AMX-BF16`` (bfloat16 products on AMX tiles), ``AVX-512 with AVX512-BF16`` (on vdpbf16ps),
+    ``AVX-512``, ``AVX2`` or ``baseline``, or an emulation that ATTNX_CPU_CAPABILITY=emulated_bf16 or
+    emulated_amx asks for. The library's own answer (cpu_capability() in csrc/cpu/attention_kernel.h):
+    torch's rule, ATEN_CPU_CAPABILITY included, then AVX512-BF16 and AMX-BF16 where the CPU has them (and the
+    OS grants the tile state), ATTNX_CPU_CAPABILITY's choice, and baseline where the wider variants are not
+    built."""
     return ISA_NAMES[torch.ops.attnx._cpu_capability()]
 
 
