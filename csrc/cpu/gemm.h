@@ -238,7 +238,11 @@ inline bool use_tiles() {
 inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda, const uint32_t* B,
                        int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha) {
 #if ATTNX_TILE_BF16
-  if (use_tiles()) return tiles::gemm_pairs(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
+  // A tile holds 16 rows: fewer than half of them (grouped heads' decoding rows, say) run on vdpbf16ps,
+  // which wastes none (a decoding step of 4 query heads a kv head measured 5% faster so than on tiles
+  // padded with zeros).
+  if (use_tiles() && M >= tiles::kRows / 2)
+    return tiles::gemm_pairs(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
 #endif
   gemm_detail::gemm_steps<gemm_detail::PairProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
 }
