@@ -4,9 +4,9 @@ The same call, ``F.scaled_dot_product_attention`` (in no_grad, or forward + back
 the takeover switched on before each attnx block and off before each torch block (untimed), so both sides pay
 the same dispatch. Shapes PyTorch's CPU flash kernel takes: decoding (per-call overhead), GQA decoding, an
 encoder with a padding mask (as transformers' ``sdpa`` builds it), causal prefill, a ViT, and a diffusion
-UNet's self- and cross-attention; float32 and bfloat16. Then a diffusers UNet2DConditionModel forward (built
-from a small config, random weights; skipped when diffusers is missing). Outputs are compared first. Ratio:
-the round-by-round median of attnx's time over torch's with its 95% interval; target: at most 1.0x.
+UNet's self- and cross-attention; float32, bfloat16 and float16. Then a diffusers UNet2DConditionModel forward
+(built from a small config, random weights; skipped when diffusers is missing). Outputs are compared first.
+Ratio: the round-by-round median of attnx's time over torch's with its 95% interval; target: at most 1.0x.
 """
 
 import torch
@@ -20,11 +20,12 @@ DEVICES = ("cpu",)
 TITLE = "F.scaled_dot_product_attention under the takeover vs PyTorch's CPU kernel"
 
 # name, (B, H, Hkv, L, S, D), mask ("none", "causal", "padding"), dtypes, with a backward
+ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHAPES = (
     ("decode", (1, 8, 8, 1, 128, 64), "none", (torch.float32,), False),
-    ("decode GQA", (4, 32, 8, 1, 1024, 128), "none", (torch.float32, torch.bfloat16), False),
-    ("encoder + padding", (8, 12, 12, 256, 256, 64), "padding", (torch.float32, torch.bfloat16), True),
-    ("causal prefill", (1, 16, 16, 1024, 1024, 64), "causal", (torch.float32, torch.bfloat16), True),
+    ("decode GQA", (4, 32, 8, 1, 1024, 128), "none", ALL_DTYPES, False),
+    ("encoder + padding", (8, 12, 12, 256, 256, 64), "padding", ALL_DTYPES, True),
+    ("causal prefill", (1, 16, 16, 1024, 1024, 64), "causal", ALL_DTYPES, True),
     ("ViT-B/16", (8, 12, 12, 197, 197, 64), "none", (torch.float32,), True),
     ("UNet self", (2, 8, 8, 1024, 1024, 40), "none", (torch.float32,), False),
     ("UNet cross", (2, 8, 8, 1024, 77, 40), "none", (torch.float32,), False),

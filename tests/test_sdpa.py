@@ -288,10 +288,11 @@ def test_warnings_filter_is_local():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_forwards_on_amx_cpus(dtype):
-    """Where PyTorch's kernel runs a 16-bit dtype's GEMMs on AMX tiles, enable() leaves that dtype's forward
+    """Where PyTorch's kernel runs a 16-bit dtype's GEMMs on AMX tiles and attnx's does not (float16 with
+    AMX-FP16; bfloat16 with AMX where attnx's variant is not amx_bf16), enable() leaves that dtype's forward
     to it (bit for bit PyTorch's output) and still runs attnx's backward on it; elsewhere both are attnx's."""
     if dtype == torch.bfloat16:
-        amx = torch.cpu._is_amx_tile_supported()
+        amx = torch.cpu._is_amx_tile_supported() and torch.ops.attnx._cpu_capability() != "amx_bf16"
     else:
         amx = torch.cpu._is_amx_fp16_supported()
     q, k, v = make_inputs(2, 4, 4, 64, 80, 32, dtype)

@@ -21,11 +21,9 @@
 // shapes do not fit) goes to PyTorch's own kernel, which computes it or raises PyTorch's error for it: the op
 // attnx::_sdpa_for_cpu_fallback (_backward_fallback), whose CPU kernel python/attnx/sdpa.py takes from the
 // dispatcher (torch.library.get_kernel) before the takeover starts. So do the bfloat16 (float16) forwards
-// that the takeover was told to keep PyTorch's, decoding steps excepted: on CPUs with AMX (AMX-FP16)
-// PyTorch's kernel runs their GEMMs on AMX tiles, where attnx's 16-bit kernels took about twice its time when
-// they computed in float32 (benchmarks case `sdpa`; bfloat16's now run on AVX512-BF16's dot products, about
-// 1.5x faster, not yet measured against AMX). Their backward is still attnx's, which reads the logsumexp of
-// either forward alike.
+// that the takeover was told to keep PyTorch's, decoding steps excepted: where PyTorch's kernel runs their
+// GEMMs on AMX tiles and attnx's do not (python/attnx/sdpa.py's enable() decides; benchmarks case `sdpa`).
+// Their backward is still attnx's, which reads the logsumexp of either forward alike.
 #include <torch/csrc/stable/library.h>
 
 #include <atomic>

@@ -62,16 +62,21 @@ def _register_fallbacks() -> None:
 def enable() -> None:
     """Turn the takeover on (nothing happens when it is on already).
 
-    On CPUs where PyTorch's kernel runs 16-bit GEMMs on AMX tiles (bfloat16 with AMX, float16 with AMX-FP16),
-    the forward of those dtypes stays PyTorch's, which measured about twice as fast there as attnx's when
-    attnx's 16-bit kernels computed in float32 (bfloat16 now runs on AVX512-BF16's dot products, about 1.5x
-    faster, not yet measured on an AMX machine), except for decoding steps (one query row), where attnx's is
-    faster; their backward is attnx's.
+    On CPUs where PyTorch's kernel runs 16-bit GEMMs on AMX tiles and attnx's does not, the forward of
+    that dtype stays PyTorch's: float16 on CPUs with AMX-FP16 (attnx's float16 kernels compute in float32;
+    not measured on such a CPU), and bfloat16 on CPUs with AMX when attnx was asked for a
+    variant below ``amx_bf16`` (``ATTNX_CPU_CAPABILITY``). Decoding steps (one query row) are attnx's
+    either way, and so is the backward. With its own bfloat16 products on AMX tiles, attnx's forward
+    measured 0.95-0.98x PyTorch's time and forward + backward 0.40-0.45x (``python -m benchmarks --only
+    sdpa``, a 2-core Xeon with AMX).
 
     PyTorch warns once per process that a kernel is being overridden; attnx silences that warning for its own
     registration only, since overriding is what was asked for.
     """
-    _enable(torch.cpu._is_amx_tile_supported(), torch.cpu._is_amx_fp16_supported())
+    # PyTorch's kernel has AMX where torch says so; attnx's bfloat16 kernels have it where their variant is
+    # amx_bf16 (and float16's never).
+    amx_bf16 = torch.ops.attnx._cpu_capability() == "amx_bf16"
+    _enable(torch.cpu._is_amx_tile_supported() and not amx_bf16, torch.cpu._is_amx_fp16_supported())
 
 
 def _enable(keep_bf16_forward: bool, keep_fp16_forward: bool) -> None:
