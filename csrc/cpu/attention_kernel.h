@@ -88,8 +88,9 @@ enum class CpuCapability {
 // (torch.backends.cpu.get_cpu_capability()), by torch's rule: the highest the CPU supports (AVX-512 with VL,
 // BW, DQ and FMA; AVX2 with FMA), lowered by ATEN_CPU_CAPABILITY (default, avx2, avx512), so that one
 // environment variable moves torch and attnx together (the stable ABI has no at::get_cpu_capability); then
-// AVX512-BF16 where AVX-512 is chosen and the CPU has it, and AMX-BF16 on top where the CPU has it and the OS
-// grants the process its tile state. ATTNX_CPU_CAPABILITY (default, avx2, avx512, avx512_bf16, amx_bf16: a
+// AVX512-BF16 where AVX-512 is chosen and the CPU has it (not on Intel cores, where it measured slower than
+// the float32 products), and AMX-BF16 on top where the CPU has it and the OS grants the process its tile
+// state. ATTNX_CPU_CAPABILITY (default, avx2, avx512, avx512_bf16, amx_bf16: a
 // level no higher than that; emulated_bf16, emulated_amx: the emulations) overrides the choice; other values
 // are ignored, as torch ignores them. Read once per process; kDefault where the variants are not built.
 CpuCapability cpu_capability();

@@ -66,8 +66,9 @@ def attention(
     bound of tests/attention_helpers.py (a multiple of this function's own error in the inputs' dtype, plus
     a small absolute term per dtype). A kernel for 16-bit inputs may round the probabilities, and in the
     backward dS, to the inputs' dtype before the products they enter, as PyTorch's kernels and
-    FlashAttention do (attnx's CPU kernels on AVX512-BF16 do for bfloat16, and flush float32 denormals in
-    those products to zero); the scores, the softmax's sums, ``lse`` and the accumulators stay float32.
+    FlashAttention do (attnx's CPU kernels on AVX512-BF16 or AMX-BF16 do for bfloat16, and flush float32
+    denormals in those products to zero); the scores, the softmax's sums, ``lse`` and the accumulators stay
+    float32.
 
     Args:
         query: as in :func:`attnx.attention`.
