@@ -14,16 +14,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CXX = shutil.which("g++") or shutil.which("clang++")
 
 
+def check(tmp_path, name, args, cases, lacking):
+    """Builds and runs tests/cpu/<name>.cpp with ``args``; skips (saying the CPU lacks ``lacking``) where it
+    checked only the known answers, else expects ``cases`` cases checked."""
+    exe = tmp_path / name
+    subprocess.run([CXX, "-O2", "-std=c++20", "-I", os.path.join(ROOT, "csrc"),
+                    os.path.join(ROOT, "tests", "cpu", name + ".cpp"), "-o", str(exe)], check=True)
+    result = subprocess.run([str(exe), *args], capture_output=True, text=True)
+    if result.returncode == 77:
+        pytest.skip(f"known answers checked; this CPU has no {lacking} to compare the definitions with")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith(f"checked {cases} cases"), result.stdout
+
+
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or clang++)")
 def test_dot16_definitions_match_the_instructions(tmp_path):
-    exe = tmp_path / "dot16_check"
-    subprocess.run([CXX, "-O2", "-std=c++20", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "tests", "cpu", "dot16_check.cpp"), "-o", str(exe)], check=True)
-    result = subprocess.run([str(exe), "200000", "1"], capture_output=True, text=True)
-    if result.returncode == 77:
-        pytest.skip("known answers checked; this CPU has no AVX512-BF16 to compare the definitions with")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("checked 9600000 cases"), result.stdout
+    check(tmp_path, "dot16_check", ["200000", "1"], 9600000, "AVX512-BF16")
 
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or clang++)")
@@ -32,11 +38,4 @@ def test_tile_definitions_match_the_instructions(tmp_path):
     (tests/cpu/tiles_check.cpp): known answers anywhere (the even and odd halves of the pairs summed apart,
     denormals flushed), and bit for bit against the instruction over 2.56 M random and special cases where
     the CPU has AMX."""
-    exe = tmp_path / "tiles_check"
-    subprocess.run([CXX, "-O2", "-std=c++20", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "tests", "cpu", "tiles_check.cpp"), "-o", str(exe)], check=True)
-    result = subprocess.run([str(exe), "10000", "1"], capture_output=True, text=True)
-    if result.returncode == 77:
-        pytest.skip("known answers checked; this CPU has no AMX-BF16 (or no tile state) to compare with")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("checked 2560000 cases"), result.stdout
+    check(tmp_path, "tiles_check", ["10000", "1"], 2560000, "AMX-BF16 (or no tile state)")

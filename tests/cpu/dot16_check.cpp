@@ -19,10 +19,13 @@
 
 #define CPU_CAPABILITY CHECK
 #include "cpu/dot16.h"
+#include "check_words.h"
 
 namespace {
 
 using namespace attnx::cpu::CHECK;
+using check::same;
+using check::word;
 
 __attribute__((target("avx512f,avx512bf16"))) void native_dot(const float* acc, const uint32_t* a,
                                                               const uint32_t* b, float* out) {
@@ -34,35 +37,6 @@ __attribute__((target("avx512f,avx512bf16"))) void native_dot(const float* acc, 
 __attribute__((target("avx512f,avx512bf16"))) void native_convert(const float* x, uint16_t* out) {
   const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
   _mm512_storeu_si512(out, reinterpret_cast<__m512i>(h));
-}
-
-bool same(uint32_t x, uint32_t y) {
-  const auto nan = [](uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; };
-  return x == y || (nan(x) && nan(y));
-}
-
-// A float32 word: uniform bits, or one of the special classes, or an ordinary value near 1 (so that sums
-// cancel and round).
-uint32_t word(std::mt19937& g) {
-  const uint32_t sign = (g() & 1u) << 31;
-  switch (g() % 10) {
-    case 0:
-      return sign;  // zero
-    case 1:
-      return sign | (g() & 0x007fffffu);  // denormal
-    case 2:
-      return sign | 0x7f800000u | ((g() % 4 == 0) ? 0u : (g() & 0x007fffffu) | 1u);  // inf or NaN
-    case 3:
-      return sign | ((g() % 8) << 23) | (g() & 0x007fffffu);  // tiny normal: products underflow
-    case 4:
-      return sign | ((0xf8u + g() % 7) << 23) | (g() & 0x007fffffu);  // huge: products overflow
-    case 5:
-    case 6:
-    case 7:
-      return sign | ((0x78u + g() % 16) << 23) | (g() & 0x007fffffu);  // near 1
-    default:
-      return g();
-  }
 }
 
 // A pair of bfloat16 values given as float32 words (truncated to their high halves).
@@ -117,11 +91,11 @@ int main(int argc, char** argv) {
     uint16_t cvt[32];
     for (int l = 0; l < 16; ++l) {
       // Pairs from the high halves of two float32 words: bfloat16 values of every class.
-      a[l] = (word(g) >> 16) | (word(g) & 0xffff0000u);
-      b[l] = (word(g) >> 16) | (word(g) & 0xffff0000u);
-      acc[l] = dot16::bits_to_float(word(g));
+      a[l] = (word(g, 500) >> 16) | (word(g, 500) & 0xffff0000u);
+      b[l] = (word(g, 500) >> 16) | (word(g, 500) & 0xffff0000u);
+      acc[l] = dot16::bits_to_float(word(g, 500));
     }
-    for (float& v : x) v = dot16::bits_to_float(word(g));
+    for (float& v : x) v = dot16::bits_to_float(word(g, 500));
     native_dot(acc, a, b, out);
     native_convert(x, cvt);
     for (int l = 0; l < 16; ++l, ++cases) {

@@ -25,11 +25,14 @@
 #define ATTNX_TILE_BF16 2
 #include "cpu/dot16.h"
 #include "cpu/tiles.h"
+#include "check_words.h"
 
 namespace {
 
 using namespace attnx::cpu::CHECK;
 using Tile = uint32_t[16][16];
+using check::same;
+using check::word;
 
 // C + A B on the emulated tile registers 0, 1, 2.
 void emulated(const Tile c, const Tile a, const Tile b, Tile out) {
@@ -49,32 +52,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void native(const Tile c, const Til
   _tile_dpbf16ps(0, 1, 2);
   _tile_stored(0, out, 64);
   _tile_release();
-}
-
-bool same(uint32_t x, uint32_t y) {
-  const auto nan = [](uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; };
-  return x == y || (nan(x) && nan(y));
-}
-
-// A float32 word: uniform bits, or one of the special classes, or an ordinary value near 1 (so that sums
-// cancel and round). `special` in 1000: how often the rare classes come.
-uint32_t word(std::mt19937& g, int special) {
-  const uint32_t sign = (g() & 1u) << 31;
-  if (static_cast<int>(g() % 1000) < special) {
-    switch (g() % 5) {
-      case 0:
-        return sign;  // zero
-      case 1:
-        return sign | (g() & 0x007fffffu);  // denormal
-      case 2:
-        return sign | 0x7f800000u | ((g() % 4 == 0) ? 0u : (g() & 0x007fffffu) | 1u);  // inf or NaN
-      case 3:
-        return sign | ((g() % 8) << 23) | (g() & 0x007fffffu);  // tiny normal: products underflow
-      default:
-        return sign | ((0xf8u + g() % 7) << 23) | (g() & 0x007fffffu);  // huge: products overflow
-    }
-  }
-  return g() % 4 ? sign | ((0x78u + g() % 16) << 23) | (g() & 0x007fffffu) : g();
 }
 
 uint32_t bf16_bits(float x) { return dot16::float_to_bits(x) >> 16; }
