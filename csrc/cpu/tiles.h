@@ -242,7 +242,7 @@ inline void block(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t ld
 inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda, const uint32_t* B,
                        int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha) {
   if (M <= 0 || N <= 0) return;
-  const Scope scope;
+  [[maybe_unused]] const Scope scope;
   for (int64_t j0 = 0; j0 < N; j0 += 2 * kWords) {
     const bool two_cols = N - j0 > kWords;
     for (int64_t i0 = 0; i0 < M; i0 += 2 * kRows) {

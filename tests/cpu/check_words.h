@@ -3,9 +3,30 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <random>
 
 namespace check {
+
+// A pair of bfloat16 values given as floats (truncated to their high halves), the lower one in the low half.
+inline uint32_t pair(float low, float high) {
+  uint32_t l, h;
+  std::memcpy(&l, &low, 4);
+  std::memcpy(&h, &high, 4);
+  return (l >> 16) | (h & 0xffff0000u);
+}
+
+// A known answer: prints and counts the wrong ones.
+struct Expect {
+  int bad = 0;
+  void operator()(const char* what, uint32_t got, uint32_t want) {
+    if (got != want) {
+      std::printf("%s: %08x, expected %08x\n", what, got, want);
+      ++bad;
+    }
+  }
+};
 
 // Equal bits, or both NaN (payloads aside, which the kernels never read).
 inline bool same(uint32_t x, uint32_t y) {

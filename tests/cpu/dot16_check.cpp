@@ -25,6 +25,7 @@ namespace {
 
 using namespace attnx::cpu::CHECK;
 using check::same;
+using check::pair;
 using check::word;
 
 __attribute__((target("avx512f,avx512bf16"))) void native_dot(const float* acc, const uint32_t* a,
@@ -39,19 +40,8 @@ __attribute__((target("avx512f,avx512bf16"))) void native_convert(const float* x
   _mm512_storeu_si512(out, reinterpret_cast<__m512i>(h));
 }
 
-// A pair of bfloat16 values given as float32 words (truncated to their high halves).
-uint32_t pair(float low, float high) {
-  return (dot16::float_to_bits(low) >> 16) | (dot16::float_to_bits(high) & 0xffff0000u);
-}
-
 int known_answers() {
-  int bad = 0;
-  const auto expect = [&](const char* what, uint32_t got, uint32_t want) {
-    if (got != want) {
-      std::printf("%s: %08x, expected %08x\n", what, got, want);
-      ++bad;
-    }
-  };
+  check::Expect expect;
   const float half_ulp = std::ldexp(1.0f, -24);  // half an ulp of 1
   // Two roundings, the high product first: 1 + 2^-24 ties to 1, twice (one rounding would give 1 + 2^-23).
   expect("two roundings", dot16::float_to_bits(dot16::dot_pair(1.0f, pair(half_ulp, half_ulp), pair(1, 1))),
@@ -69,7 +59,7 @@ int known_answers() {
   expect("above half", dot16::to_bf16(dot16::bits_to_float(0x3f808001u)), 0x3f81u);
   expect("denormal", dot16::to_bf16(dot16::bits_to_float(0x80000001u)), 0x8000u);
   expect("quiet NaN", dot16::to_bf16(dot16::bits_to_float(0x7f800001u)), 0x7fc0u);
-  return bad;
+  return expect.bad;
 }
 
 }  // namespace

@@ -32,6 +32,7 @@ namespace {
 using namespace attnx::cpu::CHECK;
 using Tile = uint32_t[16][16];
 using check::same;
+using check::pair;
 using check::word;
 
 // C + A B on the emulated tile registers 0, 1, 2.
@@ -54,17 +55,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void native(const Tile c, const Til
   _tile_release();
 }
 
-uint32_t bf16_bits(float x) { return dot16::float_to_bits(x) >> 16; }
-uint32_t pair(float low, float high) { return bf16_bits(low) | bf16_bits(high) << 16; }
-
 int known_answers() {
-  int bad = 0;
-  const auto expect = [&](const char* what, uint32_t got, uint32_t want) {
-    if (got != want) {
-      std::printf("%s: %08x, expected %08x\n", what, got, want);
-      ++bad;
-    }
-  };
+  check::Expect expect;
   const auto one = [](uint32_t c, const uint32_t* a, const uint32_t* b, int n) {
     Tile tc{}, ta{}, tb{}, out{};
     tc[0][0] = c;
@@ -100,7 +92,7 @@ int known_answers() {
     expect("denormal inputs read as zero", one(dot16::float_to_bits(2.0f), a, b, 1),
            dot16::float_to_bits(2.0f));
   }
-  return bad;
+  return expect.bad;
 }
 
 bool amx_usable() {
