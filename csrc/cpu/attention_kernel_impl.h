@@ -1071,12 +1071,12 @@ class AttentionCpu {
     for (int64_t g = 0; g < G; ++g) ws.rows[g] = softmax_row_init<acc_t>();
     std::fill_n(ws.o, G * Dv, acc_t(0));
     const KeySpan keys = row_keys(p_, L, kv_len_b, 0, 0);
-    // A few heads score the key rows where they lie, as one query row does (dot_rows: the tile is neither
-    // transposed nor packed, which costs more than a few rows' products); more share one transposed tile in
-    // a GEMM (on AMX tiles for bfloat16 there). Measured at D = 128 (a 2-core Xeon with AMX): 4 heads
-    // 1.05-1.5x faster in place; 8 heads 1.05-1.14x faster for the 16-bit types, 4% slower for float32; 16
-    // and 32 heads 1.1-2.1x slower.
-    const bool keys_as_rows = G <= (sizeof(scalar_t) == 2 ? 8 : 4);
+    // A few heads of a 16-bit type score the key rows where they lie, as one query row does (dot_rows: the
+    // tile is neither converted and transposed nor packed, which costs more than a few rows' products); more
+    // heads, and float32, share one transposed tile in a GEMM (on AMX tiles for bfloat16 there). Measured at
+    // D = 128 (a 2-core Xeon with AMX), in place against the GEMM: bfloat16 1.4-2.2x faster at 4 heads and
+    // 1.1x at 8, float16 1.0-1.1x; float32 0.9-1.15x by the keys' layout; 16 and 32 heads 1.1-2.1x slower.
+    const bool keys_as_rows = sizeof(scalar_t) == 2 && G <= 8;
     for (int64_t kt = keys.begin / plan_.bk, k0 = kt * plan_.bk; k0 < keys.end; ++kt, k0 += plan_.bk) {
       const int64_t nk = std::min(plan_.bk, keys.end - k0);
       if (skip_.padding_skips(b, kt)) continue;
