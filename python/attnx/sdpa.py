@@ -67,7 +67,7 @@ def enable() -> None:
     not measured on such a CPU), and bfloat16 on CPUs with AMX when attnx was asked for a
     variant below ``amx_bf16`` (``ATTNX_CPU_CAPABILITY``). Decoding steps (one query row) are attnx's
     either way, and so is the backward. With its own bfloat16 products on AMX tiles, attnx's forward
-    measured 0.95-0.98x PyTorch's time and forward + backward 0.40-0.45x (``python -m benchmarks --only
+    measured 0.86-0.98x PyTorch's time and forward + backward 0.39-0.45x (``python -m benchmarks --only
     sdpa``, a 2-core Xeon with AMX).
 
     PyTorch warns once per process that a kernel is being overridden; attnx silences that warning for its own
