@@ -122,8 +122,9 @@ def test_grouped_kv_heads(device, heads, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [2, 8, 16])
 def test_grouped_kv_heads_decoding(device, group, dtype):
-    # One query row of `group` heads a kv head: on the CPU a few 16-bit heads score the key rows in place, more
-    # share a transposed tile. An odd head dim (a bfloat16 pair's zero half), keys in strided rows, padding.
+    # One query row of `group` heads a kv head: on the CPU a few 16-bit heads score the key rows in place,
+    # more share a transposed tile. An odd head dim (a bfloat16 pair's zero half), keys in strided rows,
+    # padding.
     q, k, v = on(device, make_gqa(2, 2 * group, 2, 1, 301, 23, 24, dtype=dtype, layout="blhd"))
     kpm = on(device, torch.rand(2, 301, generator=torch.Generator().manual_seed(1)) < 0.3)
     kernel_or_skip(device, q, k, v)
