@@ -24,6 +24,7 @@
 // dot16.h and gemm.h after vec.h: they are built on Vec<float>, and gemm.h's pair products on dot16.h.
 #include "cpu/dot16.h"
 #include "cpu/tiles.h"
+// gemm.h after tiles.h, whose products its pair products run on in the AMX variants.
 #include "cpu/gemm.h"
 
 namespace attnx::cpu {
@@ -1091,9 +1092,9 @@ class AttentionCpu {
 
   // Rows [q0, q0 + nq) (at offset i0 in the item's scratch) against keys [k0, k0 + nk): ka holds the keys
   // transposed (D, nk), or as (nk, D) rows when keys_as_rows (one query row, or a few heads' rows); va the
-  // values; `shared` the bias common to all rows (see shared_bias); block: the index of the tile's bit rows in block_bits when the
-  // block-sparse mask makes it PARTIAL, else kBlockFull. heads_as_rows: the rows are query position q0 of nq
-  // consecutive heads from h (run_group_item), without per-head masks or dropout.
+  // values; `shared` the bias common to all rows (see shared_bias); block: the index of the tile's bit rows
+  // in block_bits when the block-sparse mask makes it PARTIAL, else kBlockFull. heads_as_rows: the rows are
+  // query position q0 of nq consecutive heads from h (run_group_item), without per-head masks or dropout.
   void process_tile(int64_t b, int64_t h, int64_t i0, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
                     int64_t q_len_b, int64_t kv_len_b, const Operand<op_t>& ka, bool keys_as_rows,
                     const Operand<op_t>& va, const acc_t* shared, Scratch<acc_t>& ws, bool mask_rows,

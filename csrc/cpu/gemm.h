@@ -225,8 +225,8 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 // tile variant.
 inline bool use_tiles() {
 #if ATTNX_TILE_BF16
-  static const bool on = cpu_capability() == (ATTNX_TILE_BF16 == 1 ? CpuCapability::kAmxBf16
-                                                                    : CpuCapability::kEmulatedAmx);
+  static const bool on =
+      cpu_capability() == (ATTNX_TILE_BF16 == 1 ? CpuCapability::kAmxBf16 : CpuCapability::kEmulatedAmx);
   return on;
 #else
   return false;

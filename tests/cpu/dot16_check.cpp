@@ -18,14 +18,14 @@
 #include <random>
 
 #define CPU_CAPABILITY CHECK
-#include "cpu/dot16.h"
 #include "check_words.h"
+#include "cpu/dot16.h"
 
 namespace {
 
 using namespace attnx::cpu::CHECK;
-using check::same;
 using check::pair;
+using check::same;
 using check::word;
 
 __attribute__((target("avx512f,avx512bf16"))) void native_dot(const float* acc, const uint32_t* a,

@@ -8,13 +8,13 @@
 //   tiles_check N SEED   prints "checked K cases", or the first mismatches and exits with 1;
 //                        exits with 77 after the known answers when the CPU has no AMX-BF16 or the OS does
 //                        not grant the tile state.
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cpuid.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -23,16 +23,16 @@
 
 #define CPU_CAPABILITY CHECK
 #define ATTNX_TILE_BF16 2
+#include "check_words.h"
 #include "cpu/dot16.h"
 #include "cpu/tiles.h"
-#include "check_words.h"
 
 namespace {
 
 using namespace attnx::cpu::CHECK;
 using Tile = uint32_t[16][16];
-using check::same;
 using check::pair;
+using check::same;
 using check::word;
 
 // C + A B on the emulated tile registers 0, 1, 2.
