@@ -104,9 +104,9 @@ def cpu_isa() -> str:
     with AMX-BF16`` (bfloat16 products on AMX tiles), ``AVX-512 with AVX512-BF16`` (on vdpbf16ps),
     ``AVX-512``, ``AVX2`` or ``baseline``, or an emulation that ATTNX_CPU_CAPABILITY=emulated_bf16 or
     emulated_amx asks for. The library's own answer (cpu_capability() in csrc/cpu/attention_kernel.h):
-    torch's rule, ATEN_CPU_CAPABILITY included, then AVX512-BF16 and AMX-BF16 where the CPU has them (and the
-    OS grants the tile state), ATTNX_CPU_CAPABILITY's choice, and baseline where the wider variants are not
-    built."""
+    torch's rule, ATEN_CPU_CAPABILITY included, then AMX-BF16 where the CPU has it and the OS grants the tile
+    state, else AVX512-BF16 where the CPU has it (not on Intel cores, where it measured slower than the
+    float32 products), ATTNX_CPU_CAPABILITY's choice, and baseline where the wider variants are not built."""
     return ISA_NAMES[torch.ops.attnx._cpu_capability()]
 
 
