@@ -58,14 +58,20 @@ inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// A pair's low and high bfloat16 values as float32, a denormal read as zero (the instructions' inputs).
+inline float low(uint32_t pair) {
+  return flush_denormal(bits_to_float(pair << 16));
+}
+inline float high(uint32_t pair) {
+  return flush_denormal(bits_to_float(pair & 0xffff0000u));
+}
+
 // vdpbf16ps per lane: acc + a.high * b.high, rounded, then + a.low * b.low, rounded (each step one fused
 // multiply-add: a product of two bfloat16 values is exact in float32), inputs and each step's result with
 // denormals flushed. NaN payloads aside, which the attention never reads.
 inline float dot_pair(float acc, uint32_t a, uint32_t b) {
-  const auto hi = [](uint32_t w) { return flush_denormal(bits_to_float(w & 0xffff0000u)); };
-  const auto lo = [](uint32_t w) { return flush_denormal(bits_to_float(w << 16)); };
-  acc = flush_denormal(std::fma(hi(a), hi(b), flush_denormal(acc)));
-  return flush_denormal(std::fma(lo(a), lo(b), acc));
+  acc = flush_denormal(std::fma(high(a), high(b), flush_denormal(acc)));
+  return flush_denormal(std::fma(low(a), low(b), acc));
 }
 
 }  // namespace dot16

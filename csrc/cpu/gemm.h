@@ -220,18 +220,17 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
   gemm_detail::gemm_steps<gemm_detail::FloatProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, 1.0f);
 }
 
-#if ATTNX_DOT_BF16
+#if ATTNX_TILE_BF16
 // Whether the pair products run on tiles: the variant the process runs (cpu_capability()) is this TU's
 // tile variant.
 inline bool use_tiles() {
-#if ATTNX_TILE_BF16
   static const bool on =
       cpu_capability() == (ATTNX_TILE_BF16 == 1 ? CpuCapability::kAmxBf16 : CpuCapability::kEmulatedAmx);
   return on;
-#else
-  return false;
-#endif
 }
+#endif
+
+#if ATTNX_DOT_BF16
 
 // C (M, N) = alpha A (M, 2 K) @ B (2 K, N), or C += A @ B when add_c (alpha 1), in float32 from bfloat16
 // pairs (dot16.h): A's rows are K pairs (lda in pairs), B is (K, N) pairs (ldb in pairs).

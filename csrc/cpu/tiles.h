@@ -37,9 +37,6 @@
 namespace attnx::cpu {
 namespace CPU_CAPABILITY {
 
-// Whether this TU has the tile products (ATTNX_TILE_BF16 1 or 2).
-constexpr bool kTileBf16 = ATTNX_TILE_BF16 != 0;
-
 namespace tiles {
 
 constexpr int kRows = 16;   // rows of every tile
@@ -137,9 +134,9 @@ struct Ops {
   // tdpbf16ps (see the header comment); dot16.h's flush and conversions.
   template <int C, int A, int B>
   static void dot() {
+    using dot16::high;
+    using dot16::low;
     auto& t = registers().t;
-    const auto low = [](uint32_t w) { return dot16::flush_denormal(dot16::bits_to_float(w << 16)); };
-    const auto high = [](uint32_t w) { return dot16::flush_denormal(dot16::bits_to_float(w & 0xffff0000u)); };
     for (int m = 0; m < kRows; ++m) {
       for (int n = 0; n < kWords; ++n) {
         float even = 0.0f, odd = 0.0f;
