@@ -422,6 +422,33 @@ def test_attn_mask_tile_classes(device, dtype, case):
     check(device, q, k, v, **options)
 
 
+@pytest.mark.parametrize("case", ["bool", "float", "padding"])
+@pytest.mark.parametrize("D", [32, 64])
+def test_runs_of_full_tiles(device, D, case):
+    # The tensor cores take a run of FULL tiles (no mask term but 0 on a warp's rows) without reading the
+    # classes again: runs of 1 to 5 tiles per warp of one block, ended by a PARTIAL tile, by one the masks
+    # remove for one warp's rows alone, by one they remove for the whole block (skipped) and by the last,
+    # partial key tile, which each warp reaches in a different class.
+    S = 64 * 11 + 30
+    removed = torch.zeros(64, S, dtype=torch.bool)
+    partial = {0: [3, 8], 1: [0, 5], 3: [1, 11]}  # warp (16 rows) -> its PARTIAL tiles
+    for w, tiles in partial.items():
+        for t in tiles:
+            removed[16 * w + 3 + t % 5, 64 * t + 5 + t] = True
+    removed[:, 384:448] = True  # tile 6: EMPTY for the block
+    removed[16:32, 576:640] = True  # tile 9: removed for warp 1 alone
+    q, k, v = make_qkv(2, 2, 64, S, D, D, dtype=torch.float16)
+    options = {"attn_mask": removed}
+    if case == "float":
+        options = {"attn_mask": torch.zeros(64, S).masked_fill(removed, float("-inf"))}
+    elif case == "padding":  # batch 1's keys from tile 10 on removed: its runs end there
+        kpm = torch.zeros(2, S, dtype=torch.bool)
+        kpm[1, 640 + 17:] = True
+        options["key_padding_mask"] = kpm
+    kernel_for(device, q, k, v, **options)
+    check(device, q, k, v, **options)
+
+
 def check_tiles_unread(device, q, k, v, **masks):
     """On the tensor-core kernel (others skip): no NaN in out or lse, and the reference's unread answer, for
     inputs whose NaN lie only in key tiles the masks remove for every row of a query block."""

@@ -41,7 +41,8 @@ same, as Nsight Compute's inst_executed counts it). Five paths are reported:
             through the dominators, a register the loop carries or a load: a key index against the tile's
             size, a row against L): the common tile does that block's work. Any other branch, one on a kernel
             parameter or on a predicate set before the loop (a mask kind, the soft-cap, the staging mode)
-            among them, takes the side with less work.
+            among them, takes the side with less work; so does a branch on whether the tile reads the masks
+            or ends a run of FULL tiles (RUN_SOURCE): the common tile of a masked call is inside a run.
     fall    the fall-through path: at each conditional branch the side not taken, unless that side cannot
             reach a latch without leaving the loop
     min     the fewest instructions from header to latch (may skip the next tile's copies: the last tile)
@@ -131,6 +132,11 @@ MAX_SPILL_ACCESSES = 0
 
 # A conditional branch whose source line (nvdisasm -g) matches this is a soft-cap test.
 SOFTCAP_SOURCE = re.compile(r"soft_?cap", re.IGNORECASE)
+# A branch whose source line matches this is taken by tiles that are not FULL: a tile that reads the masks
+# (masks_read) or ends a run of FULL tiles (run_end, the masked instantiations'). The common tile, inside a
+# run, reads no mask and searches for neither the run's end nor the next tile, so such a branch is not a
+# data-dependent skip whose block the common tile does (loop_paths).
+RUN_SOURCE = re.compile(r"\b(run_end|masks_read)\b")
 # A global load whose source line matches this reads a bool attn_mask's packed bits (the bits
 # instantiation's PARTIAL tiles): the "bits" path is the steady rules' path through it.
 PACKED_SOURCE = re.compile(r"\bpacked_words\b")
@@ -578,6 +584,13 @@ def source_lines(path: str) -> list:
             text = subprocess.run(["git", "-C", ROOT, "show", f"{SOURCE_REV}:{rel}"], capture_output=True,
                                   text=True).stdout
         else:
+            # The run-time compiler's images name the embedded sources by their paths under csrc/
+            # ("cuda/common.cuh"), which nvdisasm prefixes with its working directory: the file under csrc/
+            # whose path is the longest such suffix.
+            if not os.path.exists(path):
+                parts = path.split(os.sep)
+                under = [os.path.join(ROOT, "csrc", *parts[i:]) for i in range(1, len(parts))]
+                path = next((c for c in under if os.path.isfile(c)), path)
             try:
                 with open(path, errors="replace") as f:
                     text = f.read()
@@ -762,13 +775,15 @@ def _skips(cfg: Cfg, loop: Loop, edges: dict, order: list) -> set:
     """The edges of data-dependent conditional branches (on a value that changes from tile to tile,
     _Variance) that jump over a block to where the two sides join (the branch's immediate post-dominator):
     the common tile, full and interior, does the work they skip (a copy's address where its key is in the
-    tile, the test of a tile's keys against the rows' ranges)."""
+    tile, the test of a tile's keys against the rows' ranges); but a run's end (RUN_SOURCE)."""
     ipdom = _post_dominators(cfg, loop, edges, order)
     variance = _Variance(cfg, loop)
     out = set()
     for b, succ in edges.items():
         targets = {s for s, _, _ in succ}
-        if len(targets) == 2 and ipdom[b] in targets and variance.data_dependent(b):
+        last = cfg.blocks[b].instrs[-1]
+        if (len(targets) == 2 and ipdom[b] in targets and variance.data_dependent(b)
+                and not RUN_SOURCE.search(_source_line(last.source))):
             out.add((b, ipdom[b]))
     return out
 

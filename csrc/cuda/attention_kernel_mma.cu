@@ -23,7 +23,8 @@
 // loop, one bit per tile in registers, from a pre-pass (attention_mask_tiles) that classifies each 16 query
 // rows x 64 keys of attn_mask, and each batch's 64-key tiles of key_padding_mask, once for every head (and
 // batch) that shares them, and packs bool masks a bit per element (read on PARTIAL tiles a row's 64 terms at
-// a time). Only tiles at the ends of a row's key interval test each score against it. A block-sparse mask
+// a time). A run of FULL tiles is found once, where it starts: its tiles follow one another with no class
+// read and no search for the next tile. Only tiles at the ends of a row's key interval test each score against it. A block-sparse mask
 // (block_map, whose blocks are whole tiles: mma_block_map_fits) adds its classes to the masks' from the map
 // itself, a window of tiles at a time (EMPTY for the block's rows: skipped; FULL for the warp's: kept), and a
 // PARTIAL tile's rows read two words of their block's bits, OR-ed with a bool attn_mask's packed ones (the
@@ -385,6 +386,23 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
     const int tile = static_cast<int>(k0 - window_k0) / kKeys;
     return ((__shfl_sync(kFullMask, tiles_kept, tile / 32) >> (tile % 32)) & 1u) != 0;
   };
+  // The end of the run of FULL tiles (some row of the block sees the tile and both masks' terms are all 0 on
+  // the warp's rows) from tile n, a FULL one (k0 = tile0 + kKeys n, in the window classified last): the
+  // first tile after it that is not FULL, or the window's end. Found once a run, in the window's words: the
+  // run's other tiles take neither a class read nor a search for the next tile.
+  const auto full_run = [&](int n) {
+    const int window_n0 = static_cast<int>((window_k0 - tile0) / kKeys);
+    const int first = n - window_n0;
+    const uint32_t gaps = ~(tiles_seen & tiles_kept);
+    const uint32_t mine = lane < first / 32    ? 0u
+                          : lane == first / 32 ? gaps & (~0u << (first % 32))
+                                               : gaps;
+    const unsigned lanes = __ballot_sync(kFullMask, mine != 0);
+    if (lanes == 0) return window_n0 + kWindowTiles;
+    const int owner = __ffs(static_cast<int>(lanes)) - 1;
+    const uint32_t word = __shfl_sync(kFullMask, mine, owner);
+    return window_n0 + 32 * owner + __ffs(static_cast<int>(word)) - 1;
+  };
   // The first tile at or after k0 (a tile start) that the masks do not remove entirely; kv_end when none.
   // Register work only, but for the classification of a new window.
   const auto next_tile = [&](int64_t k0) {
@@ -463,10 +481,10 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
     }
     cp_async_commit();
   };
-  // k_src and v_src for the tile at k1, the tile after the one at k0: a constant step when it is the next
-  // one (always, but where key_padding_mask skips tiles).
-  const auto advance_src = [&](int64_t k0, int64_t k1) {
-    if (kPlain || k1 == k0 + kKeys) {
+  // k_src and v_src for the tile at k1: a constant step where it follows the last one (`follows`: always,
+  // but where the masks skip tiles).
+  const auto advance_src = [&](bool follows, int64_t k1) {
+    if (kPlain || follows) {
       k_src += kKeys * k_key;
       v_src += kKeys * v_key;
     } else {
@@ -477,6 +495,8 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
 
   int64_t k0 = kv_begin < kv_end ? next_tile(tile0) : kv_end;
   int n_tile = static_cast<int>((k0 - tile0) / kKeys);  // k0 = tile0 + kKeys n_tile
+  // Tiles n_tile <= n < run_end are FULL (full_run) and follow one another: every tile without masks.
+  int run_end = masked ? 0 : 0x7fffffff;
   if (k0 < kv_end) {
     k_src = k_chunk0 + k0 * k_key;
     v_src = v_chunk0 + k0 * v_key;
@@ -577,9 +597,19 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
 
   for (int stage = 0; k0 < kv_end; stage = kStages == 2 ? stage ^ 1 : stage + 1 == kStages ? 0 : stage + 1) {
     const int nk = tile_keys(k0);
-    // Before next_tile, which may classify the next window.
+    // The next tile: the one after this where both are in a run of FULL tiles; otherwise found in the
+    // classes (next_tile, which may classify the next window: after this tile's run is found).
     bool masks_read = false;
-    if constexpr (!kPlain) masks_read = masked && !tile_kept(k0);
+    int n_next = n_tile + 1;
+    int64_t k_next = k0 + kKeys;
+    if constexpr (!kPlain) {
+      if (n_tile >= run_end && tile_kept(k0)) run_end = full_run(n_tile);
+      masks_read = n_tile >= run_end;
+      if (n_next >= run_end) {
+        k_next = next_tile(k_next);
+        n_next = static_cast<int>((k_next - tile0) / kKeys);
+      }
+    }
     // The block map's class of the warp's rows of this tile where it reads the masks (a tile it keeps is in
     // a FULL block): loaded here, where the scores' mma hides the load.
     [[maybe_unused]] int32_t block_class = kBlockFull;
@@ -591,11 +621,10 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
                                       static_cast<uint32_t>(k0) / static_cast<uint32_t>(p.block_k));
       }
     }
-    const int64_t k_next = next_tile(k0 + kKeys);
     if constexpr (kStages == 2) {
       if (k_next < kv_end) {
         // The other stage was last read in the previous iteration, which ended with a barrier.
-        advance_src(k0, k_next);
+        advance_src(n_next == n_tile + 1, k_next);
         stage_tile(stage ^ 1, k_next, tile_keys(k_next));
         cp_async_wait<1>();
       } else {
@@ -1006,7 +1035,7 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
-    n_tile = kPlain || k_next == k0 + kKeys ? n_tile + 1 : static_cast<int>((k_next - tile0) / kKeys);
+    n_tile = n_next;
     k0 = k_next;
   }
 
