@@ -494,7 +494,10 @@ def run_under_cpu_capability(script, variant):
         pytest.skip("this CPU has no AVX2")
     if variant == "avx512" and (level != "AVX512" or own not in ("avx512", "avx512_bf16", "amx_bf16")):
         pytest.skip("this CPU (or this build) has no AVX-512 variant")
-    has_bf16 = sys.platform.startswith("linux") and "avx512_bf16" in open("/proc/cpuinfo").read()
+    has_bf16 = False
+    if sys.platform.startswith("linux"):
+        with open("/proc/cpuinfo") as f:
+            has_bf16 = "avx512_bf16" in f.read()
     if variant == "avx512_bf16" and (level != "AVX512" or not has_bf16 or own not in ("avx512", "amx_bf16")):
         pytest.skip("this CPU (or this build) has no AVX512-BF16 variant")
     preamble = textwrap.dedent(
