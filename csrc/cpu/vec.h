@@ -347,11 +347,13 @@ inline Vec<float> vtanh(Vec<float> x) {
 // score makes the row max NaN, and softmax_out_scale / softmax_lse then write NaN for the whole row.
 #if defined(ATTNX_VEC_AVX512)
 // AVX-512 scales by 2^n with vscalefps, its lanes below ln(FLT_MIN) zeroed by the same instruction's mask:
-// 12 instructions instead of 17, the same results where they are normal floats (p 2^n is exact there either
-// way; p 2^(n-1) 2 rounded twice where it is not).
+// 11 instructions instead of 17, the same results where they are normal floats (p 2^n is exact there either
+// way; p 2^(n-1) 2 rounded twice where it is not). No lower clamp: the mask zeroes every lane it would have
+// raised. The upper one is just above ln(FLT_MAX), so that vscalefps overflows to inf where exp does, and
+// takes x second, which vminps returns when either is NaN: a NaN lane stays NaN.
 inline Vec<float> vexp(Vec<float> x) {
-  const __m512 ln_flt_min = _mm512_set1_ps(-87.3365479f), ln_flt_max = _mm512_set1_ps(88.7228394f);
-  const __m512 src = _mm512_max_ps(_mm512_min_ps(x.v, ln_flt_max), ln_flt_min);
+  const __m512 ln_flt_min = _mm512_set1_ps(-87.3365479f);
+  const __m512 src = _mm512_min_ps(_mm512_set1_ps(88.75f), x.v);
   const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(src, _mm512_set1_ps(1.44269502f), _mm512_set1_ps(0.5f)),
                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fmadd_ps(fx, _mm512_set1_ps(-0.693147182f), src);
@@ -360,7 +362,7 @@ inline Vec<float> vexp(Vec<float> x) {
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
-  // Not below ln(FLT_MIN): true for NaN, whose lane the clamps made finite, as before.
+  // Not below ln(FLT_MIN): true for NaN.
   const __mmask16 keep = _mm512_cmp_ps_mask(x.v, ln_flt_min, _CMP_NLT_UQ);
   return _mm512_maskz_scalef_ps(keep, p, fx);
 }
