@@ -46,7 +46,7 @@ def _matmul_size(dtype, largest):
     n = min(256, largest)
     while n < largest:
         a = torch.randn(2 * n, 2 * n).to(dtype)
-        a[:64, :64] @ a[:64, :64]  # the dtype's first matmul initialises the GEMM library: not the size's cost
+        a[:64, :64] @ a[:64, :64]  # the dtype's first matmul starts the GEMM library: not the size's cost
         start = time.perf_counter()
         a @ a
         if time.perf_counter() - start > 0.2:
