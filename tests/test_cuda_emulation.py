@@ -264,6 +264,29 @@ def test_every_tile_shape_of_the_unmasked_forward(shape, dtype, bucket):
         assert masked == f"cuda mma {name} bucket {bucket} bits"
 
 
+def test_the_instantiation_follows_the_masks_and_the_soft_cap():
+    """plan_attention_mma's instantiations: plain without masks or soft-cap, bits for bool masks, general for
+    a float one, capped for every soft-capped call whatever its masks (no other loop applies or tests the
+    cap); each matches the reference."""
+    from attention_helpers import assert_matches_reference, make_qkv
+
+    backends = _emulated_cuda()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_qkv(2, 2, 40, 150, 64, 64, dtype=torch.float16)
+    bool_mask = torch.rand(40, 150, generator=gen) < 0.3
+    float_mask = torch.randn(40, 150, generator=gen).half()
+    kpm = torch.rand(2, 150, generator=gen) < 0.2
+    cases = [({}, ""), ({"attn_mask": bool_mask, "key_padding_mask": kpm}, " bits"),
+             ({"attn_mask": float_mask}, " general"), ({"softcap": 2.0, "scale": 1.0}, " capped"),
+             ({"softcap": 2.0, "scale": 1.0, "attn_mask": bool_mask, "key_padding_mask": kpm}, " capped"),
+             ({"softcap": 5.0, "attn_mask": float_mask, "is_causal": True}, " capped")]
+    with backends.enabled("cuda-emu"):
+        for options, suffix in cases:
+            assert torch.ops.attnx._attention_kernel(q, k, v, **options) == f"cuda mma fp16 bucket 64{suffix}"
+            out, lse = attnx.attention(q, k, v, **options)
+            assert_matches_reference(out, lse, q, k, v, **options)
+
+
 def test_the_tile_shape_is_one_of_the_family():
     backends = _emulated_cuda()
     with pytest.raises(RuntimeError, match='no tile shape "32x64 w2 s2"'):

@@ -47,10 +47,10 @@ def _rows_per_warp(acc_bytes, bucket):  # attention_plan.h's rows_per_warp
 KERNELS = {
     "attention_kernel.cu": [f"attnx::cuda::attention_forward_simt<{t}, {b}, {_rows_per_warp(a, b)}>"
                             for t, a in DTYPES.values() for b in BUCKETS],
-    # the instantiations plain, bits and general (MmaVariant, attention_plan.h)
+    # the instantiations plain, bits, general and capped (MmaVariant, attention_plan.h)
     "attention_kernel_mma.cu": [f"attnx::cuda::attention_forward_mma<{t}, {b}, {variant}>"
                                 for t in ("__half", "__nv_bfloat16", "float") for b in (32, 64, 128)
-                                for variant in (0, 1, 2)]
+                                for variant in (0, 1, 2, 3)]
     + ["attnx::cuda::attention_mask_tiles"],
     "attention_backward_kernel.cu": [f"attnx::cuda::attention_backward_delta<{t}>"
                                      for t, _ in DTYPES.values()]

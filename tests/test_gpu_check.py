@@ -111,7 +111,8 @@ def test_kernel_report_flags_default_path_spills(gpu_check):
         ("backward_mma_keys", "bf16", 64), ("backward_mma_queries", "bf16", 64)}
     # the mma kernel's instantiations are one kernel of the report; torch's flash kernel is none of attnx's
     assert gpu_check.default_kernels(["cuda mma fp16 bucket 64 bits", "cuda mma bf16 bucket 32 general",
-                                      "torch flash fp16"]) == {("mma", "fp16", 64), ("mma", "bf16", 32)}
+                                      "cuda mma fp32 bucket 128 capped", "torch flash fp16"]) == {
+        ("mma", "fp16", 64), ("mma", "bf16", 32), ("mma", "fp32", 128)}
     rows = gpu_check.kernel_report(gpu_check.parse_resource_usage(USAGE),
                                    gpu_check.count_local_accesses(SASS), "sm_90", default)
     assert [(r["kernel"], r["dtype"], r["head_dim"]) for r in rows] == [

@@ -153,8 +153,14 @@ def test_the_budgets_flag_what_the_loop_holds(sass, nested):
     assert "1 soft-cap branches" in problems and "BRX" not in problems and "spills" not in problems
     assert sass.check_row(dict(row, kernel="mma fp16 bucket64 bits", ldl_stl=2)) == [
         "sm_90 mma fp16 bucket64 bits: spills (2 LDL/STL, local 0 B)",  # not the plain budgets:
-        "sm_90 mma fp16 bucket64 bits: no path reads a bool mask's packed bits"]  # its own
-    assert sass.check_row(dict(row, kernel="mma fp16 bucket64 general")) == []  # reported, not budgeted
+        "sm_90 mma fp16 bucket64 bits: no path reads a bool mask's packed bits",  # its own,
+        "sm_90 mma fp16 bucket64 bits: 1 soft-cap branches in the tile loop > 0"]  # and no cap test
+    # the masked instantiations' instructions are reported, not budgeted; a soft-cap branch is not allowed
+    for variant in ("general", "capped"):
+        assert sass.check_row(dict(row, kernel=f"mma fp32 bucket32 {variant}")) == [
+            f"sm_90 mma fp32 bucket32 {variant}: 1 soft-cap branches in the tile loop > 0"]
+    no_cap = dict(loop, body=dict(loop["body"], softcap_branches=0))
+    assert sass.check_row(dict(row, kernel="mma fp16 bucket64 general", loop=no_cap)) == []
     assert len(sass.check_row(dict(row, kernel="mma bf16 bucket128 plain"))) == 4
 
 
@@ -311,7 +317,7 @@ def test_names(sass):
     assert sass.short_name("void attnx::cuda::(anonymous namespace)::attention_forward_mma<__half, 64>("
                            "attnx::AttentionParams, attnx::AttentionPointers, attnx::cuda::AttentionMmaPlan)"
                            ) == "mma fp16 bucket64"
-    for variant, name in enumerate(("plain", "bits", "general")):  # kVariant: MmaVariant's values
+    for variant, name in enumerate(("plain", "bits", "general", "capped")):  # kVariant: MmaVariant's values
         demangled = ("void attnx::cuda::(anonymous namespace)::attention_forward_mma<__nv_bfloat16, "
                      f"128, {variant}>(attnx::AttentionParams)")
         assert sass.short_name(demangled) == f"mma bf16 bucket128 {name}"
@@ -344,17 +350,20 @@ int main() {
   const char* names[] = {"fp16", "bf16", "fp32"};
   for (int d = 0; d < 3; ++d)
     for (int bucket = 32; bucket <= 128; bucket *= 2)
-      for (int variant = 0; variant < 3; ++variant) {  // plain, bits, general: a scale of 1, of 0, a mask
-        AttentionParams p{};
+      for (int variant = 0; variant < 4; ++variant) {  // plain, bits, general, capped: a scale of 1, of 0, a
+        AttentionParams p{};                           // float mask, a soft-cap
         p.batch = p.heads = p.kv_heads = p.q_len = p.kv_len = 1;
         p.head_dim = p.v_head_dim = bucket;
         p.scale = variant == 0 ? 1.0f : 0.0f;
         p.attn_mask_kind = variant == 2 ? kMaskFloat32 : kMaskNone;
+        p.softcap = variant == 3 ? 30.0f : 0.0f;
         p.q_stride[3] = p.k_stride[3] = p.v_stride[3] = p.out_stride[3] = 1;  // rows by 16-byte vectors
         AttentionPointers ptr{};
         const AttentionMmaPlan plan = plan_attention_mma(p, dtypes[d], ptr);
-        const char* name = plan.variant == kMmaPlain ? "plain"
-                           : plan.variant == kMmaBits ? "bits" : "general";
+        const char* name = plan.variant == kMmaPlain    ? "plain"
+                           : plan.variant == kMmaBits   ? "bits"
+                           : plan.variant == kMmaCapped ? "capped"
+                                                        : "general";
         if (plan.bucket) std::printf("%s %d %s %zu\\n", names[d], bucket, name, plan.smem_bytes);
       }
   // the forward's tile shapes each element size and bucket has (mma_shape_valid)
@@ -380,13 +389,13 @@ int main() {
     for element, bucket, code, valid in shapes:
         assert sass.mma_shape_valid(element, bucket, code) == bool(valid), (element, bucket, code)
     backward = [line.split() for line in lines if line.startswith("bwd ")]
-    assert len(plans) == 27  # fp16, bf16, fp32 up to bucket 128; each plain, bits and general
+    assert len(plans) == 36  # fp16, bf16, fp32 up to bucket 128; each plain, bits, general and capped
     assert len(backward) == 6
     for _, element, bucket, smem in backward:
         dtype = "fp32" if element == "4" else "fp16"
         for kind in ("keys", "queries"):
             assert sass.dynamic_smem(f"bwd {kind} {dtype} bucket{bucket} plain", "") == int(smem), bucket
-    assert {variant for _, _, variant, _ in plans} == {"plain", "bits", "general"}
+    assert {variant for _, _, variant, _ in plans} == {"plain", "bits", "general", "capped"}
     for dtype, bucket, variant, smem in plans:
         short = f"mma {dtype} bucket{bucket} {variant}"
         assert sass.dynamic_smem(short, "") == int(smem), short

@@ -177,7 +177,7 @@ def kernel_label(mangled: str):
 
 # The kernels attnx::_attention_kernel names (attnx.info's attention_kernel) -> kernel_label's kinds.
 _NAMED = re.compile(r"cuda (simt|mma|fused simt|fused mma) (fp16|bf16|fp32|fp64) bucket (\d+)"
-                    r"(?: bits| general)?")
+                    r"(?: bits| general| capped)?")
 _NAMED_KINDS = {"simt": ("simt",), "mma": ("mma",), "fused simt": ("backward_keys", "backward_queries"),
                 "fused mma": ("backward_mma_keys", "backward_mma_queries")}
 

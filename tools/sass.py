@@ -148,6 +148,9 @@ BITS_BUDGETED = re.compile(r"^mma (fp16|bf16) bucket(64|128) bits$")
 # Kernels with no jump table anywhere in the tile loop: the plain and bits instantiations, forward and
 # backward (the general one reads a float mask's elements through mask_value's switch).
 NO_BRX = re.compile(r"^(mma|bwd keys|bwd queries) (fp16|bf16|fp32) bucket\d+ (plain|bits)$")
+# Forward kernels with no soft-cap branch anywhere in the tile loop: every instantiation (the soft-cap is the
+# capped one's, compiled in; the others have none).
+NO_SOFTCAP = re.compile(r"^mma (fp16|bf16|fp32) bucket\d+ (plain|bits|general|capped)$")
 # The forward's other tile shapes (--family): the plain loop's limits, nowhere in the loop a jump table, a
 # global load, a 64-bit multiply or a soft-cap branch; their instructions per HMMA are reported.
 FAMILY = re.compile(r"^mma (fp16|bf16|fp32) bucket\d+ plain \d+x\d+ w\d s\d$")
@@ -919,7 +922,7 @@ _DTYPE_NAMES = {"__half": "fp16", "half": "fp16", "cutlass::half_t": "fp16", "__
                 "cutlass::bfloat16_t": "bf16", "float": "fp32", "double": "fp64"}
 # attnx's kernels: base name -> (short name, names of the template arguments after the dtype and bucket: a
 # number is written after its name, a flag as its name when true; a pair names (true, false)).
-_ATTNX = {"attention_forward_mma": ("mma", [{"0": "plain", "1": "bits", "2": "general"}]),
+_ATTNX = {"attention_forward_mma": ("mma", [{"0": "plain", "1": "bits", "2": "general", "3": "capped"}]),
           "attention_forward_simt": ("simt", ["rows"]),
           "attention_backward_mma_queries": ("bwd queries", [{"0": "plain", "1": "bits", "2": "general"}]),
           "attention_backward_mma_keys": ("bwd keys", [{"0": "plain", "1": "bits", "2": "general"}])}
@@ -1039,7 +1042,8 @@ def dynamic_smem(short: str, demangled: str) -> int | None:
         element, bucket = 4 if m.group(1) == "fp32" else 2, int(m.group(2))
         tile = 32 if bucket > 64 or (element == 4 and bucket > 32) else 64  # mma_backward_tile
         return (2 * 64 + 4 * tile) * (bucket + 16 // element) * element + 8 * tile * 4 + 32
-    m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)(?: (plain|bits|general))?(?: (\d+)x(\d+) w(\d) s(\d))?$",
+    m = re.match(r"mma (fp16|bf16|fp32) bucket(\d+)(?: (plain|bits|general|capped))?"
+                 r"(?: (\d+)x(\d+) w(\d) s(\d))?$",
                  short)
     if m:
         element = 4 if m.group(1) == "fp32" else 2
@@ -1051,7 +1055,7 @@ def dynamic_smem(short: str, demangled: str) -> int | None:
         else:
             groups, warps, keys, stages = mma_shape(mma_default_shape(element, bucket, plain))
         q_rows = 16 * groups * warps if groups > 1 or (element == 4 and bucket > 64) else 0  # mma_q_shared
-        mask_tile = 64 * (64 + 8) * 4 if m.group(3) == "general" else 0  # kMmaBiasLd floats a row
+        mask_tile = 64 * (64 + 8) * 4 if m.group(3) in ("general", "capped") else 0  # kMmaBiasLd floats a row
         return (stages * 2 * keys + q_rows) * (bucket + 16 // element) * element + mask_tile
     m = re.search(r"Flash_fwd_kernel_traits<\s*(\d+),\s*(\d+),\s*(\d+),\s*\d+,\s*(\w+),\s*(\w+)", demangled)
     if m:
@@ -1275,6 +1279,8 @@ def check_row(row: dict) -> list:
     if not m:
         if NO_BRX.match(row["kernel"]) and loop is not None:
             problems += body_problems(where, loop["body"], ("brx",))
+        if NO_SOFTCAP.match(row["kernel"]) and loop is not None:
+            problems += body_problems(where, loop["body"], ("softcap_branches",))
         return problems
     if loop is None or "steady" not in loop["paths"]:
         return problems + [f"{where}: no tile loop (no loop holds HMMA)"]

@@ -161,7 +161,7 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
   switch (forward_kernel(pb.call, dtype, target)) {
     case Kernel::kMma:
       // the instantiation: plain (no suffix, or its shape where not the default), " bits" (bool masks or
-      // none) or " general" (a float mask)
+      // none), " general" (a float mask) or " capped" (soft-capped)
       switch (const AttentionMmaPlan plan = mma_plan(p, dtype, pb.call.ptr, target); plan.variant) {
         case kMmaPlain:
           pb.kernel = "cuda mma " + bucket;
@@ -171,6 +171,9 @@ void attention_kernel(AttentionKernelProblem& pb, const Target& target) {
           break;
         case kMmaBits:
           pb.kernel = "cuda mma " + bucket + " bits";
+          break;
+        case kMmaCapped:
+          pb.kernel = "cuda mma " + bucket + " capped";
           break;
         default:
           pb.kernel = "cuda mma " + bucket + " general";

@@ -55,14 +55,15 @@ namespace attnx::cuda {
 namespace {
 #if ATTNX_CUDA_DEVICE_CODE  // the kernels (cuda/common.cuh); the launchers follow
 
-// Three instantiations (MmaVariant, chosen by plan_attention_mma). kPlain (no mask, no soft-cap, no dropout,
+// Four instantiations (MmaVariant, chosen by plan_attention_mma). kPlain (no mask, no soft-cap, no dropout,
 // a scale in range, vector loads) keeps the scores unscaled through the tile loop: the row maxima are taken
 // on Q K^T itself and the scale, with log2(e), is folded into the one FFMA that subtracts the maximum before
-// ex2, and the loop holds no code for masks or the cap. The others scale each score, cap it and add the
-// masks; their exponent's factor is log2(e) alone. kMmaBits (each mask bool or absent) reads the masks from
-// the pre-pass's packed bits alone, on every tile, with each tile's path compiled per boundary or interior
-// tile, mask and cap: its loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) stages the
-// masks' terms of each lane's scores in shared memory, each mask's element type chosen once a tile.
+// ex2, and the loop holds no code for masks or the cap. The others scale each score and add the masks; their
+// exponent's factor is log2(e) alone. kMmaBits (each mask bool or absent) reads the masks from the pre-pass's
+// packed bits alone, on every tile, with each tile's path compiled per boundary or interior tile and mask: its
+// loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) stages the masks' terms of each lane's
+// scores in shared memory, each mask's element type chosen once a tile. kMmaCapped is kMmaGeneral with the
+// soft-cap applied to every score: the cap is a compile-time property, never a test in a loop.
 
 // How the general instantiation's mask tile reads a mask (beside MaskElements<T>, common.cuh).
 struct NoMask {};
@@ -131,12 +132,17 @@ __device__ __forceinline__ void stage_mask_terms(Attn attn, const void* mask, co
   }
 }
 
-// The blocks an SM must hold, for ptxas's register budget where its own aim would spill: 1 for float32 at
-// bucket 128, whose 165 KiB of shared memory leave room for one; 2 for the masked instantiations at bucket
-// 32 (aiming at 3, ptxas spills them at 168 registers: the 16-bit ones on sm_80, float32's general one on
-// sm_90 with the block map's code); 0, no bound, elsewhere.
+// The blocks an SM must hold, for ptxas's register budget where its own aim would spill or cost more than it
+// gives: 1 for float32 at bucket 128, whose 165 KiB of shared memory leave room for one; 2 for the masked
+// instantiations at bucket 32 (aiming at 3, ptxas spills them at 168 registers: the 16-bit ones on sm_80,
+// float32's general one on sm_90 with the block map's code); 1 for the general one at bucket 64, where
+// ptxas, unbounded, squeezed the 16-bit kernels to 168 registers on sm_90 for a third block at 12% more
+// instructions a FULL tile (481 against 426 at 235 registers); 0, no bound, elsewhere.
 constexpr int mma_min_blocks(int element_bytes, int bucket, int variant) {
-  return element_bytes == 4 && bucket > kMmaTf32QRegs ? 1 : bucket == 32 && variant != kMmaPlain ? 2 : 0;
+  return element_bytes == 4 && bucket > kMmaTf32QRegs ? 1
+         : bucket == 32 && variant != kMmaPlain       ? 2
+         : bucket == 64 && variant == kMmaGeneral     ? 1
+                                                      : 0;
 }
 
 template <typename scalar_t, int kBucket, int kVariant,
@@ -150,8 +156,10 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
   // kMmaBits: both masks bool or absent, read from the pre-pass's bits only (no mask_value in this loop).
   constexpr bool kBits = kVariant == kMmaBits;
   // kMmaGeneral: a float mask; both masks' terms of a tile that reads them staged by each lane for its own
-  // scores (stage_kpm_terms, stage_mask_terms).
-  constexpr bool kGeneral = kVariant == kMmaGeneral;
+  // scores (stage_kpm_terms, stage_mask_terms). kMmaCapped: the same with the soft-cap, which no other
+  // instantiation applies.
+  constexpr bool kGeneral = kVariant == kMmaGeneral || kVariant == kMmaCapped;
+  constexpr bool kCapped = kVariant == kMmaCapped;
   // The tile shape (MmaShape): the plain instantiation's is any of the family's, the others' the default.
   constexpr MmaShape kSh = mma_shape_of(kShape);
   static_assert(mma_shape_valid(static_cast<int>(sizeof(scalar_t)), kBucket, kShape),
@@ -203,7 +211,6 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
   const int64_t am_base = block.attn_mask_base, kpm_base = block.key_padding_mask_base;
   const float scale = split_value<float>(p.scale, p.scale_lo);
   const SoftCap<float> cap = soft_cap_of<float>(p);
-  const auto softcapped = [&] { return cap.cap > 0.0f; };  // tested where needed: a bool held would spill
   const scalar_t zero = from_acc<scalar_t>(0.0f);
   // The loop's scores x are `unit` times the logits (kPlain: Q K^T, unit = scale; otherwise the logits), and
   // exp(logit - max) = 2^(x c - max c) with c = unit log2(e).
@@ -735,33 +742,25 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
 #pragma unroll
     for (int r = 0; r < kRows; ++r) row_max[r] = kNegInf;
     const bool interior = static_cast<unsigned>(n_tile - n_lo) < static_cast<unsigned>(n_hi - n_lo);
-    // `capped`: soft-capping compiled in (std::true_type) or out; the masked paths test it per score.
-    const auto score = [&](float x, auto capped) {
+    // The soft-cap is the capped instantiation's, compiled in: no loop tests it.
+    const auto score = [&](float x) {
       if constexpr (!kPlain) {
         x *= scale;
-        if constexpr (decltype(capped)::value) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);
+        if constexpr (kCapped) x = kTf32 ? soft_cap(x, cap) : soft_cap_fast(x, cap);
       }
       return x;
     };
     if (interior && (kPlain || !masks_read)) {
-      const auto unmasked_scores = [&](auto capped) {
 #pragma unroll
-        for (int gi = 0; gi < kGroups; ++gi) {
+      for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-          for (int j = 0; j < kSTiles; ++j) {
+        for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              s[gi][j][i] = score(s[gi][j][i], capped);
-              row_max[2 * gi + i / 2] = max_nan(row_max[2 * gi + i / 2], s[gi][j][i]);
-            }
+          for (int i = 0; i < 4; ++i) {
+            s[gi][j][i] = score(s[gi][j][i]);
+            row_max[2 * gi + i / 2] = max_nan(row_max[2 * gi + i / 2], s[gi][j][i]);
           }
         }
-      };
-      // The cap's test once a tile, not once a score: the uncapped loop is the common one.
-      if (kPlain || !softcapped()) {
-        unmasked_scores(std::false_type{});
-      } else if constexpr (!kPlain) {
-        unmasked_scores(std::true_type{});
       }
     } else {
       // kMmaBits: the key_padding_mask terms of this lane's 16 keys, shared by its two rows, read once per
@@ -792,10 +791,9 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
       // time: 1, a bool attn_mask's packed bits (kMmaBits) in one load; 2 (kMmaBits), the block map's bits
       // of a block that is not FULL for the warp's rows, two words of its row, OR-ed with a bool attn_mask's
       // packed bits; 0, none; the other terms from kpm or the mask tile; `tiled`: both masks' terms as
-      // the lane staged them (mask_s); neither: key_padding_mask's from kpm alone; `capped`: the soft-cap
-      // compiled in or out by a caller that tested it once a tile. Each its own path, so that a PARTIAL tile
-      // of a bool mask alone carries no code for the block map's.
-      const auto masked_scores = [&](auto ranged, auto packed, auto capped, auto tiled) {
+      // the lane staged them (mask_s); neither: key_padding_mask's from kpm alone. Each its own path, so that
+      // a PARTIAL tile of a bool mask alone carries no code for the block map's.
+      const auto masked_scores = [&](auto ranged, auto packed, auto tiled) {
         constexpr int kPacked = decltype(packed)::value;
         static_assert(!kPlain || kPacked == 0, "the plain instantiation reads no mask");
         static_assert(kBits || kPacked == 0, "packed bits are the bits instantiation's");
@@ -857,7 +855,7 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
               const int jj = 8 * j + 2 * t + e;
               float x = kNegInf;  // past the tile's end or outside the row's interval: not seen at all
               if (!decltype(ranged)::value || (row_reads && lo <= jj && jj < hi)) {
-                x = score(sg[j][i], capped);
+                x = score(sg[j][i]);
                 if constexpr (decltype(tiled)::value) {
                   x += mask_s[(g + 8 * (r % 2)) * kMmaBiasLd + 2 * t + 8 * j + e];
                 } else if constexpr (!kPlain) {
@@ -874,31 +872,22 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
           }
         }
       };
-      // Every tile's path compiled per boundary or interior tile, how the masks are read and soft-cap, and
-      // chosen here once a tile: no test of any of them per score. kMmaBits: a bool attn_mask's packed bits
-      // or none; kMmaGeneral: the terms each lane stages first where the tile reads the masks (a boundary
-      // tile both masks keep for the warp's rows reads none); plain: the range test alone.
+      // Every tile's path compiled per boundary or interior tile and how the masks are read, and chosen here
+      // once a tile: no test of either per score. kMmaBits: a bool attn_mask's packed bits or none;
+      // kMmaGeneral and kMmaCapped: the terms each lane stages first where the tile reads the masks (a
+      // boundary tile both masks keep for the warp's rows reads none); plain: the range test alone.
       const std::false_type no;
       const std::integral_constant<int, 0> unpacked;
       const std::integral_constant<int, 1> attn_bits;
       const std::integral_constant<int, 2> block_bits;
-      const auto by_cap = [&](auto ranged, auto packed, auto tiled) {
-        if constexpr (kPlain) {
-          masked_scores(ranged, packed, no, tiled);
-        } else if (softcapped()) {
-          masked_scores(ranged, packed, std::true_type{}, tiled);
-        } else {
-          masked_scores(ranged, packed, no, tiled);
-        }
-      };
       const auto by_masks = [&](auto ranged) {
         if constexpr (kBits) {
           if (p.has_block_map && block_class != kBlockFull) {
-            by_cap(ranged, block_bits, no);
+            masked_scores(ranged, block_bits, no);
           } else if (p.attn_mask_kind == kMaskBool) {
-            by_cap(ranged, attn_bits, no);
+            masked_scores(ranged, attn_bits, no);
           } else {
-            by_cap(ranged, unpacked, no);
+            masked_scores(ranged, unpacked, no);
           }
         } else if constexpr (kGeneral) {
           if (masks_read) {
@@ -939,12 +928,12 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
             } else {
               with_float_mask(p.attn_mask_kind, fill);
             }
-            by_cap(ranged, unpacked, std::true_type{});
+            masked_scores(ranged, unpacked, std::true_type{});
           } else {
-            by_cap(ranged, unpacked, no);
+            masked_scores(ranged, unpacked, no);
           }
         } else {
-          by_cap(ranged, unpacked, no);
+          masked_scores(ranged, unpacked, no);
         }
       };
       if (kPlain || !interior) {  // the plain instantiation's interior tiles took the unmasked path
@@ -1199,9 +1188,10 @@ cudaError_t launch_mma(const AttentionParams& p, const AttentionPointers& ptr, c
     };
     if (plan.variant == kMmaBits)
       return run(ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaBits));
-    if (plan.variant != kMmaPlain) {
+    if (plan.variant == kMmaGeneral)
       return run(ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaGeneral));
-    }
+    if (plan.variant == kMmaCapped)
+      return run(ATTNX_KERNEL(attention_forward_mma, scalar_t, kBucket, kMmaCapped));
     constexpr int kBytes = static_cast<int>(sizeof(scalar_t));
     return dispatch_shape<kBytes, kBucket>(
         plan.shape,
