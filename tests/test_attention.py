@@ -506,6 +506,11 @@ def test_padding_tiles_known_before_the_loop(device):
     kernel_for(device, q, k, v, key_padding_mask=kpm)
     out, lse = check(device, q, k, v, key_padding_mask=kpm)
     assert torch.isfinite(lse).all()
+    # The same padding read element by element (the tensor-core kernel's general instantiation, for a float
+    # mask): as a float key_padding_mask, and as the bool one beside a float attn_mask.
+    additive = torch.zeros(2, S_).masked_fill(kpm, float("-inf"))
+    check(device, q, k, v, key_padding_mask=additive)
+    check(device, q, k, v, key_padding_mask=kpm, attn_mask=torch.zeros(5, S_))
     kpm[1] = True  # batch 1: every tile removed, in both windows
     out, lse = check(device, q, k, v, key_padding_mask=kpm)
     assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()

@@ -370,9 +370,14 @@ __global__ void __launch_bounds__(mma_shape_of(kShape).warps* kWarpSize,
               const int64_t row = mask_packed_row(mt, mt.stride[0] == 0 ? 0 : b, 0, 0);
               const uint32_t word = mask_tiles[row + key / 32];
               term = (word >> (key % 32)) & 1u ? kNegInf : 0.0f;
-            } else {
-              term = mask_value<float>(p.key_padding_mask_kind, ptr.key_padding_mask,
-                                       kpm_base + key * p.key_padding_mask_stride[1]);
+            } else {  // mask_value's terms, its switch over the mask's kind as with_float_mask's tests
+              const int64_t at = kpm_base + key * p.key_padding_mask_stride[1];
+              if (p.key_padding_mask_kind == kMaskBool) {
+                term = static_cast<const bool*>(ptr.key_padding_mask)[at] ? kNegInf : 0.0f;
+              } else {
+                with_float_mask(p.key_padding_mask_kind,
+                                [&](auto type) { term = mask_term(type, ptr.key_padding_mask, at); });
+              }
             }
           }
           const int tile = static_cast<int>(c - w0) / kKeys;
