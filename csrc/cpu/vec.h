@@ -354,8 +354,9 @@ inline Vec<float> vtanh(Vec<float> x) {
 inline Vec<float> vexp(Vec<float> x) {
   const __m512 ln_flt_min = _mm512_set1_ps(-87.3365479f);
   const __m512 src = _mm512_min_ps(_mm512_set1_ps(88.75f), x.v);
-  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(src, _mm512_set1_ps(1.44269502f), _mm512_set1_ps(0.5f)),
-                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 fx =
+      _mm512_roundscale_ps(_mm512_fmadd_ps(src, _mm512_set1_ps(1.44269502f), _mm512_set1_ps(0.5f)),
+                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fmadd_ps(fx, _mm512_set1_ps(-0.693147182f), src);
   __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));

@@ -58,12 +58,12 @@ namespace {
 // Four instantiations (MmaVariant, chosen by plan_attention_mma). kPlain (no mask, no soft-cap, no dropout,
 // a scale in range, vector loads) keeps the scores unscaled through the tile loop: the row maxima are taken
 // on Q K^T itself and the scale, with log2(e), is folded into the one FFMA that subtracts the maximum before
-// ex2, and the loop holds no code for masks or the cap. The others scale each score and add the masks; their
-// exponent's factor is log2(e) alone. kMmaBits (each mask bool or absent) reads the masks from the pre-pass's
-// packed bits alone, on every tile, with each tile's path compiled per boundary or interior tile and mask: its
-// loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) stages the masks' terms of each lane's
-// scores in shared memory, each mask's element type chosen once a tile. kMmaCapped is kMmaGeneral with the
-// soft-cap applied to every score: the cap is a compile-time property, never a test in a loop.
+// ex2, and the loop holds no code for masks or the cap. The others scale each score and add the masks;
+// their exponent's factor is log2(e) alone. kMmaBits (each mask bool or absent) reads the masks from the
+// pre-pass's packed bits alone, on every tile, with each tile's path compiled per boundary or interior tile
+// and mask: its loop holds no switch over a mask's dtype. kMmaGeneral (a float mask) stages the masks' terms
+// of each lane's scores in shared memory, each mask's element type chosen once a tile. kMmaCapped is
+// kMmaGeneral with the soft-cap applied to every score: a compile-time property, never a test in a loop.
 
 // How the general instantiation's mask tile reads a mask (beside MaskElements<T>, common.cuh).
 struct NoMask {};

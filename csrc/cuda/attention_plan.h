@@ -340,10 +340,10 @@ inline MaskTiles plan_mask_tiles(const AttentionParams& p, int32_t kind, const i
 
 // The mma kernel's instantiations: plain (mma_plain and vector loads: no mask, no soft-cap, no dropout), bits
 // (the others without soft-cap where each mask is bool or absent: the masks are read from the pre-pass's
-// packed bits alone, never element by element, so this loop holds no code for a float mask), general (a float
-// mask without soft-cap: each lane stages both masks' terms of its scores of a tile that reads them as floats
-// in shared memory) and capped (the general one with the soft-cap compiled in: every soft-capped call, whatever
-// its masks, so that no loop tests the cap). The backward has the first three.
+// packed bits alone, never element by element, so this loop holds no code for a float mask), general (a
+// float mask without soft-cap: each lane stages both masks' terms of its scores of a tile that reads them as
+// floats in shared memory) and capped (the general one with the soft-cap compiled in: every soft-capped
+// call, whatever its masks, so that no loop tests the cap). The backward has the first three.
 enum MmaVariant : int { kMmaPlain = 0, kMmaBits = 1, kMmaGeneral = 2, kMmaCapped = 3 };
 
 struct AttentionMmaPlan {
@@ -400,7 +400,7 @@ inline AttentionMmaPlan plan_attention_mma(const AttentionParams& p, DType dtype
   const int ld = mma_tile_ld(plan.bucket, element_bytes);
   const int q_rows = mma_q_shared(element_bytes, plan.bucket, sh.groups) ? plan.rows_per_block : 0;
   plan.smem_bytes = static_cast<size_t>(sh.stages * 2 * sh.keys * ld + q_rows * ld) * element_bytes;
-  if (plan.variant == kMmaGeneral || plan.variant == kMmaCapped) {  // the mask tile, after stages and Q's rows
+  if (plan.variant == kMmaGeneral || plan.variant == kMmaCapped) {  // the mask tile, after stages and Q
     plan.smem_bytes += static_cast<size_t>(plan.rows_per_block) * kMmaBiasLd * sizeof(float);
   }
   if (!plan.plain && plan.blocks > 0) {
