@@ -186,11 +186,13 @@ inline uint32_t bf16_bits(uint16_t x) {
 template <typename src_t>
 void pack_pairs(const src_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
                 uint32_t* dst, int64_t ld) {
+  static_assert(sizeof(src_t) == sizeof(uint16_t), "pairs of 16-bit elements, copied as their bits");
   for (int64_t r = 0; r < rows; ++r) {
     const src_t* s = src + r * row_stride;
     uint32_t* d = dst + r * ld;
     if (col_stride == 1) {
-      for (int64_t c = 0; c + 1 < cols; c += 2) d[c / 2] = bf16_bits(s[c]) | bf16_bits(s[c + 1]) << 16;
+      // Contiguous elements are their pairs' bytes already (the lower-addressed one in the low half).
+      std::memcpy(d, s, cols / 2 * sizeof(uint32_t));
     } else {
       for (int64_t c = 0; c + 1 < cols; c += 2) {
         d[c / 2] = bf16_bits(s[c * col_stride]) | bf16_bits(s[(c + 1) * col_stride]) << 16;
@@ -1193,12 +1195,18 @@ class AttentionCpu {
     if constexpr (kPairs) {
       const int64_t D2 = (D + 1) / 2;
       const scalar_t* const rows = paged ? k : k + k0 * ks[2];  // unpaged: the tile's first key row
-      if (D > 0 && keys_as_rows && !paged && D % 2 == 0 && ks[3] == 1 && ks[2] % 2 == 0 &&
+      if (D > 0 && !paged && D % 2 == 0 && ks[3] == 1 && ks[2] % 2 == 0 &&
           reinterpret_cast<uintptr_t>(rows) % sizeof(uint32_t) == 0) {
-        // Decoding's key rows of an even number of contiguous elements, each starting on a 4-byte boundary,
-        // are pairs in memory already (pack_pairs's layout, the lower element in the low half): read in
-        // place, not copied a tile at a time.
-        ka = {reinterpret_cast<const uint32_t*>(rows), ks[2] / 2};
+        // Key rows of an even number of contiguous elements, each starting on a 4-byte boundary, are pairs
+        // in memory already (pack_pairs's layout, the lower element in the low half): read in place by
+        // decoding, transposed straight from the input otherwise, not copied first.
+        const auto* pairs = reinterpret_cast<const uint32_t*>(rows);
+        if (keys_as_rows) {
+          ka = {pairs, ks[2] / 2};
+        } else {
+          transpose(pairs, ks[2] / 2, ws.ktp, lds, nk, D2);
+          ka = {ws.ktp, lds};
+        }
       } else if (D > 0) {
         if (paged) {
           for_each_page_run(p_, d_.block_table, b, k, ks, k0, nk,
