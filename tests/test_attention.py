@@ -594,6 +594,27 @@ def test_nan_propagates_per_row(device, dtype, L_):
     assert_nan_rows(*check(device, q, k, v, **masks))
 
 
+@pytest.mark.parametrize("S_", [37, 130])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scores_far_below_zero(device, dtype, S_):
+    # Every score near -240, without masks: exp(score - max) is exact only with the row's true max as the
+    # base (a max taken over anything beyond the row's scores, such as the unused lanes of a key tile's last
+    # vector, would underflow every term to 0). S = 37 and 130 end in a partial vector and a partial tile.
+    gen = torch.Generator().manual_seed(3)
+    q = 1 + 0.1 * torch.randn(2, 2, 40, 24, generator=gen)
+    k = -10 - torch.randn(2, 2, S_, 24, generator=gen)
+    v = torch.randn(2, 2, S_, 24, generator=gen)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kernel_for(device, q, k, v, scale=1.0)
+    out, lse = check(device, q, k, v, scale=1.0)
+    assert (lse < -150).all()
+    # NaN in one query row, still without masks: that row alone is NaN.
+    q[1, 0, 7, 3] = float("nan")
+    out, lse = run(device, q, k, v, scale=1.0)
+    assert out[1, 0, 7].isnan().all() and lse[1, 0, 7].isnan()
+    assert out.isnan().sum() == out.shape[-1] and lse.isnan().sum() == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("sizes", [*EMPTY_SIZES, (1, 1, 12, 0, 8, 8)], ids=str)
 def test_empty_sizes(device, sizes, dtype):
@@ -848,6 +869,11 @@ _ISA_SCRIPT = """
         check_forward(*make_qkv(2, 2, 1, 301, 23, 24, dtype=dtype))
         q, k, v = make_qkv(2, 8, 1, 301, 24, 24, dtype=dtype)
         check_forward(q, k[:, :2], v[:, :2])
+        # Scores near -240 without masks (test_scores_far_below_zero): the row max is the scores' own.
+        gen = torch.Generator().manual_seed(3)
+        q = 1 + 0.1 * torch.randn(1, 2, 40, 24, generator=gen)
+        k, v = -10 - torch.randn(1, 2, 37, 24, generator=gen), torch.randn(1, 2, 37, 24, generator=gen)
+        check_forward(q.to(dtype), k.to(dtype), v.to(dtype), scale=1.0)
     from test_varlen import check_forward as check_varlen, make_packed, make_paged, offsets
     lens_q, lens_k = [1, 4, 3], [9, 130, 61]
     q, _, _ = make_packed(lens_q, lens_k, 4, 2, 16, 9, torch.bfloat16)

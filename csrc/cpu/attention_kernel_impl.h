@@ -127,8 +127,12 @@ bool block_masked(const mask_t* m, int64_t row_stride, int64_t col_stride, int64
 // C (M, N) = A (M, K) @ B (K, N) (+ C when add_c), row-major with leading dimensions.
 template <typename acc_t>
 inline void tile_gemm(int64_t M, int64_t N, int64_t K, const acc_t* A, int64_t lda, const acc_t* B,
-                      int64_t ldb, acc_t* C, int64_t ldc, bool add_c) {
-  gemm(M, N, K, A, lda, B, ldb, C, ldc, add_c);
+                      int64_t ldb, acc_t* C, int64_t ldc, bool add_c, acc_t* row_max = nullptr) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    gemm(M, N, K, A, lda, B, ldb, C, ldc, add_c, row_max);
+  } else {
+    gemm(M, N, K, A, lda, B, ldb, C, ldc, add_c);  // float64's product gives no maxima: never asked for
+  }
 }
 
 // s[j] = q . k[j] for the n rows k[j] = k + j * ldk of length D: one query row against the key rows
@@ -339,10 +343,6 @@ void transpose_keys(const scalar_t* src, int64_t row_stride, int64_t col_stride,
 #if defined(ATTNX_VEC_AVX512) || defined(ATTNX_VEC_AVX2)
 template <typename acc_t>
 constexpr bool kVectorTail = std::is_same_v<acc_t, float>;
-inline Vec<float> lanes_below_or(Vec<float> x, int n, float fill) {
-  alignas(64) static constexpr float kLaneIndex[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return select_lt(Vec<float>::loadu(kLaneIndex), Vec<float>(static_cast<float>(n)), x, Vec<float>(fill));
-}
 #else
 template <typename acc_t>
 constexpr bool kVectorTail = false;
@@ -758,6 +758,7 @@ struct Scratch {
   acc_t* s;          // (bq, ld_s) scores, then probabilities
   acc_t* row_bias;   // (bk,) one row's mask bias
   acc_t* tile_bias;  // (bk,) key padding bias, plus attn_mask's row when that is broadcast over queries
+  acc_t* max_lanes;  // (bq, Vec size) the score product's row maxima (gemm.h's RowMax)
   SoftmaxRow<acc_t>* rows;  // (rows,) online-softmax state
   // With bfloat16 pairs (AttentionCpu::kPairs), the operands instead of q, k, kt and v (which are then
   // empty):
@@ -775,9 +776,10 @@ struct Scratch {
     const int64_t rows_n = bq * plan.block;
     const int64_t line = kLine<acc_t>;
     const int64_t dq = pairs ? 0 : D, dv = pairs ? 0 : Dv;
-    constexpr int kRegions = 9;
-    const int64_t sizes[kRegions] = {rows_n * dq,    rows_n * Dv, bk * dq, dq * plan.ld_s, bk * dv,
-                                     bq * plan.ld_s, bk,          bk,      2 * rows_n};
+    constexpr int kRegions = 10;
+    const int64_t sizes[kRegions] = {rows_n * dq, rows_n * Dv, bk * dq, dq * plan.ld_s,
+                                     bk * dv,     bq * plan.ld_s, bk,   bk,
+                                     2 * rows_n,  bq * Vec<acc_t>::size()};
     int64_t total = 0;
     for (int64_t n : sizes) total += round_up(n, line);
     storage = AlignedBuffer<acc_t>(total);
@@ -791,6 +793,7 @@ struct Scratch {
     row_bias = regions[6], tile_bias = regions[7];
     static_assert(sizeof(SoftmaxRow<acc_t>) == 2 * sizeof(acc_t), "SoftmaxRow must be two accumulators");
     rows = reinterpret_cast<SoftmaxRow<acc_t>*>(regions[8]);
+    max_lanes = regions[9];
     if (!pairs) return;
     const int64_t D2 = (D + 1) / 2, bk2 = (bk + 1) / 2;
     ld_p = round_up(bk2, 16);
@@ -1103,6 +1106,12 @@ class AttentionCpu {
                     int32_t block, bool heads_as_rows = false) {
     const int64_t D = p_.head_dim, Dv = p_.v_head_dim, lds = plan_.ld_s;
     acc_t* s = ws.s;
+    // The score product also gives the rows' maxima while its blocks are in cache (gemm.h's RowMax) when
+    // nothing changes the scores before the max: no soft-cap, mask bias or block bits. A row whose key range
+    // is not the whole tile takes its max itself, below.
+    const bool product_max = std::is_same_v<acc_t, float> && D > 0 && !keys_as_rows && softcap_ == acc_t(0) &&
+                             block < 0 && !mask_rows && shared == nullptr;
+    acc_t* const row_max = product_max ? ws.max_lanes : nullptr;
     // S (nq, nk) = (scale Q) K^T.
     if constexpr (kPairs) {
       const int64_t D2 = (D + 1) / 2;
@@ -1110,12 +1119,12 @@ class AttentionCpu {
         for (int64_t i = 0; i < nq; ++i)
           dot_rows_pairs(ws.qp + (i0 + i) * D2, ka.ptr, ka.ld, nk, D2, scale_, s + i * lds);
       } else if (D > 0) {
-        gemm_pairs(nq, nk, D2, ws.qp + i0 * D2, D2, ka.ptr, ka.ld, s, lds, /*add_c=*/false, scale_);
+        gemm_pairs(nq, nk, D2, ws.qp + i0 * D2, D2, ka.ptr, ka.ld, s, lds, /*add_c=*/false, scale_, row_max);
       }
     } else if (D > 0 && keys_as_rows) {
       for (int64_t i = 0; i < nq; ++i) dot_rows(ws.q + (i0 + i) * D, ka.ptr, ka.ld, nk, D, s + i * lds);
     } else if (D > 0) {
-      tile_gemm(nq, nk, D, ws.q + i0 * D, D, ka.ptr, ka.ld, s, lds, /*add_c=*/false);
+      tile_gemm(nq, nk, D, ws.q + i0 * D, D, ka.ptr, ka.ld, s, lds, /*add_c=*/false, row_max);
     }
     if (D == 0) {
       for (int64_t i = 0; i < nq; ++i) std::fill_n(s + i * lds, nk, acc_t(0) * scale_);
@@ -1138,7 +1147,9 @@ class AttentionCpu {
       const KeySpan keys = row_keys(p_, q_len_b, kv_len_b, l, l);
       const int64_t hi = std::clamp<int64_t>(keys.end - k0, 0, nk);
       const int64_t lo = std::clamp<int64_t>(keys.begin - k0, 0, hi);
-      const acc_t tile_max = add_bias_and_max(row, bias, lo, hi, nk);
+      const acc_t tile_max = row_max && lo == 0 && hi == nk
+                                 ? reduce_max(Vec<acc_t>::loadu(row_max + i * Vec<acc_t>::size()))
+                                 : add_bias_and_max(row, bias, lo, hi, nk);
       SoftmaxRow<acc_t>& state = ws.rows[i0 + i];
       const SoftmaxStep<acc_t> step = softmax_step(state, tile_max);
       acc_t tile_sum;

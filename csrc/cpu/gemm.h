@@ -53,6 +53,13 @@ constexpr int mr_for(int) {
 // product of depth < 2 kKc is not cut.
 constexpr int64_t kKc = 128;
 
+// RowMax: a product may also give the maxima of its result's rows, taken while each block of C is still in
+// registers or L1, so that the softmax does not read the scores again for them (its row max, when nothing is
+// added to the scores first). row_max is (M, W) floats, W = Vec<float>::size(): the product sets a row's W
+// lanes to the maxima of the row's values (after alpha) in each lane position, NaN-propagating (maximum);
+// the row's max is reduce_max of its lanes. Unused lanes hold -inf.
+constexpr float kRowMaxFill = -std::numeric_limits<float>::infinity();
+
 // What a micro-kernel multiplies: per step of the depth, A's element (a_t, broadcast to every lane once per
 // row) times a vector of B's row (b_t), added into float32 accumulators.
 struct FloatProduct {
@@ -80,10 +87,11 @@ struct PairProduct {
 #endif
 
 // C (MR, NV vectors, the last holding `tail` lanes when TAIL) (+)= A (MR, K) @ B (K, same columns), times
-// alpha when alpha != 1 (the whole of C then: see gemm_steps).
+// alpha when alpha != 1 (the whole of C then: see gemm_steps). With row_max, each row's stored values are
+// also maxed into its lanes there (RowMax below).
 template <typename P, int MR, int NV, bool TAIL>
 inline void micro(int64_t K, const typename P::a_t* A, int64_t lda, const typename P::b_t* B, int64_t ldb,
-                  float* C, int64_t ldc, bool add_c, int tail, float alpha) {
+                  float* C, int64_t ldc, bool add_c, int tail, float alpha, float* row_max) {
   using V = Vec<float>;
   constexpr int W = V::size();
   V acc[MR][NV];
@@ -131,27 +139,38 @@ inline void micro(int64_t K, const typename P::a_t* A, int64_t lda, const typena
       }
     }
   }
+  if (row_max) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      V m = V::loadu(row_max + i * W);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v)
+        m = maximum(m, TAIL && v == NV - 1 ? lanes_below_or(acc[i][v], tail, kRowMaxFill) : acc[i][v]);
+      m.store(row_max + i * W);
+    }
+  }
 }
 
 template <typename P, int MR, int NV>
 inline void micro_tail(int64_t K, const typename P::a_t* A, int64_t lda, const typename P::b_t* B,
-                       int64_t ldb, float* C, int64_t ldc, bool add_c, int tail, float alpha) {
+                       int64_t ldb, float* C, int64_t ldc, bool add_c, int tail, float alpha,
+                       float* row_max) {
   if (tail == Vec<float>::size()) {
-    micro<P, MR, NV, false>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
+    micro<P, MR, NV, false>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha, row_max);
   } else {
-    micro<P, MR, NV, true>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
+    micro<P, MR, NV, true>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha, row_max);
   }
 }
 
 // The last `rows` (< MR) rows of a column block: a micro-kernel of exactly that many rows.
 template <typename P, int R, int NV>
 inline void row_edge(int64_t rows, int64_t K, const typename P::a_t* A, int64_t lda, const typename P::b_t* B,
-                     int64_t ldb, float* C, int64_t ldc, bool add_c, int tail, float alpha) {
+                     int64_t ldb, float* C, int64_t ldc, bool add_c, int tail, float alpha, float* row_max) {
   if constexpr (R > 0) {
     if (rows == R) {
-      micro_tail<P, R, NV>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
+      micro_tail<P, R, NV>(K, A, lda, B, ldb, C, ldc, add_c, tail, alpha, row_max);
     } else {
-      row_edge<P, R - 1, NV>(rows, K, A, lda, B, ldb, C, ldc, add_c, tail, alpha);
+      row_edge<P, R - 1, NV>(rows, K, A, lda, B, ldb, C, ldc, add_c, tail, alpha, row_max);
     }
   }
 }
@@ -160,30 +179,37 @@ inline void row_edge(int64_t rows, int64_t K, const typename P::a_t* A, int64_t 
 template <typename P, int NV>
 inline void column_block(int64_t M, int64_t K, const typename P::a_t* A, int64_t lda,
                          const typename P::b_t* B, int64_t ldb, float* C, int64_t ldc, bool add_c, int tail,
-                         float alpha) {
+                         float alpha, float* row_max) {
   constexpr int MR = mr_for(NV);
+  constexpr int W = Vec<float>::size();
+  const auto lanes = [&](int64_t i) { return row_max ? row_max + i * W : nullptr; };
   int64_t i = 0;
   for (; i + MR <= M; i += MR) {
-    micro_tail<P, MR, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail, alpha);
+    micro_tail<P, MR, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail, alpha, lanes(i));
   }
-  if (M > i)
-    row_edge<P, MR - 1, NV>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail, alpha);
+  if (M > i) {
+    row_edge<P, MR - 1, NV>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, add_c, tail, alpha,
+                            lanes(i));
+  }
 }
 
 // C (M, N) = alpha A (M, K) @ B (K, N), or C += A @ B when add_c (alpha then 1), K in steps of P. Deep
 // products run in kKc-step slices, each after the first adding to C; alpha scales the last, which holds the
-// whole sum.
+// whole sum, and row_max (RowMax) reads that one.
 template <typename P>
 inline void gemm_steps(int64_t M, int64_t N, int64_t K, const typename P::a_t* A, int64_t lda,
-                       const typename P::b_t* B, int64_t ldb, float* C, int64_t ldc, bool add_c,
-                       float alpha) {
+                       const typename P::b_t* B, int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha,
+                       float* row_max) {
   constexpr int W = Vec<float>::size();
   constexpr int64_t kNr = kNv * W;
   if (M <= 0 || N <= 0) return;
+  if (row_max) std::fill_n(row_max, M * W, kRowMaxFill);
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKc) {
     const int64_t kc = K - k0 < 2 * kKc ? K - k0 : kKc;
     const bool add = add_c || k0 > 0;
-    const float a = kc == K - k0 ? alpha : 1.0f;
+    const bool last = kc == K - k0;
+    const float a = last ? alpha : 1.0f;
+    float* const rm = last ? row_max : nullptr;
     for (int64_t j = 0; j < N; j += kNr) {
       const int64_t nc = std::min<int64_t>(kNr, N - j);
       const int nv = static_cast<int>((nc + W - 1) / W);
@@ -193,16 +219,16 @@ inline void gemm_steps(int64_t M, int64_t N, int64_t K, const typename P::a_t* A
       float* c = C + j;
       switch (nv) {
         case 1:
-          column_block<P, 1>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
+          column_block<P, 1>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a, rm);
           break;
         case 2:
-          if constexpr (kNv >= 2) column_block<P, 2>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
+          if constexpr (kNv >= 2) column_block<P, 2>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a, rm);
           break;
         case 3:
-          if constexpr (kNv >= 3) column_block<P, 3>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
+          if constexpr (kNv >= 3) column_block<P, 3>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a, rm);
           break;
         case 4:
-          if constexpr (kNv >= 4) column_block<P, 4>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a);
+          if constexpr (kNv >= 4) column_block<P, 4>(M, kc, ap, lda, bp, ldb, c, ldc, add, tail, a, rm);
           break;
         default:
           break;
@@ -214,10 +240,11 @@ inline void gemm_steps(int64_t M, int64_t N, int64_t K, const typename P::a_t* A
 
 }  // namespace gemm_detail
 
-// C (M, N) = A (M, K) @ B (K, N) (+ C when add_c), row-major with leading dimensions, fp32.
+// C (M, N) = A (M, K) @ B (K, N) (+ C when add_c), row-major with leading dimensions, fp32; row_max: the
+// rows' maxima as gemm_detail's RowMax says.
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                 float* C, int64_t ldc, bool add_c) {
-  gemm_detail::gemm_steps<gemm_detail::FloatProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, 1.0f);
+                 float* C, int64_t ldc, bool add_c, float* row_max = nullptr) {
+  gemm_detail::gemm_steps<gemm_detail::FloatProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, 1.0f, row_max);
 }
 
 #if ATTNX_TILE_BF16
@@ -233,17 +260,19 @@ inline bool use_tiles() {
 #if ATTNX_DOT_BF16
 
 // C (M, N) = alpha A (M, 2 K) @ B (2 K, N), or C += A @ B when add_c (alpha 1), in float32 from bfloat16
-// pairs (dot16.h): A's rows are K pairs (lda in pairs), B is (K, N) pairs (ldb in pairs).
+// pairs (dot16.h): A's rows are K pairs (lda in pairs), B is (K, N) pairs (ldb in pairs). row_max: the
+// rows' maxima as gemm_detail's RowMax says.
 inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda, const uint32_t* B,
-                       int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha) {
+                       int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha,
+                       float* row_max = nullptr) {
 #if ATTNX_TILE_BF16
   // A tile holds 16 rows: fewer than half of them (grouped heads' decoding rows, say) run on vdpbf16ps,
   // which wastes none (a decoding step of 4 query heads a kv head measured 5% faster so than on tiles
   // padded with zeros).
   if (use_tiles() && M >= tiles::kRows / 2)
-    return tiles::gemm_pairs(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
+    return tiles::gemm_pairs(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, row_max);
 #endif
-  gemm_detail::gemm_steps<gemm_detail::PairProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha);
+  gemm_detail::gemm_steps<gemm_detail::PairProduct>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, row_max);
 }
 #endif
 

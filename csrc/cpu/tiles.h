@@ -2,8 +2,9 @@
 // in dot16.h's pair layout, which is the layout AMX-BF16's tdpbf16ps wants (A's rows are pairs along K, B's
 // row k holds the (2k, 2k + 1) pairs of its columns), so the operands are loaded in place, not packed.
 //
-// Included by cpu/gemm.h, in the same CPU_CAPABILITY namespace. The TU says which implementation it wants
-// with ATTNX_TILE_BF16 before including the kernel:
+// Included after vec.h and dot16.h (and before gemm.h, whose gemm_pairs runs on it), in the same
+// CPU_CAPABILITY namespace. The TU says which implementation it wants with ATTNX_TILE_BF16 before including
+// the kernel:
 //   0 (or undefined): none;
 //   1: AMX-BF16, in a TU whose target has amx-tile and amx-bf16 (cpu/attention_kernel_avx512_bf16.cpp);
 //   2: the same instructions defined on plain arrays: the emulation that lets every machine run the code that
@@ -186,19 +187,37 @@ inline void start_c(float* c, int64_t ldc, int rows, int cols, bool add_c, uint3
     load_tile<T>(reinterpret_cast<const uint32_t*>(c), ldc, rows, cols, buf);
   }
 }
+// With row_max (the tile's first row's lanes: gemm.h's RowMax), each row's values after alpha are also maxed
+// into its lanes, read back while the stored tile is in L1.
 template <int T>
-inline void finish_c(float* c, int64_t ldc, int rows, int cols, float alpha, uint32_t* buf) {
+inline void finish_c(float* c, int64_t ldc, int rows, int cols, float alpha, float* row_max, uint32_t* buf) {
+  using V = Vec<float>;
+  constexpr int W = V::size();
   if (rows == kRows && cols == kWords) {
     Ops::store<T>(c, ldc * 4);
   } else {
     Ops::store<T>(buf, kWords * 4);
     for (int r = 0; r < rows; ++r) std::memcpy(c + r * ldc, buf + r * kWords, cols * sizeof(float));
   }
-  if (alpha != 1.0f) {
-    for (int r = 0; r < rows; ++r) {
-      float* row = c + r * ldc;
-      for (int j = 0; j < cols; ++j) row[j] *= alpha;
+  if (alpha == 1.0f && !row_max) return;
+  const V va(alpha);
+  for (int r = 0; r < rows; ++r) {
+    float* row = c + r * ldc;
+    V m = row_max ? V::loadu(row_max + r * W) : V(0.0f);
+    for (int j = 0; j < cols; j += W) {
+      const int n = std::min(W, cols - j);
+      V x = n == W ? V::loadu(row + j) : V::loadu(row + j, n);
+      if (alpha != 1.0f) {
+        x = x * va;
+        if (n == W) {
+          x.store(row + j);
+        } else {
+          x.store(row + j, n);
+        }
+      }
+      if (row_max) m = maximum(m, n == W ? x : lanes_below_or(x, n, -std::numeric_limits<float>::infinity()));
     }
+    if (row_max) m.store(row_max + r * W);
   }
 }
 
@@ -206,7 +225,10 @@ inline void finish_c(float* c, int64_t ldc, int rows, int cols, float alpha, uin
 // n: 2 r + n), A tiles 4, 5, B tiles 6, 7.
 template <int R, int CN>
 inline void block(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda, const uint32_t* B,
-                  int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha, int64_t i0, int64_t j0) {
+                  int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha, float* row_max, int64_t i0,
+                  int64_t j0) {
+  constexpr int W = Vec<float>::size();
+  const auto lanes = [&](int r) { return row_max ? row_max + (i0 + r * kRows) * W : nullptr; };
   alignas(64) uint32_t buf[4][kRows * kWords];
   const int rows[2] = {static_cast<int>(std::min<int64_t>(kRows, M - i0)),
                        static_cast<int>(std::min<int64_t>(kRows, M - i0 - kRows))};
@@ -228,30 +250,31 @@ inline void block(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t ld
     if constexpr (R == 2) Ops::dot<2, 5, 6>();
     if constexpr (R == 2 && CN == 2) Ops::dot<3, 5, 7>();
   }
-  finish_c<0>(c_at(0, 0), ldc, rows[0], cols[0], alpha, buf[0]);
-  if constexpr (CN == 2) finish_c<1>(c_at(0, 1), ldc, rows[0], cols[1], alpha, buf[0]);
-  if constexpr (R == 2) finish_c<2>(c_at(1, 0), ldc, rows[1], cols[0], alpha, buf[0]);
-  if constexpr (R == 2 && CN == 2) finish_c<3>(c_at(1, 1), ldc, rows[1], cols[1], alpha, buf[0]);
+  finish_c<0>(c_at(0, 0), ldc, rows[0], cols[0], alpha, lanes(0), buf[0]);
+  if constexpr (CN == 2) finish_c<1>(c_at(0, 1), ldc, rows[0], cols[1], alpha, lanes(0), buf[0]);
+  if constexpr (R == 2) finish_c<2>(c_at(1, 0), ldc, rows[1], cols[0], alpha, lanes(1), buf[0]);
+  if constexpr (R == 2 && CN == 2) finish_c<3>(c_at(1, 1), ldc, rows[1], cols[1], alpha, lanes(1), buf[0]);
 }
 
-// C (M, N) = alpha A (M, K pairs) @ B (K pairs, N), or C += A @ B when add_c (alpha then 1): gemm.h's
-// gemm_pairs on the tiles.
+// C (M, N) = alpha A (M, K pairs) @ B (K pairs, N), or C += A @ B when add_c (alpha then 1), and the rows'
+// maxima into row_max when given: gemm.h's gemm_pairs on the tiles.
 inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda, const uint32_t* B,
-                       int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha) {
+                       int64_t ldb, float* C, int64_t ldc, bool add_c, float alpha, float* row_max) {
   if (M <= 0 || N <= 0) return;
+  if (row_max) std::fill_n(row_max, M * Vec<float>::size(), -std::numeric_limits<float>::infinity());
   [[maybe_unused]] const Scope scope;
   for (int64_t j0 = 0; j0 < N; j0 += 2 * kWords) {
     const bool two_cols = N - j0 > kWords;
     for (int64_t i0 = 0; i0 < M; i0 += 2 * kRows) {
       const bool two_rows = M - i0 > kRows;
       if (two_rows && two_cols) {
-        block<2, 2>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, i0, j0);
+        block<2, 2>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, row_max, i0, j0);
       } else if (two_rows) {
-        block<2, 1>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, i0, j0);
+        block<2, 1>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, row_max, i0, j0);
       } else if (two_cols) {
-        block<1, 2>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, i0, j0);
+        block<1, 2>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, row_max, i0, j0);
       } else {
-        block<1, 1>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, i0, j0);
+        block<1, 1>(M, N, K, A, lda, B, ldb, C, ldc, add_c, alpha, row_max, i0, j0);
       }
     }
   }

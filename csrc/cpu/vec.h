@@ -311,6 +311,19 @@ T reduce_max(Vec<T> a) {
   return m;
 }
 
+// x with its lanes n and above replaced by fill (n < size()): a partial vector's unused lanes kept out of a
+// max (fill -inf) or a sum (fill 0).
+inline Vec<float> lanes_below_or(Vec<float> x, int n, float fill) {
+#if defined(ATTNX_VEC_AVX512)
+  return _mm512_mask_blend_ps(static_cast<__mmask16>((1u << n) - 1), _mm512_set1_ps(fill), x.v);
+#elif defined(ATTNX_VEC_AVX2)
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), x.v, _mm256_castsi256_ps(Vec<float>::lanes_below(n)));
+#else
+  for (int i = n; i < Vec<float>::size(); ++i) x.v[i] = fill;
+  return x;
+#endif
+}
+
 // Lane-wise f over a stored copy: the double exp and tanh (fp64 is reference-grade, not fast) and the
 // portable float ones.
 template <typename T, typename F>

@@ -24,6 +24,7 @@
 #define CPU_CAPABILITY CHECK
 #define ATTNX_TILE_BF16 2
 #include "check_words.h"
+#include "cpu/vec.h"
 #include "cpu/dot16.h"
 #include "cpu/tiles.h"
 
