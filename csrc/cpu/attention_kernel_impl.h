@@ -476,7 +476,7 @@ inline float exp_sum_pairs(float* s, int64_t n, float base, uint32_t* dst) {
   V vsum(0.0f);
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
-    const V e0 = vexp(V::loadu(s + j) - vbase), e1 = vexp(V::loadu(s + j + W) - vbase);
+    const V e0 = vexp_for_bf16(V::loadu(s + j) - vbase), e1 = vexp_for_bf16(V::loadu(s + j + W) - vbase);
     vsum = vsum + e0;
     vsum = vsum + e1;
     store_bf16_pairs(e0, e1, dst + j / 2);
