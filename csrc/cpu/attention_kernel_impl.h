@@ -195,8 +195,9 @@ void pack_pairs(const src_t* src, int64_t row_stride, int64_t col_stride, int64_
     const src_t* s = src + r * row_stride;
     uint32_t* d = dst + r * ld;
     if (col_stride == 1) {
-      // Contiguous elements are their pairs' bytes already (the lower-addressed one in the low half).
-      std::memcpy(d, s, cols / 2 * sizeof(uint32_t));
+      // Contiguous elements are their pairs' bytes already (the lower-addressed one in the low half). Not
+      // called without a pair: a head dim of 0 or 1 may come with null pointers, which memcpy never takes.
+      if (cols > 1) std::memcpy(d, s, cols / 2 * sizeof(uint32_t));
     } else {
       for (int64_t c = 0; c + 1 < cols; c += 2) {
         d[c / 2] = bf16_bits(s[c * col_stride]) | bf16_bits(s[(c + 1) * col_stride]) << 16;
